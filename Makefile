@@ -1,0 +1,38 @@
+# The README's commands. Each installs what it needs into .venv first (once; again when
+# pyproject.toml or constraints.txt change), on CPU or, where nvidia-smi is found, with CUDA.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
+ARGS ?=
+
+.PHONY: install train test test-slow test-all bench clean
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(VENV)/.installed-$(EXTRAS)
+
+train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.run.steps=100" to override
+	$(BIN)/python -m jaxlm.train --config=configs/tiny.py $(ARGS)
+
+test: install  ## the default suite (CPU, 8 fake devices, under 10 minutes)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-slow: install  ## the slow tests only
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -q -m '' $(ARGS)
+
+bench: install  ## throughput of the tiny and 125m recipes on this machine's devices
+	$(BIN)/python benchmarks/train_throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache

@@ -1,0 +1,15 @@
+"""Llama-2-7B shape (32 layers, width 4096, 32 heads, MLP 11008, sequence 4096), for multi-GPU runs
+and memory planning. Full rematerialization by default: activations do not fit otherwise."""
+
+from jaxlm.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.update(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, mlp_dim=11008, max_seq_len=4096, remat="full"
+    )
+    c.data.update(seq_len=4096, global_batch_size=256, builtin_max_bytes=64_000_000)
+    c.optim.update(peak_lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1)
+    c.run.update(steps=250_000, log_every=10, eval_every=2000)
+    return c

@@ -1,0 +1,1 @@
+"""jaxlm: train decoder language models with JAX and Flax NNX."""

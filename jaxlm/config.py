@@ -1,0 +1,427 @@
+"""The config schema: every default in one place, command-line overrides, validation, derived values.
+
+A recipe (`configs/<name>.py`) defines `get_config()` that starts from `base_config()` and changes
+what differs. Every key is overridable as `--config.a.b=value`. `validate` runs before any device
+work and raises `UserError` with one line naming the key, the value and what is allowed.
+`derive` computes every value that follows from the config and the device count, in one place.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import math
+import pathlib
+import re
+from typing import Any, Sequence
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxlm.errors import UserError
+
+# Where the recipes live (configs/ beside the package, in an editable install or a checkout).
+RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+MESH_AXES = ("data", "fsdp", "tensor")
+SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_rules() -> ml_collections.ConfigDict:
+    """Logical axis name -> mesh axes ("" = replicated, "a,b" = sharded over both)."""
+    return ml_collections.ConfigDict(
+        {
+            # weights
+            "vocab": "tensor",
+            "embed": "fsdp",
+            "mlp": "tensor",
+            "heads": "tensor",
+            "kv_heads": "tensor",
+            "head_dim": "",
+            "norm": "",
+            "layers": "",
+            # activations
+            "act_batch": "data,fsdp",
+            "act_seq": "",
+            "act_embed": "",
+            "act_heads": "tensor",
+            "act_kv_heads": "tensor",
+            "act_mlp": "tensor",
+            "act_vocab": "tensor",
+        }
+    )
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The base recipe: every key jaxlm knows, with its default. Recipes derive from this."""
+    c = ml_collections.ConfigDict()
+    seq_len = config_dict.FieldReference(256)
+    vocab_size = config_dict.FieldReference(2048)
+
+    c.run = dict(
+        name="",  # run directory name under output_dir; "" = <recipe>-<timestamp>
+        output_dir="runs",
+        seed=0,
+        steps=1000,  # optimizer steps
+        log_every=10,
+        eval_every=0,  # 0 = only at the end
+        eval_batches=4,
+    )
+    c.model = dict(
+        variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
+        # Components; "" takes the variant's choice, a name overrides it (for ablations).
+        norm="",  # rmsnorm | layernorm
+        mlp="",  # swiglu | gelu
+        position="",  # rope | learned
+        use_bias=-1,  # -1 = the variant's choice, 0 = no biases, 1 = biases
+        vocab_size=vocab_size,
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=0,  # 0 = n_heads (no grouping)
+        head_dim=0,  # 0 = d_model // n_heads
+        mlp_dim=0,  # 0 = the variant's default width (8/3 d rounded up to 256 for SwiGLU, 4 d for GELU)
+        max_seq_len=seq_len,
+        tie_embeddings=False,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        init_std=0.02,
+        dropout=0.0,
+        dtype="bfloat16",  # compute dtype of matmuls and activations
+        param_dtype="float32",
+        scan_layers=True,
+        remat="none",  # none | full | dots | dots_no_batch
+        attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn
+    )
+    c.data = dict(
+        corpus="builtin",  # the Python standard library's source files, read at run time
+        builtin_max_bytes=8_000_000,
+        val_fraction=0.01,
+        seq_len=seq_len,
+        global_batch_size=32,  # sequences per optimizer step, over all devices
+        tokenizer_type="bpe",  # bpe | unigram | char | byte
+        tokenizer_vocab_size=vocab_size,
+        cache_dir=".cache/jaxlm",  # tokenizer and tokenized corpus, keyed by their inputs
+        num_workers=0,  # grain worker processes (0 = in the main process)
+        seed=0,
+    )
+    c.optim = dict(
+        peak_lr=3e-4,
+        schedule="cosine",  # cosine | wsd | linear | constant | cyclic
+        warmup_steps=100,
+        min_lr_ratio=0.1,  # final (or floor) learning rate as a fraction of peak_lr
+        decay_fraction=0.2,  # wsd: the last fraction of steps that decays
+        cycle_steps=1000,  # cyclic: length of one cosine cycle after warmup
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,  # applied to matrices only (not norms, biases)
+        clip_norm=1.0,  # global-norm clipping; 0 = off
+        micro_batches=1,  # gradient accumulation: global batch split into this many, scanned
+        z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
+    )
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
+    c.mesh.rules = default_rules()
+    return c
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
+    """Load `configs/<name>.py` (or any path), optionally `path:arg`, and return its locked config."""
+    spec, _, arg = str(name_or_path).partition(":")
+    path = pathlib.Path(spec)
+    if not path.suffix:
+        path = RECIPES_DIR / f"{spec}.py"
+    if not path.is_file():
+        raise UserError(
+            f"--config: no recipe file {str(path)!r}; give a path to a .py file "
+            f"or one of: {', '.join(recipe_names())}"
+        )
+    module_spec = importlib.util.spec_from_file_location(f"jaxlm_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise UserError(f"--config: {path} defines no get_config(); a recipe must return a ConfigDict from it")
+    cfg = module.get_config(arg) if arg else module.get_config()
+    with cfg.unlocked():
+        cfg.run.recipe = path.stem
+    cfg.lock()
+    return cfg
+
+
+def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
+    """Load a recipe and apply `a__b=value` overrides, validated: the library entry for notebooks."""
+    cfg = load_recipe(name)
+    apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _parse_value(key: str, text: Any, current: Any) -> Any:
+    """Parse a command-line string into the type of the field it overrides."""
+    if not isinstance(text, str):
+        value = text
+    elif isinstance(current, bool):
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise UserError(f"--config.{key}={text}: expected a bool (true or false)")
+    elif isinstance(current, int):
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            try:
+                as_float = float(text)
+            except ValueError:
+                as_float = math.nan
+            if as_float.is_integer():
+                return int(as_float)
+            raise UserError(f"--config.{key}={text}: expected an integer (e.g. {current})") from None
+        return value
+    elif isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise UserError(f"--config.{key}={text}: expected a number (e.g. {current})") from None
+    elif isinstance(current, str):
+        return text
+    else:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+    if current is not None and not isinstance(value, type(current)):
+        if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        raise UserError(
+            f"--config.{key}={text!r}: expected a {type(current).__name__}, got a {type(value).__name__}"
+        )
+    return value
+
+
+def _unknown_key(key: str, leaf: str, parent: ml_collections.ConfigDict, prefix: str) -> UserError:
+    """`leaf` is the part of `key` that `parent` (at `prefix`) does not have."""
+    keys = sorted(parent.keys())
+    close = difflib.get_close_matches(leaf, keys, n=1) or sorted(
+        (k for k in keys if leaf.strip("_") in k), key=lambda k: -difflib.SequenceMatcher(None, leaf, k).ratio()
+    )[:1]
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    where = f"keys under {prefix[:-1]!r}" if prefix else "top-level keys"
+    return UserError(f"unknown config key {key!r}{hint}; {where}: {', '.join(keys)}")
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]]) -> None:
+    """Apply (dotted key, value) pairs; values given as strings are parsed to the field's type."""
+    for key, text in overrides:
+        parts = key.split(".")
+        node = cfg
+        for depth, part in enumerate(parts):
+            prefix = ".".join(parts[:depth]) + ("." if depth else "")
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                if not isinstance(node, ml_collections.ConfigDict):
+                    raise UserError(f"--config.{key}: {prefix[:-1]!r} is a value, not a group of keys")
+                raise _unknown_key(key, part, node, prefix)
+            if depth < len(parts) - 1:
+                node = node[part]
+        current = node[parts[-1]]
+        if isinstance(current, ml_collections.ConfigDict):
+            raise UserError(f"--config.{key}: {key!r} is a group of keys, set one of: {', '.join(sorted(current))}")
+        value = _parse_value(key, text, current)
+        try:
+            with node.ignore_type() if current is None else _nullcontext():
+                node[parts[-1]] = value
+        except TypeError as e:
+            raise UserError(f"--config.{key}={text}: {e}") from None
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)
+
+
+def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_collections.ConfigDict:
+    """`--config=path[:arg]` then any number of `--config.a.b=value`; anything else is an error."""
+    recipe_arg = default_recipe
+    overrides = []
+    for arg in argv:
+        m = _FLAG.match(arg)
+        if not m:
+            raise UserError(
+                f"unrecognised argument {arg!r}; use --config=configs/<recipe>.py and --config.<key>=<value>"
+            )
+        if m.group("key") is None:
+            recipe_arg = m.group("value")
+        else:
+            overrides.append((m.group("key"), m.group("value")))
+    if recipe_arg is None:
+        raise UserError(f"--config is required: --config=configs/<recipe>.py, recipes: {', '.join(recipe_names())}")
+    cfg = load_recipe(recipe_arg)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise UserError(f"config.{key}={value!r} is not allowed: {allowed}")
+
+
+def _check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str], allow_empty=False) -> None:
+    value = cfg[key.split(".")[0]][key.split(".")[1]]
+    ok = value in choices or (allow_empty and value == "")
+    _check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
+    from jaxlm.models import transformer  # registries of variants and components
+
+    m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
+    _check_choice(cfg, "model.variant", sorted(transformer.VARIANTS))
+    _check_choice(cfg, "model.norm", sorted(transformer.NORMS), allow_empty=True)
+    _check_choice(cfg, "model.mlp", sorted(transformer.MLPS), allow_empty=True)
+    _check_choice(cfg, "model.position", sorted(transformer.POSITIONS), allow_empty=True)
+    _check(m.use_bias in (-1, 0, 1), "model.use_bias", m.use_bias, "-1 (variant's choice), 0 or 1")
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        _check(m[key] > 0, f"model.{key}", m[key], "a positive integer")
+    for key in ("n_kv_heads", "head_dim", "mlp_dim"):
+        _check(m[key] >= 0, f"model.{key}", m[key], "a positive integer, or 0 for the default")
+    if m.head_dim == 0:
+        _check(m.d_model % m.n_heads == 0, "model.d_model", m.d_model,
+               f"a multiple of model.n_heads={m.n_heads} (or set model.head_dim)")
+    kv = m.n_kv_heads or m.n_heads
+    _check(m.n_heads % kv == 0, "model.n_kv_heads", m.n_kv_heads, f"a divisor of model.n_heads={m.n_heads}")
+    _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a number in [0, 1)")
+    _check(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
+    _check_choice(cfg, "model.dtype", DTYPES)
+    _check_choice(cfg, "model.param_dtype", DTYPES)
+    _check_choice(cfg, "model.remat", REMAT_POLICIES)
+    _check_choice(cfg, "model.attention", ATTENTION_IMPLS)
+
+    _check(d.seq_len > 0, "data.seq_len", d.seq_len, "a positive integer")
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
+    _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "a positive integer")
+    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a number in [0, 1)")
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "0 or more")
+    _check(d.tokenizer_vocab_size == m.vocab_size, "data.tokenizer_vocab_size", d.tokenizer_vocab_size,
+           f"equal to model.vocab_size={m.vocab_size}")
+
+    _check(o.peak_lr > 0, "optim.peak_lr", o.peak_lr, "a positive number")
+    _check_choice(cfg, "optim.schedule", SCHEDULES)
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "0 or more")
+    _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+    _check(0.0 < o.decay_fraction <= 1.0, "optim.decay_fraction", o.decay_fraction, "a number in (0, 1]")
+    _check(o.cycle_steps > 0, "optim.cycle_steps", o.cycle_steps, "a positive integer")
+    _check(0.0 <= o.b1 < 1.0, "optim.b1", o.b1, "a number in [0, 1)")
+    _check(0.0 <= o.b2 < 1.0, "optim.b2", o.b2, "a number in [0, 1)")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "0 or more")
+    _check(o.clip_norm >= 0, "optim.clip_norm", o.clip_norm, "0 (off) or more")
+    _check(o.z_loss >= 0, "optim.z_loss", o.z_loss, "0 (off) or more")
+    _check(o.micro_batches > 0, "optim.micro_batches", o.micro_batches, "a positive integer")
+    _check(d.global_batch_size % o.micro_batches == 0, "optim.micro_batches", o.micro_batches,
+           f"a divisor of data.global_batch_size={d.global_batch_size}")
+
+    _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
+    _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")
+    _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
+
+    sizes = [cfg.mesh[a] for a in MESH_AXES]
+    for axis, size in zip(MESH_AXES, sizes):
+        _check(size == -1 or size >= 1, f"mesh.{axis}", size, "a positive integer or -1 (the devices left over)")
+    _check(sizes.count(-1) <= 1, "mesh", tuple(sizes), "at most one axis set to -1")
+    for name, axes in cfg.mesh.rules.items():
+        for axis in parse_rule(axes):
+            _check(axis in MESH_AXES, f"mesh.rules.{name}", axes,
+                   f"'' or comma-separated mesh axes from {', '.join(MESH_AXES)}")
+
+
+def parse_rule(axes: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in axes.split(",") if a.strip())
+
+
+# ----------------------------------------------------------------------------- derived values
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """Everything that follows from the config and the number of devices, computed once."""
+
+    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    num_devices: int
+    batch_shards: int  # devices a batch is split over: data * fsdp
+    micro_batch_size: int  # sequences per micro-batch, over all devices
+    per_device_batch: int  # sequences per device per micro-batch
+    tokens_per_step: int
+
+
+def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+    sizes = [cfg.mesh[a] for a in MESH_AXES]
+    fixed = math.prod(s for s in sizes if s != -1)
+    described = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes))
+    if -1 in sizes:
+        if num_devices % fixed:
+            raise UserError(
+                f"config.mesh ({described}): the fixed axes use {fixed} devices, which does not divide "
+                f"the {num_devices} available; change mesh sizes so their product divides {num_devices}"
+            )
+        sizes[sizes.index(-1)] = num_devices // fixed
+    elif fixed != num_devices:
+        raise UserError(
+            f"config.mesh ({described}) needs {fixed} devices but {num_devices} are available; "
+            f"set one axis to -1 or make the product {num_devices}"
+        )
+    return tuple(sizes)
+
+
+def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> Derived:
+    """Resolve the mesh and the batch split for `num_devices`; UserError when they do not fit."""
+    shape = mesh_shape(cfg, num_devices)
+    data, fsdp, tensor = shape
+    m = cfg.model
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % tensor or kv % tensor:
+        raise UserError(
+            f"config.model.n_heads={m.n_heads} / n_kv_heads={kv} must be divisible by the tensor axis "
+            f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
+        )
+    batch_shards = data * fsdp
+    micro = cfg.data.global_batch_size // cfg.optim.micro_batches
+    if micro % batch_shards:
+        raise UserError(
+            f"config.data.global_batch_size={cfg.data.global_batch_size} with optim.micro_batches="
+            f"{cfg.optim.micro_batches} gives {micro} sequences per micro-batch, which does not divide over "
+            f"data*fsdp={batch_shards} devices; use a global batch that is a multiple of "
+            f"{batch_shards * cfg.optim.micro_batches}"
+        )
+    return Derived(
+        mesh_shape=shape,
+        num_devices=num_devices,
+        batch_shards=batch_shards,
+        micro_batch_size=micro,
+        per_device_batch=micro // batch_shards,
+        tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+    )

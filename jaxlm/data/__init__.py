@@ -1,0 +1,1 @@
+"""Data: corpora, tokenizers and the grain input pipeline (knows nothing of models)."""

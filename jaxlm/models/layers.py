@@ -1,0 +1,187 @@
+"""Building blocks of the decoder: norms, rotary embedding, attention, MLPs, embedding.
+
+Every weight is an `nnx.Param` created with logical axis names (never mesh axes); `jaxlm.mesh`
+maps the names onto the device mesh. Weights are stored in `param_dtype` and cast to the compute
+`dtype` where they are used; norm statistics and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.mesh import constrain
+from jaxlm.models.attention import attend
+
+Initializer = Callable[..., jax.Array]
+
+
+def make_param(
+    rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], names: tuple, dtype, *, decay: bool | None = None
+) -> nnx.Param:
+    """A parameter with its logical axis names (one per dimension, None = never sharded).
+
+    `decay` marks the weights that get weight decay: matrices by default, never norms or biases.
+    Sharding is applied where the train state is created (`jaxlm.train_state`), not here, so a model
+    can be built on one CPU with no mesh (eager sharding off).
+    """
+    assert len(shape) == len(names), (shape, names)
+    decay = len(shape) >= 2 if decay is None else decay
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, decay=decay, eager_sharding=False)
+
+
+def normal(std: float) -> Initializer:
+    return jax.nn.initializers.normal(stddev=std)
+
+
+zeros = jax.nn.initializers.zeros
+ones = jax.nn.initializers.ones
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
+        del use_bias  # RMSNorm has no bias
+        self.eps, self.dtype = eps, dtype
+        self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, dtype
+        self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)
+        self.bias = make_param(rngs, zeros, (dim,), ("norm",), param_dtype) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (half-split convention) of x [B, T, N, H] at integer positions [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; a no-op without a key (evaluation) or at rate 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped-query heads and optional rotary positions."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        pd, std = cfg.param_dtype, cfg.init_std
+        self.cfg = cfg
+        self.wq = make_param(rngs, normal(std), (d, n, h), ("embed", "heads", "head_dim"), pd)
+        self.wk = make_param(rngs, normal(std), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = make_param(rngs, normal(std), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        # Residual projections start smaller so the residual stream's variance does not grow with depth.
+        self.wo = make_param(rngs, normal(cfg.residual_init_std), (n, h, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.use_bias:
+            self.bq = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pd, decay=False)
+            self.bk = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
+            self.bv = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
+            self.bo = make_param(rngs, zeros, (d,), ("norm",), pd)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        if cfg.use_bias:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if cfg.position == "rope":
+            q = apply_rope(q, positions, cfg.rope_theta)
+            k = apply_rope(k, positions, cfg.rope_theta)
+        q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
+        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
+        v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
+        out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)  # [B, T, N, H]
+        y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+        if cfg.use_bias:
+            y = y + self.bo[...].astype(dt)
+        return constrain(y, ("act_batch", "act_seq", "act_embed"))
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
+        self.dtype = cfg.dtype
+        self.w_gate = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
+        self.w_up = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
+        self.w_down = make_param(rngs, normal(cfg.residual_init_std), (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        h = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+        return constrain(jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), ("act_batch", "act_seq", "act_embed"))
+
+
+class GeluMLP(nnx.Module):
+    """GPT-2 MLP: out(gelu(in(x)))."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
+        self.dtype, self.use_bias = cfg.dtype, cfg.use_bias
+        self.w_in = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
+        self.w_out = make_param(rngs, normal(cfg.residual_init_std), (f, d), ("mlp", "embed"), pd)
+        if cfg.use_bias:
+            self.b_in = make_param(rngs, zeros, (f,), ("mlp",), pd)
+            self.b_out = make_param(rngs, zeros, (d,), ("norm",), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt))
+        if self.use_bias:
+            h = h + self.b_in[...].astype(dt)
+        h = constrain(jax.nn.gelu(h, approximate=True), ("act_batch", "act_seq", "act_mlp"))
+        y = jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt))
+        if self.use_bias:
+            y = y + self.b_out[...].astype(dt)
+        return constrain(y, ("act_batch", "act_seq", "act_embed"))
+
+
+class Embed(nnx.Module):
+    """Token embedding; `attend` is the tied unembedding."""
+
+    def __init__(self, vocab_size: int, dim: int, *, init_std: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = make_param(rngs, normal(init_std), (vocab_size, dim), ("vocab", "embed"), param_dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
+
+
+def residual_init_std(init_std: float, n_layers: int) -> float:
+    """GPT-2's scaled init: residual projections get std / sqrt(2 * layers)."""
+    return init_std / math.sqrt(2 * n_layers)

@@ -1,0 +1,259 @@
+"""The decoder language model: one module for Llama-style and GPT-2-style variants.
+
+A variant is a named bundle of component choices in `VARIANTS`; each component comes from its own
+registry (`NORMS`, `MLPS`, `POSITIONS`), so a new variant or an ablation (say GELU in a Llama) is a
+config change, never an if/elif on model names. Parameter count and training FLOPs per token are
+computed here from the config alone, next to the model that defines them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.mesh import constrain
+from jaxlm.models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    norm: str
+    mlp: str
+    position: str
+    use_bias: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "llama": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False),
+    "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
+}
+NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
+MLPS = {"swiglu": layers.GatedMLP, "gelu": layers.GeluMLP}
+POSITIONS = ("rope", "learned")
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model's resolved hyperparameters: variant defaults applied, no zeros meaning 'default'."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    max_seq_len: int
+    norm: str = "rmsnorm"
+    mlp: str = "swiglu"
+    position: str = "rope"
+    use_bias: bool = False
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    dropout: float = 0.0
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+    scan_layers: bool = True
+    remat: str = "none"
+    attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
+
+    @property
+    def residual_init_std(self) -> float:
+        return layers.residual_init_std(self.init_std, self.n_layers)
+
+    @classmethod
+    def from_config(cls, m, **overrides) -> "ModelConfig":
+        """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices."""
+        variant = VARIANTS[m["variant"]]
+        mlp = m["mlp"] or variant.mlp
+        head_dim = m["head_dim"] or m["d_model"] // m["n_heads"]
+        fields = dict(
+            vocab_size=m["vocab_size"],
+            d_model=m["d_model"],
+            n_layers=m["n_layers"],
+            n_heads=m["n_heads"],
+            n_kv_heads=m["n_kv_heads"] or m["n_heads"],
+            head_dim=head_dim,
+            mlp_dim=m["mlp_dim"] or default_mlp_dim(m["d_model"], mlp),
+            max_seq_len=m["max_seq_len"],
+            norm=m["norm"] or variant.norm,
+            mlp=mlp,
+            position=m["position"] or variant.position,
+            use_bias=variant.use_bias if m["use_bias"] == -1 else bool(m["use_bias"]),
+            tie_embeddings=m["tie_embeddings"],
+            norm_eps=m["norm_eps"],
+            rope_theta=m["rope_theta"],
+            init_std=m["init_std"],
+            dropout=m["dropout"],
+            dtype=DTYPES[m["dtype"]],
+            param_dtype=DTYPES[m["param_dtype"]],
+            scan_layers=m["scan_layers"],
+            remat=m["remat"],
+            attention="xla" if m["attention"] == "auto" else m["attention"],
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def default_mlp_dim(d_model: int, mlp: str) -> int:
+    """GELU: 4 d. SwiGLU: 8/3 d (same parameters as 4 d with two matrices), rounded up to 256."""
+    if mlp == "gelu":
+        return 4 * d_model
+    return 256 * math.ceil(8 * d_model / 3 / 256)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        norm = NORMS[cfg.norm]
+        kw = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.use_bias, rngs=rngs)
+        self.dropout_rate = cfg.dropout
+        self.attn_norm = norm(cfg.d_model, **kw)
+        self.attn = layers.Attention(cfg, rngs=rngs)
+        self.mlp_norm = norm(cfg.d_model, **kw)
+        self.mlp = MLPS[cfg.mlp](cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, dropout_key):
+        k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        x = x + layers.dropout(self.attn(self.attn_norm(x), positions, segment_ids), self.dropout_rate, k1)
+        x = x + layers.dropout(self.mlp(self.mlp_norm(x)), self.dropout_rate, k2)
+        return constrain(x, ("act_batch", "act_seq", "act_embed"))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = layers.Embed(
+            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+        )
+        if cfg.position == "learned":
+            self.pos_embed = layers.make_param(
+                rngs, layers.normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.param_dtype
+            )
+        if cfg.scan_layers:
+            # One stacked Block whose weights have a leading 'layers' axis, run by a scan.
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs):
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = NORMS[cfg.norm](
+            cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.use_bias, rngs=rngs
+        )
+        if not cfg.tie_embeddings:
+            self.unembed = layers.make_param(
+                rngs, layers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype
+            )
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int
+        positions: jax.Array | None = None,  # [B, T], restarting at 0 in each packed document
+        segment_ids: jax.Array | None = None,  # [B, T], 0 = padding
+        dropout_key: jax.Array | None = None,  # dropout is active only when a key is given
+    ) -> jax.Array:
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)  # [B, T, D]
+        if cfg.position == "learned":
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(cfg.dtype)
+        x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+        keys = None
+        if dropout_key is not None and cfg.dropout > 0:
+            dropout_key, embed_key = jax.random.split(dropout_key)
+            x = layers.dropout(x, cfg.dropout, embed_key)
+            keys = jax.random.split(dropout_key, cfg.n_layers)
+
+        def run_block(x, block, key):
+            return block(x, positions, segment_ids, key)
+
+        run_block = _remat(run_block, cfg.remat)
+        if cfg.scan_layers:
+
+            @nnx.scan(
+                in_axes=(nnx.Carry, 0, None if keys is None else 0),
+                out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            def scan_blocks(x, block, key):
+                return run_block(x, block, key)
+
+            x = scan_blocks(x, self.blocks, keys)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = run_block(x, block, None if keys is None else keys[i])
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, self.unembed[...].astype(cfg.dtype))
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
+
+# ----------------------------------------------------------------------------- size and cost
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by group, from the config alone (equal to the built model's count; tested)."""
+    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    norm = d * (2 if cfg.norm == "layernorm" and cfg.use_bias else 1)
+    attn = d * h * (n + 2 * k) + n * h * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    if cfg.use_bias:
+        attn += h * (n + 2 * k) + d
+        mlp += (f + d) if cfg.mlp == "gelu" else 0
+    per_layer = attn + mlp + 2 * norm
+    counts = {
+        "embedding": v * d,
+        "positions": cfg.max_seq_len * d if cfg.position == "learned" else 0,
+        "layers": cfg.n_layers * per_layer,
+        "final_norm": norm,
+        "unembedding": 0 if cfg.tie_embeddings else d * v,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul per token: every layer's projections plus the unembedding."""
+    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    per_layer = d * h * (n + 2 * k) + n * h * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return cfg.n_layers * per_layer + d * v
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward = 3x forward), without rematerialization.
+
+    Forward: 2 FLOPs per matmul weight, plus causal attention: QK^T and AV cost 2 * 2 * T * N * H per
+    token for the full T x T square, half of that with the causal mask. Total:
+        6 * matmul_params + 6 * n_layers * seq_len * n_heads * head_dim.
+    """
+    attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * matmul_params(cfg) + attention

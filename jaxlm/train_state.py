@@ -1,0 +1,123 @@
+"""The train state pytree and how it is created: born sharded, never gathered on one device.
+
+The state is plain data (step, params as a nested dict of arrays, optax state, RNG key) so that jit
+can donate it and Orbax can save it. The model's structure (an NNX graphdef) is kept beside it and
+merged with the params inside the compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlm.errors import UserError
+from jaxlm.mesh import Rules, logical_to_spec
+from jaxlm.models.transformer import ModelConfig, Transformer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nested dict of float arrays (param_dtype)
+    opt_state: Any  # optax state
+    rng: jax.Array  # uint32[2] raw key; dropout keys are folded from it and the step
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the step needs to rebuild the model from params: structure and per-param metadata."""
+
+    graphdef: Any
+    logical_names: Any  # dict tree of tuples of logical axis names, like params
+    decay_mask: Any  # dict tree of bools, like params
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A concrete model on the default device (for notebooks and tests); training uses `create`."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """Structure and metadata of the model, from an abstract build (no arrays allocated)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+    names, decay = {}, {}
+    for path, var in nnx.to_flat_state(state):
+        meta = var.get_metadata()
+        _set_path(names, path, tuple(meta["out_sharding"]))
+        _set_path(decay, path, bool(meta["decay"]))
+    return ModelSpec(graphdef=graphdef, logical_names=names, decay_mask=decay)
+
+
+def _set_path(tree: dict, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def param_shardings(spec: ModelSpec, mesh: Mesh, rules: Rules):
+    return jax.tree.map(
+        lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
+        spec.logical_names,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation, seed: int):
+    """A function () -> TrainState: what `create` compiles with sharded outputs."""
+
+    def init() -> TrainState:
+        model = build_model(cfg, seed)
+        params = nnx.to_pure_dict(nnx.state(model))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.PRNGKey(seed + 1),
+        )
+
+    return init
+
+
+def state_shardings(cfg, spec: ModelSpec, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> TrainState:
+    """The sharding of every leaf of the train state: params by the rules, optimizer moments like
+    their params, scalars replicated."""
+    abstract = jax.eval_shape(init_fn(cfg, spec, tx, seed))
+    params = param_shardings(spec, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    opt = optax.tree_map_params(tx, lambda _, s: s, abstract.opt_state, params, transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
+
+
+def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
+    """Every sharded parameter dimension must split evenly over its mesh axes; say which does not."""
+    flat_names = jax.tree_util.tree_flatten_with_path(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))[0]
+    flat_shapes = jax.tree.leaves(shapes)
+    for (path, names), shape in zip(flat_names, flat_shapes):
+        for name, size, axes in zip(names, shape.shape, logical_to_spec(names, rules)):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            devices = math.prod(mesh.shape[a] for a in axes)
+            if size % devices:
+                where = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise UserError(
+                    f"parameter {where}: its {name!r} dimension ({size}) does not split over mesh "
+                    f"{'x'.join(axes)}={devices}; change config.mesh, config.mesh.rules.{name}, or the model size"
+                )
+
+
+def create(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[TrainState, TrainState, ModelSpec]:
+    """Initialise the state directly into its shards: (state, its shardings, model spec)."""
+    spec = model_spec(cfg)
+    check_divisible(spec, jax.eval_shape(init_fn(cfg, spec, tx, seed)).params, mesh, rules)
+    shardings = state_shardings(cfg, spec, tx, mesh, rules, seed)
+    with jax.set_mesh(mesh):
+        state = jax.jit(init_fn(cfg, spec, tx, seed), out_shardings=shardings)()
+    return state, shardings, spec

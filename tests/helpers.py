@@ -1,0 +1,38 @@
+"""Small shared builders for the tests."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.models.transformer import ModelConfig
+
+
+def small_config(**overrides) -> ModelConfig:
+    """A model small enough to compile in a second or two, with grouped-query heads."""
+    fields = dict(
+        vocab_size=96, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_dim=128,
+        max_seq_len=32, dtype=jnp.float32, param_dtype=jnp.float32,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, np.ndarray]:
+    """Random tokens; with `packed`, each row holds two documents and a little padding."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(4, vocab, (batch, seq)).astype(np.int32)
+    targets = rng.integers(4, vocab, (batch, seq)).astype(np.int32)
+    if packed:
+        first = seq // 2 + 3
+        pad = 2
+        seg = np.array([1] * first + [2] * (seq - first - pad) + [0] * pad, np.int32)
+        pos = np.array(list(range(first)) + list(range(seq - first - pad)) + [0] * pad, np.int32)
+    else:
+        seg = np.ones(seq, np.int32)
+        pos = np.arange(seq, dtype=np.int32)
+    targets = np.where(seg[None] > 0, targets, 0).astype(np.int32)
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": np.repeat(seg[None], batch, 0),
+        "positions": np.repeat(pos[None], batch, 0),
+    }

@@ -1,0 +1,85 @@
+"""The real CLI, in a subprocess: bad input gets one line and exit code 2; a short run works end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=ROOT, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "jaxlm.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config.optim.peak_lrr=1e-3"], "unknown config key 'optim.peak_lrr' (did you mean 'optim.peak_lr'?)"),
+        (["--config.optim.lr=1e-3"], "unknown config key 'optim.lr' (did you mean 'optim.peak_lr'?)"),
+        (["--config.optimizer.lr=1e-3"], "unknown config key 'optimizer.lr' (did you mean 'optim'?)"),
+        (["--config.model.d_model=wide"], "--config.model.d_model=wide: expected an integer"),
+        (["--config.model.scan_layers=maybe"], "expected a bool"),
+        (["--config.optim.peak_lr=0"], "config.optim.peak_lr=0.0 is not allowed: a positive number"),
+        (["--config.optim.peak_lr=-3e-4"], "config.optim.peak_lr=-0.0003 is not allowed"),
+        (["--config.model.variant=mamba"], "config.model.variant='mamba' is not allowed: one of 'gpt2', 'llama'"),
+        (["--config.model.n_kv_heads=3"], "config.model.n_kv_heads=3 is not allowed: a divisor of model.n_heads=4"),
+        (["--config.mesh.fsdp=8", "--config.data.global_batch_size=12"],
+         "global_batch_size=12 with optim.micro_batches=1 gives 12 sequences per micro-batch, which does not divide"),
+        (["--config.mesh.fsdp=1", "--config.mesh.tensor=8"], "must be divisible by the tensor axis mesh.tensor=8"),
+        (["--config.mesh.fsdp=3"], "config.mesh (data=1, fsdp=3, tensor=1) needs 3 devices but 8 are available"),
+        (["--config.optim.micro_batches=5"], "a divisor of data.global_batch_size=16"),
+        (["--steps=10"], "unrecognised argument '--steps=10'"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_code_2(args, expected):
+    result = run_cli("--config=configs/tiny.py", *args)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("jaxlm: error:")]
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_recipe_lists_the_recipes():
+    result = run_cli("--config=configs/nope.py")
+    assert result.returncode == 2
+    assert "no recipe file 'configs/nope.py'" in result.stderr and "tiny" in result.stderr
+
+
+def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
+    result = run_cli(
+        "--config=configs/tiny.py",
+        f"--config.run.output_dir={tmp_path}",
+        "--config.run.name=short",
+        "--config.run.steps=30",
+        "--config.run.log_every=10",
+        "--config.run.eval_every=15",
+        "--config.data.builtin_max_bytes=400000",
+        "--config.model.vocab_size=512",
+        f"--config.data.cache_dir={tmp_path / 'cache'}",
+        "--config.mesh.fsdp=2",
+        "--config.mesh.data=-1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "short"
+    assert f"run directory {run_dir}" in result.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5  # it learns
+    assert train[0]["lr"] < train[-1]["lr"] or train[10]["lr"] > train[0]["lr"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"]["vocab_size"] == 512 and config["mesh"]["fsdp"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["final_loss"] == train[-1]["loss"]
+    assert (run_dir / "checkpoints" / "30" / "state").is_dir()
+    assert (run_dir / "tokenizer.model").is_file()
+    assert "jaxlm: done: 30 steps" in result.stdout

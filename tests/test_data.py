@@ -1,0 +1,313 @@
+"""Data path: built-in corpus, split, SentencePiece tokenizer, caches and the grain pipeline."""
+
+import collections
+import hashlib
+import inspect
+import json
+import os
+import textwrap
+
+import grain
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from jaxlm.data import pipeline, sources
+from jaxlm.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_or_train
+from jaxlm.errors import UserError
+
+UNICODE_TEXTS = [
+    "héllo wörld 😀🚀👩‍👩‍👧 你好，世界 こんにちは 안녕하세요 Ωμέγα",
+    "tabs\tand  runs   of    spaces\n\n\nblank lines\r\nand CRLF ",
+    "   leading and trailing whitespace   \n",
+    "digits 1234567890 and symbols ~!@#$%^&*()_+{}|:\"<>?",
+    "",
+]
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return sources.builtin_corpus(300_000)
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus: list[str]) -> Tokenizer:
+    return Tokenizer.train(corpus, 512)
+
+
+def synthetic_docs(num_docs: int = 40, seed: int = 0) -> list[np.ndarray]:
+    """Documents of distinct tokens: doc i holds 1000 * (i + 1) + [0, n), so pairs reveal their origin."""
+    lengths = np.random.default_rng(seed).integers(1, 60, size=num_docs)
+    return [(1000 * (i + 1) + np.arange(n)).astype(np.int32) for i, n in enumerate(lengths)]
+
+
+def segments(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Every packed segment of a batch, as its inputs/targets/positions."""
+    out = []
+    for row in range(batch["inputs"].shape[0]):
+        seg = batch["segment_ids"][row]
+        for s in np.unique(seg[seg > 0]):
+            mask = seg == s
+            out.append({k: batch[k][row][mask] for k in ("inputs", "targets", "positions")})
+    return out
+
+
+def take(ds, n: int) -> list[dict[str, np.ndarray]]:
+    it = iter(ds)
+    try:
+        return [next(it) for _ in range(n)]
+    finally:
+        it.close()
+
+
+def assert_batches_equal(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+# --- sources ---
+
+
+def test_builtin_corpus_is_deterministic_and_stops_at_max_bytes(corpus: list[str]) -> None:
+    assert sources.builtin_corpus(300_000) == corpus
+    sizes = [len(doc.encode("utf-8")) for doc in corpus]
+    assert sum(sizes) >= 300_000 > sum(sizes[:-1])
+    assert all(sizes)
+    assert any("def " in doc for doc in corpus)
+
+
+def test_split_train_val_is_deterministic_disjoint_and_order_free(corpus: list[str]) -> None:
+    docs = [f"document {i}\n" for i in range(200)]
+    train, val = sources.split_train_val(docs, 0.1, seed=0)
+    assert (train, val) == sources.split_train_val(docs, 0.1, seed=0)
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(docs)
+    assert 5 <= len(val) <= 40
+    # The side is decided by the text, not the position.
+    train_rev, val_rev = sources.split_train_val(docs[::-1], 0.1, seed=0)
+    assert set(val_rev) == set(val) and set(train_rev) == set(train)
+    assert set(sources.split_train_val(docs, 0.1, seed=1)[1]) != set(val)
+    # Tiny fractions still give a non-empty validation set, and duplicates never straddle.
+    train, val = sources.split_train_val(corpus[:3] + corpus[:1], 1e-9, seed=0)
+    assert len(val) >= 1 and len(train) >= 1 and not set(train) & set(val)
+    assert sources.split_train_val(docs, 0.0, seed=0) == (docs, [])
+    with pytest.raises(ValueError):
+        sources.split_train_val(docs, 1.0, seed=0)
+
+
+def test_corpus_fingerprint() -> None:
+    assert sources.corpus_fingerprint(["ab", "c"]) == sources.corpus_fingerprint(["ab", "c"])
+    assert sources.corpus_fingerprint(["ab", "c"]) != sources.corpus_fingerprint(["a", "bc"])
+    assert sources.corpus_fingerprint(["ab", "c"]) != sources.corpus_fingerprint(["c", "ab"])
+
+
+# --- tokenizer ---
+
+
+@pytest.mark.parametrize("model_type,vocab_size", [("bpe", 512), ("unigram", 512), ("char", 512), ("byte", 260)])
+def test_tokenizer_round_trips_exactly(corpus: list[str], model_type: str, vocab_size: int) -> None:
+    tok = Tokenizer.train(corpus, vocab_size, model_type)
+    assert tok.vocab_size == vocab_size
+    held_out_source = inspect.getsource(textwrap)  # a real multi-line Python file
+    texts = UNICODE_TEXTS + [held_out_source, corpus[0]]
+    encoded = tok.encode(texts)
+    for text, ids in zip(texts, encoded):
+        assert ids[0] == BOS_ID and ids[-1] == EOS_ID
+        assert UNK_ID not in ids and PAD_ID not in ids
+        assert max(ids) < vocab_size
+        assert tok.decode(ids) == text
+    assert tok.encode(["a\nb"], add_bos=False, add_eos=False)[0][0] not in (BOS_ID, EOS_ID)
+    assert tok.decode([BOS_ID, PAD_ID, *tok.encode(["x y"], add_bos=False, add_eos=False)[0], EOS_ID]) == "x y"
+
+
+def test_bpe_learns_merges(bpe: Tokenizer, corpus: list[str]) -> None:
+    num_tokens = sum(len(ids) - 2 for ids in bpe.encode(corpus))
+    assert num_tokens < 0.6 * sum(len(doc.encode()) for doc in corpus)
+
+
+def test_special_ids_and_identity_survive_save_load(bpe: Tokenizer, tmp_path) -> None:
+    path = tmp_path / "tok.model"
+    bpe.save(path)
+    proto = spm.SentencePieceProcessor(model_file=str(path))
+    assert [proto.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    loaded = Tokenizer.load(path)
+    assert loaded.sha256 == bpe.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert loaded.vocab_size == bpe.vocab_size
+    assert loaded.encode(UNICODE_TEXTS) == bpe.encode(UNICODE_TEXTS)
+    assert os.listdir(tmp_path) == ["tok.model"]  # no temporary file left behind
+
+
+def test_tokenizer_training_is_deterministic(corpus: list[str], bpe: Tokenizer) -> None:
+    assert Tokenizer.train(corpus, 512).sha256 == bpe.sha256
+
+
+def test_tokenizer_errors(corpus: list[str], tmp_path) -> None:
+    with pytest.raises(ValueError, match="bpe, unigram, char, byte"):
+        Tokenizer.train(corpus, 512, "wordpiece")
+    with pytest.raises(UserError, match="vocab_size=200000"):
+        Tokenizer.train(corpus, 200_000)
+    with pytest.raises(ValueError, match="260"):
+        Tokenizer.train(corpus, 100, "byte")
+    with pytest.raises(UserError, match="not found"):
+        Tokenizer.load(tmp_path / "missing.model")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(UserError, match="not a SentencePiece model"):
+        Tokenizer.load(tmp_path / "junk.model")
+
+
+def test_get_or_train_loads_from_cache(corpus: list[str], tmp_path, monkeypatch) -> None:
+    tok = get_or_train(tmp_path, corpus, 512, "bpe")
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("tokenizer-") and path.suffix == ".model"
+    mtime = path.stat().st_mtime_ns
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again instead of loading the cache")
+
+    monkeypatch.setattr(Tokenizer, "train", no_training)
+    again = get_or_train(tmp_path, corpus, 512, "bpe")
+    assert again.sha256 == tok.sha256
+    assert path.stat().st_mtime_ns == mtime
+    assert list(tmp_path.iterdir()) == [path]
+    monkeypatch.undo()
+    get_or_train(tmp_path, corpus, 600, "bpe")  # other options: another cache entry
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+# --- tokenized documents ---
+
+
+def test_tokenize_documents_and_cache(bpe: Tokenizer, corpus: list[str], tmp_path, monkeypatch) -> None:
+    docs = corpus[:4] + ["", "short"]
+    doc_tokens = pipeline.tokenize_documents(bpe, docs)
+    for doc, ids in zip(docs, doc_tokens):
+        assert ids.dtype == np.int32 and ids[0] == BOS_ID and ids[-1] == EOS_ID
+        assert bpe.decode(ids.tolist()) == doc
+    cached = pipeline.get_or_tokenize(tmp_path, bpe, docs, "train")
+    assert len(cached) == len(docs)
+    for a, b in zip(cached, doc_tokens):
+        np.testing.assert_array_equal(a, b)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again instead of loading the cache")
+
+    monkeypatch.setattr(pipeline, "tokenize_documents", no_tokenizing)
+    for a, b in zip(pipeline.get_or_tokenize(tmp_path, bpe, docs, "train"), doc_tokens):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".npy", ".npy"]
+
+
+# --- pipeline ---
+
+
+def test_packed_batches_hold_true_next_token_pairs() -> None:
+    batches = take(pipeline.make_train_dataset(synthetic_docs(), seq_len=SEQ_LEN, batch_size=4, seed=0), 30)
+    for batch in batches:
+        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
+        for value in batch.values():
+            assert value.shape == (4, SEQ_LEN) and value.dtype == np.int32
+        pad = batch["segment_ids"] == 0
+        assert not batch["inputs"][pad].any() and not batch["targets"][pad].any() and not batch["positions"][pad].any()
+        for seg_row in batch["segment_ids"]:  # segments 1..k, then padding only at the end
+            used = seg_row[seg_row > 0]
+            assert np.all(seg_row[: len(used)] == used)
+            assert np.array_equal(np.unique(used), np.arange(1, len(np.unique(used)) + 1))
+        for seg in segments(batch):
+            np.testing.assert_array_equal(seg["positions"], np.arange(len(seg["inputs"])))
+            np.testing.assert_array_equal(seg["targets"], seg["inputs"] + 1)  # the document's next token
+            np.testing.assert_array_equal(seg["targets"] // 1000, seg["inputs"] // 1000)  # same document
+            offset_in_doc = seg["inputs"][0] % 1000
+            assert offset_in_doc % SEQ_LEN == 0  # chunks start every seq_len tokens
+
+
+def test_inputs_and_targets_pack_identically() -> None:
+    ds = grain.experimental.FirstFitPackIterDataset(
+        grain.MapDataset.source(pipeline._Chunks(synthetic_docs(), SEQ_LEN)).to_iter_dataset(),
+        length_struct={"inputs": SEQ_LEN, "targets": SEQ_LEN},
+        num_packing_bins=4,
+        shuffle_bins=False,
+    )
+    for packed in ds:
+        np.testing.assert_array_equal(packed["inputs_segment_ids"], packed["targets_segment_ids"])
+        np.testing.assert_array_equal(packed["inputs_positions"], packed["targets_positions"])
+
+
+def test_one_epoch_loses_no_token() -> None:
+    docs = synthetic_docs()
+    batches = list(pipeline.make_train_dataset(docs, seq_len=SEQ_LEN, batch_size=1, seed=3, num_epochs=1))
+    targets = np.concatenate([b["targets"][b["segment_ids"] > 0] for b in batches])
+    inputs = np.concatenate([b["inputs"][b["segment_ids"] > 0] for b in batches])
+    # Every next-token pair of every document, exactly once.
+    assert collections.Counter(targets.tolist()) == collections.Counter(np.concatenate([d[1:] for d in docs]).tolist())
+    assert collections.Counter(inputs.tolist()) == collections.Counter(np.concatenate([d[:-1] for d in docs]).tolist())
+
+
+def test_seed_fixes_the_order() -> None:
+    docs = synthetic_docs()
+
+    def make(seed: int) -> grain.IterDataset:
+        return pipeline.make_train_dataset(docs, seq_len=SEQ_LEN, batch_size=4, seed=seed)
+
+    assert_batches_equal(take(make(0), 5), take(make(0), 5))
+    other = take(make(1), 5)
+    assert any(not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(take(make(0), 5), other))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_from_iterator_state_is_exact(num_workers: int) -> None:
+    docs = synthetic_docs()
+
+    def make() -> grain.IterDataset:
+        return pipeline.make_train_dataset(docs, seq_len=SEQ_LEN, batch_size=4, seed=0, num_workers=num_workers)
+
+    it = iter(make())
+    try:
+        for _ in range(7):
+            next(it)
+        state = it.get_state()
+        expected = [next(it) for _ in range(3)]
+    finally:
+        it.close()
+    state = json.loads(json.dumps(state))  # as a checkpoint stores it
+    resumed = iter(make())
+    try:
+        resumed.set_state(state)
+        got = [next(resumed) for _ in range(3)]
+    finally:
+        resumed.close()
+    assert_batches_equal(got, expected)
+
+
+def test_shards_are_disjoint_and_cover_the_data() -> None:
+    docs = synthetic_docs()
+
+    def examples(shard_index: int, shard_count: int) -> collections.Counter:
+        ds = pipeline.make_train_dataset(
+            docs, seq_len=SEQ_LEN, batch_size=1, seed=0, shard_index=shard_index, shard_count=shard_count, num_epochs=1
+        )
+        return collections.Counter(tuple(seg["inputs"].tolist()) for b in ds for seg in segments(b))
+
+    first, second, whole = examples(0, 2), examples(1, 2), examples(0, 1)
+    assert first and second and not first.keys() & second.keys()
+    assert first + second == whole
+    with pytest.raises(ValueError):
+        pipeline.make_train_dataset(docs, seq_len=SEQ_LEN, batch_size=1, seed=0, shard_index=2, shard_count=2)
+
+
+def test_eval_batches_are_fixed_and_complete() -> None:
+    docs = synthetic_docs()
+    batches = pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=1000)
+    assert_batches_equal(batches, pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=1000))
+    assert all(v.shape == (4, SEQ_LEN) and v.dtype == np.int32 for b in batches for v in b.values())
+    targets = np.concatenate([b["targets"][b["segment_ids"] > 0] for b in batches])
+    assert collections.Counter(targets.tolist()) == collections.Counter(np.concatenate([d[1:] for d in docs]).tolist())
+    # No shuffling: the first segment is the start of the first document with a next-token pair.
+    first_doc = next(d for d in docs if len(d) >= 2)
+    np.testing.assert_array_equal(segments(batches[0])[0]["inputs"], first_doc[: min(len(first_doc) - 1, SEQ_LEN)])
+    assert_batches_equal(
+        pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=2), batches[:2]
+    )

@@ -1,0 +1,167 @@
+"""The decoder's forward pass: shapes, dtypes, causality, packed documents, sizes and FLOPs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import small_config
+from jaxlm.models import attention
+from jaxlm.models.transformer import Transformer, flops_per_token, param_count
+from jaxlm.train_state import build_model, model_spec
+
+
+@pytest.mark.parametrize("variant", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_logits_shape_and_dtype(variant, dtype):
+    kw = dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True) if variant == "gpt2" else {}
+    model = build_model(small_config(dtype=dtype, **kw))
+    tokens = jnp.ones((3, 16), jnp.int32)
+    logits = model(tokens)
+    assert logits.shape == (3, 16, 96)
+    assert logits.dtype == dtype
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model)))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # llama, scanned
+        dict(scan_layers=False),
+        dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True),  # gpt2
+        dict(n_kv_heads=2, tie_embeddings=True),
+    ],
+)
+def test_changing_a_future_token_changes_no_earlier_logit(kw):
+    model = build_model(small_config(**kw))
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 4, 96)
+    base = model(tokens)
+    for t in (5, 11, 15):
+        changed = tokens.at[:, t].set((tokens[:, t] + 7) % 96)
+        out = model(changed)
+        np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
+        assert not np.allclose(out[:, t], base[:, t])  # the changed position itself does move
+
+
+@pytest.mark.parametrize("kw", [{}, dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True)])
+def test_packed_documents_do_not_see_each_other(kw):
+    """Each document in a packed row gives the logits it gives alone (positions restart at 0)."""
+    model = build_model(small_config(**kw))
+    doc_a = jax.random.randint(jax.random.key(1), (1, 10), 4, 96)
+    doc_b = jax.random.randint(jax.random.key(2), (1, 6), 4, 96)
+    packed = jnp.concatenate([doc_a, doc_b], axis=1)
+    segments = jnp.array([[1] * 10 + [2] * 6])
+    positions = jnp.array([list(range(10)) + list(range(6))])
+    out = model(packed, positions, segments)
+    np.testing.assert_allclose(out[:, :10], model(doc_a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 10:], model(doc_b), atol=1e-5)
+    # Without segment ids, document b does see document a.
+    assert not np.allclose(model(packed, positions)[:, 10:], model(doc_b), atol=1e-3)
+
+
+def test_scanned_and_unrolled_layers_compute_the_same_function():
+    scanned = build_model(small_config(n_kv_heads=4))
+    unrolled = build_model(small_config(n_kv_heads=4, scan_layers=False))
+    params = nnx.to_pure_dict(nnx.state(scanned))
+    as_list = dict(params)
+    as_list["blocks"] = {i: jax.tree.map(lambda x: x[i], params["blocks"]) for i in range(2)}
+    nnx.update(unrolled, as_list)
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 96)
+    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5)
+
+
+def test_dropout_is_active_only_with_a_key():
+    model = build_model(small_config(dropout=0.3))
+    tokens = jnp.ones((2, 8), jnp.int32)
+    np.testing.assert_array_equal(model(tokens), model(tokens))
+    assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens))
+    assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens, dropout_key=jax.random.key(1)))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(tie_embeddings=True, n_kv_heads=2),
+        dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
+        dict(scan_layers=False, use_bias=True),
+    ],
+)
+def test_param_count_from_config_equals_the_built_model(kw):
+    cfg = small_config(**kw)
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(build_model(cfg))))
+    assert param_count(cfg)["total"] == built
+
+
+def test_flops_per_token_matches_a_hand_count():
+    cfg = small_config(n_kv_heads=2)  # d=64, heads 8 x 8, kv 2 x 8, mlp 128, vocab 96, 2 layers
+    attn = 64 * 64 + 2 * 64 * 16 + 64 * 64  # q, k+v, o
+    mlp = 3 * 64 * 128
+    per_token_forward_matmuls = 2 * (2 * (attn + mlp) + 64 * 96)
+    causal_attention_forward = 2 * (2 * 2 * 32 * 64) / 2  # QK^T and AV, 2 layers, seq 32, half for causal
+    assert flops_per_token(cfg, 32) == 3 * (per_token_forward_matmuls + causal_attention_forward)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    spec = model_spec(small_config(norm="layernorm", use_bias=True, position="learned"))
+    mask = spec.decay_mask
+    assert mask["blocks"]["attn"]["wq"] and mask["blocks"]["mlp"]["w_up"] and mask["embed"]["embedding"]
+    assert mask["pos_embed"] and mask["unembed"]
+    assert not mask["blocks"]["attn"]["bq"] and not mask["blocks"]["attn_norm"]["scale"]
+    assert not mask["blocks"]["attn_norm"]["bias"] and not mask["final_norm"]["scale"]
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_change_memory_not_values(policy):
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+
+    def loss_and_grads(cfg):
+        model = build_model(cfg)
+        graphdef, params = nnx.split(model)
+
+        def loss(p):
+            return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    ref_loss, ref_grads = loss_and_grads(small_config())
+    loss, grads = loss_and_grads(small_config(remat=policy))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_xla_attention_matches_the_reference(kv_heads, packed):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 16, 8, 16))
+    k = jax.random.normal(keys[1], (2, 16, kv_heads, 16))
+    v = jax.random.normal(keys[2], (2, 16, kv_heads, 16))
+    seg = jnp.array([[1] * 7 + [2] * 9, [1] * 12 + [0] * 4]) if packed else None
+    out = attention.attend(q, k, v, segment_ids=seg, implementation="xla")
+    ref = attention.reference_attention(q, k, v, segment_ids=seg)
+    valid = np.ones((2, 16), bool) if seg is None else np.asarray(seg) > 0  # padding rows are unused
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
+
+
+def test_attention_selection_is_explicit():
+    assert attention.select_implementation("auto", "cpu") == "xla"
+    assert attention.select_implementation("auto", "gpu") == "cudnn"
+    assert attention.select_implementation("xla", "gpu") == "xla"
+    from jaxlm.errors import UserError
+
+    with pytest.raises(UserError, match="needs a GPU"):
+        attention.select_implementation("cudnn", "cpu")
+
+
+def test_transformer_builds_without_a_mesh_and_from_a_recipe():
+    from jaxlm import config
+    from jaxlm.models.transformer import ModelConfig
+
+    cfg = config.recipe("tiny", model__n_layers=2, model__variant="gpt2")
+    mc = ModelConfig.from_config(cfg.model)
+    assert (mc.norm, mc.mlp, mc.position, mc.use_bias) == ("layernorm", "gelu", "learned", True)
+    assert isinstance(Transformer(mc, rngs=nnx.Rngs(0)), Transformer)
+    mc = ModelConfig.from_config(config.recipe("tiny", model__mlp="gelu").model)  # an ablation of one component
+    assert (mc.norm, mc.mlp, mc.position) == ("rmsnorm", "gelu", "rope")

@@ -1,0 +1,101 @@
+"""Parameters are born sharded exactly as each recipe's rules table says."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import small_config
+from jaxlm import config, optim
+from jaxlm import mesh as mesh_lib
+from jaxlm import train_state
+
+
+def _create(recipe: str, shape=(2, 2, 2), **rule_overrides):
+    cfg = config.recipe(recipe, **{f"mesh__rules__{k}": v for k, v in rule_overrides.items()})
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    model_cfg = small_config(n_kv_heads=4)
+    spec = train_state.model_spec(model_cfg)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    mesh = mesh_lib.make_mesh(shape)
+    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules)
+    return state, rules, spec
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# Hand-written expectations, so the test does not only compare the rules with themselves.
+EXPECTED_DEFAULT = {
+    "['blocks']['attn']['wq']": P(None, "fsdp", "tensor", None),
+    "['blocks']['attn']['wk']": P(None, "fsdp", "tensor", None),
+    "['blocks']['attn']['wo']": P(None, "tensor", None, "fsdp"),
+    "['blocks']['mlp']['w_gate']": P(None, "fsdp", "tensor"),
+    "['blocks']['mlp']['w_down']": P(None, "tensor", "fsdp"),
+    "['blocks']['attn_norm']['scale']": P(None, None),
+    "['embed']['embedding']": P("tensor", "fsdp"),
+    "['unembed']": P("fsdp", "tensor"),
+    "['final_norm']['scale']": P(None),
+}
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, expected",
+    [
+        ("tiny", {}, EXPECTED_DEFAULT),
+        ("7b", {}, EXPECTED_DEFAULT),
+        # 1b with pure FSDP over both axes (no tensor parallelism), as one would on a single node.
+        (
+            "1b",
+            dict(embed="fsdp,tensor", mlp="", heads="", kv_heads="", vocab=""),
+            {
+                "['blocks']['attn']['wq']": P(None, ("fsdp", "tensor"), None, None),
+                "['blocks']['mlp']['w_down']": P(None, None, ("fsdp", "tensor")),
+                "['embed']['embedding']": P(None, ("fsdp", "tensor")),
+                "['unembed']": P(("fsdp", "tensor"), None),
+            },
+        ),
+    ],
+)
+def test_every_parameter_is_sharded_as_the_rules_say(recipe, overrides, expected):
+    state, rules, spec = _create(recipe, **overrides)
+    params = _flat(state.params)
+    names = _flat(jax.tree.map(lambda n: mesh_lib.logical_to_spec(n, rules), spec.logical_names,
+                               is_leaf=lambda x: isinstance(x, tuple)))
+    assert params.keys() == names.keys()
+    for path, array in params.items():
+        assert array.sharding.spec == names[path], path
+        # Each device holds only its shard: never a full copy of a sharded weight.
+        factor = [np.prod([dict(zip(mesh_lib.MESH_AXES, (2, 2, 2)))[a] for a in ((s,) if isinstance(s, str) else s or ())])
+                  for s in tuple(names[path]) + (None,) * (array.ndim - len(names[path]))]
+        shard_shape = tuple(d // f for d, f in zip(array.shape, factor))
+        assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, path
+    for path, want in expected.items():
+        assert params[path].sharding.spec == want, path
+
+
+def test_optimizer_moments_are_sharded_like_their_parameters():
+    state, _, _ = _create("tiny")
+    adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+    for moments in (adam.mu, adam.nu):
+        jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.spec, p.sharding.spec), moments, state.params)
+
+
+def test_activation_rules_skip_axes_already_used():
+    rules = mesh_lib.rules_from_config(config.default_rules())
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), None, None)
+    # A table that maps both dims to fsdp yields fsdp once instead of a duplicate-axis error.
+    assert mesh_lib.logical_to_spec(("embed", "embed"), rules) == P("fsdp", None)
+
+
+def test_uneven_shards_are_a_clear_error():
+    from jaxlm.errors import UserError
+
+    cfg = config.recipe("tiny")
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    model_cfg = small_config(n_heads=8, n_kv_heads=2, vocab_size=100)
+    spec = train_state.model_spec(model_cfg)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    with pytest.raises(UserError, match="kv_heads"):
+        train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 8)), rules)
