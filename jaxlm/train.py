@@ -22,8 +22,12 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxlm import checkpoint, optim, steps, train_state
 from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm.data import pipeline, sources, tokenizer
 from jaxlm.errors import UserError
+from jaxlm.models import attention, transformer
 
 log = logging.getLogger("jaxlm")
 
@@ -41,8 +45,6 @@ class Data:
 
 def load_data(cfg: ml_collections.ConfigDict) -> Data:
     """Built-in corpus -> tokenizer (cached) -> tokens (cached) -> packed grain batches."""
-    from jaxlm.data import pipeline, sources, tokenizer
-
     d = cfg.data
     if d.corpus != "builtin":
         raise UserError(f"config.data.corpus={d.corpus!r}: only 'builtin' is supported so far")
@@ -115,26 +117,126 @@ def console(msg: str) -> None:
 # ----------------------------------------------------------------------------- the run
 
 
+@dataclasses.dataclass
+class Trainer:
+    """Everything a training loop needs, built from a config: the CLI, notebooks and benchmarks share it."""
+
+    cfg: ml_collections.ConfigDict
+    derived: config_lib.Derived
+    model_cfg: Any  # jaxlm.models.transformer.ModelConfig
+    mesh: jax.sharding.Mesh
+    rules: Any
+    spec: Any  # jaxlm.train_state.ModelSpec
+    state: Any  # jaxlm.train_state.TrainState, sharded
+    shardings: Any
+    batch_sharding: jax.sharding.NamedSharding
+    schedule: Any
+    train_step: Any  # compiled (state, batch) -> (state, metrics); donates the state
+    eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+
+def build_trainer(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Trainer:
+    """Validate, make the mesh, create the sharded state and compile-ready steps (compiled on first call)."""
+    config_lib.validate(cfg)
+    devices = list(devices) if devices is not None else jax.devices()
+    derived = config_lib.derive(cfg, len(devices))
+    mesh = mesh_lib.make_mesh(derived.mesh_shape, devices)
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    impl = attention.select_implementation(cfg.model.attention, devices[0].platform)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, attention=impl)
+    spec = train_state.model_spec(model_cfg)
+    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
+    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    step_fn = steps.make_train_step(
+        spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
+        dropout=cfg.model.dropout > 0, rules=rules,
+    )
+    return Trainer(
+        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,
+        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
+        train_step=steps.compile_train_step(step_fn, shardings, batch_sharding),
+        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules), shardings.params, batch_sharding),
+    )
+
+
+
+class StepLog:
+    """Turns each step's metrics into a JSONL record and, every `log_every` steps, a console line.
+
+    It is handed a step's device metrics only after the next step was dispatched, so reading them
+    waits for a step that is finished or nearly, never for the one just queued.
+    """
+
+    def __init__(self, writer: MetricsWriter, tokens_per_step: int, total_steps: int, log_every: int):
+        self.writer, self.tokens_per_step = writer, tokens_per_step
+        self.total_steps, self.log_every = total_steps, log_every
+        self.start = self.last = time.time()
+        self.compile_s: float | None = None  # the first step's time, which includes compilation
+        self.timed_steps, self.timed_s = 0, 0.0
+        self.losses: list[float] = []
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step * self.timed_steps / self.timed_s if self.timed_s else None
+
+    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.time()
+        step_s, self.last = now - self.last, now
+        if self.compile_s is None:
+            self.compile_s = step_s
+        else:
+            self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
+        self.losses.append(values["loss"])
+        self.writer.write(
+            {"step": step, **values, "tokens_seen": step * self.tokens_per_step, "step_time_s": step_s,
+             "tokens_per_s": self.tokens_per_step / step_s, "wall_s": now - self.start}
+        )
+        if step % self.log_every == 0 or step == self.total_steps:
+            mean_step_s = self.timed_s / self.timed_steps if self.timed_steps else step_s
+            console(
+                f"step {step:>6}/{self.total_steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
+                f"grad norm {values['grad_norm']:.3f} | {self.tokens_per_step / mean_step_s:,.0f} tok/s | "
+                f"{mean_step_s:.3f} s/step | ETA {_duration((self.total_steps - step) * mean_step_s)}"
+            )
+        if not math.isfinite(values["loss"]):
+            raise UserError(
+                f"the loss became {values['loss']} at step {step}; lower config.optim.peak_lr or raise warmup_steps"
+            )
+
+    def pause(self) -> None:
+        """Call after work outside the train step (evaluation) so it is not counted as step time."""
+        self.last = time.time()
+
+
+def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> float | None:
+    """Token-mean loss over fixed held-out batches."""
+    if not batches:
+        return None
+    total, tokens = 0.0, 0.0
+    for batch in batches:
+        loss_sum, count = trainer.eval_step(params, trainer.put_batch(batch))
+        total, tokens = total + float(loss_sum), tokens + float(count)
+    return total / max(tokens, 1.0)
+
+
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Train as the config says; returns the summary (also written to summary.json)."""
-    from jaxlm import mesh as mesh_lib
-    from jaxlm import optim, steps, train_state
-    from jaxlm.models import attention, transformer
-
-    config_lib.validate(cfg)
-    derived = config_lib.derive(cfg, jax.device_count())
-    mesh = mesh_lib.make_mesh(derived.mesh_shape)
-    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    impl = attention.select_implementation(cfg.model.attention)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model, attention=impl)
-    counts = transformer.param_count(model_cfg)
+    trainer = build_trainer(cfg)
+    derived, model_cfg = trainer.derived, trainer.model_cfg
     run_dir = make_run_dir(cfg)
     console(f"jaxlm: run directory {run_dir}")
     console(
-        f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {counts['total'] / 1e6:.2f}M parameters, "
-        f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh data={derived.mesh_shape[0]} "
-        f"fsdp={derived.mesh_shape[1]} tensor={derived.mesh_shape[2]}, attention={impl}, "
-        f"batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = {derived.tokens_per_step:,} tokens/step"
+        f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
+        f"parameters, {derived.num_devices} {trainer.mesh.devices.flat[0].platform} device(s), mesh "
+        f"data={derived.mesh_shape[0]} fsdp={derived.mesh_shape[1]} tensor={derived.mesh_shape[2]}, "
+        f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
+        f"{derived.tokens_per_step:,} tokens/step"
     )
 
     t0 = time.time()
@@ -147,109 +249,38 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({data.train_tokens:,} training tokens)")
     data.tokenizer.save(run_dir / "tokenizer.model")
 
-    spec = train_state.model_spec(model_cfg)
-    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
-    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    train_step = steps.compile_train_step(
-        steps.make_train_step(
-            spec,
-            tx,
-            schedule,
-            micro_batches=cfg.optim.micro_batches,
-            z_loss=cfg.optim.z_loss,
-            dropout=cfg.model.dropout > 0,
-            rules=rules,
-        ),
-        shardings,
-        batch_sharding,
-    )
-    eval_step = steps.compile_eval_step(steps.make_eval_step(spec, rules), shardings.params, batch_sharding)
-
-    def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
-
-    def evaluate(params) -> float | None:
-        if not data.eval_batches:
-            return None
-        total, tokens = 0.0, 0.0
-        for batch in data.eval_batches:
-            loss_sum, count = eval_step(params, to_global(batch))
-            total, tokens = total + float(loss_sum), tokens + float(count)
-        return total / max(tokens, 1.0)
-
-    metrics_writer = MetricsWriter(run_dir / "metrics.jsonl")
+    writer = MetricsWriter(run_dir / "metrics.jsonl")
     total_steps = cfg.run.steps
-    tokens_seen = 0
-    start = time.time()
-    step_start = start
-    compile_s = None
-    losses: list[float] = []
-    pending = None  # (step, device metrics) of the step dispatched last
-    val_loss = None
-    timed_steps, timed_s = 0, 0.0
-
-    def record(step: int, metrics) -> None:
-        nonlocal tokens_seen, step_start, compile_s, timed_steps, timed_s
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.time()
-        step_s = now - step_start
-        step_start = now
-        if compile_s is None:
-            compile_s = step_s  # the first step includes compilation
-        else:
-            timed_steps, timed_s = timed_steps + 1, timed_s + step_s
-        tokens_seen += derived.tokens_per_step
-        losses.append(values["loss"])
-        tokens_per_s = derived.tokens_per_step / step_s
-        metrics_writer.write(
-            {"step": step, **values, "tokens_seen": tokens_seen, "step_time_s": step_s,
-             "tokens_per_s": tokens_per_s, "wall_s": now - start}
-        )
-        if step % cfg.run.log_every == 0 or step == total_steps:
-            rate = derived.tokens_per_step * timed_steps / timed_s if timed_s else tokens_per_s
-            eta = (total_steps - step) * (timed_s / timed_steps if timed_steps else step_s)
-            console(
-                f"step {step:>6}/{total_steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
-                f"grad norm {values['grad_norm']:.3f} | {rate:,.0f} tok/s | {step_s:.3f} s/step | ETA {_duration(eta)}"
-            )
-        if not math.isfinite(values["loss"]):
-            raise UserError(
-                f"the loss became {values['loss']} at step {step}; lower config.optim.peak_lr or raise warmup_steps"
-            )
-
-    with jax.set_mesh(mesh):
+    log = StepLog(writer, derived.tokens_per_step, total_steps, cfg.run.log_every)
+    state, pending, val_loss = trainer.state, None, None
+    with jax.set_mesh(trainer.mesh):
         for step in range(1, total_steps + 1):
-            batch = to_global(next(data.train))
-            state, metrics = train_step(state, batch)
-            if pending is not None:
-                record(*pending)  # the previous step: finished or nearly, so this barely waits
+            state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
+            if pending:
+                log.record(*pending)
             pending = (step, metrics)
-            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total_steps:
-                record(*pending)
+            if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
+                log.record(*pending)
                 pending = None
-                val_loss = evaluate(state.params)
-                metrics_writer.write({"step": step, "val_loss": val_loss})
-                console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
-        if pending is not None:
-            record(*pending)
-        val_loss = evaluate(state.params)
-        if val_loss is not None:
-            metrics_writer.write({"step": total_steps, "val_loss": val_loss})
-
-    from jaxlm import checkpoint
-
+                val_loss = evaluate(trainer, state.params, data.eval_batches)
+                log.pause()
+                if val_loss is not None:
+                    writer.write({"step": step, "val_loss": val_loss})
+                    console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
+    if hasattr(data.train, "close"):
+        data.train.close()  # stops grain's worker processes
     ckpt_dir = checkpoint.save_final(run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256)
-    metrics_writer.close()
-    elapsed = time.time() - start
+    writer.close()
+
+    elapsed = time.time() - log.start
     summary = {
         "steps": total_steps,
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
+        "first_loss": log.losses[0],
+        "final_loss": log.losses[-1],
         "val_loss": val_loss,
-        "tokens_seen": tokens_seen,
-        "tokens_per_s": derived.tokens_per_step * timed_steps / timed_s if timed_s else None,
-        "compile_s": compile_s,
+        "tokens_seen": total_steps * derived.tokens_per_step,
+        "tokens_per_s": log.tokens_per_s,
+        "compile_s": log.compile_s,
         "train_s": elapsed,
         "run_dir": str(run_dir),
         "checkpoint_dir": str(ckpt_dir),
@@ -257,10 +288,10 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     if jax.process_index() == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     val = f" (val {val_loss:.4f})" if val_loss is not None else ""
-    rate = f"{summary['tokens_per_s']:,.0f} tok/s" if summary["tokens_per_s"] else "n/a tok/s"
+    rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
     console(
-        f"jaxlm: done: {total_steps} steps in {_duration(elapsed)}, loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}, "
-        f"{rate}; metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}"
+        f"jaxlm: done: {total_steps} steps in {_duration(elapsed)}, loss {log.losses[0]:.4f} -> "
+        f"{log.losses[-1]:.4f}{val}, {rate}; metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}"
     )
     return summary
 
