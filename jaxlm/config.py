@@ -171,47 +171,30 @@ def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- overrides
 
 
-def _parse_value(key: str, text: Any, current: Any) -> Any:
-    """Parse a command-line string into the type of the field it overrides."""
-    if not isinstance(text, str):
-        value = text
-    elif isinstance(current, bool):
-        lowered = text.lower()
-        if lowered in ("true", "1", "yes"):
-            return True
-        if lowered in ("false", "0", "no"):
-            return False
-        raise UserError(f"--config.{key}={text}: expected a bool (true or false)")
-    elif isinstance(current, int):
-        try:
-            value = int(text.replace("_", ""))
-        except ValueError:
+def _parse_value(key: str, value: Any, current: Any) -> Any:
+    """Parse a command-line string to the type of the field it overrides (`1e3` is a fine int)."""
+    expected = type(current)
+    if isinstance(value, str) and expected is not str:
+        if expected is bool:
+            value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+                value.lower(), value
+            )
+        elif expected in (int, float):
             try:
-                as_float = float(text)
+                number = float(value.replace("_", ""))
+                value = int(number) if expected is int and number.is_integer() else number
             except ValueError:
-                as_float = math.nan
-            if as_float.is_integer():
-                return int(as_float)
-            raise UserError(f"--config.{key}={text}: expected an integer (e.g. {current})") from None
-        return value
-    elif isinstance(current, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise UserError(f"--config.{key}={text}: expected a number (e.g. {current})") from None
-    elif isinstance(current, str):
-        return text
-    else:
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-    if current is not None and not isinstance(value, type(current)):
-        if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        raise UserError(
-            f"--config.{key}={text!r}: expected a {type(current).__name__}, got a {type(value).__name__}"
-        )
+                pass
+        else:
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+    if expected is float and type(value) is int:
+        value = float(value)
+    if type(value) is not expected:
+        names = {bool: "a bool (true or false)", int: f"an integer (e.g. {current})", float: f"a number (e.g. {current})"}
+        raise UserError(f"--config.{key}={value}: expected {names.get(expected, 'a ' + expected.__name__)}")
     return value
 
 
@@ -242,20 +225,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
         current = node[parts[-1]]
         if isinstance(current, ml_collections.ConfigDict):
             raise UserError(f"--config.{key}: {key!r} is a group of keys, set one of: {', '.join(sorted(current))}")
-        value = _parse_value(key, text, current)
-        try:
-            with node.ignore_type() if current is None else _nullcontext():
-                node[parts[-1]] = value
-        except TypeError as e:
-            raise UserError(f"--config.{key}={text}: {e}") from None
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        node[parts[-1]] = _parse_value(key, text, current)
 
 
 _FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)

@@ -6,12 +6,10 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from flax.core import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -62,23 +60,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
-@contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Set the mesh and the rules for model creation (eager sharding) and tracing."""
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        yield
-
-
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp)."""
     return NamedSharding(mesh, logical_to_spec(("act_batch", "act_seq"), rules))
-
-
-def param_specs(abstract_state, rules: Rules):
-    """PartitionSpec of every parameter in an abstract nnx.State, from its logical names."""
-
-    def spec(var):
-        names = var.get_metadata().get("out_sharding")
-        return logical_to_spec(names, rules) if names else P()
-
-    return jax.tree.map(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

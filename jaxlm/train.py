@@ -146,8 +146,11 @@ def build_trainer(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] 
     derived = config_lib.derive(cfg, len(devices))
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    impl = attention.select_implementation(cfg.model.attention, devices[0].platform)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model, attention=impl)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model)
+    impl = attention.select_implementation(
+        cfg.model.attention, devices[0].platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim
+    )
+    model_cfg = dataclasses.replace(model_cfg, attention=impl)
     spec = train_state.model_spec(model_cfg)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
     state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)

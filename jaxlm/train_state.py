@@ -87,10 +87,9 @@ def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation,
     return init
 
 
-def state_shardings(cfg, spec: ModelSpec, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> TrainState:
-    """The sharding of every leaf of the train state: params by the rules, optimizer moments like
-    their params, scalars replicated."""
-    abstract = jax.eval_shape(init_fn(cfg, spec, tx, seed))
+def state_shardings(abstract: TrainState, spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
+    """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer
+    moments like their params, scalars replicated."""
     params = param_shardings(spec, mesh, rules)
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(tx, lambda _, s: s, abstract.opt_state, params, transform_non_params=lambda _: replicated)
@@ -116,8 +115,10 @@ def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
 def create(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[TrainState, TrainState, ModelSpec]:
     """Initialise the state directly into its shards: (state, its shardings, model spec)."""
     spec = model_spec(cfg)
-    check_divisible(spec, jax.eval_shape(init_fn(cfg, spec, tx, seed)).params, mesh, rules)
-    shardings = state_shardings(cfg, spec, tx, mesh, rules, seed)
+    init = init_fn(cfg, spec, tx, seed)
+    abstract = jax.eval_shape(init)
+    check_divisible(spec, abstract.params, mesh, rules)
+    shardings = state_shardings(abstract, spec, tx, mesh, rules)
     with jax.set_mesh(mesh):
-        state = jax.jit(init_fn(cfg, spec, tx, seed), out_shardings=shardings)()
+        state = jax.jit(init, out_shardings=shardings)()
     return state, shardings, spec

@@ -146,13 +146,18 @@ def test_xla_attention_matches_the_reference(kv_heads, packed):
 
 
 def test_attention_selection_is_explicit():
-    assert attention.select_implementation("auto", "cpu") == "xla"
-    assert attention.select_implementation("auto", "gpu") == "cudnn"
-    assert attention.select_implementation("xla", "gpu") == "xla"
     from jaxlm.errors import UserError
 
-    with pytest.raises(UserError, match="needs a GPU"):
+    assert attention.select_implementation("auto", "cpu") == "xla"
+    assert attention.select_implementation("auto", "gpu", dtype=jnp.bfloat16, head_dim=128) == "cudnn"
+    assert attention.select_implementation("xla", "gpu") == "xla"
+    # cuDNN cannot run float32 or odd head sizes: 'auto' falls back to XLA, an explicit 'cudnn' is an error.
+    assert attention.select_implementation("auto", "gpu", dtype=jnp.float32, head_dim=64) == "xla"
+    assert attention.select_implementation("auto", "gpu", dtype=jnp.bfloat16, head_dim=36) == "xla"
+    with pytest.raises(UserError, match="not a GPU"):
         attention.select_implementation("cudnn", "cpu")
+    with pytest.raises(UserError, match="bfloat16 or float16"):
+        attention.select_implementation("cudnn", "gpu", dtype=jnp.float32)
 
 
 def test_transformer_builds_without_a_mesh_and_from_a_recipe():

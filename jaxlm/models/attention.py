@@ -18,20 +18,31 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("xla", "cudnn")
 
 
-def select_implementation(requested: str, platform: str | None = None) -> str:
-    """Resolve 'auto' for the backend; refuse kernels the backend cannot run, with one clear line."""
+def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
+    """Why cuDNN flash attention cannot run this shape and dtype, or None when it can."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"it needs bfloat16 or float16 compute, not {jnp.dtype(dtype).name}"
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs a head_dim that is a multiple of 8 and at most 128, not {head_dim}"
+    return None
+
+
+def select_implementation(requested: str, platform: str | None = None, *, dtype=jnp.bfloat16, head_dim: int = 64) -> str:
+    """Resolve 'auto' for the backend, dtype and head size; the choice and any fallback are logged.
+
+    An explicit kernel the backend cannot run is a config error (one clear line), never a silent swap.
+    """
     platform = platform or jax.default_backend()
-    if requested == "auto":
-        chosen = "cudnn" if platform == "gpu" else "xla"
-        log.info("attention: model.attention='auto' chose %r on %s", chosen, platform)
-        return chosen
-    if requested == "cudnn" and platform != "gpu":
-        raise UserError(
-            f"config.model.attention='cudnn' needs a GPU but the backend is {platform!r}; use 'auto' or 'xla'"
-        )
-    if requested not in IMPLEMENTATIONS:
+    if requested not in ("auto", *IMPLEMENTATIONS):
         raise UserError(f"config.model.attention={requested!r}: use one of auto, {', '.join(IMPLEMENTATIONS)}")
-    return requested
+    reason = "the backend is not a GPU" if platform != "gpu" else cudnn_unsupported_reason(dtype, head_dim)
+    if requested == "cudnn" and reason:
+        raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
+    chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")
+    if requested == "auto":
+        why = f" (cuDNN not used: {reason})" if reason and platform == "gpu" else ""
+        (log.warning if why else log.info)("attention: 'auto' chose %r on %s%s", chosen, platform, why)
+    return chosen
 
 
 def document_mask(segment_ids: jax.Array) -> jax.Array:
