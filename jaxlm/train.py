@@ -29,9 +29,6 @@ from jaxlm.data import pipeline, sources, tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import attention, transformer
 
-log = logging.getLogger("jaxlm")
-
-
 # ----------------------------------------------------------------------------- data
 
 
@@ -78,8 +75,14 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
 
 
 def make_run_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+    """`output_dir/name` (default name: recipe and start time), refusing one that holds a run."""
     name = cfg.run.name or f"{cfg.run.recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = pathlib.Path(cfg.run.output_dir) / name
+    if (run_dir / "metrics.jsonl").exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; choose another config.run.name (or leave it empty "
+            f"for a timestamped one)"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
     return run_dir
@@ -230,9 +233,9 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> 
 
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Train as the config says; returns the summary (also written to summary.json)."""
+    run_dir = make_run_dir(cfg)
     trainer = build_trainer(cfg)
     derived, model_cfg = trainer.derived, trainer.model_cfg
-    run_dir = make_run_dir(cfg)
     console(f"jaxlm: run directory {run_dir}")
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "

@@ -83,3 +83,9 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     assert (run_dir / "checkpoints" / "30" / "state").is_dir()
     assert (run_dir / "tokenizer.model").is_file()
     assert "jaxlm: done: 30 steps" in result.stdout
+
+    # The same run name again is refused, and the first run's files stay as they were.
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    again = run_cli("--config=configs/tiny.py", f"--config.run.output_dir={tmp_path}", "--config.run.name=short")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
