@@ -141,9 +141,28 @@ class Trainer:
         """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
 
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch as abstract arrays, for ahead-of-time compilation."""
+        shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
+        keys = ("inputs", "targets", "segment_ids", "positions")
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in keys}
 
-def build_trainer(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Trainer:
-    """Validate, make the mesh, create the sharded state and compile-ready steps (compiled on first call)."""
+    def compile_train_step(self):
+        """Compile the train step ahead of time (works on an abstract state): `.memory_analysis()`,
+        `.cost_analysis()` and `.as_text()` of the result tell what the step will cost."""
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        with jax.set_mesh(self.mesh):
+            return self.train_step.lower(state, self.batch_spec()).compile()
+
+
+def build_trainer(
+    cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, *, abstract: bool = False
+) -> Trainer:
+    """Validate, make the mesh, create the sharded state and the steps (compiled on first call).
+
+    With `abstract=True` the state holds only shapes and shardings (nothing is allocated), for
+    `compile_train_step` on recipes larger than this machine.
+    """
     config_lib.validate(cfg)
     devices = list(devices) if devices is not None else jax.devices()
     derived = config_lib.derive(cfg, len(devices))
@@ -156,7 +175,10 @@ def build_trainer(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] 
     model_cfg = dataclasses.replace(model_cfg, attention=impl)
     spec = train_state.model_spec(model_cfg)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
+    if abstract:
+        state, shardings, spec, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
+    else:
+        state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
         spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,

@@ -112,13 +112,23 @@ def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
                 )
 
 
-def create(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[TrainState, TrainState, ModelSpec]:
-    """Initialise the state directly into its shards: (state, its shardings, model spec)."""
+def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0):
+    """(abstract state whose leaves carry their shardings, the shardings, model spec, init function).
+
+    Nothing is allocated: this is what ahead-of-time compilation and memory planning need.
+    """
     spec = model_spec(cfg)
     init = init_fn(cfg, spec, tx, seed)
-    abstract = jax.eval_shape(init)
-    check_divisible(spec, abstract.params, mesh, rules)
-    shardings = state_shardings(abstract, spec, tx, mesh, rules)
+    shapes = jax.eval_shape(init)
+    check_divisible(spec, shapes.params, mesh, rules)
+    shardings = state_shardings(shapes, spec, tx, mesh, rules)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return abstract, shardings, spec, init
+
+
+def create(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[TrainState, TrainState, ModelSpec]:
+    """Initialise the state directly into its shards: (state, its shardings, model spec)."""
+    _, shardings, spec, init = abstract_state(cfg, tx, mesh, rules, seed)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return state, shardings, spec
