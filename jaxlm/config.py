@@ -70,7 +70,6 @@ def base_config() -> ml_collections.ConfigDict:
         steps=1000,  # optimizer steps
         log_every=10,
         eval_every=0,  # 0 = only at the end
-        eval_batches=4,
     )
     c.model = dict(
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
@@ -99,9 +98,16 @@ def base_config() -> ml_collections.ConfigDict:
         attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn
     )
     c.data = dict(
-        corpus="builtin",  # the Python standard library's source files, read at run time
+        # 'builtin' (the Python standard library's source files, read at run time, never downloaded),
+        # or files, directories and globs, comma-separated: .txt/.md (text), .jsonl[.gz], .parquet.
+        corpus="builtin",
+        format="auto",  # auto (by extension) | text | jsonl | parquet
+        text_field="text",  # jsonl field / parquet column with the text
+        separator="",  # text files: "" = one document per file, else split on it (e.g. "\n\n")
         builtin_max_bytes=8_000_000,
-        val_fraction=0.01,
+        tokenizer_path="",  # "" = train one on the corpus (cached in cache_dir), else a .model file
+        val_fraction=0.01,  # documents held out (by a hash of their text) for validation
+        val_tokens=65_536,  # the fixed held-out set: the first this-many validation tokens
         seq_len=seq_len,
         global_batch_size=32,  # sequences per optimizer step, over all devices
         tokenizer_type="bpe",  # bpe | unigram | char | byte
@@ -268,6 +274,7 @@ def _check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[st
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
+    from jaxlm.data import sources, tokenizer
     from jaxlm.models import transformer  # registries of variants and components
 
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
@@ -297,6 +304,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "a positive integer")
     _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a number in [0, 1)")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "0 or more")
+    _check(d.format in sources.FORMATS, "data.format", d.format, "one of " + ", ".join(sources.FORMATS))
+    _check(d.tokenizer_type in tokenizer.MODEL_TYPES, "data.tokenizer_type", d.tokenizer_type,
+           "one of " + ", ".join(tokenizer.MODEL_TYPES))
+    _check(d.val_tokens >= 0, "data.val_tokens", d.val_tokens, "0 (no evaluation) or more")
     _check(d.tokenizer_vocab_size == m.vocab_size, "data.tokenizer_vocab_size", d.tokenizer_vocab_size,
            f"equal to model.vocab_size={m.vocab_size}")
 

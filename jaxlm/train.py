@@ -40,14 +40,27 @@ class Data:
     train_tokens: int
 
 
-def load_data(cfg: ml_collections.ConfigDict) -> Data:
-    """Built-in corpus -> tokenizer (cached) -> tokens (cached) -> packed grain batches."""
+def load_tokenizer(cfg: ml_collections.ConfigDict, train_docs: Sequence[str]) -> tokenizer.Tokenizer:
+    """The configured .model file, or one trained on the training documents (cached by its inputs)."""
     d = cfg.data
-    if d.corpus != "builtin":
-        raise UserError(f"config.data.corpus={d.corpus!r}: only 'builtin' is supported so far")
-    docs = sources.builtin_corpus(d.builtin_max_bytes)
-    train_docs, val_docs = sources.split_train_val(docs, d.val_fraction, d.seed)
-    tok = tokenizer.get_or_train(d.cache_dir, train_docs, d.tokenizer_vocab_size, d.tokenizer_type)
+    if d.tokenizer_path:
+        tok = tokenizer.Tokenizer.load(d.tokenizer_path)
+    else:
+        tok = tokenizer.get_or_train(d.cache_dir, train_docs, d.tokenizer_vocab_size, d.tokenizer_type)
+    if tok.vocab_size != cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer {d.tokenizer_path or '(trained)'} has {tok.vocab_size} tokens but config.model.vocab_size="
+            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
+        )
+    return tok
+
+
+def load_data(cfg: ml_collections.ConfigDict) -> Data:
+    """Corpus -> tokenizer (cached) -> tokens (cached) -> packed grain batches and a fixed eval set."""
+    d = cfg.data
+    spec = sources.SourceSpec(d.corpus, d.format, d.text_field, d.separator, max_bytes=d.builtin_max_bytes)
+    train_docs, val_docs = sources.split_train_val(sources.load_documents(spec), d.val_fraction, d.seed)
+    tok = load_tokenizer(cfg, train_docs)
     train_tokens = pipeline.get_or_tokenize(d.cache_dir, tok, train_docs, "train")
     val_tokens = pipeline.get_or_tokenize(d.cache_dir, tok, val_docs, "val")
     per_process = d.global_batch_size // jax.process_count()
@@ -60,9 +73,12 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
         shard_count=jax.process_count(),
         num_workers=d.num_workers,
     )
-    eval_batches = pipeline.make_eval_batches(
-        val_tokens, seq_len=d.seq_len, batch_size=per_process, max_batches=cfg.run.eval_batches
-    ) if val_tokens else []
+    eval_batches = []
+    if val_tokens and d.val_tokens:
+        max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
+        eval_batches = pipeline.make_eval_batches(
+            val_tokens, seq_len=d.seq_len, batch_size=per_process, max_batches=max_batches
+        )
     return Data(
         train=iter(train_ds),
         eval_batches=eval_batches,
@@ -74,7 +90,7 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
 # ----------------------------------------------------------------------------- run directory and sinks
 
 
-def make_run_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
     """`output_dir/name` (default name: recipe and start time), refusing one that holds a run."""
     name = cfg.run.name or f"{cfg.run.recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = pathlib.Path(cfg.run.output_dir) / name
@@ -83,9 +99,12 @@ def make_run_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
             f"run directory {run_dir} already holds a run; choose another config.run.name (or leave it empty "
             f"for a timestamped one)"
         )
+    return run_dir
+
+
+def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
-    return run_dir
 
 
 class MetricsWriter:
@@ -255,9 +274,13 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> 
 
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Train as the config says; returns the summary (also written to summary.json)."""
-    run_dir = make_run_dir(cfg)
+    run_dir = run_dir_path(cfg)
+    t0 = time.time()
+    data = load_data(cfg)  # first: a bad path or corrupt file fails before any device work
+    console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({data.train_tokens:,} training tokens)")
     trainer = build_trainer(cfg)
     derived, model_cfg = trainer.derived, trainer.model_cfg
+    make_run_dir(run_dir, cfg)
     console(f"jaxlm: run directory {run_dir}")
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
@@ -266,15 +289,6 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
     )
-
-    t0 = time.time()
-    data = load_data(cfg)
-    if data.tokenizer.vocab_size != model_cfg.vocab_size:
-        raise UserError(
-            f"the tokenizer has {data.tokenizer.vocab_size} tokens but config.model.vocab_size="
-            f"{model_cfg.vocab_size}; make them equal"
-        )
-    console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({data.train_tokens:,} training tokens)")
     data.tokenizer.save(run_dir / "tokenizer.model")
 
     writer = MetricsWriter(run_dir / "metrics.jsonl")
@@ -330,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_lib.parse_cli(argv)
         config_lib.validate(cfg)  # before any device work
+        config_lib.derive(cfg, jax.device_count())  # the mesh and batch fit the devices
         run(cfg)
     except UserError as e:
         print(f"jaxlm: error: {e}", file=sys.stderr)

@@ -89,3 +89,16 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     again = run_cli("--config=configs/tiny.py", f"--config.run.output_dir={tmp_path}", "--config.run.name=short")
     assert again.returncode == 2 and "already holds a run" in again.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_bad_data_is_one_line_before_any_run_directory_is_made(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n')
+    for corpus, expected in [
+        (str(tmp_path / "missing" / "*.jsonl"), "no input files match"),
+        (str(bad), f"{bad}:2: not valid JSON"),
+    ]:
+        result = run_cli("--config=configs/tiny.py", f"--config.data.corpus={corpus}", f"--config.run.output_dir={tmp_path}/runs")
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -1,11 +1,159 @@
-"""Text corpora as lists of documents, and a deterministic train/validation split."""
+"""Where documents come from: text files, JSONL, Parquet, the built-in corpus; and the train/val split.
 
+A `SourceSpec` names the inputs (files, directories, globs) and how to read them. Every reader is a
+generator of documents in a fixed order, and every bad input is a `UserError` naming the file (and
+the line, where there is one) and what to do.
+"""
+
+import dataclasses
+import glob
+import gzip
 import hashlib
+import io
+import json
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from jaxlm.errors import UserError
+
+FORMATS = ("auto", "text", "jsonl", "parquet")
+_EXTENSIONS = {
+    ".txt": "text", ".md": "text", ".text": "text", ".py": "text",
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """Which documents to read: `paths` is 'builtin' or files, directories and globs, comma-separated."""
+
+    paths: str
+    format: str = "auto"  # auto (by file extension) | text | jsonl | parquet
+    text_field: str = "text"  # jsonl / parquet: the field or column holding the text
+    separator: str = ""  # text files: "" = one document per file, else split on this string (e.g. "\n\n")
+    max_bytes: int = 0  # builtin only: stop after this many UTF-8 bytes (0 = the whole standard library)
+
+
+def resolve_files(spec: SourceSpec) -> list[str]:
+    """The input files, sorted within each pattern; directories are walked. UserError if none match."""
+    if spec.format not in FORMATS:
+        raise UserError(f"data format {spec.format!r} is unknown; use one of {', '.join(FORMATS)}")
+    files: list[str] = []
+    for pattern in (p.strip() for p in spec.paths.split(",")):
+        if not pattern:
+            continue
+        expanded = os.path.expanduser(pattern)
+        if os.path.isdir(expanded):
+            matches = sorted(
+                os.path.join(root, name) for root, _, names in os.walk(expanded) for name in names
+                if spec.format != "auto" or _format_of(name, strict=False)
+            )
+        else:
+            matches = sorted(m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
+        if not matches:
+            raise UserError(f"no input files match {pattern!r}; check the path (globs like data/*.jsonl work)")
+        files.extend(m for m in matches if m not in files)
+    if not files:
+        raise UserError("no input paths given; set config.data.corpus to files, a directory or a glob")
+    return files
+
+
+def _format_of(path: str, strict: bool = True) -> str | None:
+    name = path[:-3] if path.endswith(".gz") else path
+    fmt = _EXTENSIONS.get(os.path.splitext(name)[1].lower())
+    if fmt is None and strict:
+        raise UserError(
+            f"cannot tell the format of {path} from its extension; set the format (text, jsonl or parquet)"
+        )
+    return fmt
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    opener = gzip.open if path.endswith(".gz") else open
+    return opener(path, "rt", encoding="utf-8", newline="")
+
+
+def read_file_documents(path: str, spec: SourceSpec) -> Iterator[str]:
+    """The documents of one file, in order. Empty documents are skipped."""
+    fmt = spec.format if spec.format != "auto" else _format_of(path)
+    try:
+        if fmt == "text":
+            yield from _read_text(path, spec.separator)
+        elif fmt == "jsonl":
+            yield from _read_jsonl(path, spec.text_field)
+        elif fmt == "parquet":
+            yield from _read_parquet(path, spec.text_field)
+        else:
+            raise UserError(f"data format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    except FileNotFoundError:
+        raise UserError(f"input file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+    except (EOFError, gzip.BadGzipFile, OSError) as e:
+        raise UserError(f"{path}: cannot be read ({e}); the file may be truncated or corrupt") from None
+
+
+def _read_text(path: str, separator: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        text = f.read()
+    for doc in (text.split(separator) if separator else [text]):
+        if doc.strip():
+            yield doc
+
+
+def _read_jsonl(path: str, field: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the line") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+                raise UserError(
+                    f"{path}:{line_no}: no field {field!r} (found: {keys}); set config.data.text_field"
+                )
+            text = record[field]
+            if not isinstance(text, str):
+                raise UserError(f"{path}:{line_no}: field {field!r} is a {type(text).__name__}, not text")
+            if text.strip():
+                yield text
+
+
+def _read_parquet(path: str, field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq  # only needed for Parquet inputs
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt files
+        raise UserError(f"{path}: not a readable Parquet file ({e}); the file may be truncated or corrupt") from None
+    names = parquet.schema_arrow.names
+    if field not in names:
+        raise UserError(f"{path}: no column {field!r} (found: {', '.join(names)}); set config.data.text_field")
+    for batch in parquet.iter_batches(columns=[field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None and text.strip():
+                yield text
+
+
+def iter_documents(spec: SourceSpec) -> Iterator[str]:
+    """Every document of the spec, files in order."""
+    if spec.paths == "builtin":
+        yield from builtin_corpus(spec.max_bytes or 10**12)
+        return
+    for path in resolve_files(spec):
+        yield from read_file_documents(path, spec)
+
+
+def load_documents(spec: SourceSpec) -> list[str]:
+    docs = list(iter_documents(spec))
+    if not docs:
+        raise UserError(f"the corpus {spec.paths!r} holds no documents (every file is empty); give non-empty text")
+    return docs
 
 # Tests and IDE/2to3 fixtures are repetitive or unusual Python: keep the default corpus to real library code.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
@@ -50,6 +198,11 @@ def _unit_hash(text: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
+def is_validation(doc: str, val_fraction: float, seed: int) -> bool:
+    """Whether a document belongs to the validation split: a hash of its text, not its position."""
+    return _unit_hash(doc, seed) < val_fraction
+
+
 def split_train_val(docs: Sequence[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
     """Split documents by a hash of their text, so the split survives reordering and appending.
 
@@ -60,7 +213,7 @@ def split_train_val(docs: Sequence[str], val_fraction: float, seed: int) -> tupl
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     scores = [_unit_hash(doc, seed) for doc in docs]
-    is_val = [score < val_fraction for score in scores]
+    is_val = [score < val_fraction for score in scores]  # the same rule as is_validation
     if val_fraction > 0 and len(set(scores)) >= 2:
         lowest, highest = min(scores), max(scores)
         if not any(is_val):

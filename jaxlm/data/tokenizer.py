@@ -39,7 +39,7 @@ def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> None:
 
 def _check_model_type(model_type: str) -> None:
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"tokenizer model_type must be one of {', '.join(MODEL_TYPES)}; got {model_type!r}")
+        raise UserError(f"tokenizer model_type must be one of {', '.join(MODEL_TYPES)}; got {model_type!r}")
 
 
 def _training_lines(texts: Iterable[str]) -> Iterator[str]:
@@ -106,10 +106,10 @@ class Tokenizer:
         _check_model_type(model_type)
         if model_type == "byte":
             if vocab_size < BYTE_VOCAB_SIZE:
-                raise ValueError(f"a byte tokenizer needs vocab_size >= {BYTE_VOCAB_SIZE}; got {vocab_size}")
+                raise UserError(f"a byte tokenizer needs vocab_size >= {BYTE_VOCAB_SIZE}; got {vocab_size}")
             return cls(_byte_model_proto(vocab_size))
         if vocab_size <= BYTE_VOCAB_SIZE:
-            raise ValueError(
+            raise UserError(
                 f"a {model_type} tokenizer needs vocab_size > {BYTE_VOCAB_SIZE} (4 specials + 256 byte pieces"
                 f" + its own pieces); got {vocab_size}"
             )
@@ -178,6 +178,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` with special and unused ids dropped."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < len(self._dropped)]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside this tokenizer's vocabulary (0..{len(self._dropped) - 1})")
         return self._sp.decode([i for i in ids if not self._dropped[i]])
 
 
@@ -194,3 +198,63 @@ def get_or_train(
     tokenizer = Tokenizer.train(docs, vocab_size, model_type)
     tokenizer.save(path)
     return tokenizer
+
+
+def _take_bytes(docs: Iterable[str], max_bytes: int) -> list[str]:
+    """Documents from the start of `docs` until `max_bytes` UTF-8 bytes are collected."""
+    taken, total = [], 0
+    for doc in docs:
+        taken.append(doc)
+        total += len(doc.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    return taken
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
+    import argparse
+    import sys
+
+    from jaxlm.data.sources import SourceSpec, iter_documents
+
+    parser = argparse.ArgumentParser(prog="python -m jaxlm.data.tokenizer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a tokenizer on a corpus and write its .model file")
+    train.add_argument("--input", required=True, help="'builtin', or files, directories, globs (comma-separated)")
+    train.add_argument("--format", default="auto", help="auto | text | jsonl | parquet")
+    train.add_argument("--text_field", default="text", help="the JSONL field / Parquet column with the text")
+    train.add_argument("--separator", default="", help="text files: split documents on this string")
+    train.add_argument("--vocab_size", type=int, required=True)
+    train.add_argument("--model_type", default="bpe", choices=MODEL_TYPES)
+    train.add_argument("--max_bytes", type=int, default=100_000_000, help="train on the first N bytes of the corpus")
+    train.add_argument("--output", required=True, help="path of the .model file to write")
+    encode = commands.add_parser("encode", help="print the ids of a text")
+    encode.add_argument("--model", required=True)
+    encode.add_argument("text")
+    decode = commands.add_parser("decode", help="print the text of space-separated ids")
+    decode.add_argument("--model", required=True)
+    decode.add_argument("ids", nargs="+", type=int)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            spec = SourceSpec(args.input, args.format, args.text_field, args.separator, max_bytes=args.max_bytes)
+            docs = _take_bytes(iter_documents(spec), args.max_bytes)
+            if not docs:
+                raise UserError(f"the corpus {args.input!r} holds no documents; give non-empty text")
+            tok = Tokenizer.train(docs, args.vocab_size, args.model_type)
+            tok.save(args.output)
+            print(f"wrote {args.output}: {args.model_type}, {tok.vocab_size} tokens, sha256 {tok.sha256[:16]}, "
+                  f"trained on {len(docs)} documents")
+        elif args.command == "encode":
+            print(" ".join(map(str, Tokenizer.load(args.model).encode([args.text], add_bos=False, add_eos=False)[0])))
+        else:
+            print(Tokenizer.load(args.model).decode(args.ids))
+    except UserError as e:
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
