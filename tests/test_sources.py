@@ -48,6 +48,20 @@ def test_comma_separated_globs_keep_their_order_and_skip_repeats(tmp_path):
     assert load_documents(spec) == ["y", "x"]
 
 
+def test_a_local_hugging_face_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")  # in the dev extra; optional for users
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    datasets.Dataset.from_dict({"text": DOCS, "n": [1, 2, 3]}).save_to_disk(str(tmp_path / "one"))
+    assert load_documents(SourceSpec(str(tmp_path / "one"), format="hf")) == DOCS
+    split = datasets.Dataset.from_dict({"body": DOCS[:1]})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dict"))
+    assert load_documents(SourceSpec(str(tmp_path / "dict"), format="hf", text_field="body")) == DOCS[:1]
+    with pytest.raises(UserError, match="no column 'text'"):
+        load_documents(SourceSpec(str(tmp_path / "dict"), format="hf"))
+    with pytest.raises(UserError, match="not a dataset saved with save_to_disk"):
+        load_documents(SourceSpec(str(tmp_path), format="hf"))
+
+
 def test_builtin_corpus_is_a_source():
     docs = list(iter_documents(SourceSpec("builtin", max_bytes=100_000)))
     assert docs and sum(len(d.encode()) for d in docs) >= 100_000

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 from jaxlm.errors import UserError
 
-FORMATS = ("auto", "text", "jsonl", "parquet")
+FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 _EXTENSIONS = {
     ".txt": "text", ".md": "text", ".text": "text", ".py": "text",
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
@@ -30,8 +30,8 @@ class SourceSpec:
     """Which documents to read: `paths` is 'builtin' or files, directories and globs, comma-separated."""
 
     paths: str
-    format: str = "auto"  # auto (by file extension) | text | jsonl | parquet
-    text_field: str = "text"  # jsonl / parquet: the field or column holding the text
+    format: str = "auto"  # auto (by file extension) | text | jsonl | parquet | hf (a `save_to_disk` folder)
+    text_field: str = "text"  # jsonl / parquet / hf: the field or column holding the text
     separator: str = ""  # text files: "" = one document per file, else split on this string (e.g. "\n\n")
     max_bytes: int = 0  # builtin only: stop after this many UTF-8 bytes (0 = the whole standard library)
 
@@ -45,7 +45,9 @@ def resolve_files(spec: SourceSpec) -> list[str]:
         if not pattern:
             continue
         expanded = os.path.expanduser(pattern)
-        if os.path.isdir(expanded):
+        if spec.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
+            matches = [expanded] if os.path.isdir(expanded) else []
+        elif os.path.isdir(expanded):
             matches = sorted(
                 os.path.join(root, name) for root, _, names in os.walk(expanded) for name in names
                 if spec.format != "auto" or _format_of(name, strict=False)
@@ -85,6 +87,8 @@ def read_file_documents(path: str, spec: SourceSpec) -> Iterator[str]:
             yield from _read_jsonl(path, spec.text_field)
         elif fmt == "parquet":
             yield from _read_parquet(path, spec.text_field)
+        elif fmt == "hf":
+            yield from _read_hf(path, spec.text_field)
         else:
             raise UserError(f"data format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     except FileNotFoundError:
@@ -138,6 +142,29 @@ def _read_parquet(path: str, field: str) -> Iterator[str]:
         for text in batch.column(0).to_pylist():
             if text is not None and text.strip():
                 yield text
+
+
+def _read_hf(path: str, field: str) -> Iterator[str]:
+    """A local Hugging Face dataset (`save_to_disk`); of a DatasetDict, its 'train' split."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("format 'hf' needs the Hugging Face datasets package: pip install datasets") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except FileNotFoundError as e:
+        raise UserError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise UserError(f"{path}: a DatasetDict without a 'train' split (found: {', '.join(dataset)})")
+        dataset = dataset["train"]
+    if field not in dataset.column_names:
+        raise UserError(
+            f"{path}: no column {field!r} (found: {', '.join(dataset.column_names)}); set config.data.text_field"
+        )
+    for text in dataset.select_columns([field]).to_iterable_dataset():
+        if text[field] and text[field].strip():
+            yield text[field]
 
 
 def iter_documents(spec: SourceSpec) -> Iterator[str]:
