@@ -130,6 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
         clip_norm=1.0,  # global-norm clipping; 0 = off
         micro_batches=1,  # gradient accumulation: global batch split into this many, scanned
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
+        on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
     )
     c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
     c.mesh.rules = default_rules()
@@ -322,6 +323,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "0 or more")
     _check(o.clip_norm >= 0, "optim.clip_norm", o.clip_norm, "0 (off) or more")
     _check(o.z_loss >= 0, "optim.z_loss", o.z_loss, "0 (off) or more")
+    _check(o.on_nonfinite in ("skip", "stop"), "optim.on_nonfinite", o.on_nonfinite, "'skip' or 'stop'")
     _check(o.micro_batches > 0, "optim.micro_batches", o.micro_batches, "a positive integer")
     _check(d.global_batch_size % o.micro_batches == 0, "optim.micro_batches", o.micro_batches,
            f"a divisor of data.global_batch_size={d.global_batch_size}")

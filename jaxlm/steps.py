@@ -87,13 +87,20 @@ def make_train_step(
                 loss_sum, tokens, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
             denom = jnp.maximum(tokens, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
+            loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            # A non-finite loss or gradient never reaches the state: the update is dropped (the
+            # select fuses into the elementwise optimizer update), and the host applies the policy.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         metrics = {
-            "loss": loss_sum / denom,
-            "grad_norm": optax.tree.norm(grads),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "tokens": tokens,
+            "skipped": (~finite).astype(jnp.int32),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics

@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import pathlib
 import sys
@@ -212,6 +211,17 @@ def build_trainer(
 
 
 
+class NonFiniteError(Exception):
+    """A step's loss or gradient norm was not finite (its update was not applied) under policy 'stop'."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        super().__init__(
+            f"step {step}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite; the update was not applied. "
+            f"Lower config.optim.peak_lr, raise warmup_steps or clip_norm, or set config.optim.on_nonfinite=skip"
+        )
+        self.step = step
+
+
 class StepLog:
     """Turns each step's metrics into a JSONL record and, every `log_every` steps, a console line.
 
@@ -219,9 +229,10 @@ class StepLog:
     waits for a step that is finished or nearly, never for the one just queued.
     """
 
-    def __init__(self, writer: MetricsWriter, tokens_per_step: int, total_steps: int, log_every: int):
+    def __init__(self, writer: MetricsWriter, tokens_per_step: int, total_steps: int, log_every: int, on_nonfinite: str):
         self.writer, self.tokens_per_step = writer, tokens_per_step
-        self.total_steps, self.log_every = total_steps, log_every
+        self.total_steps, self.log_every, self.on_nonfinite = total_steps, log_every, on_nonfinite
+        self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
@@ -251,10 +262,11 @@ class StepLog:
                 f"grad norm {values['grad_norm']:.3f} | {self.tokens_per_step / mean_step_s:,.0f} tok/s | "
                 f"{mean_step_s:.3f} s/step | ETA {_duration((self.total_steps - step) * mean_step_s)}"
             )
-        if not math.isfinite(values["loss"]):
-            raise UserError(
-                f"the loss became {values['loss']} at step {step}; lower config.optim.peak_lr or raise warmup_steps"
-            )
+        if values["skipped"]:
+            self.skipped_steps.append(step)
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(step, values["loss"], values["grad_norm"])
+            console(f"step {step:>6}/{self.total_steps} | skipped: loss {values['loss']}, grad norm {values['grad_norm']}")
 
     def pause(self) -> None:
         """Call after work outside the train step (evaluation) so it is not counted as step time."""
@@ -293,26 +305,34 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     total_steps = cfg.run.steps
-    log = StepLog(writer, derived.tokens_per_step, total_steps, cfg.run.log_every)
+    log = StepLog(writer, derived.tokens_per_step, total_steps, cfg.run.log_every, cfg.optim.on_nonfinite)
     state, pending, val_loss = trainer.state, None, None
-    with jax.set_mesh(trainer.mesh):
-        for step in range(1, total_steps + 1):
-            state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
-            if pending:
-                log.record(*pending)
-            pending = (step, metrics)
-            if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
-                log.record(*pending)
-                pending = None
-                val_loss = evaluate(trainer, state.params, data.eval_batches)
-                log.pause()
-                if val_loss is not None:
-                    writer.write({"step": step, "val_loss": val_loss})
-                    console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
-    if hasattr(data.train, "close"):
-        data.train.close()  # stops grain's worker processes
+    try:
+        with jax.set_mesh(trainer.mesh):
+            for step in range(1, total_steps + 1):
+                state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
+                if pending:
+                    log.record(*pending)
+                pending = (step, metrics)
+                if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
+                    log.record(*pending)
+                    pending = None
+                    val_loss = evaluate(trainer, state.params, data.eval_batches)
+                    log.pause()
+                    if val_loss is not None:
+                        writer.write({"step": step, "val_loss": val_loss})
+                        console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
+    except NonFiniteError as e:
+        # The state never took the non-finite update: it is the last good one, so keep it.
+        e.checkpoint_dir = checkpoint.save_final(
+            run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256
+        )
+        raise
+    finally:
+        writer.close()
+        if hasattr(data.train, "close"):
+            data.train.close()  # stops grain's worker processes
     ckpt_dir = checkpoint.save_final(run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256)
-    writer.close()
 
     elapsed = time.time() - log.start
     summary = {
@@ -323,6 +343,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         "tokens_seen": total_steps * derived.tokens_per_step,
         "tokens_per_s": log.tokens_per_s,
         "compile_s": log.compile_s,
+        "skipped_steps": log.skipped_steps,
         "train_s": elapsed,
         "run_dir": str(run_dir),
         "checkpoint_dir": str(ckpt_dir),
@@ -349,6 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"jaxlm: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"jaxlm: stopped: {e}; last good state saved in {e.checkpoint_dir}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("jaxlm: interrupted", file=sys.stderr)
         return 130

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -102,3 +104,30 @@ def test_bad_data_is_one_line_before_any_run_directory_is_made(tmp_path):
         assert result.returncode == 2 and expected in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_diverging_run_follows_the_non_finite_policy(tmp_path, policy):
+    """A learning rate of 1e9 makes the loss non-finite within a few steps."""
+    result = run_cli(
+        "--config=configs/tiny.py", f"--config.run.output_dir={tmp_path}", "--config.run.name=nan",
+        "--config.run.steps=12", "--config.run.eval_every=0", "--config.optim.peak_lr=1e9", "--config.optim.warmup_steps=0",
+        "--config.optim.clip_norm=0", f"--config.optim.on_nonfinite={policy}", "--config.data.builtin_max_bytes=400000",
+        "--config.model.vocab_size=512", f"--config.data.cache_dir={tmp_path / 'cache'}",
+    )
+    run_dir = tmp_path / "nan"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    assert skipped, records
+    if policy == "stop":
+        assert result.returncode == 3, result.stderr[-2000:]
+        assert f"step {skipped[0]}: the loss" in result.stderr and "last good state saved in" in result.stderr
+        assert "Traceback" not in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads((run_dir / "summary.json").read_text())["skipped_steps"] == skipped
+    import orbax.checkpoint as ocp  # the saved state holds no NaN
+
+    step_dirs = sorted((run_dir / "checkpoints").iterdir())
+    restored = ocp.StandardCheckpointer().restore((step_dirs[-1] / "state").absolute())
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored["params"]))

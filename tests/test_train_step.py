@@ -143,3 +143,30 @@ def test_learning_rate_metric_follows_the_schedule():
             state, metrics = step(state, _put(batch, batch_sharding))
             lrs.append(float(metrics["lr"]))
     np.testing.assert_allclose(lrs[:4], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-5)
+
+
+def test_a_non_finite_loss_never_reaches_the_state():
+    """An infinite loss (injected through z_loss) drops the update and flags the step."""
+    model_cfg = small_config()
+    batch = random_batch(4, 32, 96)
+    cfg = config.recipe("tiny")
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    spec = train_state.model_spec(model_cfg)
+    tx, schedule = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    mesh = mesh_lib.make_mesh((2, 2, 2))
+    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules)
+    sharding = mesh_lib.batch_sharding(mesh, rules)
+    before = jax.device_get((state.params, state.opt_state))
+    for z_loss, skipped in ((float("inf"), 1), (0.0, 0)):
+        step = steps.compile_train_step(
+            steps.make_train_step(spec, tx, schedule, z_loss=z_loss, rules=rules), shardings, sharding
+        )
+        with jax.set_mesh(mesh):
+            state, metrics = step(state, _put(batch, sharding))
+        assert int(metrics["skipped"]) == skipped
+        if skipped:
+            assert not np.isfinite(float(metrics["loss"]))
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get((state.params, state.opt_state)), before)
+    assert int(state.step) == 2
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+    assert not np.array_equal(jax.device_get(state.params)["unembed"], before[0]["unembed"])  # the finite step applied
