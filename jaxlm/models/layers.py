@@ -176,10 +176,17 @@ class Embed(nnx.Module):
         self.embedding = make_param(rngs, normal(init_std), (vocab_size, dim), ("vocab", "embed"), param_dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        # Gather from the whole table in the compute dtype, as FSDP gathers every weight before use:
+        # a gather from a vocab- and fsdp-sharded table makes XLA replicate it the slow way.
+        return jnp.take(gathered(self.embedding[...].astype(self.dtype)), ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
+
+
+def gathered(table: jax.Array) -> jax.Array:
+    """A lookup table constrained to be whole on every device (rows replicated, width as activations)."""
+    return constrain(table, (None, "act_embed"))
 
 
 def residual_init_std(init_std: float, n_layers: int) -> float:

@@ -183,7 +183,7 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed(tokens)  # [B, T, D]
         if cfg.position == "learned":
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(cfg.dtype)
+            x = x + jnp.take(layers.gathered(self.pos_embed[...].astype(cfg.dtype)), positions, axis=0)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         keys = None
         if dropout_key is not None and cfg.dropout > 0:
