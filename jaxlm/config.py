@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
         steps=1000,  # optimizer steps
         log_every=10,
         eval_every=0,  # 0 = only at the end
+        peak_flops=0.0,  # peak FLOP/s of one device for MFU; 0 = from the table of known devices
     )
     c.model = dict(
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
@@ -330,6 +331,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
     _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")
+    _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")
     _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
 
     sizes = [cfg.mesh[a] for a in MESH_AXES]

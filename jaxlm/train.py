@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxlm import checkpoint, optim, steps, train_state
 from jaxlm import config as config_lib
+from jaxlm import metrics as metrics_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.data import pipeline, sources, tokenizer
 from jaxlm.errors import UserError
@@ -106,21 +107,22 @@ def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict) -> None:
     (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
 
 
-class MetricsWriter:
-    """Appends one JSON object per line; only process 0 writes."""
+class Sinks:
+    """Where metrics go: metrics.jsonl and TensorBoard files in the run directory; only process 0 writes."""
 
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self._file = open(path, "a") if jax.process_index() == 0 else None
+    def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict):
+        self.sinks = []
+        if jax.process_index() == 0:
+            self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), metrics_lib.TensorBoardSink(run_dir / "tensorboard")]
+            self.sinks[1].text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(step, values)
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _duration(seconds: float) -> str:
@@ -229,9 +231,13 @@ class StepLog:
     waits for a step that is finished or nearly, never for the one just queued.
     """
 
-    def __init__(self, writer: MetricsWriter, tokens_per_step: int, total_steps: int, log_every: int, on_nonfinite: str):
-        self.writer, self.tokens_per_step = writer, tokens_per_step
-        self.total_steps, self.log_every, self.on_nonfinite = total_steps, log_every, on_nonfinite
+    def __init__(self, sinks: Sinks, trainer: "Trainer"):
+        cfg = trainer.cfg
+        self.sinks, self.tokens_per_step = sinks, trainer.derived.tokens_per_step
+        self.total_steps, self.log_every, self.on_nonfinite = cfg.run.steps, cfg.run.log_every, cfg.optim.on_nonfinite
+        self.flops_per_token = transformer.flops_per_token(trainer.model_cfg, cfg.data.seq_len)
+        self.devices = list(trainer.mesh.devices.flat)
+        self.peak_flops = metrics_lib.peak_flops(self.devices[0].device_kind, cfg.run.peak_flops)
         self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
@@ -251,15 +257,28 @@ class StepLog:
         else:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
         self.losses.append(values["loss"])
-        self.writer.write(
-            {"step": step, **values, "tokens_seen": step * self.tokens_per_step, "step_time_s": step_s,
-             "tokens_per_s": self.tokens_per_step / step_s, "wall_s": now - self.start}
+        tokens_per_s = self.tokens_per_step / step_s
+        values.update(
+            tokens_seen=step * self.tokens_per_step,
+            step_time_s=step_s,
+            tokens_per_s=tokens_per_s,
+            model_tflops_per_device=self.flops_per_token * tokens_per_s / len(self.devices) / 1e12,
+            wall_s=now - self.start,
         )
+        util = metrics_lib.mfu(self.flops_per_token, tokens_per_s, len(self.devices), self.peak_flops)
+        if util is not None:
+            values["mfu"] = util
+        values.update(metrics_lib.device_memory(self.devices[0]) or {})
+        self.sinks.write(step, values)
         if step % self.log_every == 0 or step == self.total_steps:
             mean_step_s = self.timed_s / self.timed_steps if self.timed_steps else step_s
+            mean_rate = self.tokens_per_step / mean_step_s
+            mean_mfu = metrics_lib.mfu(self.flops_per_token, mean_rate, len(self.devices), self.peak_flops)
+            memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
             console(
                 f"step {step:>6}/{self.total_steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
-                f"grad norm {values['grad_norm']:.3f} | {self.tokens_per_step / mean_step_s:,.0f} tok/s | "
+                f"grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
+                f"MFU {'n/a' if mean_mfu is None else f'{100 * mean_mfu:.1f}%'}{memory} | "
                 f"{mean_step_s:.3f} s/step | ETA {_duration((self.total_steps - step) * mean_step_s)}"
             )
         if values["skipped"]:
@@ -303,9 +322,9 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     )
     data.tokenizer.save(run_dir / "tokenizer.model")
 
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    sinks = Sinks(run_dir, cfg)
     total_steps = cfg.run.steps
-    log = StepLog(writer, derived.tokens_per_step, total_steps, cfg.run.log_every, cfg.optim.on_nonfinite)
+    log = StepLog(sinks, trainer)
     state, pending, val_loss = trainer.state, None, None
     try:
         with jax.set_mesh(trainer.mesh):
@@ -320,7 +339,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                     val_loss = evaluate(trainer, state.params, data.eval_batches)
                     log.pause()
                     if val_loss is not None:
-                        writer.write({"step": step, "val_loss": val_loss})
+                        sinks.write(step, {"val_loss": val_loss})
                         console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
     except NonFiniteError as e:
         # The state never took the non-finite update: it is the last good one, so keep it.
@@ -329,7 +348,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         )
         raise
     finally:
-        writer.close()
+        sinks.close()
         if hasattr(data.train, "close"):
             data.train.close()  # stops grain's worker processes
     ckpt_dir = checkpoint.save_final(run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256)

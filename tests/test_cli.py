@@ -85,6 +85,13 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     assert (run_dir / "checkpoints" / "30" / "state").is_dir()
     assert (run_dir / "tokenizer.model").is_file()
     assert "jaxlm: done: 30 steps" in result.stdout
+    assert all(r["model_tflops_per_device"] > 0 and "mfu" not in r for r in train)  # CPU: MFU unknown
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in train]
+    assert [e.step for e in events.Scalars("val_loss")] == [15, 30]
 
     # The same run name again is refused, and the first run's files stay as they were.
     before = (run_dir / "metrics.jsonl").read_bytes()

@@ -1,0 +1,114 @@
+"""What a run reports: model FLOP/s and MFU against the device's peak, device memory, and the sinks.
+
+MFU counts the model's FLOPs the way `jaxlm.models.transformer.flops_per_token` defines them (all
+matmuls of forward and backward, causal attention, no rematerialization) against the dense bf16
+peak of the device kind. An unknown device gives MFU as None (unknown), never a guessed number.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+
+# Dense bf16 peak FLOP/s per device, by a substring of `jax.Device.device_kind` (first match wins,
+# so the more specific names come first). Vendor datasheet figures without sparsity.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM (device_kind "NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),  # v6e (Trillium)
+    ("TPU v6e", 918e12),
+)
+
+
+def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the override if positive, else the table; None when unknown."""
+    if override > 0:
+        return override
+    for name, flops in PEAK_BF16_FLOPS:
+        if name.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak."""
+    if peak is None or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / num_devices / peak
+
+
+def device_memory(device: jax.Device) -> dict[str, int] | None:
+    """Bytes in use and peak on one device, where the backend reports them (GPU/TPU; not CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats:
+        return None
+    return {
+        "memory_bytes": int(stats.get("bytes_in_use", 0)),
+        "peak_memory_bytes": int(stats.get("peak_bytes_in_use", 0)),
+        "memory_limit_bytes": int(stats.get("bytes_limit", 0)),
+    }
+
+
+class JsonlSink:
+    """One JSON object per line, appended and flushed so a crash loses at most the line being written."""
+
+    def __init__(self, path: pathlib.Path):
+        self._file = open(path, "a")
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars and text in TensorBoard event files (readable by TensorBoard's own reader)."""
+
+    def __init__(self, logdir: pathlib.Path):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(logdir))
+
+    def _emit(self, step: int, value) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value]))
+        self._writer.add_event(event)
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        from tensorboard.compat.proto import summary_pb2
+
+        for tag, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._emit(step, summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
+        self._writer.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING, string_val=[text.encode()], tensor_shape=tensor_shape_pb2.TensorShapeProto()
+        )
+        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        self._emit(step, summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,48 @@
+"""MFU against known device peaks, device memory, and TensorBoard files read back by TensorBoard itself."""
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jaxlm import metrics
+
+
+@pytest.mark.parametrize(
+    "kind, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("TPU v5 lite", 197e12),
+        ("cpu", None),
+        ("Some Future Accelerator", None),
+    ],
+)
+def test_peak_flops_by_device_kind_and_unknown_is_none(kind, peak):
+    assert metrics.peak_flops(kind) == peak
+
+
+def test_mfu_is_model_flops_per_device_over_peak():
+    # 1e9 FLOPs/token at 989e3 tokens/s over 2 devices = 494.5 TFLOP/s per device = 50% of 989.
+    assert metrics.mfu(1e9, 989e3, 2, 989e12) == pytest.approx(0.5)
+    assert metrics.mfu(1e9, 989e3, 2, None) is None
+    assert metrics.peak_flops("cpu", override=1e12) == 1e12
+
+
+def test_cpu_reports_no_device_memory():
+    import jax
+
+    assert metrics.device_memory(jax.devices("cpu")[0]) is None
+
+
+def test_tensorboard_scalars_and_text_read_back(tmp_path):
+    sink = metrics.TensorBoardSink(tmp_path)
+    sink.text(0, "config", "lr = 3e-4")
+    for step in range(1, 4):
+        sink.write(step, {"loss": 10.0 / step, "note": "not a number", "flag": True})
+    sink.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 10.0), (2, 5.0), (3, pytest.approx(10 / 3))]
+    assert set(events.Tags()["scalars"]) == {"loss"}
+    assert events.Tensors("config")[0].tensor_proto.string_val == [b"lr = 3e-4"]
