@@ -1,44 +1,215 @@
-"""Orbax checkpoints of the train state.
+"""Orbax checkpoints: periodic asynchronous saves, exact resume, restoring onto any mesh.
 
-For now: the final save at the end of a run (state + metadata), written with Orbax's
-CheckpointManager so that periodic asynchronous saves and exact resume can build on the same
-layout: `<run>/checkpoints/<step>/{state, meta}`.
+Layout: `<directory>/<step>/{state, meta, data}`: the train state (StandardSave, each process
+writing its own shards), JSON metadata (config, tokenizer, progress, versions) and the grain
+iterator's position (one small JSON file per process).
+
+A checkpoint counts only once complete. Orbax writes a step into `<step>.orbax-checkpoint-tmp`
+and renames it to `<step>` when every item is committed (on object stores, which cannot rename,
+it writes `commit_success.txt` last instead); `all_steps` lists only what Orbax itself accepts as
+finalized, so a save killed half-way is never picked. A complete checkpoint can still be damaged
+later (a truncated file): `restore` then falls back to the one before and deletes nothing, so the
+damaged files are there to inspect.
 """
 
 from __future__ import annotations
 
-import pathlib
+import importlib.metadata
+import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
+import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxlm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_VERSIONS = {"jax": "jax", "flax": "flax", "orbax": "orbax-checkpoint", "grain": "grain", "jaxlm": "jaxlm"}
 
 
-def save_final(directory: pathlib.Path, state, cfg: ml_collections.ConfigDict, **meta: Any) -> pathlib.Path:
-    """Save `state` at its step with the config and `meta`; returns the step's directory."""
-    directory = pathlib.Path(directory).absolute()
+def versions() -> dict[str, str]:
+    """Versions of the libraries that wrote a checkpoint, to explain a later failure to read it."""
+    return {name: importlib.metadata.version(dist) for name, dist in _VERSIONS.items()}
+
+
+class Checkpointer:
+    """Orbax CheckpointManager wrapper: <dir>/<step>/{state, meta, data}.
+
+    Saves are asynchronous: `save` returns once the arrays are copied off the devices (the train
+    step may then donate them) and the files are written in the background. Retention keeps the
+    newest `keep_last` checkpoints plus, permanently, every step that is a multiple of `keep_every`;
+    older ones are deleted only after a newer save has committed.
+    """
+
+    def __init__(
+        self,
+        directory,
+        *,
+        every_steps: int = 0,
+        every_minutes: float = 0.0,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.directory = epath.Path(directory).absolute()
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self._clock = clock
+        self._last_save = clock()
+        keep = [ocp.checkpoint_managers.LatestN(keep_last)]
+        if keep_every:
+            keep.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def should_save(self, step: int) -> bool:
+        """Whether `step` is due: a multiple of `every_steps`, or `every_minutes` since the last save.
+
+        With several processes the clock of process 0 decides, so that all of them save together.
+        """
+        due = bool(self.every_steps) and step % self.every_steps == 0
+        if self.every_minutes and not due:
+            due = self._clock() - self._last_save >= 60 * self.every_minutes
+            if jax.process_count() > 1:
+                due = bool(multihost_utils.broadcast_one_to_all(due))
+        return due
+
+    def save(self, step: int, state, *, meta: dict, data_iter=None, force: bool = False) -> bool:
+        """Start saving `state` (and `data_iter`'s position) as `step` when due or forced.
+
+        Returns whether a save started. A step already on disk is never overwritten. `meta` must be
+        JSON-serializable; the step, the save time and library versions are added to it.
+        """
+        if not (force or self.should_save(step)):
+            return False
+        if step in self._manager.all_steps():
+            log.warning("checkpoint %s already exists; not overwriting it", self.directory / str(step))
+            return False
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave({**meta, "step": step, "saved_at": time.time(), "versions": versions()}),
+        }
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iter)  # its state is read before save returns
+        started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._last_save = self._clock()
+        return started
+
+    def wait(self) -> None:
+        """Block until the pending save is committed on disk (and old checkpoints are pruned)."""
+        self._manager.wait_until_finished()  # raises what the background write raised
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, ascending (never one still being written)."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, target, *, step: int | None = None, data_iter=None) -> tuple[Any, dict, int]:
+        """(state, meta, step) from checkpoint `step`, or from the newest one that loads.
+
+        `target` is an abstract state (ShapeDtypeStructs with shardings): each process reads only
+        the shards its devices hold, in the target's layout, whatever mesh saved them. `data_iter`,
+        if given, is set in place to the saved position when the checkpoint has one.
+        """
+
+        def load(s: int):
+            items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
+            if data_iter is not None and (self.directory / str(s) / "data").exists():
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            restored = self._manager.restore(s, args=ocp.args.Composite(**items))
+            return restored["state"], restored["meta"]
+
+        (state, meta), step = _first_loadable(self.directory, self.all_steps(), step, load)
+        return state, meta, step
+
+    def read_meta(self, step: int | None = None) -> dict:
+        """Only the JSON metadata of checkpoint `step` (default: the newest complete one)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise UserError(f"no complete checkpoint in {self.directory}")
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def close(self) -> None:
+        """Finish the pending save and release Orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_params(directory, target_params, *, step: int | None = None, dtype=None):
+    """Only the model parameters (no optimizer state), onto `target_params` (abstract, with shardings,
+    any mesh), cast to `dtype` if given: for evaluation, sampling and fine-tuning.
+
+    The cast happens as each shard is read, so no float32 copy of the model is ever on the devices.
+    """
+    directory = epath.Path(directory).absolute()
+    if dtype is not None:
+        target_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), target_params
+        )
+    item = {"params": target_params}
+    args = ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
+    )
+    steps = sorted(ocp.path.step.checkpoint_steps(directory))
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as manager:
+        params, _ = _first_loadable(directory, steps, step, lambda s: manager.restore(s, args=args)["state"]["params"])
+    return params
+
+
+def _first_loadable(directory: epath.Path, steps: list[int], step: int | None, load: Callable[[int], Any]):
+    """(load(step), step), or, with no step asked for, that of the newest of `steps` that loads.
+
+    A checkpoint that fails to load is reported and skipped, never deleted.
+    """
+    if step is not None and step not in steps:
+        raise UserError(f"no complete checkpoint for step {step} in {directory} (complete: {steps or 'none'})")
+    candidates = [step] if step is not None else steps[::-1]
+    if not candidates:
+        raise UserError(f"no complete checkpoint in {directory}")
+    errors = []
+    for s in candidates:
+        try:
+            loaded = load(s)
+        except Exception as e:  # noqa: BLE001 -- truncated files, bad JSON, tensorstore errors, ...
+            errors.append(f"step {s}: {_one_line(e)}")
+            log.warning("checkpoint %s could not be restored (%s)", directory / str(s), _one_line(e))
+            continue
+        return loaded, s
+    raise UserError(f"no checkpoint in {directory} could be restored; {'; '.join(errors)}")
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def save_final(directory, state, cfg: ml_collections.ConfigDict, **meta: Any) -> epath.Path:
+    """Save `state` at its step with the config and `meta`, synchronously; returns the step's directory.
+
+    The end-of-run save the training loop uses until it drives a `Checkpointer` itself.
+    """
     step = int(jax.device_get(state.step))
-    with ocp.CheckpointManager(directory) as manager:
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(
-                    {"step": step, "config": cfg.to_dict(), "saved_at": time.time(), "jax": jax.__version__, **meta}
-                ),
-            ),
-        )
-        manager.wait_until_finished()
-    return directory / str(step)
-
-
-def restore(directory: pathlib.Path, target, step: int | None = None):
-    """Restore (state, meta) onto `target`, an abstract state whose leaves carry the shardings wanted."""
-    with ocp.CheckpointManager(pathlib.Path(directory).absolute()) as manager:
-        step = manager.latest_step() if step is None else step
-        restored = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        )
-    return restored["state"], restored["meta"]
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(step, state, meta={"config": cfg.to_dict(), **meta}, force=True)
+    return ckpt.directory / str(step)

@@ -64,7 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
     vocab_size = config_dict.FieldReference(2048)
 
     c.run = dict(
-        name="",  # run directory name under output_dir; "" = <recipe>-<timestamp>
+        name="",  # run directory under output_dir; "" = the recipe's name. An existing run there is resumed
+        fresh=False,  # true: move an existing run directory aside (kept, renamed) and start over
         output_dir="runs",
         seed=0,
         steps=1000,  # optimizer steps
@@ -132,6 +133,13 @@ def base_config() -> ml_collections.ConfigDict:
         micro_batches=1,  # gradient accumulation: global batch split into this many, scanned
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
+    )
+    c.checkpoint = dict(
+        every_steps=1000,  # save every N steps (0 = off) ...
+        every_minutes=30.0,  # ... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT
+        keep_last=3,  # the newest checkpoints kept
+        keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
+        async_save=True,  # write in the background; the loop waits only for the device-to-host copy
     )
     c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
     c.mesh.rules = default_rules()
@@ -331,6 +339,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
     _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")
+    ck = cfg.checkpoint
+    _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "0 (off) or more")
+    _check(ck.every_minutes >= 0, "checkpoint.every_minutes", ck.every_minutes, "0 (off) or more")
+    _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "1 or more")
+    _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")
     _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
 

@@ -100,6 +100,14 @@ class TensorBoardSink:
                 self._emit(step, summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
         self._writer.flush()
 
+    def restart(self, step: int) -> None:
+        """Mark a resumption at `step`: TensorBoard's reader discards earlier files' points from `step` on."""
+        from tensorboard.compat.proto import event_pb2
+
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, session_log=start))
+        self._writer.flush()
+
     def text(self, step: int, tag: str, text: str) -> None:
         from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 

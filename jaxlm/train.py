@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import sys
 import time
 from typing import Any, Iterator, Sequence
@@ -91,30 +92,67 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
 
 
 def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
-    """`output_dir/name` (default name: recipe and start time), refusing one that holds a run."""
-    name = cfg.run.name or f"{cfg.run.recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = pathlib.Path(cfg.run.output_dir) / name
-    if (run_dir / "metrics.jsonl").exists():
-        raise UserError(
-            f"run directory {run_dir} already holds a run; choose another config.run.name (or leave it empty "
-            f"for a timestamped one)"
-        )
-    return run_dir
+    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
+    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
 
 
-def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict) -> None:
+def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
+    """`run.fresh`: move an existing run directory out of the way (nothing is deleted)."""
+    aside = run_dir.with_name(f"{run_dir.name}-replaced-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir.rename(aside)
+    return aside
+
+
+# Keys that may change between a run and its resumption; any other difference is refused.
+RESUMABLE_CHANGES = (
+    "run.steps", "run.log_every", "run.eval_every", "run.peak_flops", "run.output_dir", "run.name", "run.fresh",
+    "run.recipe", "mesh.", "model.remat", "model.attention", "data.cache_dir", "checkpoint.", "optim.on_nonfinite",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
+    """'key: old -> new' for every difference that matters to a resumed run."""
+    old, new = _flatten(saved), _flatten(json.loads(cfg.to_json()))
+    return [
+        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES)
+    ]
+
+
+def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int) -> None:
+    """Create the run directory, or ready an existing one to continue after `resume_step`: the
+    metrics of later steps (lost with the process that logged them) are dropped, so none repeat."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
+    jsonl = run_dir / "metrics.jsonl"
+    if jsonl.exists() and jax.process_index() == 0:
+        kept = [line for line in jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+        jsonl.write_text("".join(line + "\n" for line in kept))
 
 
 class Sinks:
     """Where metrics go: metrics.jsonl and TensorBoard files in the run directory; only process 0 writes."""
 
-    def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict):
+    def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int):
         self.sinks = []
         if jax.process_index() == 0:
-            self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), metrics_lib.TensorBoardSink(run_dir / "tensorboard")]
-            self.sinks[1].text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
+            tensorboard = metrics_lib.TensorBoardSink(run_dir / "tensorboard")
+            if resume_step:
+                tensorboard.restart(resume_step + 1)  # TensorBoard drops the lost steps' points
+            else:
+                tensorboard.text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
+            self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), tensorboard]
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -303,16 +341,85 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> 
     return total / max(tokens, 1.0)
 
 
+class Preempted(Exception):
+    """SIGTERM or SIGINT arrived: a checkpoint was saved at a step boundary; re-run to resume."""
+
+
+class StopSignals:
+    """Turns SIGTERM / SIGINT into a request the loop honours at the next step boundary.
+
+    A second SIGINT raises KeyboardInterrupt at once, for someone at a terminal who cannot wait.
+    """
+
+    def __init__(self):
+        self.received: str | None = None
+
+    def __enter__(self) -> "StopSignals":
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        console(f"jaxlm: {self.received} received; saving a checkpoint at the end of this step")
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Train as the config says; returns the summary (also written to summary.json)."""
+    """Train as the config says, resuming the run directory's latest checkpoint; returns the summary."""
     run_dir = run_dir_path(cfg)
+    if cfg.run.fresh and run_dir.exists():
+        console(f"jaxlm: run.fresh: moved the existing {run_dir} to {set_aside(run_dir)}")
+    resume_step, saved = 0, {}
+    if (run_dir / "checkpoints").exists():
+        with checkpoint.Checkpointer(run_dir / "checkpoints") as peek:
+            resume_step = peek.latest_step() or 0
+            saved = peek.read_meta(resume_step) if resume_step else {}
+    if saved:
+        differences = config_differences(saved["config"], cfg)
+        if differences:
+            raise UserError(
+                f"{run_dir} was trained with another config ({'; '.join(differences)}); use its values, "
+                f"another config.run.name, or config.run.fresh=true to start over"
+            )
+    if resume_step >= cfg.run.steps:
+        console(
+            f"jaxlm: {run_dir} is already complete at step {resume_step}; raise config.run.steps to train on, "
+            f"or set config.run.fresh=true to start over"
+        )
+        return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+
     t0 = time.time()
-    data = load_data(cfg)  # first: a bad path or corrupt file fails before any device work
+    data = load_data(cfg)  # a bad path or corrupt file fails here, before any device work
+    c = cfg.checkpoint
+    with checkpoint.Checkpointer(
+        run_dir / "checkpoints", every_steps=c.every_steps, every_minutes=c.every_minutes,
+        keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
+    ) as ckpt:
+        return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
+
+
+def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data, resume_step: int, saved: dict,
+           t0: float) -> dict[str, Any]:
     console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({data.train_tokens:,} training tokens)")
-    trainer = build_trainer(cfg)
+    if saved and saved.get("tokenizer_sha256") != data.tokenizer.sha256:
+        raise UserError(
+            f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
+            f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
+        )
+    trainer = build_trainer(cfg, abstract=bool(resume_step))  # a resumed state is restored, never initialised
+    state = trainer.state
+    if resume_step:
+        state, saved, resume_step = ckpt.restore(trainer.state, data_iter=data.train)
     derived, model_cfg = trainer.derived, trainer.model_cfg
-    make_run_dir(run_dir, cfg)
-    console(f"jaxlm: run directory {run_dir}")
+    make_run_dir(run_dir, cfg, resume_step)
+    console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
         f"parameters, {derived.num_devices} {trainer.mesh.devices.flat[0].platform} device(s), mesh "
@@ -322,17 +429,31 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     )
     data.tokenizer.save(run_dir / "tokenizer.model")
 
-    sinks = Sinks(run_dir, cfg)
     total_steps = cfg.run.steps
+    sinks = Sinks(run_dir, cfg, resume_step)
     log = StepLog(sinks, trainer)
-    state, pending, val_loss = trainer.state, None, None
+    wall_before = saved.get("wall_s", 0.0)
+
+    def save(step: int, force: bool = False) -> None:
+        meta = {
+            "config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
+            "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
+        }
+        ckpt.save(step, state, meta=meta, data_iter=data.train, force=force)
+
+    pending, val_loss, step = None, None, resume_step
     try:
-        with jax.set_mesh(trainer.mesh):
-            for step in range(1, total_steps + 1):
+        with jax.set_mesh(trainer.mesh), StopSignals() as signals:
+            for step in range(resume_step + 1, total_steps + 1):
                 state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
                 if pending:
                     log.record(*pending)
                 pending = (step, metrics)
+                if signals.received:
+                    log.record(*pending)
+                    save(step, force=True)
+                    ckpt.wait()
+                    raise Preempted(f"{signals.received} at step {step}; checkpoint {ckpt.directory / str(step)}")
                 if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                     log.record(*pending)
                     pending = None
@@ -341,21 +462,23 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                     if val_loss is not None:
                         sinks.write(step, {"val_loss": val_loss})
                         console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
+                if ckpt.should_save(step) or step == total_steps:
+                    save(step, force=step == total_steps)
+            ckpt.wait()
     except NonFiniteError as e:
-        # The state never took the non-finite update: it is the last good one, so keep it.
-        e.checkpoint_dir = checkpoint.save_final(
-            run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256
-        )
+        save(step, force=True)  # the state never took the non-finite update: it is the last good one
+        ckpt.wait()
+        e.checkpoint_dir = ckpt.directory / str(step)
         raise
     finally:
         sinks.close()
         if hasattr(data.train, "close"):
             data.train.close()  # stops grain's worker processes
-    ckpt_dir = checkpoint.save_final(run_dir / "checkpoints", state, cfg, tokenizer_sha256=data.tokenizer.sha256)
 
     elapsed = time.time() - log.start
     summary = {
         "steps": total_steps,
+        "resumed_from": resume_step,
         "first_loss": log.losses[0],
         "final_loss": log.losses[-1],
         "val_loss": val_loss,
@@ -364,8 +487,9 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         "compile_s": log.compile_s,
         "skipped_steps": log.skipped_steps,
         "train_s": elapsed,
+        "wall_s": wall_before + elapsed,
         "run_dir": str(run_dir),
-        "checkpoint_dir": str(ckpt_dir),
+        "checkpoint_dir": str(ckpt.directory / str(total_steps)),
     }
     if jax.process_index() == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -373,9 +497,13 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
     console(
         f"jaxlm: done: {total_steps} steps in {_duration(elapsed)}, loss {log.losses[0]:.4f} -> "
-        f"{log.losses[-1]:.4f}{val}, {rate}; metrics {run_dir / 'metrics.jsonl'}, checkpoint {ckpt_dir}"
+        f"{log.losses[-1]:.4f}{val}, {rate}; logs {run_dir} (metrics.jsonl, tensorboard/), "
+        f"checkpoint {summary['checkpoint_dir']}"
     )
     return summary
+
+
+EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again": re-run resumes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -388,13 +516,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(cfg)
     except UserError as e:
         print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except NonFiniteError as e:
         print(f"jaxlm: stopped: {e}; last good state saved in {e.checkpoint_dir}", file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:
-        print("jaxlm: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_NONFINITE
+    except Preempted as e:
+        print(f"jaxlm: preempted: {e}; run the same command to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -1,0 +1,218 @@
+"""Checkpoints: real Orbax checkpoints on disk, restored onto other meshes, kept, skipped when broken."""
+
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import small_config
+from jaxlm import checkpoint, config, optim, train_state
+from jaxlm import mesh as mesh_lib
+from jaxlm.data import pipeline
+from jaxlm.errors import UserError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _model_and_optimizer():
+    cfg = config.recipe("tiny")
+    model_cfg = small_config(n_kv_heads=4)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, train_state.model_spec(model_cfg).decay_mask)
+    return model_cfg, tx, mesh_lib.rules_from_config(cfg.mesh.rules), cfg
+
+
+def _abstract(shape):
+    model_cfg, tx, rules, _ = _model_and_optimizer()
+    abstract, *_ = train_state.abstract_state(model_cfg, tx, mesh_lib.make_mesh(shape), rules)
+    return abstract
+
+
+def _vector(value) -> dict:
+    """A one-leaf state on the first device, for tests about which checkpoint is picked."""
+    return {"w": jax.device_put(jnp.full((8,), value, jnp.float32), jax.devices()[0])}
+
+
+def _vector_target() -> dict:
+    return {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=_vector(0.0)["w"].sharding)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A train state created on an 8-way FSDP mesh, saved as step 7: (directory, host copy of the state)."""
+    model_cfg, tx, rules, cfg = _model_and_optimizer()
+    state, _, _ = train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 8, 1)), rules)
+    state = state.replace(step=jnp.array(7, jnp.int32))
+    expected = jax.device_get(state)
+    directory = tmp_path_factory.mktemp("ckpt")
+    meta = {"config": cfg.to_dict(), "tokenizer_sha256": "ab" * 32, "tokens_seen": 7 * 4096, "wall_s": 12.5}
+    with checkpoint.Checkpointer(directory) as ckpt:
+        assert ckpt.save(7, state, meta=meta, force=True)
+        # Once save returns the arrays may be donated to the next step: the write must not need them.
+        jax.tree.map(lambda x: x.delete(), state)
+    return directory, expected
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)], ids=["mesh222", "one_device"])
+def test_restore_onto_another_mesh(saved, shape):
+    directory, expected = saved
+    target = _abstract(shape)
+    with checkpoint.Checkpointer(directory) as ckpt:
+        state, meta, step = ckpt.restore(target)
+    assert step == 7 and isinstance(state, train_state.TrainState)
+    jax.tree.map(lambda got, want: np.testing.assert_array_equal(np.asarray(got), want), state, expected)
+    jax.tree.map(lambda got, want: _assert_sharding(got, want.sharding), state, target)
+    assert meta["step"] == 7 and meta["tokens_seen"] == 7 * 4096 and meta["tokenizer_sha256"] == "ab" * 32
+    assert meta["config"]["model"]["variant"] == config.recipe("tiny").model.variant
+    assert set(meta["versions"]) == {"jax", "flax", "orbax", "grain", "jaxlm"}
+
+
+def _assert_sharding(array, sharding):
+    assert array.sharding == sharding
+    shard_shape = sharding.shard_shape(array.shape)
+    assert {s.data.shape for s in array.addressable_shards} == {shard_shape}
+
+
+def test_load_params_in_bfloat16_onto_another_mesh(saved):
+    directory, expected = saved
+    target = _abstract((1, 2, 4)).params
+    params = checkpoint.load_params(directory, target, dtype=jnp.bfloat16)
+    assert jax.tree.structure(params) == jax.tree.structure(expected.params)  # no optimizer state
+    for got, want, spec in zip(jax.tree.leaves(params), jax.tree.leaves(expected.params), jax.tree.leaves(target)):
+        assert got.dtype == jnp.bfloat16
+        _assert_sharding(got, spec.sharding)
+        np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16))
+
+
+def test_read_meta(saved):
+    directory, _ = saved
+    with checkpoint.Checkpointer(directory) as ckpt:
+        assert ckpt.all_steps() == [7] and ckpt.latest_step() == 7
+        meta = ckpt.read_meta()
+    assert meta["wall_s"] == 12.5 and meta["versions"]["jax"] == jax.__version__
+
+
+def test_keep_last_and_every(tmp_path):
+    with checkpoint.Checkpointer(tmp_path, keep_last=2, keep_every=4) as ckpt:
+        for step in range(1, 11):
+            ckpt.save(step, _vector(step), meta={}, force=True)
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8, 9, 10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "4", "8", "9"]
+
+
+def test_should_save_every_steps_and_minutes(tmp_path):
+    now = [0.0]
+    ckpt = checkpoint.Checkpointer(tmp_path, every_steps=5, every_minutes=2, clock=lambda: now[0])
+    assert [s for s in range(1, 12) if ckpt.should_save(s)] == [5, 10]
+    now[0] = 119.0
+    assert not ckpt.should_save(11)
+    now[0] = 120.0
+    assert ckpt.should_save(11)
+    assert ckpt.save(11, _vector(11.0), meta={})  # due by time; the interval restarts here
+    now[0] = 200.0
+    assert not ckpt.should_save(12) and ckpt.should_save(15)
+    assert not ckpt.save(12, _vector(12.0), meta={})  # not due: nothing written
+    now[0] = 240.0
+    assert ckpt.should_save(12)
+    ckpt.wait()
+    assert ckpt.all_steps() == [11]
+    assert not ckpt.save(11, _vector(0.0), meta={}, force=True)  # an existing step is never overwritten
+    ckpt.close()
+    off = checkpoint.Checkpointer(tmp_path)
+    now[0] = 1e9
+    assert not any(off.should_save(s) for s in range(1, 100))
+    off.close()
+
+
+def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path, caplog):
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _vector(float(step)), meta={}, force=True)
+    data_files = [f for f in (tmp_path / "2" / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    for f in data_files:
+        os.truncate(f, f.stat().st_size // 2)
+    with checkpoint.Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jaxlm.checkpoint"):
+        assert ckpt.latest_step() == 2  # complete on disk, but damaged
+        state, _, step = ckpt.restore(_vector_target())
+    assert step == 1
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.full(8, 1.0))
+    assert str(tmp_path / "2") in caplog.text
+    assert all(f.exists() for f in data_files) and sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+    (tmp_path / "1" / "meta" / "metadata").write_text("{")  # now none loads
+    with checkpoint.Checkpointer(tmp_path) as ckpt, pytest.raises(UserError, match=str(tmp_path)) as err:
+        ckpt.restore(_vector_target())
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_restore_without_checkpoints_or_of_a_missing_step(tmp_path):
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UserError, match="no complete checkpoint in"):
+            ckpt.restore(_vector_target())
+        ckpt.save(3, _vector(3.0), meta={}, force=True)
+        ckpt.wait()
+        with pytest.raises(UserError, match=r"step 4 .*complete: \[3\]"):
+            ckpt.restore(_vector_target(), step=4)
+
+
+def test_data_iterator_resumes_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, 100, rng.integers(5, 60)).astype(np.int32) for _ in range(200)]
+
+    def new_iterator():
+        return iter(pipeline.make_train_dataset(docs, seq_len=16, batch_size=4, seed=3))
+
+    it = new_iterator()
+    for _ in range(3):
+        next(it)
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, _vector(3.0), meta={}, data_iter=it, force=True)
+        expected, tokens_seen = next(it), it.tokens_seen
+        next(it)  # the saved position must not follow the live iterator
+        ckpt.wait()
+        resumed = new_iterator()
+        ckpt.restore(_vector_target(), data_iter=resumed)
+    got = next(resumed)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert resumed.tokens_seen == tokens_seen
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import jax.numpy as jnp
+from jaxlm import checkpoint
+ckpt = checkpoint.Checkpointer(sys.argv[1])
+ckpt.save(1, {"w": jnp.full((8,), 1.0)}, meta={}, force=True)
+ckpt.wait()
+ckpt.save(2, {"w": jnp.ones((16, 1024, 1024))}, meta={}, force=True)  # 64 MB, written in the background
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_SAVE), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert any(p.name.startswith("2.orbax-checkpoint-tmp") for p in tmp_path.iterdir())  # killed mid-save
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+        state, _, step = ckpt.restore(_vector_target())
+        assert step == 1
+        np.testing.assert_array_equal(np.asarray(state["w"]), np.full(8, 1.0))
+        # The run resumes and saves step 2 again over the partial one.
+        ckpt.save(2, _vector(2.0), meta={}, force=True)
+        ckpt.wait()
+        assert ckpt.all_steps() == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
