@@ -108,13 +108,14 @@ def base_config() -> ml_collections.ConfigDict:
         separator="",  # text files: "" = one document per file, else split on it (e.g. "\n\n")
         builtin_max_bytes=8_000_000,
         tokenizer_path="",  # "" = train one on the corpus (cached in cache_dir), else a .model file
+        tokenizer_train_bytes=100_000_000,  # train the tokenizer on the corpus's first this-many bytes
         val_fraction=0.01,  # documents held out (by a hash of their text) for validation
         val_tokens=65_536,  # the fixed held-out set: the first this-many validation tokens
         seq_len=seq_len,
         global_batch_size=32,  # sequences per optimizer step, over all devices
         tokenizer_type="bpe",  # bpe | unigram | char | byte
         tokenizer_vocab_size=vocab_size,
-        cache_dir=".cache/jaxlm",  # tokenizer and tokenized corpus, keyed by their inputs
+        cache_dir=".cache/jaxlm",  # the tokenizer and the prepared (tokenized) corpus, keyed by their inputs
         num_workers=0,  # grain worker processes (0 = in the main process)
         seed=0,
     )
@@ -317,6 +318,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(d.format in sources.FORMATS, "data.format", d.format, "one of " + ", ".join(sources.FORMATS))
     _check(d.tokenizer_type in tokenizer.MODEL_TYPES, "data.tokenizer_type", d.tokenizer_type,
            "one of " + ", ".join(tokenizer.MODEL_TYPES))
+    _check(d.tokenizer_train_bytes > 0, "data.tokenizer_train_bytes", d.tokenizer_train_bytes, "a positive integer")
     _check(d.val_tokens >= 0, "data.val_tokens", d.val_tokens, "0 (no evaluation) or more")
     _check(d.tokenizer_vocab_size == m.vocab_size, "data.tokenizer_vocab_size", d.tokenizer_vocab_size,
            f"equal to model.vocab_size={m.vocab_size}")

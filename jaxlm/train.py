@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
 import pathlib
 import signal
 import sys
+import sysconfig
 import time
 from typing import Any, Iterator, Sequence
 
@@ -26,7 +28,7 @@ from jaxlm import checkpoint, optim, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm.data import pipeline, sources, tokenizer
+from jaxlm.data import pipeline, prepare, sources, tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import attention, transformer
 
@@ -35,38 +37,90 @@ from jaxlm.models import attention, transformer
 
 @dataclasses.dataclass
 class Data:
-    train: Iterator[dict[str, np.ndarray]]  # per-process batches of the global batch
+    train: pipeline.TrainIterator  # this process's rows of each global batch; knows its epoch
     eval_batches: list[dict[str, np.ndarray]]
     tokenizer: Any
     train_tokens: int
 
 
-def load_tokenizer(cfg: ml_collections.ConfigDict, train_docs: Sequence[str]) -> tokenizer.Tokenizer:
-    """The configured .model file, or one trained on the training documents (cached by its inputs)."""
+def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
+    d = cfg.data
+    return sources.SourceSpec(d.corpus, d.format, d.text_field, d.separator, max_bytes=d.builtin_max_bytes)
+
+
+def _inputs_key(cfg: ml_collections.ConfigDict) -> str:
+    """A cheap identity of the corpus (its files' sizes and times, or the interpreter for the built-in
+    one) and of how it is read: the cache key of its tokenizer and prepared shards."""
+    spec = source_spec(cfg)
+    if spec.paths == "builtin":
+        files = [sys.version, sysconfig.get_paths()["stdlib"]]
+    else:
+        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(spec)]
+    identity = {"spec": dataclasses.asdict(spec), "files": files, "val_fraction": cfg.data.val_fraction,
+                "seed": cfg.data.seed}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
+    """The configured .model file, or one trained on the corpus's training documents (cached)."""
     d = cfg.data
     if d.tokenizer_path:
-        tok = tokenizer.Tokenizer.load(d.tokenizer_path)
-    else:
-        tok = tokenizer.get_or_train(d.cache_dir, train_docs, d.tokenizer_vocab_size, d.tokenizer_type)
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer {d.tokenizer_path or '(trained)'} has {tok.vocab_size} tokens but config.model.vocab_size="
-            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
-        )
+        return tokenizer.Tokenizer.load(d.tokenizer_path)
+    path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
+    if path.exists():
+        return tokenizer.Tokenizer.load(path)
+    console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
+    docs, total = [], 0
+    for doc in sources.iter_documents(source_spec(cfg)):
+        if not sources.is_validation(doc, d.val_fraction, d.seed):
+            docs.append(doc)
+            total += len(doc.encode("utf-8"))
+            if total >= d.tokenizer_train_bytes:
+                break
+    if not docs:
+        raise UserError(f"the corpus {d.corpus!r} holds no training documents; give non-empty text")
+    tok = tokenizer.Tokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
+    tok.save(path)
     return tok
 
 
-def load_data(cfg: ml_collections.ConfigDict) -> Data:
-    """Corpus -> tokenizer (cached) -> tokens (cached) -> packed grain batches and a fixed eval set."""
+def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+    """The corpus as prepared shards: a prepared directory given as the corpus, or the cached one
+    for these inputs and tokenizer, built on first use (resumably) with every core."""
     d = cfg.data
-    spec = sources.SourceSpec(d.corpus, d.format, d.text_field, d.separator, max_bytes=d.builtin_max_bytes)
-    train_docs, val_docs = sources.split_train_val(sources.load_documents(spec), d.val_fraction, d.seed)
-    tok = load_tokenizer(cfg, train_docs)
-    train_tokens = pipeline.get_or_tokenize(d.cache_dir, tok, train_docs, "train")
-    val_tokens = pipeline.get_or_tokenize(d.cache_dir, tok, val_docs, "val")
+    given = pathlib.Path(d.corpus)
+    if (given / prepare.MANIFEST).is_file():
+        return given
+    key = _inputs_key(cfg)
+    tok = load_tokenizer(cfg, key)
+    out = pathlib.Path(d.cache_dir) / f"prepared-{key}-{tok.sha256[:16]}"
+    if not ((out / prepare.MANIFEST).is_file() and prepare.read_manifest(out)["complete"]):
+        console(f"jaxlm: preparing {d.corpus} into {out}")
+        prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
+                        workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
+    return out
+
+
+def load_data(cfg: ml_collections.ConfigDict) -> Data:
+    """Corpus -> prepared shards (cached) -> packed grain batches, and the fixed held-out batches."""
+    d = cfg.data
+    directory = prepared_dir(cfg)
+    tok = tokenizer.Tokenizer.load(directory / prepare.TOKENIZER)
+    if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
+        raise UserError(
+            f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "
+            f"prepare it again with that tokenizer, or leave data.tokenizer_path empty"
+        )
+    if tok.vocab_size != cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer of {directory} has {tok.vocab_size} tokens but config.model.vocab_size="
+            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
+        )
+    train_docs = prepare.open_prepared(directory, "train")
+    val_docs = prepare.open_prepared(directory, "val")
     per_process = d.global_batch_size // jax.process_count()
     train_ds = pipeline.make_train_dataset(
-        train_tokens,
+        train_docs,
         seq_len=d.seq_len,
         batch_size=per_process,
         seed=d.seed,
@@ -75,17 +129,13 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
         num_workers=d.num_workers,
     )
     eval_batches = []
-    if val_tokens and d.val_tokens:
+    if d.val_tokens and not len(val_docs):
+        console(f"jaxlm: warning: {directory} has no validation documents; raise data.val_fraction to evaluate")
+    if len(val_docs) and d.val_tokens:
         max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
-        eval_batches = pipeline.make_eval_batches(
-            val_tokens, seq_len=d.seq_len, batch_size=per_process, max_batches=max_batches
-        )
-    return Data(
-        train=iter(train_ds),
-        eval_batches=eval_batches,
-        tokenizer=tok,
-        train_tokens=int(sum(len(t) for t in train_tokens)),
-    )
+        eval_batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=per_process,
+                                                  max_batches=max_batches)
+    return Data(train=iter(train_ds), eval_batches=eval_batches, tokenizer=tok, train_tokens=train_docs.num_tokens)
 
 
 # ----------------------------------------------------------------------------- run directory and sinks
@@ -286,8 +336,9 @@ class StepLog:
     def tokens_per_s(self) -> float | None:
         return self.tokens_per_step * self.timed_steps / self.timed_s if self.timed_s else None
 
-    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def record(self, step: int, metrics: dict[str, jax.Array], data_progress: dict[str, int]) -> None:
+        """`data_progress`: the data iterator's epoch and this host's real tokens after this step's batch."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
         if self.compile_s is None:
@@ -314,7 +365,8 @@ class StepLog:
             mean_mfu = metrics_lib.mfu(self.flops_per_token, mean_rate, len(self.devices), self.peak_flops)
             memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
             console(
-                f"step {step:>6}/{self.total_steps} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
+                f"step {step:>6}/{self.total_steps} | epoch {values['epoch']} | loss {values['loss']:.4f} | "
+                f"lr {values['lr']:.2e} | "
                 f"grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
                 f"MFU {'n/a' if mean_mfu is None else f'{100 * mean_mfu:.1f}%'}{memory} | "
                 f"{mean_step_s:.3f} s/step | ETA {_duration((self.total_steps - step) * mean_step_s)}"
@@ -448,7 +500,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                 state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
                 if pending:
                     log.record(*pending)
-                pending = (step, metrics)
+                pending = (step, metrics, {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen})
                 if signals.received:
                     log.record(*pending)
                     save(step, force=True)

@@ -64,6 +64,7 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
         "--config.run.log_every=10",
         "--config.run.eval_every=15",
         "--config.data.builtin_max_bytes=400000",
+        "--config.data.val_fraction=0.3",  # 2 of the 12 documents
         "--config.model.vocab_size=512",
         f"--config.data.cache_dir={tmp_path / 'cache'}",
         "--config.mesh.fsdp=2",

@@ -181,24 +181,12 @@ def test_get_or_train_loads_from_cache(corpus: list[str], tmp_path, monkeypatch)
 # --- tokenized documents ---
 
 
-def test_tokenize_documents_and_cache(bpe: Tokenizer, corpus: list[str], tmp_path, monkeypatch) -> None:
+def test_tokenize_documents(bpe: Tokenizer, corpus: list[str]) -> None:
     docs = corpus[:4] + ["", "short"]
     doc_tokens = pipeline.tokenize_documents(bpe, docs)
     for doc, ids in zip(docs, doc_tokens):
         assert ids.dtype == np.int32 and ids[0] == BOS_ID and ids[-1] == EOS_ID
         assert bpe.decode(ids.tolist()) == doc
-    cached = pipeline.get_or_tokenize(tmp_path, bpe, docs, "train")
-    assert len(cached) == len(docs)
-    for a, b in zip(cached, doc_tokens):
-        np.testing.assert_array_equal(a, b)
-
-    def no_tokenizing(*args, **kwargs):
-        raise AssertionError("tokenized again instead of loading the cache")
-
-    monkeypatch.setattr(pipeline, "tokenize_documents", no_tokenizing)
-    for a, b in zip(pipeline.get_or_tokenize(tmp_path, bpe, docs, "train"), doc_tokens):
-        np.testing.assert_array_equal(a, b)
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".npy", ".npy"]
 
 
 # --- pipeline ---

@@ -6,25 +6,23 @@ Every batch is a dict of int32 numpy arrays of shape [batch_size, seq_len]:
   segment_ids  1, 2, ... for the documents packed in a row, 0 on padding
   positions    position within the document's chunk, restarting at 0 for each segment
 A model masks attention across segments and the loss on segment 0.
+
+Documents come as a list of token arrays or as `FlatDocuments` (memory-mapped prepared shards from
+`jaxlm.data.prepare.open_prepared`); the two give the same batches. A training iterator
+(`TrainIterator`) also says how far it has read: the epoch and the real tokens seen.
 """
 
-import hashlib
-import io
-import os
+import functools
 from collections.abc import Sequence
 
 import grain
 import numpy as np
 from absl import flags
 
-from jaxlm.data.sources import corpus_fingerprint
-from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
+from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 
 Batch = dict[str, np.ndarray]
-
-# Bump when tokenization or the cache layout changes, so cached token files are rebuilt.
-_FORMAT_VERSION = 1
 
 
 def tokenize_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
@@ -32,31 +30,58 @@ def tokenize_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in tok.encode(docs, add_bos=True, add_eos=True)]
 
 
-def get_or_tokenize(cache_dir: str | os.PathLike, tok: Tokenizer, docs: Sequence[str], key: str) -> list[np.ndarray]:
-    """`tokenize_documents`, cached as one flat token array plus document offsets.
+class FlatDocuments(Sequence[np.ndarray]):
+    """Tokenized documents stored flat, in shards of tokens [N] plus document offsets [D + 1].
 
-    `key` names the split (e.g. "train"); the file names also carry the tokenizer's and the
-    corpus's hashes, so a changed tokenizer or corpus never reads stale tokens.
+    A document is a view into its shard, so memory-mapped (prepared) shards are read only where
+    used and never copied. Memory maps pickle as their file, offset and shape, so grain workers
+    map the files again instead of receiving a copy of the corpus.
     """
-    identity = hashlib.sha256(f"v{_FORMAT_VERSION}|{tok.sha256}|{corpus_fingerprint(docs)}".encode()).hexdigest()[:16]
-    stem = os.path.join(cache_dir, f"tokens-{key}-{identity}")
-    tokens_path, offsets_path = f"{stem}.tokens.npy", f"{stem}.offsets.npy"
-    if os.path.exists(offsets_path) and os.path.exists(tokens_path):
-        tokens, offsets = np.load(tokens_path), np.load(offsets_path)
-    else:
-        doc_tokens = tokenize_documents(tok, docs)
-        tokens = np.concatenate(doc_tokens) if doc_tokens else np.zeros(0, np.int32)
-        offsets = np.cumsum([0] + [len(d) for d in doc_tokens], dtype=np.int64)
-        # Offsets are written last: their presence means the tokens file is complete.
-        _save_npy_atomically(tokens_path, tokens)
-        _save_npy_atomically(offsets_path, offsets)
-    return [tokens[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
+
+    def __init__(self, shards: Sequence[tuple[np.ndarray, np.ndarray]]):
+        self.shards = list(shards)
+        self._first_doc = np.cumsum([0] + [len(offsets) - 1 for _, offsets in self.shards])
+
+    @classmethod
+    def from_arrays(cls, doc_tokens: Sequence[np.ndarray]) -> "FlatDocuments":
+        """One in-memory int32 shard holding `doc_tokens` back to back."""
+        tokens = np.concatenate(doc_tokens).astype(np.int32) if len(doc_tokens) else np.zeros(0, np.int32)
+        return cls([(tokens, np.cumsum([0] + [len(d) for d in doc_tokens], dtype=np.int64))])
+
+    def __len__(self) -> int:
+        return int(self._first_doc[-1])
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"document {index} of {len(self)}")
+        index %= len(self)
+        shard = int(np.searchsorted(self._first_doc, index, side="right")) - 1
+        tokens, offsets = self.shards[shard]
+        doc = index - self._first_doc[shard]
+        return tokens[offsets[doc] : offsets[doc + 1]]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(int(offsets[-1]) for _, offsets in self.shards))
+
+    def __getstate__(self) -> dict:
+        return {"shards": [tuple(map(_picklable_array, shard)) for shard in self.shards]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__([tuple(map(_unpickled_array, shard)) for shard in state["shards"]])
 
 
-def _save_npy_atomically(path: str, array: np.ndarray) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    write_bytes_atomically(path, buffer.getvalue())
+def _picklable_array(array: np.ndarray) -> np.ndarray | tuple:
+    if isinstance(array, np.memmap) and array.filename:
+        return ("memmap", array.filename, array.dtype.str, array.offset, array.shape)
+    return array
+
+
+def _unpickled_array(value: np.ndarray | tuple) -> np.ndarray:
+    if isinstance(value, tuple):
+        _, filename, dtype, offset, shape = value
+        return np.memmap(filename, np.dtype(dtype), mode="r", offset=offset, shape=shape)
+    return value
 
 
 class _Chunks:
@@ -64,47 +89,110 @@ class _Chunks:
 
     A document of n tokens yields chunks of at most seq_len + 1 tokens starting every seq_len
     tokens, so consecutive chunks share one token and each of the n - 1 next-token pairs of the
-    document appears in exactly one chunk. Documents are stored flat so that the source pickles
-    cheaply into mp_prefetch workers.
+    document appears in exactly one chunk. The chunk table is rebuilt rather than pickled, so
+    grain workers receive only the documents (and those as file references when memory-mapped).
     """
 
-    def __init__(self, doc_tokens: Sequence[np.ndarray], seq_len: int):
+    def __init__(self, docs: Sequence[np.ndarray], seq_len: int):
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        lengths = np.array([len(d) for d in doc_tokens], dtype=np.int64)
-        doc_starts = np.cumsum(lengths) - lengths
-        num_chunks = np.maximum(lengths - 2, -1) // seq_len + 1  # ceil((n - 1) / seq_len); 0 when n < 2
-        doc_of_chunk = np.repeat(np.arange(len(lengths)), num_chunks)
-        first_chunk_of_doc = np.cumsum(num_chunks) - num_chunks
-        offsets_in_doc = (np.arange(len(doc_of_chunk)) - first_chunk_of_doc[doc_of_chunk]) * seq_len
-        self._starts = doc_starts[doc_of_chunk] + offsets_in_doc
-        self._ends = doc_starts[doc_of_chunk] + np.minimum(offsets_in_doc + seq_len + 1, lengths[doc_of_chunk])
-        self._tokens = np.concatenate(doc_tokens).astype(np.int32) if len(doc_tokens) else np.zeros(0, np.int32)
+        self._docs = docs if isinstance(docs, FlatDocuments) else FlatDocuments.from_arrays(docs)
+        self._seq_len = seq_len
+        shard_of_chunk, starts, ends = [], [], []
+        for shard, (_, offsets) in enumerate(self._docs.shards):
+            offsets = np.asarray(offsets, dtype=np.int64)
+            lengths = np.diff(offsets)
+            num_chunks = np.maximum(lengths - 2, -1) // seq_len + 1  # ceil((n - 1) / seq_len); 0 when n < 2
+            doc_of_chunk = np.repeat(np.arange(len(lengths)), num_chunks)
+            first_chunk_of_doc = np.cumsum(num_chunks) - num_chunks
+            offsets_in_doc = (np.arange(len(doc_of_chunk)) - first_chunk_of_doc[doc_of_chunk]) * seq_len
+            shard_of_chunk.append(np.full(len(doc_of_chunk), shard, np.int32))
+            starts.append(offsets[doc_of_chunk] + offsets_in_doc)
+            ends.append(offsets[doc_of_chunk] + np.minimum(offsets_in_doc + seq_len + 1, lengths[doc_of_chunk]))
+        self._shard_of_chunk = np.concatenate(shard_of_chunk) if shard_of_chunk else np.zeros(0, np.int32)
+        self._starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        self._ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> Batch:
-        chunk = self._tokens[self._starts[index] : self._ends[index]]
+        tokens = self._docs.shards[self._shard_of_chunk[index]][0]
+        chunk = tokens[self._starts[index] : self._ends[index]].astype(np.int32, copy=False)
         return {"inputs": chunk[:-1], "targets": chunk[1:]}
 
+    def __getstate__(self) -> tuple[FlatDocuments, int]:
+        return self._docs, self._seq_len
 
-def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int, drop_remainder: bool) -> grain.IterDataset:
-    """Pack chunks first-fit into rows of seq_len, then stack rows into batches."""
+    def __setstate__(self, state: tuple[FlatDocuments, int]) -> None:
+        self.__init__(*state)
+
+
+def _pack_and_batch(
+    ds: grain.IterDataset, seq_len: int, batch_size: int, drop_remainder: bool, with_epoch: bool = False
+) -> grain.IterDataset:
+    """Pack chunks first-fit into rows of seq_len, then stack rows into batches.
+
+    The optional `epoch` feature holds one entry per chunk; a row holds at most seq_len chunks
+    (each has an input token), so it never changes how chunks are packed.
+    """
+    features = ("inputs", "targets", "epoch") if with_epoch else ("inputs", "targets")
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=batch_size, shuffle_bins=False
+        ds, length_struct={k: seq_len for k in features}, num_packing_bins=batch_size, shuffle_bins=False
     )
     return ds.map(_to_batch_row).batch(batch_size, drop_remainder=drop_remainder)
 
 
 def _to_batch_row(packed: Batch) -> Batch:
     # inputs and targets are packed identically (same lengths), so their segment ids and positions agree.
-    return {
+    row = {
         "inputs": packed["inputs"],
         "targets": packed["targets"],
         "segment_ids": packed["inputs_segment_ids"],
         "positions": packed["inputs_positions"],
     }
+    if "epoch" in packed:
+        row["epoch"] = packed["epoch"].max()  # the latest pass over the data this row draws from
+    return row
+
+
+def _with_epoch(num_chunks: int, index: int, chunk: Batch) -> Batch:
+    """Tag a chunk of the repeated, shuffled stream with its pass over the data."""
+    return {**chunk, "epoch": np.array([index // num_chunks], np.int32)}
+
+
+class TrainIterator(grain.DatasetIterator):
+    """Model batches (the four keys) plus how far this process has read, for logging and stopping.
+
+    After each `next()`, `epoch` is the latest 0-based pass over the data that a batch has drawn
+    from, and `tokens_seen` counts this process's real (non-padding) target tokens so far; both are
+    part of `get_state()`, so they resume exactly with the stream.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator):
+        super().__init__(parent)
+        self.epoch = 0
+        self.tokens_seen = 0
+
+    def __next__(self) -> Batch:
+        batch = next(self._parent)
+        self.epoch = max(self.epoch, int(batch.pop("epoch").max()))  # grain workers may straddle a boundary
+        self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
+        return batch
+
+    def get_state(self) -> dict:
+        return {"parent": self._parent.get_state(), "epoch": self.epoch, "tokens_seen": self.tokens_seen}
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state["parent"])
+        self.epoch, self.tokens_seen = int(state["epoch"]), int(state["tokens_seen"])
+
+
+class _TrainDataset(grain.IterDataset):
+    """The batch stream whose iterators are `TrainIterator`s (the epoch key is popped in this process)."""
+
+    def __iter__(self) -> TrainIterator:
+        return TrainIterator(self._parent.__iter__())
 
 
 def make_train_dataset(
@@ -120,22 +208,25 @@ def make_train_dataset(
 ) -> grain.IterDataset:
     """Shuffled, packed training batches for one process: its slice of the global stream.
 
-    `iter()` of the result supports `get_state()`/`set_state()` for exact resumption. The
-    stream depends on `num_workers` (each worker packs its own slice), so a saved iterator
-    state only resumes with the same `num_workers`; close an iterator with workers after use.
+    `doc_tokens` is a list of token arrays or a `FlatDocuments` (e.g. memory-mapped prepared
+    shards). `iter()` of the result is a `TrainIterator`: exact resumption with `get_state()` /
+    `set_state()`, plus `epoch` and `tokens_seen`. The stream depends on `num_workers` (each worker
+    packs its own slice), so a saved state only resumes with the same `num_workers`; close an
+    iterator with workers after use.
     """
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
     chunks = _Chunks(doc_tokens, seq_len)
     if len(chunks) == 0:
         raise UserError("no training examples: every document has fewer than 2 tokens; give more text")
-    ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)[shard_index::shard_count]
-    ds = _pack_and_batch(ds.to_iter_dataset(), seq_len, batch_size, drop_remainder=True)
+    ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)
+    ds = ds.map_with_index(functools.partial(_with_epoch, len(chunks)))[shard_index::shard_count]
+    ds = _pack_and_batch(ds.to_iter_dataset(), seq_len, batch_size, drop_remainder=True, with_epoch=True)
     if num_workers > 0:
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which raise when unparsed
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return ds
+    return _TrainDataset(ds)
 
 
 def make_eval_batches(

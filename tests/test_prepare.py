@@ -1,0 +1,294 @@
+"""Prepared data: sharded tokenization, its manifest, resumption after a kill, and reading it back."""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxlm.data import pipeline, prepare, sources
+from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.errors import UserError
+
+SEQ_LEN = 64
+OPTIONS = dict(val_fraction=0.2, seed=0, shard_docs=8)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> str:
+    """Real text in two formats: stdlib sources split into documents at blank lines, plus JSONL."""
+    root = tmp_path_factory.mktemp("corpus")
+    texts = sources.builtin_corpus(120_000)
+    for i in range(3):
+        (root / f"part{i}.txt").write_text("\n\n\n".join(texts[i::3]), encoding="utf-8")
+    records = [{"text": f"record {i}: héllo wörld 😀 " * (i + 1), "id": i} for i in range(12)]
+    (root / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def spec(corpus_dir: str) -> sources.SourceSpec:
+    return sources.SourceSpec(f"{corpus_dir}/*.txt,{corpus_dir}/*.jsonl", separator="\n\n\n")
+
+
+@pytest.fixture(scope="module")
+def docs(spec: sources.SourceSpec) -> list[str]:
+    return list(sources.iter_documents(spec))
+
+
+@pytest.fixture(scope="module")
+def tok(docs: list[str]) -> Tokenizer:
+    return Tokenizer.train(docs, 512)
+
+
+@pytest.fixture(scope="module")
+def tok_path(tok: Tokenizer, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tok") / "tok.model")
+    tok.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(spec: sources.SourceSpec, tok: Tokenizer, tmp_path_factory) -> str:
+    """An uninterrupted single-worker prepare: the reference output."""
+    out = str(tmp_path_factory.mktemp("prepared") / "out")
+    prepare.prepare(spec, tok, out, workers=1, progress=False, **OPTIONS)
+    return out
+
+
+def file_bytes(directory: str) -> dict[str, bytes]:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def split_tokens(tok: Tokenizer, docs: list[str], split: str) -> list[np.ndarray]:
+    chosen = [d for d in docs if sources.is_validation(d, OPTIONS["val_fraction"], OPTIONS["seed"]) == (split == "val")]
+    return pipeline.tokenize_documents(tok, chosen)
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Returns once every process holding the output pipes has exited: workers must not outlive a kill."""
+    return subprocess.run(
+        [sys.executable, "-m", "jaxlm.data.prepare", *args], capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=60,
+    )
+
+
+def cli_args(corpus_dir: str, tok_path: str, out: str, workers: int) -> list[str]:
+    return [
+        "--input", f"{corpus_dir}/*.txt,{corpus_dir}/*.jsonl", "--separator", "\\n\\n\\n", "--tokenizer", tok_path,
+        "--output", out, "--workers", str(workers), *(f"--{k}={v}" for k, v in OPTIONS.items()),
+    ]
+
+
+# --- writing ---
+
+
+def test_manifest_matches_the_data(prepared: str, tok: Tokenizer, corpus_dir: str) -> None:
+    manifest = prepare.read_manifest(prepared)
+    assert manifest["complete"] and manifest["format_version"] == prepare.FORMAT_VERSION
+    assert manifest["tokenizer"] == {"sha256": tok.sha256, "vocab_size": 512}
+    assert manifest["token_dtype"] == "uint16"
+    assert Tokenizer.load(os.path.join(prepared, prepare.TOKENIZER)).sha256 == tok.sha256
+    texts = [os.path.join(corpus_dir, f"part{i}.txt") for i in range(3)]
+    assert [s["path"] for s in manifest["sources"]] == texts + [os.path.join(corpus_dir, "extra.jsonl")]
+    for source in manifest["sources"]:
+        data = open(source["path"], "rb").read()
+        assert source["bytes"] == len(data)
+        assert source["sha256"] == hashlib.sha256(data).hexdigest()
+    names = set()
+    for split in prepare.SPLITS:
+        info = manifest["splits"][split]
+        docs = prepare.open_prepared(prepared, split, verify=True)
+        assert len(info["shards"]) >= 2
+        assert info["documents"] == sum(s["documents"] for s in info["shards"]) == len(docs)
+        assert info["tokens"] == sum(s["tokens"] for s in info["shards"]) == docs.num_tokens
+        assert all(s["documents"] == OPTIONS["shard_docs"] for s in info["shards"][:-1])
+        names |= {s["file"] for s in info["shards"]}
+    assert set(os.listdir(prepared)) == names | {prepare.MANIFEST, prepare.TOKENIZER}
+
+
+def test_splits_are_disjoint_and_hold_every_document(prepared: str, tok: Tokenizer, docs: list[str]) -> None:
+    texts = {}
+    for split in prepare.SPLITS:
+        got = prepare.open_prepared(prepared, split)
+        expected = split_tokens(tok, docs, split)
+        assert len(got) == len(expected) > 0
+        for a, b in zip(got, expected):
+            assert a.dtype == np.uint16
+            np.testing.assert_array_equal(a, b)
+        texts[split] = {tok.decode(d.tolist()) for d in got}
+    assert not texts["train"] & texts["val"]
+    assert texts["train"] | texts["val"] == set(docs)
+
+
+def test_prepared_batches_equal_in_memory_batches(prepared: str, tok: Tokenizer, docs: list[str]) -> None:
+    def batches(doc_tokens) -> list[dict[str, np.ndarray]]:
+        it = iter(pipeline.make_train_dataset(doc_tokens, seq_len=SEQ_LEN, batch_size=4, seed=0))
+        return [next(it) for _ in range(12)]
+
+    def eval_batches(doc_tokens) -> list[dict[str, np.ndarray]]:
+        return pipeline.make_eval_batches(doc_tokens, seq_len=SEQ_LEN, batch_size=4, max_batches=100)
+
+    for got, expected in [
+        (batches(prepare.open_prepared(prepared)), batches(split_tokens(tok, docs, "train"))),
+        (eval_batches(prepare.open_prepared(prepared, "val")), eval_batches(split_tokens(tok, docs, "val"))),
+    ]:
+        for a, b in zip(got, expected, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype == np.int32
+                np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_grain_workers_map_the_shards_again(prepared: str, tok: Tokenizer, docs: list[str]) -> None:
+    train = prepare.open_prepared(prepared)
+    assert len(pickle.dumps(pipeline._Chunks(train, SEQ_LEN))) < 2000  # file references, not the corpus
+
+    def segments(doc_tokens, num_workers: int) -> collections.Counter:
+        ds = pipeline.make_train_dataset(
+            doc_tokens, seq_len=SEQ_LEN, batch_size=4, seed=0, num_workers=num_workers, num_epochs=1
+        )
+        counts = collections.Counter()
+        for batch in ds:
+            for row, seg_row in zip(batch["inputs"], batch["segment_ids"]):
+                counts.update(tuple(row[seg_row == s].tolist()) for s in np.unique(seg_row[seg_row > 0]))
+        return counts
+
+    # The stream depends on num_workers; one epoch's chunks do not.
+    assert segments(train, num_workers=2) == segments(split_tokens(tok, docs, "train"), num_workers=0)
+
+
+def test_two_workers_write_the_same_bytes_as_one(
+    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path
+) -> None:
+    prepare.prepare(spec, tok, tmp_path / "out", workers=2, progress=False, **OPTIONS)
+    assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
+
+
+def test_prepare_killed_halfway_resumes_to_the_same_bytes(
+    prepared: str, corpus_dir: str, tok_path: str, tmp_path
+) -> None:
+    out = str(tmp_path / "out")
+    killed = run_cli(cli_args(corpus_dir, tok_path, out, workers=2), {prepare.KILL_AFTER_SHARDS_ENV: "2"})
+    assert killed.returncode == 137, killed.stderr
+    shards = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".tokens")}
+    num_shards = sum(len(prepare.read_manifest(prepared)["splits"][s]["shards"]) for s in prepare.SPLITS)
+    assert 2 <= len(shards) < num_shards
+    assert not prepare.read_manifest(out)["complete"]
+    with pytest.raises(UserError, match="did not finish"):
+        prepare.open_prepared(out)
+
+    resumed = run_cli(cli_args(corpus_dir, tok_path, out, workers=2))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "prepared" in resumed.stdout
+    assert file_bytes(out) == file_bytes(prepared)
+    assert all(os.stat(os.path.join(out, n)).st_mtime_ns == t for n, t in shards.items())  # not written again
+
+
+# --- reading and refusing ---
+
+
+def test_damaged_shard_is_named_and_rewritten_by_prepare(
+    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path
+) -> None:
+    out = str(tmp_path / "out")
+    shutil.copytree(prepared, out)
+    shard = os.path.join(out, "train-00001.tokens")
+    data = open(shard, "rb").read()
+    with open(shard, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(UserError, match=r"train-00001\.tokens is truncated .*re-run prepare"):
+        prepare.open_prepared(out)
+    with open(shard, "wb") as f:  # same size, one byte changed: only the sha256 tells
+        f.write(data[:-1] + bytes([data[-1] ^ 1]))
+    prepare.open_prepared(out)
+    with pytest.raises(UserError, match=r"train-00001\.tokens is corrupt .*re-run prepare"):
+        prepare.open_prepared(out, verify=True)
+    prepare.prepare(spec, tok, out, progress=False, **OPTIONS)
+    assert file_bytes(out) == file_bytes(prepared)
+
+
+def test_other_tokenizer_inputs_or_options_are_refused(
+    prepared: str, spec: sources.SourceSpec, docs: list[str], corpus_dir: str, tmp_path
+) -> None:
+    out = str(tmp_path / "out")
+    shutil.copytree(prepared, out)
+    tok = Tokenizer.load(os.path.join(prepared, prepare.TOKENIZER))
+    with pytest.raises(UserError, match="another tokenizer"):
+        prepare.prepare(spec, Tokenizer.train(docs, 260, "byte"), out, progress=False, **OPTIONS)
+    with pytest.raises(UserError, match="other options"):
+        prepare.prepare(spec, tok, out, progress=False, **{**OPTIONS, "shard_docs": 9})
+    changed = str(tmp_path / "corpus")
+    shutil.copytree(corpus_dir, changed)
+    moved = dataclasses.replace(spec, paths=f"{changed}/*.txt,{changed}/*.jsonl")
+    with open(os.path.join(changed, "extra.jsonl"), "a") as f:
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+    with pytest.raises(UserError, match="other input files"):
+        prepare.prepare(moved, tok, out, progress=False, **OPTIONS)
+    # The same contents read from another place are the same inputs.
+    os.remove(os.path.join(changed, "extra.jsonl"))
+    shutil.copy(os.path.join(corpus_dir, "extra.jsonl"), changed)
+    prepare.prepare(moved, tok, out, progress=False, **OPTIONS)
+    with pytest.raises(UserError, match="not an empty directory"):
+        prepare.prepare(spec, tok, corpus_dir, progress=False, **OPTIONS)
+    assert file_bytes(out) == file_bytes(prepared)
+
+
+def test_cli_reports_bad_input_in_one_line(tok_path: str, tmp_path, capsys) -> None:
+    def error(*args: str) -> str:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        assert prepare.main(["--tokenizer", tok_path, "--output", str(out), *args]) == 2  # later flags win
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.endswith("\n")
+        last = err.strip().splitlines()[-1]  # after the progress bar, if it started
+        assert last.startswith("jaxlm: error: ")
+        return last
+
+    assert "no input files match" in error("--input", str(tmp_path / "missing/*.txt"))
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    assert "holds no documents" in error("--input", str(tmp_path / "blank.txt"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
+    assert "bad.jsonl:2" in error("--input", str(tmp_path / "bad.jsonl"))
+    assert "tokenizer model not found" in error("--input", "builtin", "--tokenizer", str(tmp_path / "nope.model"))
+
+
+# --- progress through the data ---
+
+
+def test_epoch_and_tokens_seen_follow_the_stream_and_resume() -> None:
+    docs = [(1000 * (i + 1) + np.arange(n)).astype(np.int32) for i, n in enumerate(range(3, 43))]
+    pairs_per_epoch = sum(len(d) - 1 for d in docs)
+
+    def make(num_epochs: int | None) -> pipeline.TrainIterator:
+        return iter(pipeline.make_train_dataset(docs, seq_len=16, batch_size=1, seed=0, num_epochs=num_epochs))
+
+    it, epochs, tokens = make(2), [], []
+    for batch in it:
+        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
+        tokens.append(int((batch["segment_ids"] > 0).sum()))
+        epochs.append(it.epoch)
+        assert it.tokens_seen == sum(tokens)
+    assert sum(tokens) == 2 * pairs_per_epoch
+    assert epochs[0] == 0 and epochs[-1] == 1 and epochs == sorted(epochs)
+    # With one packing bin, rows close in order: only the row that crosses into epoch 1 mixes epochs.
+    first_epoch_tokens = sum(t for t, e in zip(tokens, epochs) if e == 0)
+    assert pairs_per_epoch - 16 < first_epoch_tokens <= pairs_per_epoch
+
+    it = make(None)
+    for _ in range(len(epochs) // 2 - 5):  # resume a few batches before the end of epoch 0
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [(next(it)["inputs"], it.epoch, it.tokens_seen) for _ in range(10)]
+    assert {epoch for _, epoch, _ in expected} == {0, 1}
+    resumed = make(None)
+    resumed.set_state(state)
+    for inputs, epoch, tokens_seen in expected:
+        np.testing.assert_array_equal(next(resumed)["inputs"], inputs)
+        assert (resumed.epoch, resumed.tokens_seen) == (epoch, tokens_seen)
