@@ -117,6 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
         tokenizer_vocab_size=vocab_size,
         cache_dir=".cache/jaxlm",  # the tokenizer and the prepared (tokenized) corpus, keyed by their inputs
         num_workers=0,  # grain worker processes (0 = in the main process)
+        verify_shards=False,  # check every prepared shard's sha256 at start (reads all data); sizes are always checked
+        on_damaged_shard="stop",  # a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning
         seed=0,
     )
     c.optim = dict(
@@ -319,6 +321,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(d.tokenizer_type in tokenizer.MODEL_TYPES, "data.tokenizer_type", d.tokenizer_type,
            "one of " + ", ".join(tokenizer.MODEL_TYPES))
     _check(d.tokenizer_train_bytes > 0, "data.tokenizer_train_bytes", d.tokenizer_train_bytes, "a positive integer")
+    _check(d.on_damaged_shard in ("stop", "skip"), "data.on_damaged_shard", d.on_damaged_shard, "'stop' or 'skip'")
     _check(d.val_tokens >= 0, "data.val_tokens", d.val_tokens, "0 (no evaluation) or more")
     _check(d.tokenizer_vocab_size == m.vocab_size, "data.tokenizer_vocab_size", d.tokenizer_vocab_size,
            f"equal to model.vocab_size={m.vocab_size}")

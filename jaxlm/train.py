@@ -116,8 +116,9 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
             f"the tokenizer of {directory} has {tok.vocab_size} tokens but config.model.vocab_size="
             f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
         )
-    train_docs = prepare.open_prepared(directory, "train")
-    val_docs = prepare.open_prepared(directory, "val")
+    skip = d.on_damaged_shard == "skip"
+    train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
+    val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
     per_process = d.global_batch_size // jax.process_count()
     train_ds = pipeline.make_train_dataset(
         train_docs,

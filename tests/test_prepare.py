@@ -196,7 +196,7 @@ def test_prepare_killed_halfway_resumes_to_the_same_bytes(
 
 
 def test_damaged_shard_is_named_and_rewritten_by_prepare(
-    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path
+    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path, caplog
 ) -> None:
     out = str(tmp_path / "out")
     shutil.copytree(prepared, out)
@@ -211,6 +211,11 @@ def test_damaged_shard_is_named_and_rewritten_by_prepare(
     prepare.open_prepared(out)
     with pytest.raises(UserError, match=r"train-00001\.tokens is corrupt .*re-run prepare"):
         prepare.open_prepared(out, verify=True)
+    whole = prepare.open_prepared(prepared)
+    skipped = prepare.open_prepared(out, verify=True, skip_damaged=True)  # or leave it out, with a warning
+    lost = prepare.read_manifest(out)["splits"]["train"]["shards"][1]["documents"]
+    assert len(skipped) == len(whole) - lost > 0
+    assert "skipping shard" in caplog.text and "train-00001.tokens is corrupt" in caplog.text
     prepare.prepare(spec, tok, out, progress=False, **OPTIONS)
     assert file_bytes(out) == file_bytes(prepared)
 

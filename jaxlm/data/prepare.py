@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -46,6 +47,8 @@ from jaxlm.errors import UserError
 
 if TYPE_CHECKING:
     from jaxlm.data.pipeline import FlatDocuments
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -353,10 +356,13 @@ def _remove_damaged_shards(out: pathlib.Path, manifest: Manifest) -> int:
     return len(damaged)
 
 
-def open_prepared(output_dir: str | os.PathLike, split: str = "train", verify: bool = False) -> "FlatDocuments":
+def open_prepared(
+    output_dir: str | os.PathLike, split: str = "train", verify: bool = False, skip_damaged: bool = False
+) -> "FlatDocuments":
     """A split's documents, memory-mapped (nothing is read until used), for the grain pipeline.
 
     Every shard's size is checked against the manifest; `verify` also checks its sha256 (reads it all).
+    A damaged shard is an error naming it, or with `skip_damaged` a logged warning and the shard left out.
     """
     from jaxlm.data.pipeline import FlatDocuments  # not at the top: workers import this module, grain is slow to
 
@@ -372,9 +378,11 @@ def open_prepared(output_dir: str | os.PathLike, split: str = "train", verify: b
         damage = _shard_damage(path, entry, verify)
         layout = _shard_layout(path) if damage is None else None
         if layout is None:
-            raise UserError(
-                f"shard {path} {damage or 'is corrupt'}; re-run prepare with the same arguments to rewrite it"
-            )
+            problem = f"shard {path} {damage or 'is corrupt'}; re-run prepare with the same arguments to rewrite it"
+            if not skip_damaged:
+                raise UserError(problem)
+            log.warning("skipping %s (%d documents)", problem, entry["documents"])
+            continue
         offsets, tokens = (np.memmap(path, dtype, "r", offset, (length,)) for dtype, length, offset in layout)
         shards.append((tokens, offsets))
     return FlatDocuments(shards)
