@@ -432,8 +432,12 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     resume_step, saved = 0, {}
     if (run_dir / "checkpoints").exists():
         with checkpoint.Checkpointer(run_dir / "checkpoints") as peek:
-            resume_step = peek.latest_step() or 0
-            saved = peek.read_meta(resume_step) if resume_step else {}
+            for step in reversed(peek.all_steps()):  # the newest whose metadata reads; restore re-checks the rest
+                try:
+                    resume_step, saved = step, peek.read_meta(step)
+                    break
+                except Exception as e:  # a damaged checkpoint: reported, skipped, never deleted
+                    console(f"jaxlm: warning: cannot read checkpoint {peek.directory / str(step)} ({e}); trying the one before")
     if saved:
         differences = config_differences(saved["config"], cfg)
         if differences:

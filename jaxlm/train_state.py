@@ -42,13 +42,19 @@ class ModelSpec:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A concrete model on the default device (for notebooks and tests); training uses `create`."""
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    """A concrete model on the default device (for notebooks and tests); training uses `create`.
+
+    Eager sharding is off even under an active mesh: shardings are applied in one place, `create`.
+    """
+    with nnx.use_eager_sharding(False):
+        return Transformer(cfg, rngs=nnx.Rngs(params=seed))
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
     """Structure and metadata of the model, from an abstract build (no arrays allocated)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+    # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
     names, decay = {}, {}
     for path, var in nnx.to_flat_state(state):
         meta = var.get_metadata()

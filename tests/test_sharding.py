@@ -114,3 +114,14 @@ def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated
     assert state_bytes > 3 * 4 * 1.0e9  # params, Adam mu and nu in float32: 1.1B parameters
     assert memory.argument_size_in_bytes == pytest.approx((state_bytes + batch_bytes) / 8, rel=1e-3)
     assert memory.alias_size_in_bytes == pytest.approx(state_bytes / 8, rel=1e-3)
+
+
+def test_building_under_an_active_mesh_works():
+    """Notebooks often run inside `with jax.set_mesh(...)`: shardings still come from the rules only."""
+    from jaxlm.train import build_trainer
+
+    cfg = config.recipe("tiny", model__n_layers=2, mesh__fsdp=2, mesh__data=-1)
+    with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1))):
+        for abstract in (True, False):
+            trainer = build_trainer(cfg, abstract=abstract)
+            assert trainer.state.params["blocks"]["mlp"]["w_up"].sharding.spec == P(None, "fsdp", "tensor")

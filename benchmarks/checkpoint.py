@@ -1,0 +1,137 @@
+"""Checkpoint cost of recipes on whatever devices are here (issue 4).
+
+    python benchmarks/checkpoint.py                            # 125m, 20 steps, a save every 5
+    python benchmarks/checkpoint.py --recipes tiny 125m --json ckpt.json
+    python benchmarks/checkpoint.py --recipes 125m --steps 40 --every 10 --dir /mnt/disk/tmp
+
+With `jaxlm.checkpoint.Checkpointer` (async, as in the train loop) on the recipe's sharded train
+state: how long `save` blocks the loop and how long until the files are committed (`wait`), for
+the first save (one-time setup and compilation included) and a later one; the bytes one checkpoint
+takes on disk; the time to restore it onto the abstract state of a fresh trainer (just written, so
+from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
+with a save every `--every` steps, saves included, the metrics synced once at the end of each
+window. The saves fall on the window's steps 1, 1+every, ...; the wait for the last one to commit,
+after the window, is reported apart (`final_wait_s`). Batches are random tokens (CPU shapes as in
+train_throughput.py); no data iterator is saved. Checkpoints go to a temporary folder under `--dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_throughput import CPU_OVERRIDES, random_batch  # noqa: E402
+
+from jaxlm import config  # noqa: E402
+from jaxlm.checkpoint import Checkpointer  # noqa: E402
+from jaxlm.models.transformer import param_count  # noqa: E402
+from jaxlm.train import build_trainer  # noqa: E402
+
+
+def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float, float]:
+    """(seconds `save` blocked, seconds until `wait` returned), both from the call to `save`."""
+    t0 = time.perf_counter()
+    ckpt.save(step, state, meta=meta, force=True)
+    blocked = time.perf_counter() - t0
+    ckpt.wait()
+    return blocked, time.perf_counter() - t0
+
+
+def run_window(trainer, state, batches, steps: int, ckpt: Checkpointer | None, meta: dict, first_step: int):
+    """Mean step time of `steps` steps, saving on steps 1, 1+every, ... of the window when `ckpt`."""
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, metrics = trainer.train_step(state, batches[i % 2])
+        if ckpt is not None and i % ckpt.every_steps == 0:
+            ckpt.save(first_step + i, state, meta=meta, force=True)
+    jax.block_until_ready(metrics)
+    return state, (time.perf_counter() - t0) / steps
+
+
+def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: str) -> dict:
+    cfg = config.load_recipe(recipe)
+    if jax.default_backend() == "cpu":
+        overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
+    config.apply_overrides(cfg, list(overrides.items()))
+    trainer = build_trainer(cfg)
+    target = build_trainer(cfg, abstract=True).state  # what a resumed run restores onto
+    d = cfg.data
+    per_process = d.global_batch_size // jax.process_count()
+    batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    meta = {"config": json.loads(cfg.to_json())}
+    workdir = tempfile.mkdtemp(prefix=f"jaxlm-ckpt-bench-{recipe}-", dir=root)
+    r = {"recipe": recipe, "overrides": overrides, "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+         "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
+    try:
+        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "a")) as ckpt:
+            state = jax.block_until_ready(trainer.state)
+            r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
+            r["first_save_blocked_s"], r["first_save_total_s"] = timed_save(ckpt, 0, state, meta)
+            state, metrics = trainer.train_step(state, batches[0])  # compiles the step
+            state = jax.block_until_ready(state)
+            r["save_blocked_s"], r["save_total_s"] = timed_save(ckpt, 1, state, meta)
+            r["disk_gib"] = round(sum(f.stat().st_size for f in pathlib.Path(workdir, "a", "1").rglob("*")
+                                      if f.is_file()) / 2**30, 3)
+
+            t0 = time.perf_counter()
+            restored, _, _ = ckpt.restore(target, step=1)
+            jax.block_until_ready(restored)
+            r["restore_s"] = time.perf_counter() - t0
+            del restored
+
+            state, _ = run_window(trainer, state, batches, 2, None, meta, 0)  # warm-up
+            state, r["step_s_off"] = run_window(trainer, state, batches, steps, None, meta, 0)
+        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "b"), every_steps=every) as ckpt:
+            state, r["step_s_on"] = run_window(trainer, state, batches, steps, ckpt, meta, 1)
+            t0 = time.perf_counter()
+            ckpt.wait()
+            r["final_wait_s"] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    r["saves_in_window"] = -(-steps // every)
+    r["overhead_pct"] = 100 * (r["step_s_on"] / r["step_s_off"] - 1)
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=["125m"])
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every recipe")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    parser.add_argument("--every", type=int, default=5, help="save every this many steps in the checkpointed window")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoints go")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    print(f"# {time.strftime('%Y-%m-%d')} | jax {jax.__version__} | orbax-checkpoint "
+          f"{importlib.metadata.version('orbax-checkpoint')} | {jax.devices()[0].device_kind} x{jax.device_count()} "
+          f"| python {platform.python_version()} | {platform.processor() or platform.machine()}")
+    results = []
+    for recipe in args.recipes:
+        result = bench(recipe, overrides, args.steps, args.every, args.dir)
+        results.append(result)
+        print(json.dumps(result), file=sys.stderr)
+    cols = ["recipe", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s", "save_blocked_s",
+            "save_total_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
