@@ -560,6 +560,13 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     return summary
 
 
+def enable_compilation_cache(directory: str) -> None:
+    """Keep compiled programs on disk, so a resumed or repeated run skips most compilation."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again": re-run resumes
 
 
@@ -570,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_lib.parse_cli(argv)
         config_lib.validate(cfg)  # before any device work
         config_lib.derive(cfg, jax.device_count())  # the mesh and batch fit the devices
+        enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)
     except UserError as e:
         print(f"jaxlm: error: {e}", file=sys.stderr)

@@ -110,7 +110,7 @@ def test_bad_data_is_one_line_before_any_run_directory_is_made(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.mark.parametrize("policy", ["stop", pytest.param("skip", marks=pytest.mark.slow)])
 def test_a_diverging_run_follows_the_non_finite_policy(tmp_path, policy):
     """A learning rate of 1e9 makes the loss non-finite within a few steps."""
     result = run_cli(

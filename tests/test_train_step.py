@@ -52,17 +52,17 @@ def test_loss_and_gradients_agree_across_meshes():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(shape)), grads, ref_grads)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
-def test_k_micro_batches_equal_one_large_batch(mesh_shape):
+@pytest.mark.parametrize("mesh_shape, ks", [((1, 1, 1), (1, 2)), ((2, 2, 2), (1, 4))])
+def test_k_micro_batches_equal_one_large_batch(mesh_shape, ks):
     model_cfg = small_config()
     batch = random_batch(16, 32, 96, seed=1)
     out = {}
-    for k in (1, 2, 4):
+    for k in ks:
         mesh, state, step, batch_sharding, _, _ = _setup(mesh_shape, model_cfg, micro_batches=k)
         with jax.set_mesh(mesh):
             new_state, metrics = step(state, _put(batch, batch_sharding))
         out[k] = (jax.device_get(metrics), jax.device_get(new_state.params))
-    for k in (2, 4):
+    for k in ks[1:]:
         for key in ("loss", "grad_norm", "tokens"):
             np.testing.assert_allclose(out[k][0][key], out[1][0][key], rtol=1e-5, err_msg=f"k={k} {key}")
         # Parameters move by about lr = 1e-4 on this first step; agree to 1% of that.
@@ -153,7 +153,7 @@ def test_a_non_finite_loss_never_reaches_the_state():
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     spec = train_state.model_spec(model_cfg)
     tx, schedule = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
-    mesh = mesh_lib.make_mesh((2, 2, 2))
+    mesh = mesh_lib.make_mesh((1, 2, 1))
     state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules)
     sharding = mesh_lib.batch_sharding(mesh, rules)
     before = jax.device_get((state.params, state.opt_state))
