@@ -31,7 +31,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_throughput import CPU_OVERRIDES, random_batch  # noqa: E402
+from train_throughput import CPU_OVERRIDES, random_batch, report  # noqa: E402
 
 from jaxlm import config  # noqa: E402
 from jaxlm.checkpoint import Checkpointer  # noqa: E402
@@ -124,13 +124,7 @@ def main() -> None:
         print(json.dumps(result), file=sys.stderr)
     cols = ["recipe", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s", "save_blocked_s",
             "save_total_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in results:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    report(results, cols, args.json)
 
 
 if __name__ == "__main__":

@@ -95,12 +95,17 @@ def main() -> None:
         results.append(result)
         print(json.dumps(result), file=sys.stderr)
     cols = ["recipe", "params_m", "batch", "dtype", "devices", "compile_s", "step_s", "tokens_per_s", "tflops_per_device"]
+    report(results, cols, args.json)
+
+
+def report(results: list[dict], cols: list[str], json_path: str | None) -> None:
+    """The results as one Markdown table on stdout, and all of them as JSON where asked."""
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
 
 

@@ -18,7 +18,7 @@ import signal
 import sys
 import sysconfig
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import ml_collections
