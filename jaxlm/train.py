@@ -285,9 +285,9 @@ def build_trainer(
     spec = train_state.model_spec(model_cfg)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
     if abstract:
-        state, shardings, spec, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
+        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
     else:
-        state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=cfg.run.seed)
+        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
         spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
@@ -519,8 +519,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                     if val_loss is not None:
                         sinks.write(step, {"val_loss": val_loss})
                         console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
-                if ckpt.should_save(step) or step == total_steps:
-                    save(step, force=step == total_steps)
+                if step == total_steps or ckpt.should_save(step):
+                    save(step, force=True)
             ckpt.wait()
     except NonFiniteError as e:
         save(step, force=True)  # the state never took the non-finite update: it is the last good one

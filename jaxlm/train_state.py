@@ -118,12 +118,12 @@ def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
                 )
 
 
-def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0):
+def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, spec: ModelSpec | None = None):
     """(abstract state whose leaves carry their shardings, the shardings, model spec, init function).
 
     Nothing is allocated: this is what ahead-of-time compilation and memory planning need.
     """
-    spec = model_spec(cfg)
+    spec = spec or model_spec(cfg)
     init = init_fn(cfg, spec, tx, seed)
     shapes = jax.eval_shape(init)
     check_divisible(spec, shapes.params, mesh, rules)
@@ -132,9 +132,11 @@ def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0
     return abstract, shardings, spec, init
 
 
-def create(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0) -> tuple[TrainState, TrainState, ModelSpec]:
+def create(
+    cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, spec: ModelSpec | None = None
+) -> tuple[TrainState, TrainState, ModelSpec]:
     """Initialise the state directly into its shards: (state, its shardings, model spec)."""
-    _, shardings, spec, init = abstract_state(cfg, tx, mesh, rules, seed)
+    _, shardings, spec, init = abstract_state(cfg, tx, mesh, rules, seed, spec)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return state, shardings, spec
