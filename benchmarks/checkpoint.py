@@ -36,7 +36,7 @@ from train_throughput import CPU_OVERRIDES, random_batch, report  # noqa: E402
 from jaxlm import config  # noqa: E402
 from jaxlm.checkpoint import Checkpointer  # noqa: E402
 from jaxlm.models.transformer import param_count  # noqa: E402
-from jaxlm.train import build_trainer  # noqa: E402
+from jaxlm.trainer import build_trainer  # noqa: E402
 
 
 def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float, float]:

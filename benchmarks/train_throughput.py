@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxlm import config
 from jaxlm.models.transformer import flops_per_token, param_count
-from jaxlm.train import build_trainer
+from jaxlm.trainer import build_trainer
 
 # On a CPU the recipe-sized 125m step takes minutes; these shapes keep it to seconds per step.
 CPU_OVERRIDES = {"125m": {"data.global_batch_size": 2, "data.seq_len": 512}}

@@ -7,298 +7,27 @@ previous step's metrics (never blocking on the step just dispatched), logs, eval
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import hashlib
 import json
 import logging
 import os
 import pathlib
 import signal
 import sys
-import sysconfig
 import time
 from typing import Any, Sequence
 
 import jax
 import ml_collections
-import numpy as np
 
-from jaxlm import checkpoint, optim, steps, train_state
+from jaxlm import checkpoint
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
-from jaxlm import mesh as mesh_lib
-from jaxlm.data import pipeline, prepare, sources, tokenizer
+from jaxlm.console import console, duration
+from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError
-from jaxlm.models import attention, transformer
-
-# ----------------------------------------------------------------------------- data
-
-
-@dataclasses.dataclass
-class Data:
-    train: pipeline.TrainIterator  # this process's rows of each global batch; knows its epoch
-    eval_batches: list[dict[str, np.ndarray]]
-    tokenizer: Any
-    train_tokens: int
-
-
-def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
-    d = cfg.data
-    return sources.SourceSpec(d.corpus, d.format, d.text_field, d.separator, max_bytes=d.builtin_max_bytes)
-
-
-def _inputs_key(cfg: ml_collections.ConfigDict) -> str:
-    """A cheap identity of the corpus (its files' sizes and times, or the interpreter for the built-in
-    one) and of how it is read: the cache key of its tokenizer and prepared shards."""
-    spec = source_spec(cfg)
-    if spec.paths == "builtin":
-        files = [sys.version, sysconfig.get_paths()["stdlib"]]
-    else:
-        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(spec)]
-    identity = {"spec": dataclasses.asdict(spec), "files": files, "val_fraction": cfg.data.val_fraction,
-                "seed": cfg.data.seed}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def load_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
-    """The configured .model file, or one trained on the corpus's training documents (cached)."""
-    d = cfg.data
-    if d.tokenizer_path:
-        return tokenizer.Tokenizer.load(d.tokenizer_path)
-    path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
-    if path.exists():
-        return tokenizer.Tokenizer.load(path)
-    console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
-    docs, total = [], 0
-    for doc in sources.iter_documents(source_spec(cfg)):
-        if not sources.is_validation(doc, d.val_fraction, d.seed):
-            docs.append(doc)
-            total += len(doc.encode("utf-8"))
-            if total >= d.tokenizer_train_bytes:
-                break
-    if not docs:
-        raise UserError(f"the corpus {d.corpus!r} holds no training documents; give non-empty text")
-    tok = tokenizer.Tokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
-    tok.save(path)
-    return tok
-
-
-def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
-    """The corpus as prepared shards: a prepared directory given as the corpus, or the cached one
-    for these inputs and tokenizer, built on first use (resumably) with every core."""
-    d = cfg.data
-    given = pathlib.Path(d.corpus)
-    if (given / prepare.MANIFEST).is_file():
-        return given
-    key = _inputs_key(cfg)
-    tok = load_tokenizer(cfg, key)
-    out = pathlib.Path(d.cache_dir) / f"prepared-{key}-{tok.sha256[:16]}"
-    if not ((out / prepare.MANIFEST).is_file() and prepare.read_manifest(out)["complete"]):
-        console(f"jaxlm: preparing {d.corpus} into {out}")
-        prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                        workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
-    return out
-
-
-def load_data(cfg: ml_collections.ConfigDict) -> Data:
-    """Corpus -> prepared shards (cached) -> packed grain batches, and the fixed held-out batches."""
-    d = cfg.data
-    directory = prepared_dir(cfg)
-    tok = tokenizer.Tokenizer.load(directory / prepare.TOKENIZER)
-    if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
-        raise UserError(
-            f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "
-            f"prepare it again with that tokenizer, or leave data.tokenizer_path empty"
-        )
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer of {directory} has {tok.vocab_size} tokens but config.model.vocab_size="
-            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
-        )
-    skip = d.on_damaged_shard == "skip"
-    train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
-    val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
-    per_process = d.global_batch_size // jax.process_count()
-    train_ds = pipeline.make_train_dataset(
-        train_docs,
-        seq_len=d.seq_len,
-        batch_size=per_process,
-        seed=d.seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-        num_workers=d.num_workers,
-    )
-    eval_batches = []
-    if d.val_tokens and not len(val_docs):
-        console(f"jaxlm: warning: {directory} has no validation documents; raise data.val_fraction to evaluate")
-    if len(val_docs) and d.val_tokens:
-        max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
-        eval_batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=per_process,
-                                                  max_batches=max_batches)
-    return Data(train=iter(train_ds), eval_batches=eval_batches, tokenizer=tok, train_tokens=train_docs.num_tokens)
-
-
-# ----------------------------------------------------------------------------- run directory and sinks
-
-
-def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
-    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
-    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
-
-
-def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
-    """`run.fresh`: move an existing run directory out of the way (nothing is deleted)."""
-    aside = run_dir.with_name(f"{run_dir.name}-replaced-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    run_dir.rename(aside)
-    return aside
-
-
-# Keys that may change between a run and its resumption; any other difference is refused.
-RESUMABLE_CHANGES = (
-    "run.steps", "run.log_every", "run.eval_every", "run.peak_flops", "run.output_dir", "run.name", "run.fresh",
-    "run.recipe", "mesh.", "model.remat", "model.attention", "data.cache_dir", "checkpoint.", "optim.on_nonfinite",
-)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
-    """'key: old -> new' for every difference that matters to a resumed run."""
-    old, new = _flatten(saved), _flatten(json.loads(cfg.to_json()))
-    return [
-        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
-        for key in sorted(set(old) | set(new))
-        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES)
-    ]
-
-
-def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int) -> None:
-    """Create the run directory, or ready an existing one to continue after `resume_step`: the
-    metrics of later steps (lost with the process that logged them) are dropped, so none repeat."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
-    jsonl = run_dir / "metrics.jsonl"
-    if jsonl.exists() and jax.process_index() == 0:
-        kept = [line for line in jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-        jsonl.write_text("".join(line + "\n" for line in kept))
-
-
-class Sinks:
-    """Where metrics go: metrics.jsonl and TensorBoard files in the run directory; only process 0 writes."""
-
-    def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int):
-        self.sinks = []
-        if jax.process_index() == 0:
-            tensorboard = metrics_lib.TensorBoardSink(run_dir / "tensorboard")
-            if resume_step:
-                tensorboard.restart(resume_step + 1)  # TensorBoard drops the lost steps' points
-            else:
-                tensorboard.text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
-            self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), tensorboard]
-
-    def write(self, step: int, values: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.write(step, values)
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def console(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-@dataclasses.dataclass
-class Trainer:
-    """Everything a training loop needs, built from a config: the CLI, notebooks and benchmarks share it."""
-
-    cfg: ml_collections.ConfigDict
-    derived: config_lib.Derived
-    model_cfg: Any  # jaxlm.models.transformer.ModelConfig
-    mesh: jax.sharding.Mesh
-    rules: Any
-    spec: Any  # jaxlm.train_state.ModelSpec
-    state: Any  # jaxlm.train_state.TrainState, sharded
-    shardings: Any
-    batch_sharding: jax.sharding.NamedSharding
-    schedule: Any
-    train_step: Any  # compiled (state, batch) -> (state, metrics); donates the state
-    eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
-
-    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
-
-    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The global batch as abstract arrays, for ahead-of-time compilation."""
-        shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
-        keys = ("inputs", "targets", "segment_ids", "positions")
-        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in keys}
-
-    def compile_train_step(self):
-        """Compile the train step ahead of time (works on an abstract state): `.memory_analysis()`,
-        `.cost_analysis()` and `.as_text()` of the result tell what the step will cost."""
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-        with jax.set_mesh(self.mesh):
-            return self.train_step.lower(state, self.batch_spec()).compile()
-
-
-def build_trainer(
-    cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, *, abstract: bool = False
-) -> Trainer:
-    """Validate, make the mesh, create the sharded state and the steps (compiled on first call).
-
-    With `abstract=True` the state holds only shapes and shardings (nothing is allocated), for
-    `compile_train_step` on recipes larger than this machine.
-    """
-    config_lib.validate(cfg)
-    devices = list(devices) if devices is not None else jax.devices()
-    derived = config_lib.derive(cfg, len(devices))
-    mesh = mesh_lib.make_mesh(derived.mesh_shape, devices)
-    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model)
-    impl = attention.select_implementation(
-        cfg.model.attention, devices[0].platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim
-    )
-    model_cfg = dataclasses.replace(model_cfg, attention=impl)
-    spec = train_state.model_spec(model_cfg)
-    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
-    if abstract:
-        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
-    else:
-        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
-    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step_fn = steps.make_train_step(
-        spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
-        dropout=cfg.model.dropout > 0, rules=rules,
-    )
-    return Trainer(
-        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,
-        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
-        train_step=steps.compile_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules), shardings.params, batch_sharding),
-    )
+from jaxlm.models import transformer
+from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
+from jaxlm.trainer import Trainer, build_trainer, evaluate
 
 
 
@@ -370,7 +99,7 @@ class StepLog:
                 f"lr {values['lr']:.2e} | "
                 f"grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
                 f"MFU {'n/a' if mean_mfu is None else f'{100 * mean_mfu:.1f}%'}{memory} | "
-                f"{mean_step_s:.3f} s/step | ETA {_duration((self.total_steps - step) * mean_step_s)}"
+                f"{mean_step_s:.3f} s/step | ETA {duration((self.total_steps - step) * mean_step_s)}"
             )
         if values["skipped"]:
             self.skipped_steps.append(step)
@@ -381,17 +110,6 @@ class StepLog:
     def pause(self) -> None:
         """Call after work outside the train step (evaluation) so it is not counted as step time."""
         self.last = time.time()
-
-
-def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> float | None:
-    """Token-mean loss over fixed held-out batches."""
-    if not batches:
-        return None
-    total, tokens = 0.0, 0.0
-    for batch in batches:
-        loss_sum, count = trainer.eval_step(params, trainer.put_batch(batch))
-        total, tokens = total + float(loss_sum), tokens + float(count)
-    return total / max(tokens, 1.0)
 
 
 class Preempted(Exception):
@@ -553,7 +271,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     val = f" (val {val_loss:.4f})" if val_loss is not None else ""
     rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
     console(
-        f"jaxlm: done: {total_steps} steps in {_duration(elapsed)}, loss {log.losses[0]:.4f} -> "
+        f"jaxlm: done: {total_steps} steps in {duration(elapsed)}, loss {log.losses[0]:.4f} -> "
         f"{log.losses[-1]:.4f}{val}, {rate}; logs {run_dir} (metrics.jsonl, tensorboard/), "
         f"checkpoint {summary['checkpoint_dir']}"
     )

@@ -104,7 +104,7 @@ def test_uneven_shards_are_a_clear_error():
 def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated():
     """Ahead of time, nothing allocated: each device's arguments are 1/8 of the state (plus its
     rows of the batch), and the new state reuses the donated buffers."""
-    from jaxlm.train import build_trainer
+    from jaxlm.trainer import build_trainer
 
     cfg = config.recipe("1b", mesh__fsdp=8, data__global_batch_size=32)  # 4 micro-batches of 8
     trainer = build_trainer(cfg, abstract=True)
@@ -118,7 +118,7 @@ def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated
 
 def test_building_under_an_active_mesh_works():
     """Notebooks often run inside `with jax.set_mesh(...)`: shardings still come from the rules only."""
-    from jaxlm.train import build_trainer
+    from jaxlm.trainer import build_trainer
 
     cfg = config.recipe("tiny", model__n_layers=2, mesh__fsdp=2, mesh__data=-1)
     with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1))):

@@ -1,0 +1,89 @@
+"""A run directory: where it is, whether a resume may continue it, and the metric sinks in it.
+
+`output_dir/name` holds config.json, metrics.jsonl, tensorboard/, tokenizer.model, summary.json
+and checkpoints/<step>/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import jax
+import ml_collections
+
+from jaxlm import metrics as metrics_lib
+
+
+def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
+    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
+
+
+def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
+    """`run.fresh`: move an existing run directory out of the way (nothing is deleted)."""
+    aside = run_dir.with_name(f"{run_dir.name}-replaced-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir.rename(aside)
+    return aside
+
+
+# Keys that may change between a run and its resumption; any other difference is refused.
+RESUMABLE_CHANGES = (
+    "run.steps", "run.log_every", "run.eval_every", "run.peak_flops", "run.output_dir", "run.name", "run.fresh",
+    "run.recipe", "mesh.", "model.remat", "model.attention", "data.cache_dir", "checkpoint.", "optim.on_nonfinite",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
+    """'key: old -> new' for every difference that matters to a resumed run."""
+    old, new = _flatten(saved), _flatten(json.loads(cfg.to_json()))
+    return [
+        f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES)
+    ]
+
+
+def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int) -> None:
+    """Create the run directory, or ready an existing one to continue after `resume_step`: the
+    metrics of later steps (lost with the process that logged them) are dropped, so none repeat."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
+    jsonl = run_dir / "metrics.jsonl"
+    if jsonl.exists() and jax.process_index() == 0:
+        kept = [line for line in jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+        jsonl.write_text("".join(line + "\n" for line in kept))
+
+
+class Sinks:
+    """Where metrics go: metrics.jsonl and TensorBoard files in the run directory; only process 0 writes."""
+
+    def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int):
+        self.sinks = []
+        if jax.process_index() == 0:
+            tensorboard = metrics_lib.TensorBoardSink(run_dir / "tensorboard")
+            if resume_step:
+                tensorboard.restart(resume_step + 1)  # TensorBoard drops the lost steps' points
+            else:
+                tensorboard.text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
+            self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), tensorboard]
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(step, values)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

@@ -1,0 +1,102 @@
+"""A `Trainer`: the mesh, the sharded train state and the compiled steps, built from a config.
+
+The CLI's loop (`jaxlm.train`), notebooks, benchmarks and the memory planner all build one with
+`build_trainer(cfg)`; `abstract=True` builds it without allocating the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm import optim, steps, train_state
+from jaxlm.models import attention, transformer
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a training loop needs, built from a config: the CLI, notebooks and benchmarks share it."""
+
+    cfg: ml_collections.ConfigDict
+    derived: config_lib.Derived
+    model_cfg: Any  # jaxlm.models.transformer.ModelConfig
+    mesh: jax.sharding.Mesh
+    rules: Any
+    spec: Any  # jaxlm.train_state.ModelSpec
+    state: Any  # jaxlm.train_state.TrainState, sharded
+    shardings: Any
+    batch_sharding: jax.sharding.NamedSharding
+    schedule: Any
+    train_step: Any  # compiled (state, batch) -> (state, metrics); donates the state
+    eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch as abstract arrays, for ahead-of-time compilation."""
+        shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
+        keys = ("inputs", "targets", "segment_ids", "positions")
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in keys}
+
+    def compile_train_step(self):
+        """Compile the train step ahead of time (works on an abstract state): `.memory_analysis()`,
+        `.cost_analysis()` and `.as_text()` of the result tell what the step will cost."""
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        with jax.set_mesh(self.mesh):
+            return self.train_step.lower(state, self.batch_spec()).compile()
+
+
+def build_trainer(
+    cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, *, abstract: bool = False
+) -> Trainer:
+    """Validate, make the mesh, create the sharded state and the steps (compiled on first call).
+
+    With `abstract=True` the state holds only shapes and shardings (nothing is allocated), for
+    `compile_train_step` on recipes larger than this machine.
+    """
+    config_lib.validate(cfg)
+    devices = list(devices) if devices is not None else jax.devices()
+    derived = config_lib.derive(cfg, len(devices))
+    mesh = mesh_lib.make_mesh(derived.mesh_shape, devices)
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model)
+    impl = attention.select_implementation(
+        cfg.model.attention, devices[0].platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim
+    )
+    model_cfg = dataclasses.replace(model_cfg, attention=impl)
+    spec = train_state.model_spec(model_cfg)
+    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
+    if abstract:
+        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
+    else:
+        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    step_fn = steps.make_train_step(
+        spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
+        dropout=cfg.model.dropout > 0, rules=rules,
+    )
+    return Trainer(
+        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,
+        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
+        train_step=steps.compile_train_step(step_fn, shardings, batch_sharding),
+        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules), shardings.params, batch_sharding),
+    )
+
+
+def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> float | None:
+    """Token-mean loss over fixed held-out batches."""
+    if not batches:
+        return None
+    total, tokens = 0.0, 0.0
+    for batch in batches:
+        loss_sum, count = trainer.eval_step(params, trainer.put_batch(batch))
+        total, tokens = total + float(loss_sum), tokens + float(count)
+    return total / max(tokens, 1.0)
