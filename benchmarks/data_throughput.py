@@ -9,7 +9,8 @@
 2. prepare: tokens/s of `python -m jaxlm.data.prepare` (reading, hashing, tokenizing, writing) with
    1 and 2 worker processes, wall time of the command.
 3. Pipeline: tokens/s of `make_train_dataset` over the memory-mapped shards (shuffle, pack, batch)
-   on the host, with 0 and 2 grain workers.
+   and of `make_text_train_dataset` (raw documents tokenized on the fly, then the same) on the
+   host, with 0 and 2 grain workers.
 Next to it: the tokens/s that the 1b recipe consumes on one H100 at 50% MFU.
 """
 
@@ -96,8 +97,8 @@ def format_row(name: str, path: str, write_s: float, reads: list[Callable[[], np
             "tokens/s read": round(tokens_read / read_s)}
 
 
-def bench_pipeline(docs: pipeline.FlatDocuments, seq_len: int, batch_size: int, num_workers: int, batches: int) -> dict:
-    ds = pipeline.make_train_dataset(docs, seq_len=seq_len, batch_size=batch_size, seed=0, num_workers=num_workers)
+def bench_pipeline(ds, batches: int) -> dict:
+    """Tokens/s of a batch stream (after 5 warm-up batches) and its fraction of real (non-pad) tokens."""
     it = iter(ds)
     try:
         for _ in range(5):  # worker start-up and first fills
@@ -105,12 +106,12 @@ def bench_pipeline(docs: pipeline.FlatDocuments, seq_len: int, batch_size: int, 
         seen = it.tokens_seen
         t = time.perf_counter()
         for _ in range(batches):
-            next(it)
+            batch = next(it)
         elapsed = time.perf_counter() - t
         real = it.tokens_seen - seen
+        tokens = batches * batch["inputs"].size
     finally:
         it.close()
-    tokens = batches * batch_size * seq_len
     return {"tokens_per_s": tokens / elapsed, "real_fraction": real / tokens}
 
 
@@ -177,12 +178,17 @@ def main() -> None:
         model_1b = ModelConfig.from_config(config.load_recipe("1b").model)
         need = 0.5 * H100_PEAK_BF16_FLOPS / flops_per_token(model_1b, 2048)
         rows = []
-        for num_workers in (0, 2):
-            result = bench_pipeline(train, args.seq_len, args.batch, num_workers, args.batches)
-            rows.append({"pipeline": f"{args.batch}x{args.seq_len}, num_workers={num_workers}",
-                         "tokens/s": round(result["tokens_per_s"]),
-                         "real (non-pad) tokens": f"{result['real_fraction']:.1%}",
-                         "x the 1b recipe on one H100 at 50% MFU": f"{result['tokens_per_s'] / need:.1f}x"})
+        options = dict(seq_len=args.seq_len, batch_size=args.batch, seed=0)
+        streams = {"prepared shards": lambda w: pipeline.make_train_dataset(train, num_workers=w, **options),
+                   "raw text, tokenized on the fly": lambda w: pipeline.make_text_train_dataset(
+                       docs, tok, num_workers=w, **options)}
+        for name, make in streams.items():
+            for num_workers in (0, 2):
+                result = bench_pipeline(make(num_workers), args.batches)
+                rows.append({"pipeline": f"{name}, {args.batch}x{args.seq_len}, num_workers={num_workers}",
+                             "tokens/s": round(result["tokens_per_s"]),
+                             "real (non-pad) tokens": f"{result['real_fraction']:.1%}",
+                             "x the 1b recipe on one H100 at 50% MFU": f"{result['tokens_per_s'] / need:.1f}x"})
         print_table(rows)
         print(f"1b recipe on one H100 at 50% MFU consumes {need:,.0f} tokens/s; 10x is {10 * need:,.0f} tokens/s\n")
 

@@ -118,6 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
         tokenizer_vocab_size=vocab_size,
         cache_dir=".cache/jaxlm",  # the tokenizer and the prepared (tokenized) corpus, keyed by their inputs
         num_workers=0,  # grain worker processes (0 = in the main process)
+        # false: tokenize the corpus once into cached token shards (any size; the fastest reads).
+        # true: keep the raw documents in host memory and tokenize them in the pipeline (in the
+        # workers), with no prepare step: for small corpora and tokenizer ablations.
+        tokenize_on_the_fly=False,
         verify_shards=False,  # check every prepared shard's sha256 at start (reads all data); sizes are always checked
         on_damaged_shard="stop",  # a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning
         seed=0,
@@ -144,6 +148,17 @@ def base_config() -> ml_collections.ConfigDict:
         keep_last=3,  # the newest checkpoints kept
         keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
         async_save=True,  # write in the background; the loop waits only for the device-to-host copy
+    )
+    c.metrics = dict(
+        grad_norm_per_layer=False,  # also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)
+        histograms_every=0,  # TensorBoard histograms of every parameter every N steps (0 = off)
+        progress="auto",  # auto (a progress bar on a terminal, else lines) | bar | lines
+        wandb=False,  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without a login)
+        wandb_project="jaxlm",
+        wandb_entity="",  # "" = your default entity
+    )
+    c.profile = dict(
+        steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
     )
     c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
     c.mesh.rules = default_rules()
@@ -286,6 +301,20 @@ def _check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[st
     _check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
 
 
+def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
+    """`profile.steps` "start:end" as (start, end), both included; None when empty."""
+    text = cfg.profile.steps.strip()
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    try:
+        first, last = int(start), int(end if sep else start)
+    except ValueError:
+        first, last = 0, -1
+    _check(1 <= first <= last, "profile.steps", text, "'start:end' with 1 <= start <= end, e.g. '10:12'")
+    return first, last
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
     from jaxlm.data import sources, tokenizer
@@ -352,6 +381,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")
     _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
+    _check(cfg.metrics.histograms_every >= 0, "metrics.histograms_every", cfg.metrics.histograms_every, "0 (off) or more")
+    _check_choice(cfg, "metrics.progress", ("auto", "bar", "lines"))
+    profile_steps(cfg)
 
     sizes = [cfg.mesh[a] for a in MESH_AXES]
     for axis, size in zip(MESH_AXES, sizes):

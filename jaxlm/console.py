@@ -1,4 +1,6 @@
-"""What a run prints: one line per message, from process 0 only."""
+"""What a run prints, from process 0 only: message lines, and a progress bar on a terminal."""
+
+import sys
 
 import jax
 
@@ -13,3 +15,35 @@ def duration(seconds: float) -> str:
 def console(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, flush=True)
+
+
+class Progress:
+    """A progress bar (steps, rate, ETA and the key figures on one line) when `mode` is 'bar', or
+    'auto' on a terminal; otherwise nothing, and the periodic step lines tell the progress.
+
+    Lines printed through `line` go above the bar, so the bar stays the last line.
+    """
+
+    def __init__(self, total: int, initial: int, mode: str = "auto"):
+        self.bar = None
+        if jax.process_index() == 0 and (mode == "bar" or (mode == "auto" and sys.stdout.isatty())):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, smoothing=0.1,
+                            file=sys.stdout, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+
+    def update(self, step: int, figures: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(figures, refresh=False)
+            self.bar.update(step - self.bar.n)
+
+    def line(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            console(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+import uuid
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 # Dense bf16 peak FLOP/s per device, by a substring of `jax.Device.device_kind` (first match wins,
 # so the more specific names come first). Vendor datasheet figures without sparsity.
@@ -64,6 +67,27 @@ def device_memory(device: jax.Device) -> dict[str, int] | None:
     }
 
 
+HISTOGRAM_BINS = 30
+
+
+@jax.jit
+def param_histograms(params) -> dict[str, dict[str, jax.Array]]:
+    """Per parameter (`blocks/attn/wq`, ...): min, max, count, sum, sum of squares and the counts
+    of HISTOGRAM_BINS equal-width buckets between min and max, computed where the parameter lives
+    (only these few numbers leave the devices)."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        x = x.astype(jnp.float32)
+        lo, hi = jnp.min(x), jnp.max(x)
+        edges = lo + (hi - lo) * jnp.arange(1, HISTOGRAM_BINS) / HISTOGRAM_BINS  # inner edges
+        below = jnp.stack([jnp.sum(x < e) for e in edges] + [jnp.asarray(x.size, jnp.int32)])
+        out["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = {
+            "min": lo, "max": hi, "num": jnp.asarray(x.size, jnp.float32), "sum": jnp.sum(x),
+            "sum_squares": jnp.sum(x * x), "counts": jnp.diff(below, prepend=0),
+        }
+    return out
+
+
 class JsonlSink:
     """One JSON object per line, appended and flushed so a crash loses at most the line being written."""
 
@@ -100,6 +124,19 @@ class TensorBoardSink:
                 self._emit(step, summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
         self._writer.flush()
 
+    def histogram(self, step: int, tag: str, stats: dict[str, Any]) -> None:
+        """One histogram from `param_histograms` statistics (host values)."""
+        from tensorboard.compat.proto import summary_pb2
+
+        lo, hi, counts = float(stats["min"]), float(stats["max"]), np.asarray(stats["counts"], np.float64)
+        limits = [lo + (hi - lo) * (i + 1) / len(counts) for i in range(len(counts))]
+        proto = summary_pb2.HistogramProto(
+            min=lo, max=hi, num=float(stats["num"]), sum=float(stats["sum"]), sum_squares=float(stats["sum_squares"]),
+            bucket_limit=limits, bucket=counts.tolist(),
+        )
+        self._emit(step, summary_pb2.Summary.Value(tag=tag, histo=proto))
+        self._writer.flush()
+
     def restart(self, step: int) -> None:
         """Mark a resumption at `step`: TensorBoard's reader discards earlier files' points from `step` on."""
         from tensorboard.compat.proto import event_pb2
@@ -120,3 +157,39 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class WandbSink:
+    """Weights & Biases: the same values, one W&B run per run directory (its id is kept there, so a
+    resumed run continues the same W&B run). W&B ignores steps at or below its last logged one; a
+    resumed run re-logs the lost steps with identical values, so its curves stay whole."""
+
+    def __init__(self, run_dir: pathlib.Path, config: dict[str, Any], project: str, entity: str, name: str):
+        try:
+            import wandb
+        except ImportError:
+            from jaxlm.errors import UserError
+
+            raise UserError(
+                "config.metrics.wandb=true needs the wandb package: pip install wandb (or the [tracking] extra), "
+                "or set config.metrics.wandb=false"
+            ) from None
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:16]
+        id_file.write_text(run_id + "\n")
+        self._run = wandb.init(project=project, entity=entity or None, name=name, id=run_id, resume="allow",
+                               dir=str(run_dir), config=config)
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._run.log(numbers, step=step)
+
+    def histogram(self, step: int, tag: str, stats: dict[str, Any]) -> None:
+        import wandb
+
+        lo, hi, counts = float(stats["min"]), float(stats["max"]), np.asarray(stats["counts"])
+        edges = np.linspace(lo, hi, len(counts) + 1)
+        self._run.log({tag: wandb.Histogram(np_histogram=(counts, edges))}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()

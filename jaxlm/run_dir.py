@@ -32,7 +32,8 @@ def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
 # Keys that may change between a run and its resumption; any other difference is refused.
 RESUMABLE_CHANGES = (
     "run.steps", "run.log_every", "run.eval_every", "run.peak_flops", "run.output_dir", "run.name", "run.fresh",
-    "run.recipe", "mesh.", "model.remat", "model.attention", "data.cache_dir", "checkpoint.", "optim.on_nonfinite",
+    "run.recipe", "mesh.", "model.remat", "model.attention", "data.cache_dir", "checkpoint.",
+    "optim.on_nonfinite", "metrics.", "profile.", "run.compile_cache_dir",
 )
 
 
@@ -68,7 +69,8 @@ def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_s
 
 
 class Sinks:
-    """Where metrics go: metrics.jsonl and TensorBoard files in the run directory; only process 0 writes."""
+    """Where metrics go: metrics.jsonl and TensorBoard files in the run directory, and Weights & Biases
+    when `metrics.wandb`; only process 0 writes."""
 
     def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int):
         self.sinks = []
@@ -79,10 +81,21 @@ class Sinks:
             else:
                 tensorboard.text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
             self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), tensorboard]
+            m = cfg.metrics
+            if m.wandb:
+                self.sinks.append(metrics_lib.WandbSink(
+                    run_dir, json.loads(cfg.to_json()), m.wandb_project, m.wandb_entity, run_dir.name))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.write(step, values)
+
+    def histograms(self, step: int, stats: dict[str, dict[str, Any]]) -> None:
+        """`param_histograms` statistics (host values) to the sinks that draw histograms."""
+        for sink in self.sinks:
+            if hasattr(sink, "histogram"):
+                for tag, values in stats.items():
+                    sink.histogram(step, f"params/{tag}", values)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -54,6 +54,35 @@ def _split_micro(batch: Batch, k: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
+    """L2 norms of `tree` (params or grads) per layer and per top-level group.
+
+    Keys: `layer_NN` for each decoder block (scanned blocks are split along their `layers` axis,
+    unrolled ones are found by their index), and the name of every other top-level entry
+    (`embed`, `final_norm`, `unembed`, ...).
+    """
+    squares: dict[str, jax.Array] = {}
+
+    def add(key: str, value: jax.Array) -> None:
+        squares[key] = squares.get(key, 0.0) + value
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = jax.tree_util.tree_leaves(logical_names, is_leaf=lambda x: isinstance(x, tuple))
+    for (path, leaf), axes in zip(leaves, names, strict=True):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        sq = jnp.square(leaf.astype(jnp.float32))
+        if "layers" in axes:  # scanned blocks: one leading slice per layer
+            layer_axis = axes.index("layers")
+            per_layer = jnp.sum(sq, axis=tuple(a for a in range(leaf.ndim) if a != layer_axis))
+            for i in range(leaf.shape[layer_axis]):
+                add(f"layer_{i:02d}", per_layer[i])
+        elif len(keys) > 1 and isinstance(keys[1], int):  # unrolled blocks: blocks/<i>/...
+            add(f"layer_{keys[1]:02d}", jnp.sum(sq))
+        else:
+            add(str(keys[0]), jnp.sum(sq))
+    return {key: jnp.sqrt(value) for key, value in sorted(squares.items())}
+
+
 def make_train_step(
     spec: ModelSpec,
     tx: optax.GradientTransformation,
@@ -63,8 +92,14 @@ def make_train_step(
     z_loss: float = 0.0,
     dropout: bool = False,
     rules: Rules = (),
+    grad_norm_per_layer: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The uncompiled train step; `compile_train_step` jits it with shardings and donation."""
+    """The uncompiled train step; `compile_train_step` jits it with shardings and donation.
+
+    Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
+    (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
+    per layer and top-level group (`norms_by_group`).
+    """
     grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
 
     def step_fn(state: TrainState, batch: Batch):
@@ -101,7 +136,10 @@ def make_train_step(
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "tokens": tokens,
             "skipped": (~finite).astype(jnp.int32),
+            "param_norm": optax.tree.norm(params),
         }
+        if grad_norm_per_layer:
+            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, spec.logical_names).items()})
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 

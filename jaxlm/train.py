@@ -22,7 +22,7 @@ import ml_collections
 from jaxlm import checkpoint
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
-from jaxlm.console import console, duration
+from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -43,19 +43,21 @@ class NonFiniteError(Exception):
 
 
 class StepLog:
-    """Turns each step's metrics into a JSONL record and, every `log_every` steps, a console line.
+    """Turns each step's metrics into a record for the sinks, the progress bar and, every
+    `log_every` steps, a console line.
 
     It is handed a step's device metrics only after the next step was dispatched, so reading them
     waits for a step that is finished or nearly, never for the one just queued.
     """
 
-    def __init__(self, sinks: Sinks, trainer: "Trainer"):
+    def __init__(self, sinks: Sinks, trainer: "Trainer", resume_step: int = 0):
         cfg = trainer.cfg
         self.sinks, self.tokens_per_step = sinks, trainer.derived.tokens_per_step
         self.total_steps, self.log_every, self.on_nonfinite = cfg.run.steps, cfg.run.log_every, cfg.optim.on_nonfinite
         self.flops_per_token = transformer.flops_per_token(trainer.model_cfg, cfg.data.seq_len)
         self.devices = list(trainer.mesh.devices.flat)
         self.peak_flops = metrics_lib.peak_flops(self.devices[0].device_kind, cfg.run.peak_flops)
+        self.progress = Progress(cfg.run.steps, resume_step, cfg.metrics.progress)
         self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
@@ -66,8 +68,10 @@ class StepLog:
     def tokens_per_s(self) -> float | None:
         return self.tokens_per_step * self.timed_steps / self.timed_s if self.timed_s else None
 
-    def record(self, step: int, metrics: dict[str, jax.Array], data_progress: dict[str, int]) -> None:
-        """`data_progress`: the data iterator's epoch and this host's real tokens after this step's batch."""
+    def record(self, step: int, metrics: dict[str, jax.Array], data_progress: dict[str, int],
+               histograms: dict | None = None) -> None:
+        """`data_progress`: the data iterator's epoch and this host's real tokens after this step's
+        batch; `histograms`: `param_histograms` of the state after this step, when due."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
@@ -81,6 +85,7 @@ class StepLog:
             tokens_seen=step * self.tokens_per_step,
             step_time_s=step_s,
             tokens_per_s=tokens_per_s,
+            tokens_per_s_per_device=tokens_per_s / len(self.devices),
             model_tflops_per_device=self.flops_per_token * tokens_per_s / len(self.devices) / 1e12,
             wall_s=now - self.start,
         )
@@ -89,27 +94,60 @@ class StepLog:
             values["mfu"] = util
         values.update(metrics_lib.device_memory(self.devices[0]) or {})
         self.sinks.write(step, values)
+        if histograms is not None:
+            self.sinks.histograms(step, jax.device_get(histograms))
+        mean_step_s = self.timed_s / self.timed_steps if self.timed_steps else step_s
+        mean_rate = self.tokens_per_step / mean_step_s
+        mean_mfu = metrics_lib.mfu(self.flops_per_token, mean_rate, len(self.devices), self.peak_flops)
+        mfu_text = "n/a" if mean_mfu is None else f"{100 * mean_mfu:.1f}%"
+        self.progress.update(step, f"loss {values['loss']:.4f} | {mean_rate:,.0f} tok/s | MFU {mfu_text}")
         if step % self.log_every == 0 or step == self.total_steps:
-            mean_step_s = self.timed_s / self.timed_steps if self.timed_steps else step_s
-            mean_rate = self.tokens_per_step / mean_step_s
-            mean_mfu = metrics_lib.mfu(self.flops_per_token, mean_rate, len(self.devices), self.peak_flops)
             memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
-            console(
+            self.progress.line(
                 f"step {step:>6}/{self.total_steps} | epoch {values['epoch']} | loss {values['loss']:.4f} | "
-                f"lr {values['lr']:.2e} | "
-                f"grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
-                f"MFU {'n/a' if mean_mfu is None else f'{100 * mean_mfu:.1f}%'}{memory} | "
-                f"{mean_step_s:.3f} s/step | ETA {duration((self.total_steps - step) * mean_step_s)}"
+                f"lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
+                f"MFU {mfu_text}{memory} | {mean_step_s:.3f} s/step | "
+                f"ETA {duration((self.total_steps - step) * mean_step_s)}"
             )
         if values["skipped"]:
             self.skipped_steps.append(step)
             if self.on_nonfinite == "stop":
                 raise NonFiniteError(step, values["loss"], values["grad_norm"])
-            console(f"step {step:>6}/{self.total_steps} | skipped: loss {values['loss']}, grad norm {values['grad_norm']}")
+            self.progress.line(
+                f"step {step:>6}/{self.total_steps} | skipped: loss {values['loss']}, grad norm {values['grad_norm']}"
+            )
 
     def pause(self) -> None:
         """Call after work outside the train step (evaluation) so it is not counted as step time."""
         self.last = time.time()
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+class Profile:
+    """`profile.steps` = "start:end": a jax.profiler trace of those steps in <run dir>/profile,
+    for TensorBoard's profile plugin (xplane.pb) and for Perfetto (perfetto_trace.json.gz)."""
+
+    def __init__(self, cfg: ml_collections.ConfigDict, run_dir: pathlib.Path):
+        self.steps, self.directory, self.active = config_lib.profile_steps(cfg), run_dir / "profile", False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int, outputs: Any) -> None:
+        """Stops the trace after the last profiled step has finished on the devices."""
+        if self.active and step == self.steps[1]:
+            jax.block_until_ready(outputs)
+            self.stop()
+            console(f"jaxlm: profile of steps {self.steps[0]}-{self.steps[1]} written to {self.directory}")
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class Preempted(Exception):
@@ -182,7 +220,9 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data, resume_step: int, saved: dict,
            t0: float) -> dict[str, Any]:
-    console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({data.train_tokens:,} training tokens)")
+    size = (f"{data.train_tokens:,} training tokens" if data.train_tokens is not None
+            else f"{data.train_documents:,} training documents, tokenized on the fly")
+    console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({size})")
     if saved and saved.get("tokenizer_sha256") != data.tokenizer.sha256:
         raise UserError(
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
@@ -206,7 +246,9 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
 
     total_steps = cfg.run.steps
     sinks = Sinks(run_dir, cfg, resume_step)
-    log = StepLog(sinks, trainer)
+    log = StepLog(sinks, trainer, resume_step)
+    profile = Profile(cfg, run_dir)
+    histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)
 
     def save(step: int, force: bool = False) -> None:
@@ -220,10 +262,19 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     try:
         with jax.set_mesh(trainer.mesh), StopSignals() as signals:
             for step in range(resume_step + 1, total_steps + 1):
-                state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
+                profile.before(step)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
+                profile.after(step, metrics)
                 if pending:
                     log.record(*pending)
-                pending = (step, metrics, {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen})
+                progress = {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen}
+                histograms = None
+                if histograms_every and step % histograms_every == 0:
+                    # Finished before the next step is dispatched: two programs with collectives in
+                    # flight at once can deadlock XLA:CPU's device threads (seen with 8 fake devices).
+                    histograms = jax.block_until_ready(metrics_lib.param_histograms(state.params))
+                pending = (step, metrics, progress, histograms)
                 if signals.received:
                     log.record(*pending)
                     save(step, force=True)
@@ -236,7 +287,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                     log.pause()
                     if val_loss is not None:
                         sinks.write(step, {"val_loss": val_loss})
-                        console(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
+                        log.progress.line(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
                 if step == total_steps or ckpt.should_save(step):
                     save(step, force=True)
             ckpt.wait()
@@ -246,6 +297,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         e.checkpoint_dir = ckpt.directory / str(step)
         raise
     finally:
+        profile.stop()
+        log.close()
         sinks.close()
         if hasattr(data.train, "close"):
             data.train.close()  # stops grain's worker processes

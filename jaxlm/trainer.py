@@ -81,7 +81,7 @@ def build_trainer(
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
         spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
-        dropout=cfg.model.dropout > 0, rules=rules,
+        dropout=cfg.model.dropout > 0, rules=rules, grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
     )
     return Trainer(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,

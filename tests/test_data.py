@@ -299,3 +299,72 @@ def test_eval_batches_are_fixed_and_complete() -> None:
     assert_batches_equal(
         pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=2), batches[:2]
     )
+
+
+# --- tokenizing on the fly ---
+
+
+def text_docs(corpus: list[str]) -> list[str]:
+    """Small raw documents (split on blank lines) with emoji and CJK among them."""
+    docs = [d for text in corpus[:3] for d in text.split("\n\n") if d][:60]
+    return docs + UNICODE_TEXTS
+
+
+def test_on_the_fly_gives_the_prepared_chunks_and_keeps_documents_apart(bpe: Tokenizer, corpus: list[str]) -> None:
+    docs = text_docs(corpus)
+    batches = list(pipeline.make_text_train_dataset(docs, bpe, seq_len=SEQ_LEN, batch_size=2, seed=0, num_epochs=1))
+    # The segments are exactly the chunks of the tokenized documents (none crosses a document),
+    # each once, except those in the dropped last partial batch.
+    got = collections.Counter(tuple(seg["inputs"].tolist()) + (-1,) + tuple(seg["targets"].tolist())
+                              for b in batches for seg in segments(b))
+    chunks = pipeline._Chunks(pipeline.tokenize_documents(bpe, docs), SEQ_LEN)
+    expected = collections.Counter(
+        tuple(c["inputs"].tolist()) + (-1,) + tuple(c["targets"].tolist()) for c in (chunks[i] for i in range(len(chunks)))
+    )
+    assert not got - expected
+    lost = expected - got
+    assert sum(len(k) // 2 for k in lost.elements()) < 2 * SEQ_LEN  # at most the remainder batch's tokens
+    for b in batches:
+        for seg in segments(b):
+            np.testing.assert_array_equal(seg["positions"], np.arange(len(seg["inputs"])))
+
+
+def test_on_the_fly_tokenizer_is_pickled_as_its_model(bpe: Tokenizer) -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(bpe))
+    assert copy.sha256 == bpe.sha256 and copy.encode(UNICODE_TEXTS) == bpe.encode(UNICODE_TEXTS)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_on_the_fly_resume_is_exact_and_counts_epochs(bpe: Tokenizer, corpus: list[str], num_workers: int) -> None:
+    docs = text_docs(corpus)
+
+    def make() -> grain.IterDataset:
+        return pipeline.make_text_train_dataset(docs, bpe, seq_len=SEQ_LEN, batch_size=4, seed=0,
+                                                num_workers=num_workers)
+
+    one_epoch = len(list(pipeline.make_text_train_dataset(docs, bpe, seq_len=SEQ_LEN, batch_size=4, seed=0,
+                                                          num_epochs=1)))
+    it = iter(make())
+    try:
+        for _ in range(one_epoch + 2):  # into the second epoch
+            next(it)
+        state = it.get_state()
+        assert it.epoch >= 1 and it.tokens_seen > 0
+        expected = [next(it) for _ in range(3)]
+    finally:
+        it.close()
+    state = json.loads(json.dumps(state))
+    resumed = iter(make())
+    try:
+        resumed.set_state(state)
+        got = [next(resumed) for _ in range(3)]
+    finally:
+        resumed.close()
+    assert_batches_equal(got, expected)
+
+
+def test_on_the_fly_of_nothing_is_a_user_error(bpe: Tokenizer) -> None:
+    with pytest.raises(UserError, match="corpus is empty"):
+        pipeline.make_text_train_dataset([], bpe, seq_len=SEQ_LEN, batch_size=1, seed=0)

@@ -46,3 +46,28 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 10.0), (2, 5.0), (3, pytest.approx(10 / 3))]
     assert set(events.Tags()["scalars"]) == {"loss"}
     assert events.Tensors("config")[0].tensor_proto.string_val == [b"lr = 3e-4"]
+
+
+def test_parameter_histograms_read_back_from_tensorboard(tmp_path):
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"w": rng.normal(size=(3, 40, 50)).astype(np.float32)}, "embed": np.arange(10, dtype=np.float32)}
+    stats = jax.device_get(metrics.param_histograms(jax.tree.map(jax.numpy.asarray, params)))
+    assert set(stats) == {"blocks/w", "embed"}
+    sink = metrics.TensorBoardSink(tmp_path)
+    for tag, s in stats.items():
+        sink.histogram(7, f"params/{tag}", s)
+    sink.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    events.Reload()
+    h = events.Histograms("params/blocks/w")[0]
+    w = params["blocks"]["w"]
+    assert h.step == 7 and h.histogram_value.num == w.size and sum(h.histogram_value.bucket) == w.size
+    assert h.histogram_value.min == pytest.approx(w.min()) and h.histogram_value.max == pytest.approx(w.max())
+    assert h.histogram_value.sum_squares == pytest.approx(float((w.astype(np.float64) ** 2).sum()), rel=1e-5)
+    expected, _ = np.histogram(w, bins=metrics.HISTOGRAM_BINS, range=(w.min(), w.max()))
+    assert np.abs(np.array(h.histogram_value.bucket) - expected).sum() <= 2  # float edges may move a boundary value
+    e = events.Histograms("params/embed")[0].histogram_value
+    assert sum(e.bucket) == 10 and e.bucket[0] == 1 and e.bucket[-1] == 1 and max(e.bucket) == 1  # 0..9

@@ -114,3 +114,19 @@ def test_resuming_with_another_tokenizer_is_refused(tmp_path):
     Tokenizer.train(docs, 512, "unigram").save(model)
     code, _, err = run([*argv, "--config.run.steps=4"])  # the later flag wins
     assert code == 2 and "was trained with another tokenizer" in err, err[-2000:]
+
+
+def test_tokenized_on_the_fly_with_workers_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Raw documents tokenized in 2 grain worker processes: the iterator state in the checkpoint
+    (a document mid-way through its chunks, in each worker) resumes the same stream."""
+    extra = ("--config.data.tokenize_on_the_fly=true", "--config.data.num_workers=2")
+    code, out, err = run(args(tmp_path, "whole", *extra, steps=12))
+    assert code == 0, err[-3000:]
+    assert "training documents, tokenized on the fly" in out
+    code, _, err = run_until(args(tmp_path, "parts", *extra, steps=12), "step      7/", signal.SIGTERM)
+    assert code == 75, err[-3000:]
+    code, out, err = run(args(tmp_path, "parts", *extra, steps=12))
+    assert code == 0 and "resuming from step" in out, err[-3000:]
+    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+    code, _, err = run(args(tmp_path, "parts", steps=14))  # switching to prepared data changes the stream
+    assert code == 2 and "data.tokenize_on_the_fly: True -> False" in err, err[-2000:]

@@ -170,3 +170,28 @@ def test_a_non_finite_loss_never_reaches_the_state():
     assert int(state.step) == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
     assert not np.array_equal(jax.device_get(state.params)["unembed"], before[0]["unembed"])  # the finite step applied
+
+
+def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
+    """Per-layer and per-group norms square-sum to the global norm, scanned or unrolled, and a
+    scanned model's layer i is the norm of slice i of its stacked block weights."""
+    import optax
+    from flax import nnx
+
+    scanned, unrolled = small_config(n_layers=3), small_config(n_layers=3, scan_layers=False)
+    params = {}
+    for cfg in (scanned, unrolled):
+        spec = train_state.model_spec(cfg)
+        state = nnx.state(train_state.build_model(cfg, seed=0), nnx.Param)
+        params[cfg.scan_layers] = (nnx.to_pure_dict(state), spec)
+    norms = {}
+    for scan, (tree, spec) in params.items():
+        norms[scan] = {k: float(v) for k, v in steps.norms_by_group(tree, spec.logical_names).items()}
+        assert set(norms[scan]) == {"layer_00", "layer_01", "layer_02", "embed", "final_norm", "unembed"}
+        total = float(optax.tree.norm(tree))
+        np.testing.assert_allclose(np.sqrt(sum(v * v for v in norms[scan].values())), total, rtol=1e-5)
+    stacked, _ = params[True]
+    for i in range(3):
+        expected = float(optax.tree.norm(jax.tree.map(lambda x: x[i], stacked["blocks"])))
+        np.testing.assert_allclose(norms[True][f"layer_{i:02d}"], expected, rtol=1e-5)
+    assert len({round(norms[True][f"layer_{i:02d}"], 6) for i in range(3)}) == 3  # distinct layers

@@ -30,7 +30,8 @@ class Data:
     train: pipeline.TrainIterator  # this process's rows of each global batch; knows its epoch
     eval_batches: list[dict[str, np.ndarray]]
     tokenizer: Any
-    train_tokens: int
+    train_tokens: int | None  # None when tokenized on the fly (unknown until read)
+    train_documents: int | None = None
 
 
 def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
@@ -92,8 +93,11 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
 
 
 def load_data(cfg: ml_collections.ConfigDict) -> Data:
-    """Corpus -> prepared shards (cached) -> packed grain batches, and the fixed held-out batches."""
+    """Corpus -> prepared shards (cached) or raw documents -> packed grain batches, and the fixed
+    held-out batches."""
     d = cfg.data
+    if d.tokenize_on_the_fly:
+        return _load_on_the_fly(cfg)
     directory = prepared_dir(cfg)
     tok = tokenizer.Tokenizer.load(directory / prepare.TOKENIZER)
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
@@ -101,29 +105,58 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
             f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "
             f"prepare it again with that tokenizer, or leave data.tokenizer_path empty"
         )
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise UserError(
-            f"the tokenizer of {directory} has {tok.vocab_size} tokens but config.model.vocab_size="
-            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
-        )
+    _check_vocab(cfg, tok, str(directory))
     skip = d.on_damaged_shard == "skip"
     train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
     val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
-    per_process = d.global_batch_size // jax.process_count()
-    train_ds = pipeline.make_train_dataset(
-        train_docs,
-        seq_len=d.seq_len,
-        batch_size=per_process,
-        seed=d.seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-        num_workers=d.num_workers,
-    )
-    eval_batches = []
+    train_ds = pipeline.make_train_dataset(train_docs, **_stream_options(cfg))
+    return Data(train=iter(train_ds), eval_batches=_eval_batches(cfg, val_docs, str(directory)), tokenizer=tok,
+                train_tokens=train_docs.num_tokens)
+
+
+def _load_on_the_fly(cfg: ml_collections.ConfigDict) -> Data:
+    """The raw training documents in memory, tokenized inside the pipeline; the held-out set is
+    tokenized here, once."""
+    d = cfg.data
+    if (pathlib.Path(d.corpus) / prepare.MANIFEST).is_file():
+        raise UserError(f"{d.corpus} is a prepared (tokenized) corpus; set config.data.tokenize_on_the_fly=false")
+    tok = load_tokenizer(cfg, inputs_key(cfg))
+    _check_vocab(cfg, tok, "data.tokenizer_path" if d.tokenizer_path else "the corpus")
+    train_texts, val_texts = [], []
+    for doc in sources.iter_documents(source_spec(cfg)):
+        (val_texts if sources.is_validation(doc, d.val_fraction, d.seed) else train_texts).append(doc)
+    val_docs, val_tokens = [], 0
+    for doc in val_texts:  # the held-out set is the first val_tokens tokens: tokenize only those
+        if val_tokens >= d.val_tokens:
+            break
+        val_docs.extend(pipeline.tokenize_documents(tok, [doc]))
+        val_tokens += len(val_docs[-1])
+    train_ds = pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(cfg))
+    return Data(train=iter(train_ds), eval_batches=_eval_batches(cfg, val_docs, d.corpus), tokenizer=tok,
+                train_tokens=None, train_documents=len(train_texts))
+
+
+def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where: str) -> None:
+    if tok.vocab_size != cfg.model.vocab_size:
+        raise UserError(
+            f"the tokenizer of {where} has {tok.vocab_size} tokens but config.model.vocab_size="
+            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
+        )
+
+
+def _stream_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """This process's slice of the global batch stream."""
+    d = cfg.data
+    return dict(seq_len=d.seq_len, batch_size=d.global_batch_size // jax.process_count(), seed=d.seed,
+                shard_index=jax.process_index(), shard_count=jax.process_count(), num_workers=d.num_workers)
+
+
+def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str) -> list[dict[str, np.ndarray]]:
+    d = cfg.data
     if d.val_tokens and not len(val_docs):
-        console(f"jaxlm: warning: {directory} has no validation documents; raise data.val_fraction to evaluate")
-    if len(val_docs) and d.val_tokens:
-        max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
-        eval_batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=per_process,
-                                                  max_batches=max_batches)
-    return Data(train=iter(train_ds), eval_batches=eval_batches, tokenizer=tok, train_tokens=train_docs.num_tokens)
+        console(f"jaxlm: warning: {where} has no validation documents; raise data.val_fraction to evaluate")
+    if not (len(val_docs) and d.val_tokens):
+        return []
+    max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
+    return pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=d.global_batch_size // jax.process_count(),
+                                      max_batches=max_batches)

@@ -161,6 +161,10 @@ def _with_epoch(num_chunks: int, index: int, chunk: Batch) -> Batch:
     return {**chunk, "epoch": np.array([index // num_chunks], np.int32)}
 
 
+def _with_text_epoch(num_docs: int, index: int, text: str) -> tuple[int, str]:
+    return index // num_docs, text
+
+
 class TrainIterator(grain.DatasetIterator):
     """Model batches (the four keys) plus how far this process has read, for logging and stopping.
 
@@ -221,7 +225,58 @@ def make_train_dataset(
         raise UserError("no training examples: every document has fewer than 2 tokens; give more text")
     ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_epoch, len(chunks)))[shard_index::shard_count]
-    ds = _pack_and_batch(ds.to_iter_dataset(), seq_len, batch_size, drop_remainder=True, with_epoch=True)
+    return _packed_stream(ds.to_iter_dataset(), seq_len, batch_size, num_workers)
+
+
+class _TokenizeAndChunk(grain.experimental.FlatMapTransform):
+    """One raw document -> its chunks, cut exactly as `_Chunks` cuts a tokenized document."""
+
+    max_fan_out = 1  # grain's MapDataset flat map needs it; the IterDataset flat map used here does not
+
+    def __init__(self, tok: Tokenizer, seq_len: int):
+        self.tok, self.seq_len = tok, seq_len
+
+    def flat_map(self, element: tuple[int, str]) -> list[Batch]:
+        epoch, text = element
+        ids = np.asarray(self.tok.encode([text], num_threads=1)[0], np.int32)  # BOS, text, EOS
+        tag = np.array([epoch], np.int32)
+        chunks = (ids[start : start + self.seq_len + 1] for start in range(0, len(ids) - 1, self.seq_len))
+        return [{"inputs": chunk[:-1], "targets": chunk[1:], "epoch": tag} for chunk in chunks]
+
+
+def make_text_train_dataset(
+    texts: Sequence[str],
+    tok: Tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_workers: int = 0,
+    num_epochs: int | None = None,
+) -> grain.IterDataset:
+    """Like `make_train_dataset`, but from raw texts tokenized on the fly (in the worker processes
+    when `num_workers > 0`), with no prepare step: for corpora that fit in host memory and for
+    tokenizer ablations.
+
+    Documents (not chunks) are shuffled; each is tokenized and cut into the same chunks a prepared
+    corpus gives, in order, then packed. Resumption is exact: a restored iterator tokenizes the
+    current document again and continues at its next chunk.
+    """
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
+    if not len(texts):
+        raise UserError("no training documents: the corpus is empty; give non-empty text")
+    ds = grain.MapDataset.source(list(texts)).seed(seed).shuffle().repeat(num_epochs)
+    ds = ds.map_with_index(functools.partial(_with_text_epoch, len(texts)))[shard_index::shard_count]
+    chunks = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _TokenizeAndChunk(tok, seq_len))
+    return _packed_stream(chunks, seq_len, batch_size, num_workers)
+
+
+def _packed_stream(chunks: grain.IterDataset, seq_len: int, batch_size: int, num_workers: int) -> grain.IterDataset:
+    """Epoch-tagged chunks -> packed batches, prefetched by `num_workers` processes -> `TrainIterator`s."""
+    ds = _pack_and_batch(chunks, seq_len, batch_size, drop_remainder=True, with_epoch=True)
     if num_workers > 0:
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which raise when unparsed

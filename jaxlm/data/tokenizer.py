@@ -145,6 +145,12 @@ class Tokenizer:
         _pad_vocab(model, vocab_size)  # char: the vocabulary is the corpus's characters, often fewer
         return cls(model.SerializeToString())
 
+    def __getstate__(self) -> bytes:  # pickles as its model proto (grain workers tokenize with it)
+        return self._proto
+
+    def __setstate__(self, proto: bytes) -> None:
+        self.__init__(proto)
+
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Tokenizer":
         try:

@@ -1,0 +1,133 @@
+"""What a run reports, read back from the files a researcher opens: JSONL, TensorBoard (scalars and
+histograms), a profiler trace, a Weights & Biases offline run, and the progress bar."""
+
+import glob
+import gzip
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STEPS = 8
+
+
+def run_cli(*argv: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    # One CPU device: with the profiler on, 8 fake CPU devices sometimes deadlock in XLA:CPU's
+    # collectives (two all-gathers of one step entered in different orders by different device
+    # threads, then "Termination timeout ... of 40 seconds"); nothing here needs a mesh.
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def wandb_history(run_dir: pathlib.Path) -> list[dict[str, str]]:
+    """History rows of an offline W&B run, read from its .wandb file: a LevelDB-style log of
+    protobuf records (7-byte file header; 32 KiB blocks; each record: crc32 4, length 2, type 1)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    raw, pos, block = pathlib.Path(path).read_bytes(), 7, 32768
+    records, partial = [], b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 1:  # full
+            records.append(data)
+        elif kind in (2, 3):  # first, middle
+            partial = data if kind == 2 else partial + data
+        elif kind == 4:  # last
+            records.append(partial + data)
+    rows = []
+    for data in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def observed_run(tmp_path_factory):
+    pytest.importorskip("wandb")
+    tmp = tmp_path_factory.mktemp("obs")
+    result = run_cli(
+        "--config=configs/tiny.py", f"--config.run.output_dir={tmp}", f"--config.run.steps={STEPS}",
+        "--config.run.log_every=4", "--config.data.builtin_max_bytes=400000", "--config.model.vocab_size=512",
+        f"--config.data.cache_dir={tmp / 'cache'}", "--config.metrics.grad_norm_per_layer=true",
+        "--config.metrics.histograms_every=4", "--config.metrics.wandb=true", "--config.metrics.progress=bar",
+        "--config.profile.steps=3:4", tmp_path=tmp,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "tiny", result
+
+
+def test_every_step_has_norms_and_per_layer_gradient_norms(observed_run):
+    run_dir, _ = observed_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        groups = {k: v for k, v in r.items() if k.startswith("grad_norm/")}
+        assert set(groups) == {"grad_norm/embed", "grad_norm/final_norm", "grad_norm/unembed",
+                               *(f"grad_norm/layer_{i:02d}" for i in range(4))}
+        # The groups partition the parameters: their squares add up to the global norm's square.
+        np.testing.assert_allclose(np.sqrt(sum(v * v for v in groups.values())), r["grad_norm"], rtol=1e-4)
+        assert r["param_norm"] > 0
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"])  # one device
+    assert train[0]["param_norm"] != train[-1]["param_norm"]  # the parameters moved
+
+
+def test_tensorboard_has_the_scalars_and_parameter_histograms(observed_run):
+    run_dir, _ = observed_run
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("grad_norm/layer_03")] == list(range(1, STEPS + 1))
+    assert [e.step for e in events.Scalars("param_norm")] == list(range(1, STEPS + 1))
+    wq = events.Histograms("params/blocks/attn/wq")
+    assert [h.step for h in wq] == [4, 8]
+    assert all(sum(h.histogram_value.bucket) == h.histogram_value.num == 4 * 128 * 4 * 32 for h in wq)
+
+
+def test_profile_trace_holds_the_requested_steps(observed_run):
+    run_dir, result = observed_run
+    (trace,) = glob.glob(str(run_dir / "profile" / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    assert glob.glob(str(run_dir / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))  # for TensorBoard
+    events = json.load(gzip.open(trace))["traceEvents"]
+    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+    assert steps == [3, 4]
+    assert "profile of steps 3-4 written to" in result.stdout
+
+
+def test_wandb_offline_run_has_the_same_values(observed_run):
+    run_dir, _ = observed_run
+    rows = wandb_history(run_dir)
+    losses = {int(r["_step"]): float(r["loss"]) for r in rows if "loss" in r}
+    expected = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+    assert losses == expected
+    assert any("params/blocks/attn/wq/values" in r for r in rows)  # the histograms went there too
+    assert (run_dir / "wandb_id").read_text().strip()  # a resumed run continues this W&B run
+
+
+def test_progress_bar_reaches_the_last_step(observed_run):
+    _, result = observed_run
+    assert f"{STEPS}/{STEPS} [" in result.stdout and "tok/s" in result.stdout
+
+
+def test_bad_profile_steps_is_one_line(tmp_path):
+    result = run_cli("--config=configs/tiny.py", "--config.profile.steps=5:2", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "jaxlm: error: config.profile.steps='5:2' is not allowed: 'start:end' with 1 <= start <= end, e.g. '10:12'"
+    )
