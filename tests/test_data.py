@@ -368,3 +368,13 @@ def test_on_the_fly_resume_is_exact_and_counts_epochs(bpe: Tokenizer, corpus: li
 def test_on_the_fly_of_nothing_is_a_user_error(bpe: Tokenizer) -> None:
     with pytest.raises(UserError, match="corpus is empty"):
         pipeline.make_text_train_dataset([], bpe, seq_len=SEQ_LEN, batch_size=1, seed=0)
+
+
+@pytest.mark.parametrize("model_type,vocab_size", [("bpe", 512), ("unigram", 512), ("char", 512), ("byte", 260)])
+def test_byte_lengths_of_a_documents_ids_add_up_to_its_utf8_size(corpus, model_type, vocab_size) -> None:
+    tok = Tokenizer.train(corpus[:2], vocab_size, model_type)
+    lengths = tok.byte_lengths()
+    assert lengths.shape == (vocab_size,) and lengths[[PAD_ID, UNK_ID, BOS_ID, EOS_ID]].sum() == 0
+    for text in UNICODE_TEXTS + corpus[2:4]:
+        ids = tok.encode([text])[0]  # with BOS and EOS, which stand for no bytes
+        assert int(lengths[ids].sum()) == len(text.encode("utf-8")), (model_type, text[:40])

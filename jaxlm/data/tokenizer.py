@@ -182,6 +182,19 @@ class Tokenizer:
         """Encode a batch in parallel (`num_threads=-1`: all cores)."""
         return self._sp.encode(list(texts), out_type=int, add_bos=add_bos, add_eos=add_eos, num_threads=num_threads)
 
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for, int32 [vocab_size]: a byte-fallback piece is 1,
+        special and unused ids 0, a text piece its length with SentencePiece's space marker as one
+        byte. The sum over a document's ids is the document's size in bytes (bits per byte)."""
+        sp = self._sp
+        lengths = np.zeros(sp.get_piece_size(), np.int32)
+        for i in range(len(lengths)):
+            if sp.is_byte(i):
+                lengths[i] = 1
+            elif not self._dropped[i]:
+                lengths[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+        return lengths
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` with special and unused ids dropped."""
         ids = [int(i) for i in ids]
