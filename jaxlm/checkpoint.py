@@ -43,8 +43,9 @@ class Checkpointer:
 
     Saves are asynchronous: `save` returns once the arrays are copied off the devices (the train
     step may then donate them) and the files are written in the background. Retention keeps the
-    newest `keep_last` checkpoints plus, permanently, every step that is a multiple of `keep_every`;
-    older ones are deleted only after a newer save has committed.
+    newest `keep_last` checkpoints, plus, permanently, every step that is a multiple of `keep_every`,
+    plus the `keep_best` saved with the lowest `val_loss`; older ones are deleted only after a newer
+    save has committed.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class Checkpointer:
         every_minutes: float = 0.0,
         keep_last: int = 3,
         keep_every: int = 0,
+        keep_best: int = 0,
         async_save: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -67,10 +69,20 @@ class Checkpointer:
         keep = [ocp.checkpoint_managers.LatestN(keep_last)]
         if keep_every:
             keep.append(ocp.checkpoint_managers.EveryNSteps(keep_every))
+        if keep_best:  # descending order, and BestN keeps the last n: the lowest losses
+            keep.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda metrics: metrics["val_loss"], reverse=True, n=keep_best,
+                keep_checkpoints_without_metrics=False,
+            ))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
+            # With best_fn set, Orbax writes each save's metrics and reads them back after a restart.
+            best_fn=(lambda metrics: metrics["val_loss"]) if keep_best else None,
+            best_mode="min",
         )
+        if keep_best:
+            logging.getLogger("absl").addFilter(_quiet_unranked_saves)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def should_save(self, step: int) -> bool:
@@ -85,11 +97,13 @@ class Checkpointer:
                 due = bool(multihost_utils.broadcast_one_to_all(due))
         return due
 
-    def save(self, step: int, state, *, meta: dict, data_iter=None, force: bool = False) -> bool:
+    def save(self, step: int, state, *, meta: dict, data_iter=None, force: bool = False,
+             val_loss: float | None = None) -> bool:
         """Start saving `state` (and `data_iter`'s position) as `step` when due or forced.
 
         Returns whether a save started. A step already on disk is never overwritten. `meta` must be
-        JSON-serializable; the step, the save time and library versions are added to it.
+        JSON-serializable; the step, the save time and library versions are added to it. `val_loss`
+        ranks the checkpoint for `keep_best`.
         """
         if not (force or self.should_save(step)):
             return False
@@ -102,7 +116,8 @@ class Checkpointer:
         }
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)  # its state is read before save returns
-        started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        metrics = {"val_loss": float(val_loss)} if val_loss is not None else None
+        started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
         self._last_save = self._clock()
         return started
 
@@ -152,6 +167,11 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _quiet_unranked_saves(record: logging.LogRecord) -> bool:
+    """Periodic saves carry no validation loss by design; Orbax warns about each of them."""
+    return "did not provide metrics" not in record.getMessage()
 
 
 def load_params(directory, target_params, *, step: int | None = None, dtype=None):

@@ -147,6 +147,7 @@ def base_config() -> ml_collections.ConfigDict:
         every_minutes=30.0,  # ... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT
         keep_last=3,  # the newest checkpoints kept
         keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
+        keep_best=0,  # also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)
         async_save=True,  # write in the background; the loop waits only for the device-to-host copy
     )
     c.metrics = dict(
@@ -379,6 +380,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(ck.every_minutes >= 0, "checkpoint.every_minutes", ck.every_minutes, "0 (off) or more")
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "1 or more")
     _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
+    _check(ck.keep_best >= 0, "checkpoint.keep_best", ck.keep_best, "0 (off) or more")
+    _check(not ck.keep_best or d.val_tokens > 0, "checkpoint.keep_best", ck.keep_best,
+           "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")
     _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
     _check(cfg.metrics.histograms_every >= 0, "metrics.histograms_every", cfg.metrics.histograms_every, "0 (off) or more")

@@ -213,7 +213,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     c = cfg.checkpoint
     with checkpoint.Checkpointer(
         run_dir / "checkpoints", every_steps=c.every_steps, every_minutes=c.every_minutes,
-        keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
+        keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best, async_save=c.async_save,
     ) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
 
@@ -251,12 +251,14 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)
 
-    def save(step: int, force: bool = False) -> None:
+    def save(step: int, force: bool = False, val_loss: float | None = None) -> None:
         meta = {
             "config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
         }
-        ckpt.save(step, state, meta=meta, data_iter=data.train, force=force)
+        ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
+
+    eval_target_bytes = data.eval_target_bytes
 
     pending, val_loss, step = None, None, resume_step
     try:
@@ -271,25 +273,35 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                 progress = {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen}
                 histograms = None
                 if histograms_every and step % histograms_every == 0:
-                    # Finished before the next step is dispatched: two programs with collectives in
-                    # flight at once can deadlock XLA:CPU's device threads (seen with 8 fake devices).
-                    histograms = jax.block_until_ready(metrics_lib.param_histograms(state.params))
+                    histograms = metrics_lib.param_histograms(state.params)
+                    if trainer.mesh.devices.flat[0].platform == "cpu":
+                        # Finished before the next step starts: two programs with collectives in flight
+                        # at once can deadlock XLA:CPU's device threads (seen with 8 fake devices).
+                        jax.block_until_ready(histograms)
                 pending = (step, metrics, progress, histograms)
                 if signals.received:
                     log.record(*pending)
                     save(step, force=True)
                     ckpt.wait()
                     raise Preempted(f"{signals.received} at step {step}; checkpoint {ckpt.directory / str(step)}")
+                evaluated = None
                 if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                     log.record(*pending)
                     pending = None
-                    val_loss = evaluate(trainer, state.params, data.eval_batches)
+                    val = evaluate(trainer, state.params, data.eval_batches, eval_target_bytes)
                     log.pause()
-                    if val_loss is not None:
-                        sinks.write(step, {"val_loss": val_loss})
-                        log.progress.line(f"step {step:>6}/{total_steps} | val loss {val_loss:.4f}")
-                if step == total_steps or ckpt.should_save(step):
-                    save(step, force=True)
+                    if val:
+                        val_loss = val["val_loss"]
+                        sinks.write(step, val)
+                        bpb = f" | bits/byte {val['val_bits_per_byte']:.4f}" if "val_bits_per_byte" in val else ""
+                        log.progress.line(
+                            f"step {step:>6}/{total_steps} | val loss {val_loss:.4f} | "
+                            f"perplexity {val['val_perplexity']:.2f}{bpb}"
+                        )
+                        evaluated = val_loss
+                # With keep_best, every evaluated step is saved: a candidate for the best checkpoints.
+                if step == total_steps or ckpt.should_save(step) or (evaluated is not None and cfg.checkpoint.keep_best):
+                    save(step, force=True, val_loss=evaluated)
             ckpt.wait()
     except NonFiniteError as e:
         save(step, force=True)  # the state never took the non-finite update: it is the last good one

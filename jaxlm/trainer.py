@@ -7,6 +7,7 @@ The CLI's loop (`jaxlm.train`), notebooks, benchmarks and the memory planner all
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -91,12 +92,18 @@ def build_trainer(
     )
 
 
-def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]]) -> float | None:
-    """Token-mean loss over fixed held-out batches."""
+def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]],
+             target_bytes: int | None = None) -> dict[str, float]:
+    """Held-out metrics over fixed batches: `val_loss` (token-mean cross-entropy, nats),
+    `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
+    the UTF-8 bytes the target tokens stand for; it compares runs with different tokenizers) when
+    `target_bytes` is given. Empty when there are no batches."""
     if not batches:
-        return None
-    total, tokens = 0.0, 0.0
-    for batch in batches:
-        loss_sum, count = trainer.eval_step(params, trainer.put_batch(batch))
-        total, tokens = total + float(loss_sum), tokens + float(count)
-    return total / max(tokens, 1.0)
+        return {}
+    sums = jax.device_get([trainer.eval_step(params, trainer.put_batch(batch)) for batch in batches])
+    total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
+    loss = total / max(tokens, 1.0)
+    out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
+    if target_bytes:
+        out["val_bits_per_byte"] = total / math.log(2) / target_bytes
+    return out

@@ -108,6 +108,20 @@ def test_keep_last_and_every(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "4", "8", "9"]
 
 
+def test_keep_best_by_validation_loss_survives_a_restart(tmp_path):
+    val = {2: 3.0, 4: 1.5, 6: 2.5, 8: 1.0, 10: 4.0}  # evaluated steps; odd steps are plain saves
+    with checkpoint.Checkpointer(tmp_path, keep_last=1, keep_best=2) as ckpt:
+        for step in range(1, 9):
+            ckpt.save(step, _vector(step), meta={}, force=True, val_loss=val.get(step))
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8]  # the two lowest losses; 8 is also the newest
+    with checkpoint.Checkpointer(tmp_path, keep_last=1, keep_best=2) as ckpt:  # a resumed run
+        for step in (9, 10):
+            ckpt.save(step, _vector(step), meta={}, force=True, val_loss=val.get(step))
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8, 10]  # the best two, whose losses were read back, + the newest
+
+
 def test_should_save_every_steps_and_minutes(tmp_path):
     now = [0.0]
     ckpt = checkpoint.Checkpointer(tmp_path, every_steps=5, every_minutes=2, clock=lambda: now[0])

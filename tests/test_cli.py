@@ -1,6 +1,7 @@
 """The real CLI, in a subprocess: bad input gets one line and exit code 2; a short run works end to end."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -62,7 +63,9 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
         "--config.run.name=short",
         "--config.run.steps=30",
         "--config.run.log_every=10",
-        "--config.run.eval_every=15",
+        "--config.run.eval_every=10",
+        "--config.checkpoint.keep_last=1",
+        "--config.checkpoint.keep_best=1",
         "--config.data.builtin_max_bytes=400000",
         "--config.data.val_fraction=0.3",  # 2 of the 12 documents
         "--config.model.vocab_size=512",
@@ -76,7 +79,12 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 31))
-    assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
+    val = {r["step"]: r for r in records if "val_loss" in r}
+    assert list(val) == [10, 20, 30]
+    for r in val.values():
+        assert r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"]))
+        # A BPE token of code stands for more than one byte, and every token for at least one.
+        assert 0 < r["val_bits_per_byte"] < r["val_loss"] / math.log(2) < r["val_bits_per_byte"] * 8
     assert train[-1]["loss"] < train[0]["loss"] - 0.5  # it learns
     assert train[0]["lr"] < train[-1]["lr"] or train[10]["lr"] > train[0]["lr"]
     config = json.loads((run_dir / "config.json").read_text())
@@ -92,9 +100,9 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in train]
-    assert [e.step for e in events.Scalars("val_loss")] == [15, 30]
-
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [30]
+    assert [e.step for e in events.Scalars("val_bits_per_byte")] == [10, 20, 30]
+    best = min(val, key=lambda step: val[step]["val_loss"])
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == sorted({best, 30})  # best + last
 
 
 def test_bad_data_is_one_line_before_any_run_directory_is_made(tmp_path):

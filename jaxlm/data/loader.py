@@ -33,6 +33,17 @@ class Data:
     train_tokens: int | None  # None when tokenized on the fly (unknown until read)
     train_documents: int | None = None
 
+    @property
+    def eval_target_bytes(self) -> int:
+        """UTF-8 bytes that the held-out batches' target tokens stand for, over all processes."""
+        lengths = self.tokenizer.byte_lengths()
+        local = sum(int(lengths[b["targets"]][b["segment_ids"] > 0].sum()) for b in self.eval_batches)
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return int(np.sum(multihost_utils.process_allgather(np.array([local], np.int64))))
+
 
 def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
     d = cfg.data
