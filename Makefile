@@ -31,8 +31,8 @@ test-slow: install  ## the slow tests only
 test-all: install
 	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
-bench: install  ## throughput of the tiny and 125m recipes on this machine's devices
-	$(BIN)/python benchmarks/train_throughput.py $(ARGS)
+bench: install  ## the MFU harness: 1b on a GPU, tiny on a CPU; ARGS="--recipe 125m --sweep model.remat=none,dots"
+	$(BIN)/python benchmarks/mfu.py $(if $(ARGS),$(ARGS),$(if $(shell command -v nvidia-smi),--recipe 1b,--recipe tiny))
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

@@ -1,0 +1,98 @@
+"""The memory planner's analytic figures against the compiled train step, for recipes on a few meshes.
+
+    python benchmarks/memory_plan.py                          # the cases below, on fake CPU devices
+    python benchmarks/memory_plan.py --cases 7b:64 "1b:8:mesh.data=2,mesh.fsdp=4" --json plan.json
+
+A case is `recipe:devices[:key=value,...]`. For each: the analytic per-device estimate as planned
+for GPUs (`jaxlm.plan.estimate`, cuDNN attention, bf16 activations) and its verdict against
+`--device_memory_gib`; the train step compiled ahead of time on that many devices (fake CPU devices
+unless there are enough accelerators; an abstract state, nothing allocated) with XLA's per-device
+figure (arguments + outputs - aliases + temporaries); and the analytic estimate of that same
+program (on CPU: XLA attention, float32 activations), with compiled / analytic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+CASES = (
+    "125m:8",
+    "125m:8:mesh.data=2,mesh.fsdp=4",
+    "125m:8:model.remat=full",
+    "1b:8",
+    "1b:8:mesh.data=2,mesh.fsdp=4",
+    "1b:8:model.remat=full",
+    "7b:8",
+    "7b:8:mesh.fsdp=4,mesh.tensor=2",
+    "7b:64",
+    "7b:64:mesh.data=8,mesh.fsdp=8",
+)
+
+
+def parse_case(case: str) -> tuple[str, int, dict[str, str]]:
+    recipe, devices, *rest = case.split(":", 2)
+    overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+    return recipe, int(devices), overrides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="recipe:devices[:key=value,...]")
+    parser.add_argument("--device_memory_gib", type=float, default=80.0)
+    parser.add_argument("--no_compile", action="store_true", help="analytic figures only")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    cases = [parse_case(c) for c in args.cases]
+
+    from jaxlm import plan  # imports no JAX backend: the CPU device count can still be set
+
+    plan.use_cpu_devices(max(n for _, n, _ in cases))
+    import jax
+
+    from jaxlm import config
+
+    gib = plan.GIB
+    results = []
+    for (recipe, n, overrides), case in zip(cases, args.cases):
+        cfg = config.load_recipe(recipe)
+        config.apply_overrides(cfg, list(overrides.items()))
+        target = plan.estimate(cfg, n, platform="gpu")
+        row = {
+            "case": case,
+            "mesh": "x".join(str(s) for s in target.mesh_shape),
+            "remat": cfg.model.remat,
+            "micro_batches": cfg.optim.micro_batches,
+            "per_device_batch": target.per_device_batch,
+            "gpu_analytic_gib": round(target.per_device_bytes / gib, 2),
+            "fits": target.per_device_bytes <= args.device_memory_gib * gib,
+        }
+        if not args.no_compile:
+            compiled = plan.compiled_memory(cfg, plan.compile_devices(n))
+            same = plan.estimate(cfg, n, platform=compiled["platform"], act_bytes=4 if compiled["platform"] == "cpu" else None)
+            row.update(
+                compiled_on=f"{n}x {compiled['platform']}",
+                analytic_same_gib=round(same.per_device_bytes / gib, 2),
+                compiled_gib=round(compiled["per_device_bytes"] / gib, 2),
+                compiled_args_gib=round(compiled["argument_bytes"] / gib, 2),
+                compiled_temp_gib=round(compiled["temp_bytes"] / gib, 2),
+                ratio=round(compiled["per_device_bytes"] / same.per_device_bytes, 3),
+                compile_s=compiled["compile_s"],
+            )
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(f"jax {jax.__version__}, Python {platform.python_version()}, {jax.device_count()} {jax.default_backend()} devices")
+    cols = list(results[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

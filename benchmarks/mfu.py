@@ -1,0 +1,178 @@
+"""MFU harness: a recipe's compiled train step, timed after warm-up, with a sweep over config keys.
+
+    python benchmarks/mfu.py --recipe 1b                                  # one H100: the MFU issue's number
+    python benchmarks/mfu.py --recipe 1b --sweep data.global_batch_size=8,16 model.remat=none,dots
+    python benchmarks/mfu.py --recipe tiny --steps 3 --set data.global_batch_size=8   # CPU smoke run
+
+Per configuration: compile time (the first step), mean step time over `--steps` steps after
+`--warmup` steps (the loop never syncs inside the timed window), tokens/s, model TFLOP/s per device
+(FLOPs from `flops_per_token`: all matmuls + causal attention, no remat), MFU against the device's
+dense bf16 peak (`jaxlm.metrics.PEAK_BF16_FLOPS`, or `--peak_tflops`; unknown device -> n/a), and
+peak memory (the device's own counter where it has one, else the compiled step's memory analysis).
+A sweep is the cartesian product of its `key=v1,v2` lists; each point runs in its own process, so an
+out-of-memory point is reported as such and the sweep goes on. The table of all points is printed
+last; `--json` writes the full results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float) -> dict:
+    """One configuration, in this process."""
+    import jax
+
+    sys.path.insert(0, HERE)
+    from train_throughput import CPU_OVERRIDES, random_batch
+
+    from jaxlm import config, metrics
+    from jaxlm.models.transformer import flops_per_token, param_count
+    from jaxlm.trainer import build_trainer
+
+    cfg = config.load_recipe(recipe)
+    if jax.default_backend() == "cpu":
+        overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
+    config.apply_overrides(cfg, list(overrides.items()))
+    trainer = build_trainer(cfg)
+    d = cfg.data
+    per_process = d.global_batch_size // jax.process_count()
+    batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    device = jax.devices()[0]
+    state = trainer.state
+    with jax.set_mesh(trainer.mesh):
+        t0 = time.perf_counter()
+        compiled = trainer.train_step.lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+        for i in range(warmup):
+            state, out = compiled(state, batches[i % 2])
+        if warmup:
+            jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, out = compiled(state, batches[i % 2])
+        jax.block_until_ready(out)
+        step_s = (time.perf_counter() - t0) / steps
+    loss = float(out["loss"])
+    tokens = d.global_batch_size * d.seq_len
+    flops = flops_per_token(trainer.model_cfg, d.seq_len) * tokens
+    n = jax.device_count()
+    peak = metrics.peak_flops(device.device_kind, peak_tflops * 1e12)
+    util = metrics.mfu(flops / tokens, tokens / step_s, n, peak)
+    memory = metrics.device_memory(device)
+    if memory:
+        peak_bytes, memory_source = memory["peak_memory_bytes"], "device"
+    else:
+        analysis = compiled.memory_analysis()
+        peak_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                      - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+        memory_source = "compiled"
+    return {
+        "recipe": recipe,
+        "overrides": overrides,
+        "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+        "batch": f"{d.global_batch_size}x{d.seq_len}",
+        "remat": cfg.model.remat,
+        "attention": trainer.model_cfg.attention,
+        "devices": f"{n}x {device.device_kind}",
+        "compile_s": round(compile_s, 2),
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops_per_device": round(flops / step_s / n / 1e12, 3),
+        "mfu": None if util is None else round(util, 4),
+        "peak_memory_gib": round(peak_bytes / 2**30, 3),
+        "memory_source": memory_source,
+        "loss": loss,
+        "status": "ok",
+    }
+
+
+def sweep_points(sweep: list[str]) -> list[dict[str, str]]:
+    """['a=1,2', 'b=x,y'] -> the 4 combinations as {key: value} dicts."""
+    axes = []
+    for item in sweep:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise SystemExit(f"mfu.py: --sweep takes key=v1,v2,...; got {item!r}")
+        axes.append([(key, v) for v in values.split(",")])
+    return [dict(point) for point in itertools.product(*axes)] or [{}]
+
+
+def run_isolated(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
+    """One configuration in a child process (a crash or out-of-memory is reported, not fatal)."""
+    command = [sys.executable, os.path.abspath(__file__), "--recipe", args.recipe, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--peak_tflops", str(args.peak_tflops), "--one",
+               "--set", *[f"{k}={v}" for k, v in overrides.items()]]
+    result = subprocess.run(command, capture_output=True, text=True)
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    error = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    status = "out of memory" if "RESOURCE_EXHAUSTED" in result.stderr or "out of memory" in result.stderr.lower() else "error"
+    return {"recipe": args.recipe, "overrides": overrides, "status": f"{status}: {error[:200]}"}
+
+
+COLUMNS = ["batch", "remat", "attention", "compile_s", "step_s", "tokens_per_s", "tflops_per_device", "mfu",
+           "peak_memory_gib", "status"]
+
+
+def table(results: list[dict], swept: list[str]) -> str:
+    swept = [k for k in swept if k.rpartition(".")[2] not in COLUMNS]  # shown in their own column anyway
+    cols = swept + COLUMNS
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        cells = []
+        for c in cols:
+            value = r["overrides"].get(c, r.get(c)) if c in swept else r.get(c)
+            if c == "mfu" and isinstance(value, float):
+                value = f"{100 * value:.1f}%"
+            cells.append("" if value is None and c != "mfu" else "n/a" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="1b")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every point")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="KEY=V1,V2", help="keys to sweep (cartesian product)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak; 0 = the device table")
+    parser.add_argument("--json", help="write all results to this file")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one point, JSON out
+    args = parser.parse_args(argv)
+    base = dict(kv.split("=", 1) for kv in args.set)
+    if args.one:
+        print(json.dumps(measure(args.recipe, base, args.steps, args.warmup, args.peak_tflops)))
+        return 0
+    import jax
+
+    print(f"# {time.strftime('%Y-%m-%d')} | {args.recipe} | jax {jax.__version__} | "
+          f"{jax.devices()[0].device_kind} x{jax.device_count()} | python {platform.python_version()}")
+    points = [{**base, **point} for point in sweep_points(args.sweep)]
+    results = []
+    for overrides in points:
+        result = run_isolated(args, overrides) if len(points) > 1 else measure(
+            args.recipe, overrides, args.steps, args.warmup, args.peak_tflops)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print()
+    print(table(results, [item.partition("=")[0] for item in args.sweep]))
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The memory planner: exact state bytes per device, the 16 bytes per parameter of f32 AdamW, the
+compiled figure on 8 fake CPU devices within the stated tolerance, the verdict and its knobs."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import config, plan
+from jaxlm.models import transformer
+from jaxlm.trainer import build_trainer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def recipe(name, **overrides):
+    cfg = config.load_recipe(name)
+    config.apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
+    return cfg
+
+
+def shard_bytes(tree) -> int:
+    """Bytes on device 0, from the shard shapes of the trainer's real (device) shardings."""
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh", [dict(mesh__fsdp=8), dict(mesh__data=2, mesh__fsdp=4), dict(mesh__fsdp=4, mesh__tensor=2)]
+)
+def test_state_bytes_per_device_equal_a_direct_count_of_the_shards(mesh):
+    cfg = recipe("tiny", **mesh)
+    est = plan.estimate(cfg, 8)
+    trainer = build_trainer(cfg, jax.devices()[:8], abstract=True)  # real devices, real shardings
+    params, opt = shard_bytes(trainer.state.params), shard_bytes(trainer.state.opt_state)
+    assert est.row("parameters").per_device_bytes == params
+    assert est.row("gradients").per_device_bytes == params  # float32 gradients, sharded like the params
+    assert est.row("optimizer state").per_device_bytes == opt
+    # and the unsharded totals from the parameter count: 4 bytes each, AdamW's mu and nu 8
+    count = transformer.param_count(trainer.model_cfg)["total"]
+    assert est.row("parameters").total_bytes == 4 * count
+    assert 8 * count <= est.row("optimizer state").total_bytes <= 8 * count + 64  # + int32 step counts
+    # sharding really splits it: every leaf over fsdp (or fsdp x tensor) except the norms' scales
+    assert params < 4 * count / 3
+
+
+def test_a_1b_float32_adamw_model_needs_16_bytes_per_parameter_before_activations():
+    est = plan.estimate(recipe("1b", optim__micro_batches=1), 8)
+    assert 1.0e9 < est.param_count < 1.2e9
+    assert est.bytes_per_param == pytest.approx(16.0, abs=1e-3)
+    state = sum(est.row(k).total_bytes for k in ("parameters", "gradients", "optimizer state"))
+    assert state / 2**30 == pytest.approx(16 * est.param_count / 2**30, rel=1e-6)  # about 16.4 GiB
+    # fsdp over 8 devices divides every matrix: the per-device state is an eighth, norms aside
+    per_device = sum(est.row(k).per_device_bytes for k in ("parameters", "gradients", "optimizer state"))
+    assert per_device == pytest.approx(state / 8, rel=1e-3)
+
+
+def test_activations_follow_the_remat_policy_and_the_micro_batches():
+    def saved(policy, platform):
+        est = plan.estimate(recipe("125m", model__remat=policy), 8, platform=platform)
+        return est.row("activations saved").per_device_bytes
+
+    xla = {policy: saved(policy, "cpu") for policy in plan.REMAT_ORDER}
+    assert xla["none"] > xla["dots"] > xla["dots_no_batch"] > xla["full"]
+    cudnn = {policy: saved(policy, "gpu") for policy in plan.REMAT_ORDER}  # no batched matmuls to save
+    assert cudnn["none"] > cudnn["dots"] == cudnn["dots_no_batch"] > cudnn["full"]
+    est_1 = plan.estimate(recipe("125m", optim__micro_batches=1, model__remat="full"), 8)
+    est_4 = plan.estimate(recipe("125m", optim__micro_batches=4, model__remat="full"), 8)
+    ratio = est_1.row("activations saved").per_device_bytes / est_4.row("activations saved").per_device_bytes
+    assert ratio == pytest.approx(4.0, rel=0.01)
+    assert est_4.row("grad accumulator").per_device_bytes == est_4.row("gradients").per_device_bytes
+    # on a GPU the 125m recipe gets cuDNN flash attention: no [B, N, T, T] scores
+    gpu, cpu = plan.estimate(recipe("125m"), 8, platform="gpu"), plan.estimate(recipe("125m"), 8, platform="cpu")
+    assert (gpu.attention, cpu.attention) == ("cudnn", "xla")
+    assert gpu.per_device_bytes < cpu.per_device_bytes / 3
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(mesh__data=2, mesh__fsdp=4), dict(model__remat="full", optim__micro_batches=2, model__dtype="float32")],
+)
+def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(overrides):
+    devices = jax.devices()[:8]
+    assert len(devices) == 8 and devices[0].platform == "cpu"
+    cfg = recipe("tiny", **overrides)
+    report = plan.plan(cfg, 8, 80 * plan.GIB, compile=True, devices=devices)
+    compiled = report["compiled"]
+    assert compiled["platform"] == "cpu" and compiled["num_devices"] == 8 and compiled["attention"] == "xla"
+    # XLA's memory analysis is per device: the arguments are the donated state's shards (+ the batch)
+    state = sum(r["per_device_bytes"] for r in report["analytic"]["rows"]
+                if r["name"] in ("parameters", "optimizer state", "step, rng, batch"))
+    assert compiled["argument_bytes"] == pytest.approx(state, rel=0.01)
+    assert compiled["alias_bytes"] <= compiled["output_bytes"] and compiled["temp_bytes"] > 0
+    peak = compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
+    assert compiled["per_device_bytes"] == peak
+    analytic = plan.estimate(cfg, 8, platform="cpu", act_bytes=4).per_device_bytes  # the program compiled here
+    assert abs(peak / analytic - 1) <= plan.TOLERANCE, (peak, analytic)
+    assert compiled["within_tolerance"]
+    # planned for a GPU, so the CPU compile informs but the analytic figure decides
+    assert report["decided_by"] == "analytic" and report["fits"]
+
+
+def test_a_run_that_does_not_fit_gets_the_knobs_that_would_make_it_fit(capsys):
+    budget_gib = 60
+    argv = ["--config=configs/7b.py", "--config.model.remat=none", "--config.optim.micro_batches=1",
+            "--devices=8", f"--device_memory_gib={budget_gib}", "--json"]
+    assert plan.main(argv) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["fits"] and report["margin_bytes"] < 0
+    assert report["suggestions"]
+    base = dict(model__remat="none", optim__micro_batches=1)
+    for suggestion in report["suggestions"]:
+        changes = {k.replace(".", "__"): str(v) for k, v in suggestion["overrides"].items()}
+        assert changes and all(str(base.get(k)) != v for k, v in changes.items())
+        per_device = plan.estimate(recipe("7b", **{**base, **changes}), 8).per_device_bytes
+        assert per_device == pytest.approx(suggestion["per_device_bytes"])
+        assert per_device <= budget_gib * plan.GIB
+    # the text report says so and lists them as flags
+    assert plan.main(argv[:-1]) == 1
+    text = capsys.readouterr().out
+    assert "does not fit" in text and "--config.model.remat=" in text
+
+
+def test_a_run_that_fits_says_by_how_much(capsys):
+    assert plan.main(["--config=configs/7b.py", "--devices=8", "--device_memory_gib=80"]) == 0
+    text = capsys.readouterr().out
+    assert "fits:" in text and "to spare" in text and "16.0 bytes per parameter" in text
+    for name in ("parameters", "gradients", "optimizer state", "activations saved", "working set"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config=configs/tiny.py"], "the following arguments are required: --devices"),
+        (["--config=configs/tiny.py", "--devices=3"], "does not divide over data*fsdp=3 devices"),
+        (["--config=configs/tiny.py", "--devices=8", "--config.model.d_modl=3"], "did you mean 'model.d_model'"),
+        (["--config=configs/tiny.py", "--devices=8", "--device_memory_gib=0"], "--device_memory_gib=0.0"),
+    ],
+)
+def test_user_errors_get_one_line_and_exit_code_2(args, expected, capsys):
+    assert plan.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxlm: error:") and expected in err[0], err
+
+
+@pytest.mark.slow
+def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
+    """A fresh process with no XLA_FLAGS: `--compile --devices=16` creates 16 CPU devices itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--devices=16", "--compile", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["compiled"]["num_devices"] == 16 and report["compiled"]["platform"] == "cpu"
+    assert report["compiled"]["within_tolerance"]
