@@ -2,16 +2,20 @@
 
 `attend` is the only place that knows which kernel runs. Packed documents are given as segment ids
 (0 = padding, 1.. = document within the row); a query attends to earlier keys of its own document.
+Decoding goes through `attend_cached` instead: keys and values of earlier tokens come from a
+`KVCache`, always with XLA's attention.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxlm.errors import UserError
+from jaxlm.mesh import constrain
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,63 @@ def attend(
     """Causal softmax attention; with segment ids, no attention across documents."""
     mask = None if segment_ids is None else document_mask(segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, for decoding one token at a time after a prefill.
+
+    Rows are left-padded: row b's tokens fill slots [start[b], index), so every row writes its next
+    token to the same slot, `index`. Plain arrays in and out of the compiled prefill and decode
+    functions (no state hidden in the model); `layer` is set by the decoder for each block.
+    """
+
+    k: jax.Array  # [L, B, S, K, H] in the compute dtype, 16-bit floats as their bits (`cache_dtype`)
+    v: jax.Array  # [L, B, S, K, H]
+    index: jax.Array  # int32 []: the slot the next token (or the first of a chunk) is written to
+    start: jax.Array  # int32 [B]: each row's first slot; slots before it are padding, never attended to
+    layer: jax.Array | int = 0  # the block whose keys and values an attention reads and writes
+
+
+# Logical names of a cache's axes [L, B, S, K, H]: rows and heads sharded like the activations (batch
+# over data x fsdp, heads over tensor); the slots never are (each step writes one at a moving index).
+CACHE_AXES = (None, "act_batch", None, "act_kv_heads", None)
+
+
+def cache_dtype(dtype) -> jnp.dtype:
+    """How a cache holds keys and values of `dtype`: 16-bit floats as uint16 bit patterns.
+
+    XLA:CPU updates a bfloat16 buffer by converting all of it to float32 and back: writing one token
+    into each layer of a 12-layer, 32-row, 512-slot cache took 0.4 s, against 0.3 ms as uint16
+    (measured). Integers are updated in place on every backend, and the bitcasts around them are free.
+    """
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else dtype
+
+
+def _bitcast(x: jax.Array, dtype) -> jax.Array:
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Write this chunk's keys and values [B, T, K, H] into the cache at slots [index, index + T), then
+    attend its queries [B, T, N, H] to the layer's filled slots: causal, each row from its `start`.
+
+    XLA attention over the whole cache length, masked: this is the decode path (one query per row),
+    where flash kernels do not pay.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    layer, index = jnp.asarray(cache.layer, jnp.int32), jnp.asarray(cache.index, jnp.int32)
+    at = (layer, zero, index, zero, zero)
+    k_all = constrain(jax.lax.dynamic_update_slice(cache.k, _bitcast(k, cache.k.dtype)[None], at), CACHE_AXES)
+    v_all = constrain(jax.lax.dynamic_update_slice(cache.v, _bitcast(v, cache.v.dtype)[None], at), CACHE_AXES)
+    keys = _bitcast(jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False), k.dtype)  # [B, S, K, H]
+    values = _bitcast(jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False), v.dtype)
+    query_slot = index + jnp.arange(q.shape[1])[None, :, None]  # [1, T, 1]
+    key_slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+    mask = (key_slot <= query_slot) & (key_slot >= cache.start[:, None, None])  # [B, T, S]
+    mask = mask | (key_slot == query_slot)  # a padding query sees itself, so no row of the softmax is empty
+    out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="xla")
+    return out, cache._replace(k=k_all, v=v_all)
 
 
 def reference_attention(q, k, v, *, segment_ids=None) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.mesh import constrain
-from jaxlm.models.attention import attend
+from jaxlm.models.attention import KVCache, attend, attend_cached
 
 Initializer = Callable[..., jax.Array]
 
@@ -106,7 +106,10 @@ class Attention(nnx.Module):
             self.bv = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
             self.bo = make_param(rngs, zeros, (d,), ("norm",), pd)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache | None = None
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys."""
         cfg, dt = self.cfg, self.cfg.dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
@@ -119,11 +122,15 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)  # [B, T, N, H]
+        if cache is None:
+            out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)  # [B, T, N, H]
+        else:
+            out, cache = attend_cached(q, k, v, cache)
         y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
         if cfg.use_bias:
             y = y + self.bo[...].astype(dt)
-        return constrain(y, ("act_batch", "act_seq", "act_embed"))
+        y = constrain(y, ("act_batch", "act_seq", "act_embed"))
+        return y if cache is None else (y, cache)
 
 
 class GatedMLP(nnx.Module):

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxlm.mesh import constrain
 from jaxlm.models import layers
+from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +129,15 @@ class Block(nnx.Module):
         self.mlp_norm = norm(cfg.d_model, **kw)
         self.mlp = MLPS[cfg.mlp](cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, dropout_key):
+    def __call__(self, x, positions, segment_ids, dropout_key, cache: KVCache | None = None):
         k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x = x + layers.dropout(self.attn(self.attn_norm(x), positions, segment_ids), self.dropout_rate, k1)
+        attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+        if cache is not None:
+            attn, cache = attn
+        x = x + layers.dropout(attn, self.dropout_rate, k1)
         x = x + layers.dropout(self.mlp(self.mlp_norm(x)), self.dropout_rate, k2)
-        return constrain(x, ("act_batch", "act_seq", "act_embed"))
+        x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+        return x if cache is None else (x, cache)
 
 
 def _remat(fn, policy: str):
@@ -177,7 +182,16 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,  # [B, T], restarting at 0 in each packed document
         segment_ids: jax.Array | None = None,  # [B, T], 0 = padding
         dropout_key: jax.Array | None = None,  # dropout is active only when a key is given
-    ) -> jax.Array:
+        cache: KVCache | None = None,  # decoding: keys and values of earlier tokens (see `init_cache`)
+        last_only: bool = False,  # logits of the last position only, [B, 1, vocab] (a prefill needs no more)
+        hidden: bool = False,  # the final normed hidden states [B, T, D] instead of logits (see `logits`)
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Logits; with a `cache`, (logits, the cache with this chunk's keys and values added).
+
+        With a cache, `tokens` is the next chunk of every row (the prompts at prefill, one token per
+        decode step), written at the cache's `index`; `positions` must then be given, and
+        `segment_ids` is unused (the cache's `start` masks each row's left padding).
+        """
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -195,7 +209,9 @@ class Transformer(nnx.Module):
             return block(x, positions, segment_ids, key)
 
         run_block = _remat(run_block, cfg.remat)
-        if cfg.scan_layers:
+        if cache is not None:
+            x, cache = self._blocks_with_cache(x, positions, cache)
+        elif cfg.scan_layers:
 
             @nnx.scan(
                 in_axes=(nnx.Carry, 0, None if keys is None else 0),
@@ -209,12 +225,45 @@ class Transformer(nnx.Module):
         else:
             for i, block in enumerate(self.blocks):
                 x = run_block(x, block, None if keys is None else keys[i])
+        if last_only:
+            x = x[:, -1:]
         x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        if hidden:
+            return x
+        logits = self.logits(x)
+        return logits if cache is None else (logits, cache)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final hidden states [B, T, D] -> logits [B, T, vocab]: the unembedding (or the tied embedding)."""
+        if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.unembed[...].astype(cfg.dtype))
+            logits = jnp.einsum("btd,dv->btv", x, self.unembed[...].astype(self.cfg.dtype))
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
+    def _blocks_with_cache(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The blocks in order, each reading and writing its layer of the cache; then advance `index`."""
+        if self.cfg.scan_layers:
+            # The stacked cache rides in the carry: each layer updates its slice in place.
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def scan_blocks(carry, block, layer):
+                x, k, v = carry
+                x, c = block(x, positions, None, None, cache._replace(k=k, v=v, layer=layer))
+                return x, c.k, c.v
+
+            x, k, v = scan_blocks((x, cache.k, cache.v), self.blocks, jnp.arange(self.cfg.n_layers, dtype=jnp.int32))
+            cache = cache._replace(k=k, v=v)
+        else:
+            for i, block in enumerate(self.blocks):
+                x, cache = block(x, positions, None, None, cache._replace(layer=i))
+        return x, cache._replace(index=cache.index + x.shape[1], layer=0)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, start: jax.Array) -> KVCache:
+    """An empty cache of `length` slots for `batch` rows whose prompts begin at slots `start` [B]."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    zeros = constrain(jnp.zeros(shape, cache_dtype(cfg.dtype)), CACHE_AXES)
+    return KVCache(k=zeros, v=zeros, index=jnp.zeros((), jnp.int32), start=jnp.asarray(start, jnp.int32), layer=0)
 
 
 # ----------------------------------------------------------------------------- size and cost

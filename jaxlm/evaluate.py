@@ -1,0 +1,401 @@
+"""Evaluate a checkpoint: `python -m jaxlm.evaluate --run_dir=runs/tiny [--step=N] [--corpus=...] [--tasks=...]`.
+
+Language modelling: the mean token loss, perplexity (exp of it) and bits per byte (total loss in
+bits over the UTF-8 bytes of the text the targets stand for) on the run's validation split, on
+text files (`--corpus=a.txt,docs/*.jsonl`) or on a prepared corpus directory. Documents are
+packed into rows of `seq_len` tokens with segment ids, as in training, so a document longer than
+that is scored in consecutive windows, each from a fresh context.
+
+Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
+`{"context": str, "choices": [str, ...], "answer": int}`; each choice is scored by the summed
+log-likelihood of its tokens after the context. `acc` counts examples whose best-scoring choice is
+the answer; `acc_norm` divides each score by the choice's length in UTF-8 bytes first.
+
+Everything runs sharded over the devices here (batch over data x fsdp, parameters by the run's
+rules). Results are printed as a table and written as JSON (default `<run_dir>/eval-<step>.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import sys
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd
+
+from jaxlm import inference, steps
+from jaxlm.data import loader, pipeline, prepare, sources
+from jaxlm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LENGTH_BUCKET = 32  # multiple-choice rows are padded to a multiple of this: few shapes, few compilations
+Batch = dict[str, np.ndarray]
+
+
+# ----------------------------------------------------------------------------- the compiled scorer
+
+
+def make_scorer(run: inference.LoadedRun):
+    """(params, batch) -> per-row (sum of weighted token losses [B], sum of weights [B]), float32.
+
+    A batch holds int32 `inputs`, `targets`, `segment_ids` (0 = padding), `positions` and float32
+    `weights` [B, T] (which targets count); the loss of a target is -log p(target | earlier tokens).
+    """
+    graphdef, rules = run.spec.graphdef, run.rules
+
+    def score(params, batch):
+        with spmd.logical_axis_rules(rules):
+            model = nnx.merge(graphdef, params)
+            logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+            losses = steps.token_losses(logits, batch["targets"], 0.0) * batch["weights"]
+            return jnp.sum(losses, axis=1), jnp.sum(batch["weights"], axis=1)
+
+    rows = run.sharding(("act_batch", None))
+    batch_sharding = {k: rows for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    out = run.sharding(())  # [B] sums, replicated: every process can read them
+    return jax.jit(score, in_shardings=(run.param_shardings, batch_sharding), out_shardings=(out, out))
+
+
+def _put(run: inference.LoadedRun, batch: Batch) -> dict[str, jax.Array]:
+    return {k: run.put(v, ("act_batch", None)) for k, v in batch.items()}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+def perplexity(run: inference.LoadedRun, doc_tokens: Sequence[np.ndarray], *, seq_len: int | None = None,
+               batch_size: int | None = None, scorer=None) -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of tokenized documents (each BOS, text, EOS)."""
+    seq_len = seq_len or run.cfg.data.seq_len
+    if seq_len > run.model_cfg.max_seq_len:
+        raise UserError(f"--seq_len={seq_len} is longer than the model's context ({run.model_cfg.max_seq_len})")
+    batch_size = _round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
+    batches = pipeline.make_eval_batches(doc_tokens, seq_len=seq_len, batch_size=batch_size, max_batches=2**62)
+    if not batches:
+        raise UserError("the corpus has no tokens to predict (every document is shorter than 2 tokens)")
+    scorer = scorer or make_scorer(run)
+    byte_lengths = run.tokenizer.byte_lengths()
+    total_loss, tokens, total_bytes = 0.0, 0, 0
+    with jax.set_mesh(run.mesh):
+        pending = []
+        for batch in batches:
+            real = batch["segment_ids"] > 0
+            batch = dict(batch, weights=real.astype(np.float32))
+            pending.append(scorer(run.params, _put(run, batch)))  # dispatched; read below
+            tokens += int(real.sum())
+            total_bytes += int(byte_lengths[batch["targets"]][real].sum())
+        for loss_sums, _ in pending:
+            total_loss += float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)))
+    loss = total_loss / tokens
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": total_loss / math.log(2) / total_bytes if total_bytes else None,
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "seq_len": seq_len,
+    }
+
+
+def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val", max_tokens: int = 0,
+                     format: str = "auto", text_field: str = "text", separator: str = "") -> tuple[list[np.ndarray], str]:
+    """Tokenized documents to evaluate on, and a description of where they came from.
+
+    `corpus`: 'val' (the run's own validation split), a prepared directory (its `split`), or text
+    files, directories and globs (every document). At most about `max_tokens` tokens (0 = all).
+    """
+    tok = run.tokenizer
+    if corpus == "val":
+        d = run.cfg.data
+        directory = _prepared_val_dir(run)
+        if directory is not None:
+            return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
+        spec = loader.source_spec(run.cfg)
+        texts = (doc for doc in sources.iter_documents(spec) if sources.is_validation(doc, d.val_fraction, d.seed))
+        docs = _tokenize_up_to(tok, texts, max_tokens)
+        if not docs:
+            raise UserError(f"the run's validation split is empty (data.corpus={d.corpus!r}, data.val_fraction="
+                            f"{d.val_fraction}); give --corpus=<files or prepared directory>")
+        return docs, f"validation split of {d.corpus}"
+    directory = pathlib.Path(corpus)
+    if (directory / prepare.MANIFEST).is_file():
+        _check_same_tokenizer(run, directory)
+        return _take_prepared(directory, split, max_tokens), f"{split} split of {directory}"
+    spec = sources.SourceSpec(corpus, format, text_field, separator)
+    docs = _tokenize_up_to(tok, sources.iter_documents(spec), max_tokens)
+    if not docs:
+        raise UserError(f"--corpus={corpus}: no documents (every file is empty); give non-empty text")
+    return docs, corpus
+
+
+def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
+    """The prepared corpus the run trained from, when it is on disk here (its val split is tokenized)."""
+    d = run.cfg.data
+    given = pathlib.Path(d.corpus)
+    if (given / prepare.MANIFEST).is_file():
+        _check_same_tokenizer(run, given)
+        return given
+    if d.tokenize_on_the_fly:
+        return None
+    try:
+        cached = pathlib.Path(d.cache_dir) / f"prepared-{loader.inputs_key(run.cfg)}-{run.tokenizer.sha256[:16]}"
+    except (UserError, OSError):  # the corpus is not here: reading it raises the clear error later
+        return None
+    if (cached / prepare.MANIFEST).is_file() and prepare.read_manifest(cached)["complete"]:
+        return cached
+    return None
+
+
+def _check_same_tokenizer(run: inference.LoadedRun, directory: pathlib.Path) -> None:
+    from jaxlm.data.tokenizer import Tokenizer
+
+    theirs = Tokenizer.load(directory / prepare.TOKENIZER)
+    if theirs.sha256 != run.tokenizer.sha256:
+        raise UserError(f"{directory} was prepared with another tokenizer than {run.run_dir}'s; prepare the corpus "
+                        f"with {run.run_dir / 'tokenizer.model'}, or give the raw files as --corpus")
+
+
+def _take_prepared(directory: pathlib.Path, split: str, max_tokens: int) -> list[np.ndarray]:
+    if split not in prepare.SPLITS:
+        raise UserError(f"--split={split}: use one of {', '.join(prepare.SPLITS)}")
+    docs = prepare.open_prepared(directory, split)
+    out, total = [], 0
+    for i in range(len(docs)):
+        if max_tokens and total >= max_tokens:
+            break
+        doc = np.asarray(docs[i], np.int32)
+        if max_tokens:
+            doc = doc[: max_tokens - total + 1]  # + 1: a document of n tokens has n - 1 targets
+        out.append(doc)
+        total += max(len(doc) - 1, 0)
+    if not out:
+        raise UserError(f"{directory} has no {split} documents; give another --corpus or --split")
+    return out
+
+
+def _tokenize_up_to(tok, texts, max_tokens: int, chunk: int = 256) -> list[np.ndarray]:
+    """Tokenize documents (BOS, text, EOS) in chunks until `max_tokens` targets are collected (0 = all)."""
+    out, total, buffer = [], 0, []
+
+    def flush() -> bool:
+        nonlocal total
+        for doc in pipeline.tokenize_documents(tok, buffer):
+            if max_tokens and total >= max_tokens:
+                return True
+            if max_tokens:
+                doc = doc[: max_tokens - total + 1]
+            out.append(doc)
+            total += len(doc) - 1
+        buffer.clear()
+        return bool(max_tokens) and total >= max_tokens
+
+    for text in texts:
+        buffer.append(text)
+        if len(buffer) == chunk and flush():
+            return out
+    flush()
+    return out
+
+
+# ----------------------------------------------------------------------------- multiple choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    context: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+def read_examples(path: str | pathlib.Path) -> list[Example]:
+    """Examples of a JSONL file, one `{"context": str, "choices": [str, ...], "answer": int}` per line."""
+    path = pathlib.Path(path)
+    shape = 'each line must be {"context": str, "choices": [str, ...], "answer": int}'
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"--tasks: no file {path}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); {shape}") from None
+    examples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg}); {shape}") from None
+        if not isinstance(item, dict):
+            raise UserError(f"{where}: a JSON {type(item).__name__}, not an object; {shape}")
+        missing = [k for k in ("context", "choices", "answer") if k not in item]
+        if missing:
+            raise UserError(f"{where}: no {', '.join(repr(k) for k in missing)}; {shape}")
+        context, choices, answer = item["context"], item["choices"], item["answer"]
+        if not isinstance(context, str):
+            raise UserError(f"{where}: 'context' is a {type(context).__name__}, not a string; {shape}")
+        if not (isinstance(choices, list) and len(choices) >= 2
+                and all(isinstance(c, str) and c for c in choices)):
+            raise UserError(f"{where}: 'choices' must be a list of at least 2 non-empty strings; {shape}")
+        if not (isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices)):
+            raise UserError(f"{where}: 'answer' must be the index of the right choice, an integer from 0 to "
+                            f"{len(choices) - 1}; got {answer!r}")
+        examples.append(Example(context, tuple(choices), answer))
+    if not examples:
+        raise UserError(f"{path} holds no examples; {shape}")
+    return examples
+
+
+def choice_requests(tok, example: Example, max_len: int) -> list[tuple[np.ndarray, int]]:
+    """(tokens, number of choice tokens at the end) per choice: BOS, the context, the choice.
+
+    As lm-eval-harness does, trailing whitespace of the context moves to the front of the choice and
+    context and choice are encoded separately; a sequence longer than the model's context keeps its end.
+    """
+    context, choices = example.context, list(example.choices)
+    stripped = context.rstrip()
+    if stripped != context:
+        choices = [context[len(stripped):] + c for c in choices]
+        context = stripped
+    context_ids = tok.encode([context], add_bos=True, add_eos=False)[0]
+    requests = []
+    for ids in tok.encode(choices, add_bos=False, add_eos=False):
+        if len(ids) >= max_len:
+            raise UserError(f"a choice is {len(ids)} tokens, longer than the model's context ({max_len}); "
+                            f"shorten it ({choices[len(requests)][:40]!r}...)")
+        seq = np.asarray(context_ids + ids, np.int32)[-(max_len + 1):]  # max_len + 1 tokens: max_len targets
+        requests.append((seq, len(ids)))
+    return requests
+
+
+def multiple_choice(run: inference.LoadedRun, examples: Sequence[Example], *, batch_size: int | None = None,
+                    scorer=None) -> dict[str, Any]:
+    """acc and acc_norm over `examples`, with each choice's log-likelihood [examples][choices]."""
+    max_len = run.model_cfg.max_seq_len
+    requests = []  # (example, choice, tokens, choice tokens)
+    for e, example in enumerate(examples):
+        for c, (seq, n) in enumerate(choice_requests(run.tokenizer, example, max_len)):
+            requests.append((e, c, seq, n))
+    requests.sort(key=lambda r: len(r[2]))  # similar lengths share a batch: less padding
+    batch_size = _round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
+    scorer = scorer or make_scorer(run)
+    loglik = [[0.0] * len(ex.choices) for ex in examples]
+    pending = []
+    with jax.set_mesh(run.mesh):
+        for i in range(0, len(requests), batch_size):
+            group = requests[i : i + batch_size]
+            length = min(_round_up(max(len(seq) - 1 for _, _, seq, _ in group), LENGTH_BUCKET), max_len)
+            batch = {k: np.zeros((batch_size, length), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+            batch["weights"] = np.zeros((batch_size, length), np.float32)
+            for row, (_, _, seq, n) in enumerate(group):
+                t = len(seq) - 1
+                batch["inputs"][row, :t], batch["targets"][row, :t] = seq[:-1], seq[1:]
+                batch["segment_ids"][row, :t] = 1
+                batch["positions"][row, :t] = np.arange(t)
+                batch["weights"][row, t - n : t] = 1.0  # the choice's tokens only
+            pending.append((group, scorer(run.params, _put(run, batch))[0]))
+        for group, loss_sums in pending:
+            values = np.asarray(jax.device_get(loss_sums), np.float64)
+            for row, (e, c, _, _) in enumerate(group):
+                loglik[e][c] = -float(values[row])
+    correct = correct_norm = 0
+    for example, scores in zip(examples, loglik):
+        norm = [s / len(choice.encode("utf-8")) for s, choice in zip(scores, example.choices)]
+        correct += int(np.argmax(scores)) == example.answer
+        correct_norm += int(np.argmax(norm)) == example.answer
+    n = len(examples)
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": n, "loglikelihoods": loglik}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = []
+    lm = results.get("corpus")
+    if lm:
+        bpb = "n/a" if lm["bits_per_byte"] is None else f"{lm['bits_per_byte']:.4f}"
+        lines += ["| corpus | tokens | loss | perplexity | bits/byte |", "|---|---|---|---|---|",
+                  f"| {lm['name']} | {lm['tokens']:,} | {lm['loss']:.4f} | {lm['perplexity']:.3f} | {bpb} |"]
+    if results.get("tasks"):
+        if lines:
+            lines.append("")
+        lines += ["| task | examples | acc | acc_norm |", "|---|---|---|---|"]
+        lines += [f"| {name} | {r['examples']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |"
+                  for name, r in results["tasks"].items()]
+    return "\n".join(lines)
+
+
+def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
+    task_files = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    examples = {pathlib.Path(t).stem: read_examples(t) for t in task_files}  # bad files fail before loading
+    if args.max_tokens < 0:
+        raise UserError(f"--max_tokens={args.max_tokens}: use 0 (all) or more")
+    run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype)
+    scorer = make_scorer(run)
+    results: dict[str, Any] = {"run_dir": str(run.run_dir), "step": run.step,
+                               "devices": f"{len(run.mesh.devices.flat)}x {run.mesh.devices.flat[0].device_kind}",
+                               "dtype": jnp.dtype(run.model_cfg.dtype).name}
+    if args.corpus != "none":
+        docs, name = corpus_documents(run, args.corpus, split=args.split, max_tokens=args.max_tokens,
+                                      format=args.format, text_field=args.text_field, separator=args.separator)
+        results["corpus"] = {"name": name, "documents": len(docs),
+                             **perplexity(run, docs, seq_len=args.seq_len, batch_size=args.batch_size, scorer=scorer)}
+    results["tasks"] = {}
+    for name, task_examples in examples.items():
+        results["tasks"][name] = multiple_choice(run, task_examples, batch_size=args.batch_size, scorer=scorer)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--corpus", default="val",
+                        help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
+    parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
+    parser.add_argument("--format", default="auto", choices=sources.FORMATS, help="of raw corpus files")
+    parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field with the text")
+    parser.add_argument("--separator", default="", help="text files: split documents on this string")
+    parser.add_argument("--max_tokens", type=int, default=1_000_000, help="evaluate on about this many tokens; 0 = all")
+    parser.add_argument("--tasks", default="", help="multiple-choice JSONL files, comma-separated")
+    parser.add_argument("--seq_len", type=int, default=None, help="tokens per row (default: the run's data.seq_len)")
+    parser.add_argument("--batch_size", type=int, default=None, help="rows per batch (default: the run's)")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
+    parser.add_argument("--output", default=None, help="results JSON (default: <run_dir>/eval-<step>.json)")
+    args = parser.parse_args(argv)
+    args.separator = prepare._unescape(args.separator)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        results = run_evaluation(args)
+        output = pathlib.Path(args.output) if args.output else pathlib.Path(args.run_dir) / f"eval-{results['step']}.json"
+        if jax.process_index() == 0:
+            try:
+                output.write_text(json.dumps(results, indent=2) + "\n")
+            except OSError as e:
+                raise UserError(f"cannot write the results to {output}: {e.strerror}; give another --output") from None
+    except UserError as e:
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        return 2
+    print(f"jaxlm: {results['run_dir']} step {results['step']} on {results['devices']} ({results['dtype']})")
+    print(format_table(results))
+    print(f"jaxlm: results written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

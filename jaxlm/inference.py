@@ -1,0 +1,194 @@
+"""A trained run loaded for inference: its config, tokenizer, a mesh for the devices here, and the
+parameters of one checkpoint, sharded by the run's logical-axis rules. `jaxlm.evaluate` and
+`jaxlm.generate` start from `load_run`.
+
+Only the parameters are read (no optimizer state), onto whatever devices there are: the run's own
+mesh when it fits them, else FSDP over all of them, else plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlm import checkpoint
+from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm import train_state
+from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.errors import UserError
+from jaxlm.models import attention, transformer
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    run_dir: pathlib.Path
+    cfg: ml_collections.ConfigDict  # the run's resolved config
+    step: int  # the checkpoint the parameters come from
+    model_cfg: transformer.ModelConfig
+    tokenizer: Tokenizer
+    mesh: Mesh
+    rules: mesh_lib.Rules
+    spec: train_state.ModelSpec
+    params: Any  # nested dict of arrays, sharded by the rules
+    param_shardings: Any
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices a batch is split over (the mesh axes of `act_batch`): batches are a multiple of this."""
+        return batch_shards(self.mesh, self.rules)
+
+    def sharding(self, names: Sequence[str | None]) -> NamedSharding:
+        return NamedSharding(self.mesh, mesh_lib.logical_to_spec(names, self.rules))
+
+    def put(self, array: np.ndarray, names: Sequence[str | None]) -> jax.Array:
+        """A host array (the same on every process) onto the mesh, sharded by logical names."""
+        return put_global(array, self.sharding(names))
+
+
+def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array that every process holds whole onto `sharding`: each device takes its slice
+    (also when the mesh spans processes, where `device_put` of a host array would not do)."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def batch_shards(mesh: Mesh, rules: mesh_lib.Rules) -> int:
+    axes = mesh_lib.logical_to_spec(("act_batch",), rules)[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:
+    """The run's config.json over the current defaults (so a run from before a key existed still loads)."""
+    path = run_dir / "config.json"
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist; give --run_dir=<run.output_dir>/<run.name> of a training run")
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.json); give the directory python -m jaxlm.train wrote")
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); it is written by python -m jaxlm.train") from None
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        return out
+
+    cfg = ml_collections.ConfigDict(merge(config_lib.base_config().to_dict(), saved))
+    config_lib.validate(cfg)
+    return cfg
+
+
+def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | None = None) -> transformer.ModelConfig:
+    """The run's model for inference: no dropout or remat; the attention kernel chosen for `platform`
+    (a run trained with cuDNN attention is evaluated on a CPU with XLA's); `dtype` overrides the compute dtype."""
+    overrides: dict[str, Any] = dict(dropout=0.0, remat="none")
+    if dtype:
+        if dtype not in transformer.DTYPES:
+            raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
+        overrides["dtype"] = transformer.DTYPES[dtype]
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, **overrides)
+    impl = attention.select_implementation("auto", platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim)
+    return dataclasses.replace(model_cfg, attention=impl)
+
+
+def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, spec, devices,
+                        rules: mesh_lib.Rules) -> tuple[Mesh, Any]:
+    """(mesh, abstract params with their shardings): the run's mesh shape if it fits these devices and
+    the model, else FSDP over all devices, else data parallelism (parameters replicated)."""
+    n = len(devices)
+    shapes = []
+    try:
+        shapes.append(config_lib.mesh_shape(cfg, n))
+    except UserError:
+        pass
+    shapes += [(1, n, 1), (n, 1, 1)]
+    abstract_params, problem = None, None
+    for shape in dict.fromkeys(shapes):
+        tensor = shape[2]
+        if model_cfg.n_heads % tensor or model_cfg.n_kv_heads % tensor:
+            continue
+        mesh = mesh_lib.make_mesh(shape, devices)
+        try:
+            abstract, *_ = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, spec)
+        except UserError as e:  # a parameter dimension that does not split over this mesh
+            problem = problem or e
+            continue
+        abstract_params = abstract.params
+        return mesh, abstract_params
+    raise problem or UserError(f"no mesh of {n} devices fits this model")
+
+
+def load_run(
+    run_dir: str | pathlib.Path,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> LoadedRun:
+    """Load checkpoint `step` (default: the newest that loads) of a run for inference.
+
+    `dtype` overrides the compute dtype (e.g. float32 for exact comparisons); `param_dtype` casts the
+    parameters as they are read (bfloat16 halves their memory; the model computes in `dtype` anyway).
+    """
+    run_dir = pathlib.Path(run_dir)
+    cfg = read_config(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    steps = checkpoint_steps(ckpt_dir)
+    if not steps:
+        raise UserError(f"{run_dir} has no checkpoints (nothing complete in {ckpt_dir}); train it first, or wait "
+                        f"for its first save")
+    if step is not None and step not in steps:
+        raise UserError(f"--step={step}: {run_dir} has no complete checkpoint for that step; "
+                        f"its checkpoints: {', '.join(map(str, steps))}")
+    tok_path = run_dir / "tokenizer.model"
+    if not tok_path.is_file():
+        raise UserError(f"{run_dir} has no tokenizer.model; it is written by python -m jaxlm.train at the start of a run")
+    tokenizer = Tokenizer.load(tok_path)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise UserError(f"{tok_path} has {tokenizer.vocab_size} tokens but the run's model.vocab_size is "
+                        f"{cfg.model.vocab_size}; the run directory is inconsistent")
+    devices = list(devices) if devices is not None else jax.devices()
+    model_cfg = model_config(cfg, devices[0].platform, dtype)
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    spec = train_state.model_spec(model_cfg)
+    mesh, abstract_params = make_inference_mesh(cfg, model_cfg, spec, devices, rules)
+    cast = None
+    if param_dtype:
+        if param_dtype not in transformer.DTYPES:
+            raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
+        cast = transformer.DTYPES[param_dtype]
+    errors = []
+    for candidate in [step] if step is not None else steps[::-1]:  # the newest that loads
+        try:
+            params = checkpoint.load_params(ckpt_dir, abstract_params, step=candidate, dtype=cast)
+        except UserError as e:
+            if step is not None:
+                raise
+            errors.append(str(e))
+            continue
+        shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+        return LoadedRun(run_dir=run_dir, cfg=cfg, step=candidate, model_cfg=model_cfg, tokenizer=tokenizer,
+                         mesh=mesh, rules=rules, spec=spec, params=params, param_shardings=shardings)
+    raise UserError(f"no checkpoint of {run_dir} could be restored: {'; '.join(errors)}")
+
+
+def checkpoint_steps(directory: pathlib.Path) -> list[int]:
+    """Steps of the complete checkpoints in `directory` (none when it does not exist)."""
+    if not directory.is_dir():
+        return []
+    return sorted(ocp.path.step.checkpoint_steps(directory))  # what Checkpointer.all_steps lists

@@ -1,0 +1,44 @@
+"""A real training run, seconds long, on a corpus of made-up facts ("alice likes apples."), for the
+evaluation and generation tests: trained by the CLI, `python -m jaxlm.train`, on one CPU device (the
+tests then load it onto their 8), so its run directory is exactly what users get."""
+
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
+FRUITS = ("apples", "bananas", "cherries", "dates", "figs", "grapes", "lemons", "mangos")
+LIKES = dict(zip(NAMES, FRUITS))  # the facts the model learns: alice likes apples, ...
+STEPS = 120
+SEQ_LEN = 64
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def write_corpus(path: pathlib.Path, documents: int = 400, seed: int = 0) -> list[str]:
+    """Documents of 3 to 6 facts in random order, separated by blank lines; returns them."""
+    rng = random.Random(seed)
+    docs = [" ".join(f"{n} likes {LIKES[n]}." for n in rng.sample(NAMES, rng.randint(3, 6))) for _ in range(documents)]
+    path.write_text("\n\n".join(docs))
+    return docs
+
+
+def train_tiny_run(directory: pathlib.Path, steps: int = STEPS) -> pathlib.Path:
+    """Train a 2-layer model on the facts corpus (`directory/facts.txt`); returns the run directory."""
+    corpus = directory / "facts.txt"
+    write_corpus(corpus)
+    overrides = dict(
+        model__vocab_size=300, model__d_model=64, model__n_layers=2, model__n_heads=4, model__n_kv_heads=2,
+        model__mlp_dim=128, data__seq_len=SEQ_LEN, data__global_batch_size=16, data__corpus=corpus,
+        data__separator="\n\n", data__val_fraction=0.2, data__cache_dir=directory / "cache",
+        data__tokenize_on_the_fly="true",  # no prepare step (its worker processes take seconds to start)
+        optim__warmup_steps=10, run__steps=steps, run__eval_every=0, run__log_every=steps,
+        run__output_dir=directory, run__name="facts", run__compile_cache_dir="",
+    )
+    args = [f"--config.{key.replace('__', '.')}={value}" for key, value in overrides.items()]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "jaxlm.train", "--config=configs/tiny.py", *args],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "facts"
