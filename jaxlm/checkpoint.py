@@ -15,6 +15,7 @@ damaged files are there to inspect.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -88,14 +89,26 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether `step` is due: a multiple of `every_steps`, or `every_minutes` since the last save.
 
-        With several processes the clock of process 0 decides, so that all of them save together.
+        With several processes the clock of process 0 decides, so that all of them save together
+        (a broadcast, which waits for the devices; the training loop agrees through
+        `distributed.StepAgreement` on `time_due` instead).
         """
-        due = bool(self.every_steps) and step % self.every_steps == 0
+        due = self.step_due(step)
         if self.every_minutes and not due:
             due = self._clock() - self._last_save >= 60 * self.every_minutes
             if jax.process_count() > 1:
                 due = bool(multihost_utils.broadcast_one_to_all(due))
         return due
+
+    def step_due(self, step: int) -> bool:
+        """Whether `step` is a multiple of `every_steps` (the same on every process)."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def time_due(self) -> bool:
+        """Whether `every_minutes` have passed since the last save, by this process's clock; only
+        process 0's clock counts, the others always say no."""
+        return (bool(self.every_minutes) and jax.process_index() == 0
+                and self._clock() - self._last_save >= 60 * self.every_minutes)
 
     def save(self, step: int, state, *, meta: dict, data_iter=None, force: bool = False,
              val_loss: float | None = None) -> bool:
@@ -143,9 +156,13 @@ class Checkpointer:
 
         def load(s: int):
             items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
-            if data_iter is not None and (self.directory / str(s) / "data").exists():
+            data_dir = self.directory / str(s) / "data"
+            merged = data_iter is not None and hasattr(data_iter, "set_states")
+            if data_iter is not None and not merged and data_dir.exists():
                 items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             restored = self._manager.restore(s, args=ocp.args.Composite(**items))
+            if merged and data_dir.exists():
+                _restore_merged(data_dir, data_iter)
             return restored["state"], restored["meta"]
 
         (state, meta), step = _first_loadable(self.directory, self.all_steps(), step, load)
@@ -167,6 +184,22 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _restore_merged(data_dir: epath.Path, data_iter) -> None:
+    """Give `data_iter` the positions every process of the saving run wrote (grain's
+    `process_<i>-of-<n>.json`), so a run resumes its data on another process count too."""
+    files = {}
+    for path in data_dir.glob("process_*-of-*.json"):
+        index, count = path.name[len("process_"):-len(".json")].split("-of-")
+        files[int(index)] = (int(count), path)
+    counts = {count for count, _ in files.values()}
+    if len(counts) != 1 or sorted(files) != list(range(next(iter(counts)))):
+        raise ValueError(f"incomplete data positions in {data_dir}: {sorted(p.name for _, p in files.values())}")
+    states = [json.loads(files[i][1].read_text()) for i in range(len(files))]
+    own = states[jax.process_index()] if len(states) == jax.process_count() else None
+    data_iter.set_states(states, own=own)
+    data_iter.start_prefetch()
 
 
 def _quiet_unranked_saves(record: logging.LogRecord) -> bool:

@@ -45,9 +45,11 @@ def default_rules() -> ml_collections.ConfigDict:
             "head_dim": "",
             "norm": "",
             "layers": "",
+            # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
+            "opt_state": "",
             # activations
             "act_batch": "data,fsdp",
-            "act_seq": "",
+            "act_seq": "",  # "tensor" = sequence parallelism between the tensor-parallel regions
             "act_embed": "",
             "act_heads": "tensor",
             "act_kv_heads": "tensor",
@@ -99,6 +101,9 @@ def base_config() -> ml_collections.ConfigDict:
         scan_layers=True,
         remat="none",  # none | full | dots | dots_no_batch
         attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn
+        # Make the logits and the loss this many positions at a time (0 = the whole sequence at once):
+        # only [batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].
+        loss_chunk_len=0,
     )
     c.data = dict(
         # 'builtin' (the Python standard library's source files, read at run time, never downloaded),
@@ -118,6 +123,11 @@ def base_config() -> ml_collections.ConfigDict:
         tokenizer_vocab_size=vocab_size,
         cache_dir=".cache/jaxlm",  # the tokenizer and the prepared (tokenized) corpus, keyed by their inputs
         num_workers=0,  # grain worker processes (0 = in the main process)
+        # The global batch is read as this many independent streams (each a slice of the documents and
+        # global_batch_size / shards rows of every batch); each process reads the streams its rows come
+        # from. 0 = one per process when the run starts; a resumed run keeps its stream whatever its
+        # process count, so the same shards give the same batches on 1 process or many.
+        shards=0,
         # false: tokenize the corpus once into cached token shards (any size; the fastest reads).
         # true: keep the raw documents in host memory and tokenize them in the pipeline (in the
         # workers), with no prepare step: for small corpora and tokenizer ablations.
@@ -162,6 +172,9 @@ def base_config() -> ml_collections.ConfigDict:
         steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
     )
     c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
+    # "host": data across hosts, fsdp (and tensor) within each host; "process": the same per process.
+    # Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); "" = off.
+    c.mesh.hybrid = ""
     c.mesh.rules = default_rules()
     return c
 
@@ -342,12 +355,16 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "model.param_dtype", DTYPES)
     _check_choice(cfg, "model.remat", REMAT_POLICIES)
     _check_choice(cfg, "model.attention", ATTENTION_IMPLS)
+    _check(m.loss_chunk_len >= 0 and (m.loss_chunk_len == 0 or cfg.data.seq_len % m.loss_chunk_len == 0),
+           "model.loss_chunk_len", m.loss_chunk_len, f"0 (off) or a divisor of data.seq_len={cfg.data.seq_len}")
 
     _check(d.seq_len > 0, "data.seq_len", d.seq_len, "a positive integer")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
     _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "a positive integer")
     _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "a number in [0, 1)")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "0 or more")
+    _check(d.shards >= 0 and (d.shards == 0 or d.global_batch_size % d.shards == 0), "data.shards", d.shards,
+           f"0 (one per process) or a divisor of data.global_batch_size={d.global_batch_size}")
     _check(d.format in sources.FORMATS, "data.format", d.format, "one of " + ", ".join(sources.FORMATS))
     _check(d.tokenizer_type in tokenizer.MODEL_TYPES, "data.tokenizer_type", d.tokenizer_type,
            "one of " + ", ".join(tokenizer.MODEL_TYPES))
@@ -389,6 +406,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "metrics.progress", ("auto", "bar", "lines"))
     profile_steps(cfg)
 
+    _check_choice(cfg, "mesh.hybrid", ("process", "host"), allow_empty=True)
     sizes = [cfg.mesh[a] for a in MESH_AXES]
     for axis, size in zip(MESH_AXES, sizes):
         _check(size == -1 or size >= 1, f"mesh.{axis}", size, "a positive integer or -1 (the devices left over)")
@@ -418,7 +436,20 @@ class Derived:
     tokens_per_step: int
 
 
-def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `num_devices`; with mesh.hybrid, data = `groups` (the hosts or
+    processes of the run, from the live layout when not given)."""
+    if cfg.mesh.hybrid:
+        from jaxlm import mesh as mesh_lib
+
+        groups = groups or mesh_lib.hybrid_groups(cfg.mesh.hybrid)
+        tensor = cfg.mesh.tensor if cfg.mesh.tensor != -1 else 1
+        if num_devices % (groups * tensor):
+            raise UserError(
+                f"config.mesh.hybrid={cfg.mesh.hybrid!r}: {num_devices} devices do not split into {groups} "
+                f"{cfg.mesh.hybrid}(s) x mesh.tensor={tensor}; every {cfg.mesh.hybrid} needs the same device count"
+            )
+        return (groups, num_devices // groups // tensor, tensor)
     sizes = [cfg.mesh[a] for a in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
     described = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes))
@@ -437,9 +468,10 @@ def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, i
     return tuple(sizes)
 
 
-def derive(cfg: ml_collections.ConfigDict, num_devices: int) -> Derived:
-    """Resolve the mesh and the batch split for `num_devices`; UserError when they do not fit."""
-    shape = mesh_shape(cfg, num_devices)
+def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> Derived:
+    """Resolve the mesh and the batch split for `num_devices` (and, with mesh.hybrid, `groups`
+    hosts or processes); UserError when they do not fit."""
+    shape = mesh_shape(cfg, num_devices, groups)
     data, fsdp, tensor = shape
     m = cfg.model
     kv = m.n_kv_heads or m.n_heads

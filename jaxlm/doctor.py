@@ -10,8 +10,10 @@ device's peak. Problems are one-line findings; the last line is the verdict:
 
 `--expect=gpu` makes a machine where JAX sees no GPU a problem (for cluster scripts); by default a
 GPU is expected where `nvidia-smi` lists one. `--json` prints the report as one JSON object.
-Multi-host: `--distributed` calls `jax.distributed.initialize()` (auto-detected on SLURM, Open MPI,
-...; or give `--coordinator`, `--num_processes`, `--process_id`); process 0 prints the report.
+Multi-host: `--distributed` joins the run first, as `python -m jaxlm.train` does (`jaxlm.distributed`:
+`--coordinator`, `--num_processes`, `--process_id`, or the launcher's environment: SLURM, Open MPI,
+torchrun-style variables, Kubernetes; else JAX's own detection); process 0 prints the report, with
+the layout: which process this is, where the layout came from, devices per process and hosts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import metrics
+from jaxlm import distributed, metrics
+from jaxlm.errors import UserError
 from jaxlm.models import attention
 
 EXIT_OK, EXIT_PROBLEM = 0, 1
@@ -450,6 +453,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
         if d["process_count"] > 1:
             lines.append(f"  {'hosts':<16} {', '.join(d['hosts'])}")
+        if report.get("layout"):
+            lines.append(f"  {'layout':<16} {report['layout']}")
     if "attention" in report:
         a = report["attention"]
         lines += ["attention", f"  {'cudnn':<16} {a['status']}", f"  {'auto chooses':<16} {a['auto_choice']}"]
@@ -473,15 +478,20 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _initialize_distributed(args) -> str | None:
-    """`jax.distributed.initialize` from the flags (or auto-detection); the error line if it fails."""
+def _initialize_distributed(args) -> tuple[str | None, str | None]:
+    """Join the run as the trainer does (flags, then the launcher's environment, then JAX's own
+    detection): (this process's layout, or the error line if joining failed)."""
     try:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
-        )
+        layout = distributed.initialize_from(args.coordinator, args.num_processes, args.process_id,
+                                             timeout_s=args.distributed_timeout_s)
+        if layout is None:
+            jax.distributed.initialize()  # JAX's own cluster detection (TPU pods, ...)
+            return f"process {jax.process_index()} of {jax.process_count()} (from JAX's detection)", None
+        return layout.describe(), None
+    except UserError as e:
+        return None, str(e)
     except Exception as e:
-        return f"jax.distributed.initialize failed: {_first_line(e)}"
-    return None
+        return None, f"jax.distributed.initialize failed: {_first_line(e)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,11 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (with --distributed)")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
+    parser.add_argument("--distributed_timeout_s", type=float, default=distributed.DEFAULT_TIMEOUT_S,
+                        help="how long to wait for the coordinator and the other processes")
     args = parser.parse_args(argv)
-    distributed_error = None
+    distributed_error = layout = None
     if args.distributed or args.coordinator:
-        distributed_error = _initialize_distributed(args)
+        layout, distributed_error = _initialize_distributed(args)
     report = check(expect=args.expect, matmul_size=args.matmul_size)
+    report["layout"] = layout
     if distributed_error:
         report["findings"].insert(0, {"level": FAIL, "message": distributed_error})
         report["ok"] = False

@@ -1,12 +1,21 @@
 """The device mesh (data, fsdp, tensor) and the one table that maps logical axis names onto it.
 
 Model code names axes logically ("embed", "act_batch"); which mesh axes they land on is decided
-here, per recipe, from `config.mesh.rules`. Changing the parallelism never touches model code.
+here, per recipe, from `config.mesh.rules`. Changing the parallelism never touches model code:
+
+  ZeRO-1             rules.opt_state="data": Adam's moments also sharded over `data`
+  sequence parallel  rules.act_seq="tensor": activations' sequence axis over `tensor` wherever no
+                     other dimension uses it (between the tensor-parallel regions)
+  hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import functools
+import math
+import socket
 
 import jax
 import numpy as np
@@ -19,13 +28,55 @@ MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
-def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes, so the compiler propagates shardings (GSPMD)."""
+HYBRID = ("", "process", "host")
+
+
+def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None, hybrid: str = "") -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes, so the compiler propagates shardings (GSPMD).
+
+    `hybrid` ("process" or "host"): `data` indexes the groups of `device_groups` and each group's
+    devices form its (fsdp, tensor) block, so fsdp's collectives stay within a host."""
     devices = list(devices) if devices is not None else jax.devices()
     n = int(np.prod(shape))
     if len(devices) < n:
         raise ValueError(f"mesh {tuple(shape)} needs {n} devices, {len(devices)} available")
+    if hybrid:
+        groups = device_groups(devices, hybrid)
+        if len(groups) != shape[0] or any(len(g) * len(groups) != n for g in groups):
+            raise ValueError(f"mesh {tuple(shape)} does not match {len(groups)} {hybrid} groups of devices")
+        grid = np.array([sorted(g, key=lambda d: d.id) for g in groups], dtype=object).reshape(tuple(shape))
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
+
+
+@functools.cache
+def _hostnames() -> tuple[str, ...]:
+    """Every process's hostname, in process order (a collective the first time on several processes)."""
+    if jax.process_count() == 1:
+        return (socket.gethostname(),)
+    from jax.experimental import multihost_utils
+
+    raw = np.zeros(256, np.uint8)
+    name = socket.gethostname().encode()[:256]
+    raw[: len(name)] = np.frombuffer(name, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(raw))
+    return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
+
+
+def device_groups(devices: Sequence[jax.Device], by: str) -> list[list[jax.Device]]:
+    """Devices grouped by their process ("process") or by their process's host ("host"), in order
+    of the groups' first process."""
+    hosts = _hostnames() if by == "host" else None
+    groups: dict = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        key = hosts[d.process_index] if hosts else d.process_index
+        groups.setdefault(key, []).append(d)
+    return list(groups.values())
+
+
+def hybrid_groups(by: str) -> int:
+    """How many hosts (or processes) this run spans: the `data` axis of a hybrid mesh."""
+    return len(device_groups(jax.devices(), by)) if by else 1
 
 
 def rules_from_config(rules_cfg) -> Rules:
@@ -37,19 +88,47 @@ def rules_from_config(rules_cfg) -> Rules:
     return tuple(out)
 
 
+# Names that take their mesh axes only where no other dimension of the same array uses them:
+# with act_seq -> tensor (sequence parallelism) the sequence is split between the tensor-parallel
+# regions, and whole inside them, where heads or the MLP width hold the tensor axis.
+YIELDING = ("act_seq",)
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     """Map logical names to a PartitionSpec. A mesh axis already used by an earlier dimension is
-    skipped, so one table can serve weights and activations without duplicate-axis errors."""
+    skipped, so one table can serve weights and activations without duplicate-axis errors; the
+    `YIELDING` names are resolved last, from the axes the others left."""
     table = dict(rules)
     used: set[str] = set()
-    spec = []
-    for name in names:
+    spec: list = [None] * len(names)
+    order = [i for i, n in enumerate(names) if n not in YIELDING] + [i for i, n in enumerate(names) if n in YIELDING]
+    for i in order:
+        name = names[i]
         axes = table.get(name) if name is not None else None
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
-        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        spec[i] = None if not axes else axes[0] if len(axes) == 1 else axes
     return P(*spec)
+
+
+def extend_sharding(sharding: NamedSharding, shape: Sequence[int], extra: str | tuple[str, ...] | None) -> NamedSharding:
+    """`sharding` further split over the mesh axes `extra` (those it does not use yet), on the
+    largest dimension that divides evenly; unchanged where none does. ZeRO-1 for optimizer state."""
+    extra = tuple(a for a in ((extra,) if isinstance(extra, str) else extra or ()) if a)
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    used = {a for s in spec for a in ((s,) if isinstance(s, str) else s or ())}
+    extra = tuple(a for a in extra if a not in used and sharding.mesh.shape[a] > 1)
+    if not extra:
+        return sharding
+    factor = math.prod(sharding.mesh.shape[a] for a in extra)
+    for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        axes = (spec[dim],) if isinstance(spec[dim], str) else tuple(spec[dim] or ())
+        if shape[dim] % (math.prod(sharding.mesh.shape[a] for a in axes) * factor) == 0:
+            new = axes + extra
+            spec[dim] = new[0] if len(new) == 1 else new
+            return NamedSharding(sharding.mesh, P(*spec))
+    return sharding
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -61,5 +140,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
-    """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp)."""
-    return NamedSharding(mesh, logical_to_spec(("act_batch", "act_seq"), rules))
+    """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp), whole rows, so
+    each process supplies whole rows (the model splits the sequence itself under sequence parallelism)."""
+    return NamedSharding(mesh, logical_to_spec(("act_batch", None), rules))

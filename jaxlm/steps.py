@@ -35,11 +35,43 @@ def token_losses(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Ar
     return loss
 
 
-def summed_loss(params, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float):
-    """(sum of token losses, number of tokens) over the non-padding targets of a batch."""
+def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
+                     weights: jax.Array, z_loss: float, chunk_len: int) -> jax.Array:
+    """Sum of weighted token losses, with logits made `chunk_len` positions at a time.
+
+    `x` [B, T, D] are the final hidden states and `project` maps a chunk of them to logits
+    [B, chunk_len, V]. Each chunk's logits are rematerialized in the backward pass, so only one
+    chunk's float32 logits ([B, chunk_len, V]) is ever alive instead of the whole [B, T, V].
+    Equal to `token_losses` over the whole sequence (value and gradient), up to summation order.
+    """
+    b, t, d = x.shape
+    if t % chunk_len:
+        raise ValueError(f"the loss chunk length {chunk_len} must divide the sequence length {t}")
+    n = t // chunk_len
+
+    def split(a):  # [B, T, ...] -> [n, B, chunk_len, ...]
+        return a.reshape(b, n, chunk_len, *a.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk_loss(x_c, t_c, w_c):
+        return jnp.sum(token_losses(project(x_c), t_c, z_loss) * w_c)
+
+    def body(total, chunk):
+        return total + chunk_loss(*chunk), None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))[0]
+
+
+def summed_loss(params, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
+    """(sum of token losses, number of tokens) over the non-padding targets of a batch; with
+    `loss_chunk_len`, the logits are made that many positions at a time (`chunked_loss_sum`)."""
     model = nnx.merge(spec.graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"], dropout_key=dropout_key)
     weights = (batch["segment_ids"] > 0).astype(jnp.float32)
+    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
+        x = model(*args, dropout_key=dropout_key, hidden=True)
+        return chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len), jnp.sum(weights)
+    logits = model(*args, dropout_key=dropout_key)
     return jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights), jnp.sum(weights)
 
 
@@ -93,6 +125,7 @@ def make_train_step(
     dropout: bool = False,
     rules: Rules = (),
     grad_norm_per_layer: bool = False,
+    loss_chunk_len: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `compile_train_step` jits it with shardings and donation.
 
@@ -106,7 +139,7 @@ def make_train_step(
         with spmd.logical_axis_rules(rules):
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
             if micro_batches == 1:
-                (loss_sum, tokens), grads = grad_fn(state.params, spec, batch, key, z_loss)
+                (loss_sum, tokens), grads = grad_fn(state.params, spec, batch, key, z_loss, loss_chunk_len)
             else:
                 micro = _split_micro(batch, micro_batches)
                 keys = jax.random.split(key, micro_batches) if dropout else None
@@ -114,7 +147,7 @@ def make_train_step(
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (l, t), g = grad_fn(state.params, spec, mb, mkey, z_loss)
+                    (l, t), g = grad_fn(state.params, spec, mb, mkey, z_loss, loss_chunk_len)
                     return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -146,12 +179,12 @@ def make_train_step(
     return step_fn
 
 
-def make_eval_step(spec: ModelSpec, rules: Rules = ()):
+def make_eval_step(spec: ModelSpec, rules: Rules = (), loss_chunk_len: int = 0):
     """(params, batch) -> (sum of token losses, tokens): summed so batches combine exactly."""
 
     def eval_fn(params, batch: Batch):
         with spmd.logical_axis_rules(rules):
-            return summed_loss(params, spec, batch, None, 0.0)
+            return summed_loss(params, spec, batch, None, 0.0, loss_chunk_len)
 
     return eval_fn
 

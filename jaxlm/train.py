@@ -1,5 +1,9 @@
 """`python -m jaxlm.train --config=configs/<recipe>.py [--config.key=value ...]`
 
+Several processes (one per node or per GPU): the same command on each, joined through
+`jax.distributed` from `--coordinator=host:port --num_processes=N --process_id=I
+[--distributed_timeout_s=300]` or the launcher's environment (`jaxlm.distributed`).
+
 The only module that knows every part: it validates the config, builds the mesh, the data, the
 sharded train state and the compiled step, then runs the loop. The loop feeds batches, reads the
 previous step's metrics (never blocking on the step just dispatched), logs, evaluates and saves.
@@ -21,6 +25,7 @@ import ml_collections
 
 from jaxlm import checkpoint
 from jaxlm import config as config_lib
+from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
@@ -92,7 +97,7 @@ class StepLog:
         util = metrics_lib.mfu(self.flops_per_token, tokens_per_s, len(self.devices), self.peak_flops)
         if util is not None:
             values["mfu"] = util
-        values.update(metrics_lib.device_memory(self.devices[0]) or {})
+        values.update(metrics_lib.device_memory(jax.local_devices()[0]) or {})
         self.sinks.write(step, values)
         if histograms is not None:
             self.sinks.histograms(step, jax.device_get(histograms))
@@ -183,8 +188,9 @@ class StopSignals:
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Train as the config says, resuming the run directory's latest checkpoint; returns the summary."""
     run_dir = run_dir_path(cfg)
-    if cfg.run.fresh and run_dir.exists():
+    if cfg.run.fresh and run_dir.exists() and jax.process_index() == 0:
         console(f"jaxlm: run.fresh: moved the existing {run_dir} to {set_aside(run_dir)}")
+    distributed.barrier("run_dir")  # every process looks for checkpoints only after that
     resume_step, saved = 0, {}
     if (run_dir / "checkpoints").exists():
         with checkpoint.Checkpointer(run_dir / "checkpoints") as peek:
@@ -194,6 +200,12 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                     break
                 except Exception as e:  # a damaged checkpoint: reported, skipped, never deleted
                     console(f"jaxlm: warning: cannot read checkpoint {peek.directory / str(step)} ({e}); trying the one before")
+    steps = distributed.all_values(resume_step)
+    if len(set(steps)) > 1:
+        raise UserError(
+            f"the processes see different newest checkpoints in {run_dir} (steps {steps}); put "
+            f"config.run.output_dir on a filesystem every process shares"
+        )
     if saved:
         differences = config_differences(saved["config"], cfg)
         if differences:
@@ -209,7 +221,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
 
     t0 = time.time()
-    data = load_data(cfg)  # a bad path or corrupt file fails here, before any device work
+    data = load_data(cfg, saved.get("data_shards"))  # a bad path or corrupt file fails here, before any device work
     c = cfg.checkpoint
     with checkpoint.Checkpointer(
         run_dir / "checkpoints", every_steps=c.every_steps, every_minutes=c.every_minutes,
@@ -229,6 +241,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
         )
     trainer = build_trainer(cfg, abstract=bool(resume_step))  # a resumed state is restored, never initialised
+    _check_process_rows(trainer, data)
     state = trainer.state
     if resume_step:
         state, saved, resume_step = ckpt.restore(trainer.state, data_iter=data.train)
@@ -242,7 +255,11 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
     )
-    data.tokenizer.save(run_dir / "tokenizer.model")
+    if jax.process_index() == 0:
+        data.tokenizer.save(run_dir / "tokenizer.model")
+    if jax.process_count() > 1:
+        console(f"jaxlm: {jax.process_count()} processes, {jax.local_device_count()} devices each; "
+                f"{data.shards} data shard(s), each process reads {len(data.train.streams)}")
 
     total_steps = cfg.run.steps
     sinks = Sinks(run_dir, cfg, resume_step)
@@ -255,12 +272,15 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         meta = {
             "config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
+            "data_shards": data.shards, "process_count": jax.process_count(),
         }
         ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
 
     eval_target_bytes = data.eval_target_bytes
 
     pending, val_loss, step = None, None, resume_step
+    # Every process acts on a signal, or on process 0's clock saying a save is due, at the same step.
+    agreement = distributed.StepAgreement()
     try:
         with jax.set_mesh(trainer.mesh), StopSignals() as signals:
             for step in range(resume_step + 1, total_steps + 1):
@@ -280,10 +300,13 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                         jax.block_until_ready(histograms)
                 pending = (step, metrics, progress, histograms)
                 if signals.received:
+                    agreement.propose("stop", step)
+                if agreement.due("stop", step):
                     log.record(*pending)
                     save(step, force=True)
                     ckpt.wait()
-                    raise Preempted(f"{signals.received} at step {step}; checkpoint {ckpt.directory / str(step)}")
+                    why = signals.received or "a stop signal to another process"
+                    raise Preempted(f"{why} at step {step}; checkpoint {ckpt.directory / str(step)}")
                 evaluated = None
                 if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                     log.record(*pending)
@@ -300,7 +323,10 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                         )
                         evaluated = val_loss
                 # With keep_best, every evaluated step is saved: a candidate for the best checkpoints.
-                if step == total_steps or ckpt.should_save(step) or (evaluated is not None and cfg.checkpoint.keep_best):
+                if ckpt.time_due():
+                    agreement.propose("save", step)
+                due = ckpt.step_due(step) or agreement.due("save", step)
+                if step == total_steps or due or (evaluated is not None and cfg.checkpoint.keep_best):
                     save(step, force=True, val_loss=evaluated)
             ckpt.wait()
     except NonFiniteError as e:
@@ -343,6 +369,23 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     return summary
 
 
+def _check_process_rows(trainer: Trainer, data: Data) -> None:
+    """The rows this process reads must be the rows its devices hold in the global batch."""
+    if jax.process_count() == 1:
+        return
+    shape = (trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len)
+    held = {(index[0].start or 0, index[0].stop or shape[0])
+            for index in trainer.batch_sharding.addressable_devices_indices_map(shape).values()}
+    lo, hi = min(a for a, _ in held), max(b for _, b in held)
+    covered = sum(b - a for a, b in held)
+    if (lo, hi) != (data.train.rows.start, data.train.rows.stop) or covered != hi - lo:
+        raise UserError(
+            f"process {jax.process_index()}'s devices hold batch rows {sorted(held)} of the global batch, not the "
+            f"block {data.train.rows.start}:{data.train.rows.stop} it reads; order config.mesh so that each "
+            f"process's devices are contiguous along data x fsdp (e.g. mesh.hybrid)"
+        )
+
+
 def enable_compilation_cache(directory: str) -> None:
     """Keep compiled programs on disk, so a resumed or repeated run skips most compilation."""
     if directory:
@@ -357,8 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        argv, layout_flags = distributed.pop_flags(list(argv))
         cfg = config_lib.parse_cli(argv)
         config_lib.validate(cfg)  # before any device work
+        layout = distributed.initialize_from(**layout_flags)  # a multi-process run: join it first
+        if layout:
+            console(f"jaxlm: {layout.describe()}")
         config_lib.derive(cfg, jax.device_count())  # the mesh and batch fit the devices
         enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)

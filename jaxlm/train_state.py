@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import Rules, logical_to_spec
+from jaxlm.mesh import Rules, extend_sharding, logical_to_spec
 from jaxlm.models.transformer import ModelConfig, Transformer
 
 
@@ -95,10 +95,13 @@ def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation,
 
 def state_shardings(abstract: TrainState, spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
     """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer
-    moments like their params, scalars replicated."""
+    moments like their params and further over the `opt_state` rule's axes (ZeRO-1: "data"),
+    scalars replicated."""
     params = param_shardings(spec, mesh, rules)
     replicated = NamedSharding(mesh, P())
-    opt = optax.tree_map_params(tx, lambda _, s: s, abstract.opt_state, params, transform_non_params=lambda _: replicated)
+    extra = dict(rules).get("opt_state")
+    opt = optax.tree_map_params(tx, lambda leaf, s: extend_sharding(s, leaf.shape, extra), abstract.opt_state,
+                                params, transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
 
 

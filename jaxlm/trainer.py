@@ -66,7 +66,7 @@ def build_trainer(
     config_lib.validate(cfg)
     devices = list(devices) if devices is not None else jax.devices()
     derived = config_lib.derive(cfg, len(devices))
-    mesh = mesh_lib.make_mesh(derived.mesh_shape, devices)
+    mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = transformer.ModelConfig.from_config(cfg.model)
     impl = attention.select_implementation(
@@ -83,12 +83,13 @@ def build_trainer(
     step_fn = steps.make_train_step(
         spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
         dropout=cfg.model.dropout > 0, rules=rules, grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
+        loss_chunk_len=cfg.model.loss_chunk_len,
     )
     return Trainer(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,
         shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
         train_step=steps.compile_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules), shardings.params, batch_sharding),
+        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding),
     )
 
 

@@ -7,15 +7,18 @@ starts at once. Then the grain pipeline packs, shuffles and shards them for this
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import sys
 import sysconfig
-from typing import Any
+from typing import Any, Callable
 
+import grain
 import jax
 import ml_collections
 import numpy as np
@@ -27,11 +30,12 @@ from jaxlm.errors import UserError
 
 @dataclasses.dataclass
 class Data:
-    train: pipeline.TrainIterator  # this process's rows of each global batch; knows its epoch
-    eval_batches: list[dict[str, np.ndarray]]
+    train: "ShardedStream"  # this process's rows of each global batch; knows its epoch
+    eval_batches: list[dict[str, np.ndarray]]  # this process's rows of the fixed held-out batches
     tokenizer: Any
     train_tokens: int | None  # None when tokenized on the fly (unknown until read)
     train_documents: int | None = None
+    shards: int = 1  # the streams the global batch is read as (data.shards, resolved)
 
     @property
     def eval_target_bytes(self) -> int:
@@ -63,11 +67,31 @@ def inputs_key(cfg: ml_collections.ConfigDict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _cache_lock(cfg: ml_collections.ConfigDict):
+    """Hold `data.cache_dir`'s lock: of several processes (one node or a shared filesystem), the
+    first trains the tokenizer and prepares the corpus while the others wait, then find them cached."""
+    directory = pathlib.Path(cfg.data.cache_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
     """The configured .model file, or one trained on the corpus's training documents (cached)."""
     d = cfg.data
     if d.tokenizer_path:
         return tokenizer.Tokenizer.load(d.tokenizer_path)
+    with _cache_lock(cfg):
+        return _cached_tokenizer(cfg, key)
+
+
+def _cached_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
+    d = cfg.data
     path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
     if path.exists():
         return tokenizer.Tokenizer.load(path)
@@ -94,21 +118,22 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
     if (given / prepare.MANIFEST).is_file():
         return given
     key = inputs_key(cfg)
-    tok = load_tokenizer(cfg, key)
-    out = pathlib.Path(d.cache_dir) / f"prepared-{key}-{tok.sha256[:16]}"
-    if not ((out / prepare.MANIFEST).is_file() and prepare.read_manifest(out)["complete"]):
-        console(f"jaxlm: preparing {d.corpus} into {out}")
-        prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                        workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
+    with _cache_lock(cfg):
+        tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(cfg, key)
+        out = pathlib.Path(d.cache_dir) / f"prepared-{key}-{tok.sha256[:16]}"
+        if not ((out / prepare.MANIFEST).is_file() and prepare.read_manifest(out)["complete"]):
+            console(f"jaxlm: preparing {d.corpus} into {out}")
+            prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
+                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
     return out
 
 
-def load_data(cfg: ml_collections.ConfigDict) -> Data:
+def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
     """Corpus -> prepared shards (cached) or raw documents -> packed grain batches, and the fixed
-    held-out batches."""
+    held-out batches. `shards`: the resumed run's stream count (data.shards=0 keeps it)."""
     d = cfg.data
     if d.tokenize_on_the_fly:
-        return _load_on_the_fly(cfg)
+        return _load_on_the_fly(cfg, shards)
     directory = prepared_dir(cfg)
     tok = tokenizer.Tokenizer.load(directory / prepare.TOKENIZER)
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
@@ -120,12 +145,14 @@ def load_data(cfg: ml_collections.ConfigDict) -> Data:
     skip = d.on_damaged_shard == "skip"
     train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
     val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
-    train_ds = pipeline.make_train_dataset(train_docs, **_stream_options(cfg))
-    return Data(train=iter(train_ds), eval_batches=_eval_batches(cfg, val_docs, str(directory)), tokenizer=tok,
-                train_tokens=train_docs.num_tokens)
+    count = resolve_shards(cfg, shards)
+    train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(cfg, j, count))),
+                          count, process_rows(cfg), d.global_batch_size)
+    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, str(directory)), tokenizer=tok,
+                train_tokens=train_docs.num_tokens, shards=count)
 
 
-def _load_on_the_fly(cfg: ml_collections.ConfigDict) -> Data:
+def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
     """The raw training documents in memory, tokenized inside the pipeline; the held-out set is
     tokenized here, once."""
     d = cfg.data
@@ -142,9 +169,12 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict) -> Data:
             break
         val_docs.extend(pipeline.tokenize_documents(tok, [doc]))
         val_tokens += len(val_docs[-1])
-    train_ds = pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(cfg))
-    return Data(train=iter(train_ds), eval_batches=_eval_batches(cfg, val_docs, d.corpus), tokenizer=tok,
-                train_tokens=None, train_documents=len(train_texts))
+    count = resolve_shards(cfg, shards)
+    train = ShardedStream(
+        lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(cfg, j, count))),
+        count, process_rows(cfg), d.global_batch_size)
+    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, d.corpus), tokenizer=tok,
+                train_tokens=None, train_documents=len(train_texts), shards=count)
 
 
 def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where: str) -> None:
@@ -155,11 +185,96 @@ def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where
         )
 
 
-def _stream_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """This process's slice of the global batch stream."""
+def resolve_shards(cfg: ml_collections.ConfigDict, resumed: int | None = None) -> int:
+    """data.shards, or the resumed run's count, or one per process; checked against the batch."""
     d = cfg.data
-    return dict(seq_len=d.seq_len, batch_size=d.global_batch_size // jax.process_count(), seed=d.seed,
-                shard_index=jax.process_index(), shard_count=jax.process_count(), num_workers=d.num_workers)
+    count = d.shards or resumed or jax.process_count()
+    if d.global_batch_size % count or d.global_batch_size % jax.process_count():
+        raise UserError(
+            f"config.data.global_batch_size={d.global_batch_size} does not divide into {count} data shards and "
+            f"{jax.process_count()} processes; use a batch that is a multiple of both (or set data.shards)"
+        )
+    return count
+
+
+def process_rows(cfg: ml_collections.ConfigDict) -> slice:
+    """The rows of each global batch this process holds: one contiguous block per process, in
+    process order (what `jax.make_array_from_process_local_data` assembles)."""
+    per_process = cfg.data.global_batch_size // jax.process_count()
+    return slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+
+
+def _stream_options(cfg: ml_collections.ConfigDict, shard: int, count: int) -> dict[str, Any]:
+    """Data shard `shard` of `count`: a slice of the documents, batch_size / count rows per batch."""
+    d = cfg.data
+    return dict(seq_len=d.seq_len, batch_size=d.global_batch_size // count, seed=d.seed,
+                shard_index=shard, shard_count=count, num_workers=d.num_workers)
+
+
+class ShardedStream(grain.DatasetIterator):
+    """This process's rows of each global batch, read from the data shards those rows come from.
+
+    The global batch is `shards` streams side by side, stream j giving rows [j * B/S, (j+1) * B/S).
+    A process opens only the streams its rows overlap (all of them on one process, its own one
+    when each process has a shard), so the global batch is the same for any process count and a
+    checkpoint of the streams' positions resumes on any process count. Its state holds the position
+    of each stream it reads; `set_states` merges the states saved by every process of the run.
+    """
+
+    def __init__(self, open_shard: Callable[[int], Any], shards: int, rows: slice, global_batch: int):
+        self.shards, self.rows, self.per_shard = shards, rows, global_batch // shards
+        first, last = rows.start // self.per_shard, (rows.stop - 1) // self.per_shard
+        self.streams = {j: open_shard(j) for j in range(first, last + 1)}
+        self._offset = first * self.per_shard  # global row of the first row read
+        super().__init__(list(self.streams.values()))
+        self.tokens_seen = 0  # real target tokens in this process's rows so far
+
+    @property
+    def epoch(self) -> int:
+        """The latest 0-based pass over the data that a batch has drawn from."""
+        return max(stream.epoch for stream in self.streams.values())
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(stream) for stream in self.streams.values()]
+        batch = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        lo, hi = self.rows.start - self._offset, self.rows.stop - self._offset
+        if (lo, hi) != (0, len(batch["inputs"])):
+            batch = {k: v[lo:hi] for k, v in batch.items()}
+        self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
+        return batch
+
+    def get_state(self) -> dict:
+        return {"data_shards": self.shards, "tokens_seen": self.tokens_seen,
+                "shards": {str(j): stream.get_state() for j, stream in self.streams.items()}}
+
+    def set_state(self, state: dict) -> None:
+        self.set_states([state], own=state)
+
+    def set_states(self, states: list[dict], own: dict | None = None) -> None:
+        """Resume from the states every process of the saving run wrote, in process order; `own` is
+        this process's when the process count is unchanged.
+
+        States from before data shards (one stream per process, no 'data_shards' key) resume on the
+        same process count."""
+        merged: dict[str, Any] = {}
+        for i, state in enumerate(states):
+            if "data_shards" not in state:  # the older format: process i's single stream
+                state = {"data_shards": len(states), "shards": {str(i): state}, "tokens_seen": state.get("tokens_seen", 0)}
+            if state["data_shards"] != self.shards:
+                raise UserError(
+                    f"the checkpoint's data stream has {state['data_shards']} data shards but this run reads "
+                    f"{self.shards}; set config.data.shards={state['data_shards']} (or 0) to resume it"
+                )
+            merged.update(state["shards"])
+        missing = [j for j in self.streams if str(j) not in merged]
+        if missing:
+            raise UserError(f"the checkpoint holds no position for data shard(s) {missing}; it is incomplete")
+        for j, stream in self.streams.items():
+            stream.set_state(merged[str(j)])
+        # Its own count when the process count is unchanged, else its share of all processes' counts.
+        total = sum(int(state.get("tokens_seen", 0)) for state in states)
+        share = (self.rows.stop - self.rows.start) / (self.per_shard * self.shards)
+        self.tokens_seen = int(own.get("tokens_seen", 0)) if own is not None else int(total * share)
 
 
 def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str) -> list[dict[str, np.ndarray]]:
@@ -169,5 +284,8 @@ def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str) -> list[
     if not (len(val_docs) and d.val_tokens):
         return []
     max_batches = -(-d.val_tokens // (d.global_batch_size * d.seq_len))  # ceil
-    return pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=d.global_batch_size // jax.process_count(),
-                                      max_batches=max_batches)
+    # The global batches, the same on every process count; each process keeps its rows.
+    batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=d.global_batch_size,
+                                         max_batches=max_batches)
+    rows = process_rows(cfg)
+    return [{k: v[rows] for k, v in batch.items()} for batch in batches]

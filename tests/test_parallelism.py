@@ -1,0 +1,131 @@
+"""Parallelism chosen in the config's rules, no model change: ZeRO-1 (optimizer state over `data`),
+sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions) and
+hybrid sharding (fsdp within a host, data across hosts). Each trains exactly like plain data parallelism.
+"""
+
+import math
+import pathlib
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import random_batch
+from jaxlm import config
+from jaxlm import mesh as mesh_lib
+from jaxlm.errors import UserError
+
+SMALL = dict(model__vocab_size=128, model__d_model=64, model__n_layers=2, model__n_heads=4, model__n_kv_heads=4,
+             model__mlp_dim=128, model__dtype="float32", data__seq_len=32, data__global_batch_size=16,
+             data__tokenizer_vocab_size=128, optim__warmup_steps=0)
+
+
+def _bytes_per_device(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_zero1_shards_the_optimizer_state_over_data():
+    from jaxlm.trainer import build_trainer
+
+    plain = build_trainer(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1), abstract=True)
+    zero1 = build_trainer(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
+                          abstract=True)
+    mu = zero1.state.opt_state[1][0].mu
+    assert mu["blocks"]["mlp"]["w_up"].sharding.spec == P(None, "fsdp", ("tensor", "data"))  # its largest dim
+    assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data"), "fsdp")
+    # Parameters keep their layout; the moments (all but the clip and count scalars) are 1/8 per device.
+    assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)
+    assert _bytes_per_device(zero1.state.opt_state) == pytest.approx(_bytes_per_device(plain.state.opt_state) / 8, rel=1e-3)
+
+
+def test_extending_a_sharding_picks_a_dimension_that_divides():
+    mesh = mesh_lib.make_mesh((8, 1, 1))
+    base = jax.sharding.NamedSharding(mesh, P(None, "fsdp"))
+    assert mesh_lib.extend_sharding(base, (6, 16), "data").spec == P(None, ("fsdp", "data"))
+    assert mesh_lib.extend_sharding(base, (16, 6), "data").spec == P("data", "fsdp")
+    assert mesh_lib.extend_sharding(base, (6, 6), "data").spec == P(None, "fsdp")  # none divides: unchanged
+    assert mesh_lib.extend_sharding(base, (16,), "").spec == P(None, "fsdp")
+
+
+def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_regions():
+    rules = mesh_lib.rules_from_config(config.recipe("tiny", mesh__rules__act_seq="tensor").mesh.rules)
+    # The residual stream, between the regions: sequence over tensor.
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), "tensor", None)
+    # Inside them, heads / MLP width / vocabulary hold tensor and the sequence is whole.
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_heads", None), rules) == P(("data", "fsdp"), None, "tensor", None)
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
+    # The input batch stays whole rows, so each process supplies its rows whatever the rules.
+    assert mesh_lib.batch_sharding(mesh_lib.make_mesh((2, 1, 4)), rules).spec == P(("data", "fsdp"), None)
+
+
+def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
+    cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)  # data/fsdp ignored
+    assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 8, 1)
+    assert config.derive(config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2), 16, groups=2).mesh_shape == (2, 4, 2)
+    with pytest.raises(UserError, match="every process needs the same device count"):
+        config.derive(config.recipe("tiny", mesh__hybrid="process"), 8, groups=3)
+    with pytest.raises(UserError, match="mesh.hybrid='rack' is not allowed"):
+        config.recipe("tiny", mesh__hybrid="rack")
+    # One process here: one group, fsdp over all 8 devices, devices in process order.
+    cfg = config.recipe("tiny", mesh__hybrid="host")
+    shape = config.derive(cfg, jax.device_count()).mesh_shape
+    mesh = mesh_lib.make_mesh(shape, hybrid="host")
+    assert shape == (1, 8, 1) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
+
+
+def _losses(steps=3, **overrides):
+    from jaxlm.trainer import build_trainer
+
+    trainer = build_trainer(config.recipe("tiny", **SMALL, **overrides))
+    state, losses = trainer.state, []
+    with jax.set_mesh(trainer.mesh):
+        for i in range(steps):
+            state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(16, 32, 128, seed=i)))
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),  # ZeRO-1
+    dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor"),  # TP + sequence parallel
+    dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, mesh__rules__act_seq="tensor", mesh__rules__opt_state="data"),
+], ids=["zero1", "sequence-parallel", "fsdp-tp-sp-zero1"])
+def test_each_option_trains_like_plain_data_parallel(overrides):
+    want = _losses(mesh__data=8, mesh__fsdp=1)
+    assert _losses(**overrides) == pytest.approx(want, rel=1e-5)
+
+
+def test_the_communication_benchmark_counts_collectives_times_their_loops():
+    """benchmarks/communication.py on a hand-written HLO: a gradient all-reduce inside a 4-trip loop,
+    an all-gather within each host of 4 devices, a tuple-shaped all-reduce with index comments."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from communication import collectives, device_groups
+
+    hlo = """HloModule step
+
+%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %ar = f32[1024]{0} all-reduce(f32[1024]{0} %x), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+  %ag = bf16[64,32]{1,0} all-gather(bf16[16,32]{1,0} %w), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%cond (p: (s32[], f32[1024])) -> pred[] {
+  %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %w = (s32[], f32[1024]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %t2 = (f32[8]{0}, /*index=1*/f32[8]{0}) all-reduce(%a, %b), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+    ops = collectives(hlo, 8, per_host=4)
+    assert ops["all-reduce"]["count"] == 4 + 1
+    assert ops["all-reduce"]["bytes"] == pytest.approx(4 * 2 * 7 / 8 * 4096 + 2 * 7 / 8 * 64)
+    assert ops["all-gather"]["count"] == 4
+    assert ops["all-gather"]["bytes"] == pytest.approx(4 * 3 / 4 * 64 * 32 * 2)
+    assert ops["all-gather"]["cross_host_bytes"] == 0  # groups {0..3}, {4..7}: one host each
+    assert ops["all-reduce"]["cross_host_bytes"] == ops["all-reduce"]["bytes"]
+    groups = device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}", 8)
+    assert groups.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
