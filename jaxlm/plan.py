@@ -351,7 +351,9 @@ def estimate(
         if m.attention != "cudnn":
             saved += s.scores  # the attention mask, one for all layers
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
-        logits = (a + LOGITS_EXTRA_BYTES) * s.vocab + full_embedding[i]
+        chunk = cfg.model.loss_chunk_len
+        fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
+        logits = (a + LOGITS_EXTRA_BYTES) * s.vocab * fraction + full_embedding[i]
         return saved, layer, logits
 
     saved, layer, logits = activations(sizes, 0)
