@@ -1,0 +1,410 @@
+"""The notebook API: build a model from a recipe, look inside it, run it on text, train it a few
+steps in a loop you control, save, load and sample. Each function is a thin layer over what the
+CLI uses (`build_trainer`, `load_data`, the compiled train and eval steps, `Checkpointer`,
+`inference.load_run`, `generate.Generator`), so a notebook runs exactly what `python -m
+jaxlm.train` runs.
+
+    from jaxlm import explore
+    trainer = explore.build("tiny", devices=1, model__vocab_size=512)   # a__b=v overrides
+    explore.parameter_table(trainer)           # names, shapes, logical axes, specs, shards, counts
+    data = explore.load_data(trainer)
+    explore.forward(trainer, "def main():", data.tokenizer).loss
+    for metrics in explore.train_steps(trainer, data, 50): ...
+    explore.evaluate(trainer, data)
+    explore.sample(trainer, ["def "], data.tokenizer, max_new_tokens=40)
+    run_dir = explore.save(trainer, data, "runs/notebook")   # a run directory the CLI resumes
+    loaded = explore.load(run_dir)             # parameters only, on the devices here
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from flax.core import spmd
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlm import checkpoint, inference, steps
+from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm import trainer as trainer_lib
+from jaxlm.data import loader
+from jaxlm.data.tokenizer import BOS_ID, Tokenizer
+from jaxlm.errors import UserError
+from jaxlm.models import transformer
+from jaxlm.run_dir import make_run_dir, run_dir_path
+from jaxlm.table import Table
+
+Model = trainer_lib.Trainer | inference.LoadedRun  # what inspection, forward and sampling accept
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
+                mesh: Sequence[int] | None = None, **overrides: Any) -> ml_collections.ConfigDict:
+    """A validated config: a recipe name or path (or a ConfigDict, copied) with `a__b=value`
+    overrides; `mesh=(data, fsdp, tensor)` sets the mesh sizes."""
+    if isinstance(recipe, ml_collections.ConfigDict):
+        cfg = copy.deepcopy(recipe)
+    else:
+        cfg = config_lib.load_recipe(recipe)
+    if mesh is not None:
+        if len(mesh) != 3:
+            raise UserError(f"mesh={tuple(mesh)}: give three sizes (data, fsdp, tensor); -1 takes the devices left over")
+        overrides = {**dict(zip(("mesh__data", "mesh__fsdp", "mesh__tensor"), mesh)), **overrides}
+    config_lib.apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
+    config_lib.validate(cfg)
+    return cfg
+
+
+def pick_devices(devices: int | str | Sequence[jax.Device] | None) -> list[jax.Device]:
+    """None: every device; an int n: the first n; a platform name ('cpu', 'gpu'): that platform's."""
+    if devices is None:
+        return jax.devices()
+    if isinstance(devices, str):
+        return jax.devices(devices)
+    if isinstance(devices, int):
+        available = jax.devices()
+        if not 1 <= devices <= len(available):
+            raise UserError(f"devices={devices}: there are {len(available)} devices ({available[0].platform})")
+        return available[:devices]
+    return list(devices)
+
+
+def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str | Sequence[jax.Device] | None = None,
+          *, mesh: Sequence[int] | None = None, abstract: bool = False, **overrides: Any) -> trainer_lib.Trainer:
+    """A `Trainer` (mesh, sharded train state, compiled steps) for a recipe on `devices`.
+
+    `build("tiny", devices=1)` is one device; `build("1b", devices="cpu", mesh=(1, 4, 2),
+    abstract=True)` lays a large model out on 8 CPU devices without allocating it (shapes and
+    shardings only: for `parameter_table`, `show_sharding` and `Trainer.compile_train_step`).
+    """
+    cfg = make_config(recipe, mesh=mesh, **overrides)
+    return trainer_lib.build_trainer(cfg, pick_devices(devices), abstract=abstract)
+
+
+def load_data(trainer_or_cfg: trainer_lib.Trainer | ml_collections.ConfigDict) -> loader.Data:
+    """The config's data: training stream (`.train`), held-out batches and tokenizer (cached in
+    `data.cache_dir`, the same cache the CLI uses)."""
+    cfg = trainer_or_cfg.cfg if isinstance(trainer_or_cfg, trainer_lib.Trainer) else trainer_or_cfg
+    return loader.load_data(cfg)
+
+
+# ----------------------------------------------------------------------------- inspection
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    name: str  # dotted path, e.g. blocks.attn.wq
+    shape: tuple[int, ...]
+    dtype: str
+    logical_axes: tuple[str | None, ...]  # the names the model gives its dimensions
+    spec: P  # the mesh axes each dimension is split over, from config.mesh.rules
+    shard_shape: tuple[int, ...]  # what one device holds
+    count: int  # elements in the whole parameter
+    bytes_per_device: int
+
+
+def _params_and_names(model: Model):
+    if isinstance(model, trainer_lib.Trainer):
+        return model.state.params, model.spec.logical_names, model.mesh, model.rules
+    return model.params, model.spec.logical_names, model.mesh, model.rules
+
+
+def parameters(model: Model) -> list[Parameter]:
+    """Every parameter of a Trainer (concrete or abstract) or a loaded run, in tree order."""
+    params, names, mesh, rules = _params_and_names(model)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_names = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    out = []
+    for (path, leaf), axes in zip(flat, flat_names, strict=True):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(mesh, mesh_lib.logical_to_spec(axes, rules))
+        shard = tuple(sharding.shard_shape(leaf.shape))
+        dtype = np.dtype(leaf.dtype)
+        out.append(Parameter(
+            name=".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), shape=tuple(leaf.shape),
+            dtype=dtype.name, logical_axes=tuple(axes), spec=sharding.spec, shard_shape=shard,
+            count=math.prod(leaf.shape), bytes_per_device=math.prod(shard) * dtype.itemsize,
+        ))
+    return out
+
+
+def parameter_table(model: Model) -> Table:
+    """Name, shape, dtype, logical axes, PartitionSpec, per-device shard, count; totals below."""
+    rows = parameters(model)
+    mesh = _params_and_names(model)[2]
+    total = sum(p.count for p in rows)
+    per_device = sum(p.bytes_per_device for p in rows)
+    mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    footer = (f"{total:,} parameters ({total / 1e6:.2f}M) on mesh {mesh_text}; "
+              f"{_bytes(per_device)} of parameters per device")
+    return Table(
+        ["name", "shape", "dtype", "logical axes", "spec", "per device", "count"],
+        [(p.name, p.shape, p.dtype, p.logical_axes, spec_text(p.spec), p.shard_shape, p.count) for p in rows],
+        footer,
+    )
+
+
+def spec_text(spec: P) -> str:
+    parts = [("(" + ", ".join(a) + ")" if isinstance(a, tuple) else str(a)) for a in spec]
+    return "P(" + ", ".join(parts) + ")"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def describe(trainer: trainer_lib.Trainer) -> str:
+    """One paragraph: model, devices, mesh, batch split, FLOPs."""
+    cfg, d, m = trainer.cfg, trainer.derived, trainer.model_cfg
+    counts = transformer.param_count(m)
+    devices = list(trainer.mesh.devices.flat)
+    return (
+        f"{cfg.run.get('recipe', '?')} ({cfg.model.variant}: {m.norm}, {m.mlp}, {m.position} positions), "
+        f"{counts['total'] / 1e6:.2f}M parameters, {m.n_layers} layers x d_model {m.d_model}, "
+        f"{m.n_heads} heads ({m.n_kv_heads} kv) of {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}; "
+        f"{len(devices)} {devices[0].platform} device(s), mesh data={d.mesh_shape[0]} fsdp={d.mesh_shape[1]} "
+        f"tensor={d.mesh_shape[2]}; batch {cfg.data.global_batch_size} x {cfg.data.seq_len} "
+        f"({d.per_device_batch} sequences per device), {d.tokens_per_step:,} tokens/step, "
+        f"{transformer.flops_per_token(m, cfg.data.seq_len) / 1e6:.1f} MFLOPs/token; attention={m.attention}"
+    )
+
+
+def find_parameter(model: Model, name: str) -> Parameter:
+    found = {p.name: p for p in parameters(model)}
+    if name not in found:
+        raise UserError(f"no parameter {name!r}; parameters: {', '.join(found)}")
+    return found[name]
+
+
+def sharding_view(shape: Sequence[int], spec: P) -> tuple[tuple[int, ...], P, str]:
+    """A 1-D or 2-D view of a parameter's layout for `jax.debug.visualize_sharding`: leading
+    unsplit dimensions (the stacked `layers`) are dropped, as every layer is laid out alike, and an
+    unsplit dimension is merged into the one before it, which keeps each shard contiguous."""
+    dims = list(zip(shape, list(spec) + [None] * (len(shape) - len(spec))))
+    note = []
+    while len(dims) > 2 and dims[0][1] is None:
+        note.append(f"one slice of the leading dimension of {dims[0][0]}")
+        dims.pop(0)
+    for i in range(len(dims) - 1, 0, -1):
+        if len(dims) > 2 and dims[i][1] is None:
+            size, _ = dims.pop(i)
+            dims[i - 1] = (dims[i - 1][0] * size, dims[i - 1][1])
+    if len(dims) > 2:
+        raise UserError(f"a parameter of shape {tuple(shape)} split as {spec} has no 2-D view; "
+                        f"use treescope.render_array_sharding on it")
+    return tuple(s for s, _ in dims), P(*(a for _, a in dims)), "; ".join(note)
+
+
+def show_sharding(model: Model, name: str) -> None:
+    """Draw which device holds which block of a parameter (`jax.debug.visualize_sharding`, rich)."""
+    p = find_parameter(model, name)
+    mesh = _params_and_names(model)[2]
+    shape, spec, note = sharding_view(p.shape, p.spec)
+    print(f"{name} {p.shape} {spec_text(p.spec)} -> shards of {p.shard_shape}" + (f" (drawn: {note})" if note else ""))
+    jax.debug.visualize_sharding(shape, NamedSharding(mesh, spec))
+
+
+def device_memory_table(model: Model) -> Table:
+    """Parameter bytes on each device (every device holds its shard of every parameter)."""
+    params, _, mesh, _ = _params_and_names(model)
+    per_device: dict[Any, int] = {d: 0 for d in mesh.devices.flat}
+    for leaf in jax.tree.leaves(params):
+        sharding = leaf.sharding
+        itemsize = np.dtype(leaf.dtype).itemsize
+        for device, index in sharding.devices_indices_map(leaf.shape).items():
+            sizes = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape)]
+            per_device[device] += math.prod(sizes) * itemsize
+    coords = {d: c for c, d in np.ndenumerate(mesh.devices)}
+    return Table(["device", "mesh position (data, fsdp, tensor)", "parameter bytes"],
+                 [(str(d), coords[d], _bytes(n)) for d, n in per_device.items()])
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Forward:
+    """A forward pass on one text: tokens, next-token logits and losses (position i predicts i + 1)."""
+
+    text: str
+    ids: list[int]  # BOS then the text's tokens
+    logits: np.ndarray  # float32 [len(ids) - 1, vocab]: the prediction after each token but the last
+    losses: np.ndarray  # float32 [len(ids) - 1]: cross-entropy of each next token, nats
+    tokenizer: Tokenizer
+
+    @property
+    def loss(self) -> float:
+        return float(self.losses.mean())
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    def top(self, k: int = 3) -> Table:
+        """For each position: the actual next token, its loss, and the model's k likeliest."""
+        decode = self.tokenizer.decode
+        order = np.argsort(-self.logits, axis=-1)[:, :k]
+        rows = [(i, repr(decode([self.ids[i + 1]])), float(self.losses[i]), "  ".join(repr(decode([int(t)])) for t in order[i]))
+                for i in range(len(self.losses))]
+        return Table(["position", "next token", "loss", f"top {k} predicted"], rows)
+
+
+def _forward_fn(params, batch, *, graphdef, rules):
+    with spmd.logical_axis_rules(rules):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["inputs"], batch["positions"], batch["segment_ids"]).astype(jnp.float32)
+        return logits, steps.token_losses(logits, batch["targets"], 0.0)
+
+
+_forward_jit = jax.jit(_forward_fn, static_argnames=("graphdef", "rules"))
+
+
+def forward(model: Model, texts: str | Sequence[str], tokenizer: Tokenizer | None = None) -> Forward | list[Forward]:
+    """Run the model on text (each with BOS in front): logits and per-token losses, on the model's
+    mesh. A Trainer needs the `tokenizer` (`load_data(...).tokenizer`); a loaded run has its own."""
+    tokenizer = tokenizer or getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise UserError("forward(trainer, text, tokenizer): pass the tokenizer, e.g. load_data(trainer).tokenizer")
+    single = isinstance(texts, str)
+    texts = [texts] if single else list(texts)
+    params, _, mesh, rules = _params_and_names(model)
+    context = model.model_cfg.max_seq_len
+    ids = [[BOS_ID, *row] for row in tokenizer.encode(texts, add_bos=False, add_eos=False)]
+    longest = max(len(row) for row in ids)
+    if longest > context + 1:
+        raise UserError(f"a text is {longest - 1} tokens but the model's context is {context} "
+                        f"(model.max_seq_len); shorten it")
+    if longest < 2:
+        raise UserError("a text gives no tokens to predict; give non-empty text")
+    shards = inference.batch_shards(mesh, rules)
+    rows, length = -(-len(texts) // shards) * shards, longest - 1
+    batch = {k: np.zeros((rows, length), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    for r, row in enumerate(ids):
+        n = len(row) - 1
+        batch["inputs"][r, :n], batch["targets"][r, :n] = row[:-1], row[1:]
+        batch["segment_ids"][r, :n], batch["positions"][r, :n] = 1, np.arange(n)
+    sharding = NamedSharding(mesh, mesh_lib.logical_to_spec(("act_batch", "act_seq"), rules))
+    with jax.set_mesh(mesh):
+        device_batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+        logits, losses = jax.device_get(_forward_jit(params, device_batch, graphdef=model.spec.graphdef, rules=rules))
+    out = [Forward(text=t, ids=row, logits=logits[r, :len(row) - 1], losses=losses[r, :len(row) - 1], tokenizer=tokenizer)
+           for r, (t, row) in enumerate(zip(texts, ids))]
+    return out[0] if single else out
+
+
+def train_steps(trainer: trainer_lib.Trainer, data: loader.Data, steps: int) -> Iterator[dict[str, float]]:
+    """Run `steps` steps of the compiled train step on the next batches of `data.train`, yielding
+    each step's metrics (step, loss, grad_norm, lr, ...) as floats; `trainer.state` advances.
+
+    The same step and batches as `python -m jaxlm.train`; the learning-rate schedule follows
+    `run.steps` of the config. The state is donated: keep `trainer.state`, not an old reference.
+    """
+    with jax.set_mesh(trainer.mesh):
+        for _ in range(steps):
+            trainer.state, metrics = trainer.train_step(trainer.state, trainer.put_batch(next(data.train)))
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            values["step"] = int(jax.device_get(trainer.state.step))
+            values["epoch"] = data.train.epoch
+            yield values
+
+
+def evaluate(trainer: trainer_lib.Trainer, data: loader.Data) -> dict[str, float]:
+    """Held-out val_loss, val_perplexity and val_bits_per_byte, as the CLI logs them."""
+    return trainer_lib.evaluate(trainer, trainer.state.params, data.eval_batches, data.eval_target_bytes)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save(trainer: trainer_lib.Trainer, data: loader.Data, run_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write a run directory like the CLI's (config.json, tokenizer.model, checkpoints/<step>/ with
+    the train state and the data position): `load` reads it, and `python -m jaxlm.train` with the
+    same config and `run.name` continues training it. Default: `run.output_dir/run.name`."""
+    cfg = trainer.cfg
+    run_dir = pathlib.Path(run_dir) if run_dir is not None else run_dir_path(cfg)
+    if run_dir_path(cfg) != run_dir:
+        cfg = copy.deepcopy(cfg)
+        cfg.run.output_dir, cfg.run.name = str(run_dir.parent), run_dir.name
+    step = int(jax.device_get(trainer.state.step))
+    make_run_dir(run_dir, cfg, step)
+    data.tokenizer.save(run_dir / "tokenizer.model")
+    meta = {"config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
+            "tokens_seen": step * trainer.derived.tokens_per_step, "wall_s": 0.0}
+    with checkpoint.Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
+        ckpt.save(step, trainer.state, meta=meta, data_iter=data.train, force=True)
+    return run_dir
+
+
+def restore(trainer: trainer_lib.Trainer, run_dir: str | pathlib.Path, *, step: int | None = None,
+            data: loader.Data | None = None) -> int:
+    """Replace `trainer.state` with checkpoint `step` (default: the newest) of a run, onto the
+    trainer's mesh, and set `data.train` to the saved position; returns the step."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state)
+    with checkpoint.Checkpointer(pathlib.Path(run_dir) / "checkpoints") as ckpt:
+        trainer.state, _, step = ckpt.restore(target, step=step, data_iter=None if data is None else data.train)
+    return step
+
+
+def load(run_dir: str | pathlib.Path, *, step: int | None = None, devices=None, dtype: str | None = None
+         ) -> inference.LoadedRun:
+    """A run's parameters (checkpoint `step`, default the newest), config and tokenizer, on these
+    devices: for `forward`, `sample` and `parameter_table` (see `jaxlm.inference.load_run`)."""
+    return inference.load_run(run_dir, step=step, dtype=dtype, devices=None if devices is None else pick_devices(devices))
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def generator(model: Model, tokenizer: Tokenizer | None = None):
+    """A `jaxlm.generate.Generator` over the model's current parameters (kept per model, so the
+    prefill and decode steps compile once)."""
+    from jaxlm import generate
+
+    cache = vars(model).setdefault("_explore_generator", {})
+    gen = cache.get("gen")
+    if gen is None:
+        if isinstance(model, trainer_lib.Trainer):
+            gen = generate.Generator(model.model_cfg, model.state.params, model.mesh, model.rules,
+                                     model.shardings.params, tokenizer, model.spec.graphdef)
+        else:
+            gen = generate.Generator.from_run(model)
+        cache["gen"] = gen
+    if isinstance(model, trainer_lib.Trainer):
+        gen.params = model.state.params  # the train step donates the state: always the newest
+    if tokenizer is not None:
+        gen.tokenizer = tokenizer
+    if gen.tokenizer is None:
+        raise UserError("sample(trainer, prompts, tokenizer): pass the tokenizer, e.g. load_data(trainer).tokenizer")
+    return gen
+
+
+def sample(model: Model, prompts: str | Sequence[str], tokenizer: Tokenizer | None = None, *,
+           max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
+           seed: int = 0) -> str | list[str]:
+    """Continue each prompt (KV-cache sampling, `jaxlm.generate`); temperature 0 is greedy. Returns
+    the new text (prompt not included), one string per prompt."""
+    from jaxlm import generate
+
+    single = isinstance(prompts, str)
+    gen = generator(model, tokenizer)
+    completions = gen.generate([prompts] if single else list(prompts), max_new_tokens=max_new_tokens,
+                               sampling=generate.Sampling(temperature, top_k, top_p), seed=seed)
+    texts = [c.text for c in completions]
+    return texts[0] if single else texts
