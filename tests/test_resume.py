@@ -116,6 +116,7 @@ def test_resuming_with_another_tokenizer_is_refused(tmp_path):
     assert code == 2 and "was trained with another tokenizer" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_tokenized_on_the_fly_with_workers_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     """Raw documents tokenized in 2 grain worker processes: the iterator state in the checkpoint
     (a document mid-way through its chunks, in each worker) resumes the same stream."""

@@ -228,6 +228,7 @@ def test_chunked_loss_equals_the_plain_loss_value_and_gradient(mesh_shape):
         steps.chunked_loss_sum(lambda xc: xc, x, targets, weights, 0.0, 5)
 
 
+@pytest.mark.slow
 def test_train_step_with_a_chunked_loss_follows_the_plain_one():
     """Three steps of the real train step with the logits made 8 positions at a time track the plain
     step's losses and gradient norms (on 8 devices, micro-batched, tied and untied embeddings)."""
