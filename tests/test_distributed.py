@@ -154,6 +154,7 @@ def reference(tmp_path_factory):
     return tmp, losses(tmp / "one")
 
 
+@pytest.mark.slow  # ~70 s with its reference run; keeps the default suite under 10 minutes on 2 cores
 def test_two_processes_of_4_devices_train_like_one_process_of_8(reference):
     tmp, want = reference
     results = train(args(tmp, "two", 4), 2)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tiny_run import FRUITS, LIKES, NAMES, SEQ_LEN, train_tiny_run
+from tiny_run import FRUITS, LIKES, NAMES, SEQ_LEN
 from jaxlm import evaluate, inference
 from jaxlm.data import pipeline, prepare, sources
 
@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("evaluate"))
+def run_dir(facts_run):
+    return facts_run  # one trained run shared by the evaluation and generation tests (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import small_config
-from tiny_run import LIKES, NAMES, SEQ_LEN, train_tiny_run
+from tiny_run import LIKES, NAMES, SEQ_LEN
 from jaxlm import config, generate, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -22,8 +22,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return train_tiny_run(tmp_path_factory.mktemp("generate"))
+def run_dir(facts_run):
+    return facts_run  # one trained run shared by the evaluation and generation tests (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ def test_quickstart_notebook(execute, tmp_path):
     assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))  # the loss plot
 
 
+@pytest.mark.slow  # about 25 s; the API it shows is tested in test_explore.py
 def test_sharding_notebook(execute):
     nb = execute("02_sharding.ipynb")
     text = outputs(nb)
