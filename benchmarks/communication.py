@@ -180,6 +180,7 @@ def main() -> None:
                 ops = collectives(hlo, n, args.per_host)
                 if args.hlo_dir:
                     name_ = re.sub(r"\W+", "_", f"{args.recipe}_{n}_{name}").strip("_")
+                    pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (pathlib.Path(args.hlo_dir) / f"{name_}.hlo").write_text(hlo)
                 row.update(
                     mesh="x".join(map(str, trainer.derived.mesh_shape)),

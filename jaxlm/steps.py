@@ -3,7 +3,11 @@
 A batch is a dict of int32 [B, T] arrays: `inputs`, `targets`, `segment_ids` (0 = padding) and
 `positions`. Losses are token means over non-padding targets, in float32. Gradient accumulation
 scans over micro-batches inside the same compiled function and sums per-token losses, so k
-micro-batches give the same update as one batch of k times the size.
+micro-batches give the same update as one batch of k times the size. Over the mesh's `data` axis
+(where every replica holds the whole parameters) each replica keeps its own running gradient and
+the replicas' gradients are reduced once per step, not once per micro-batch
+(`_replica_local_grads`); over `fsdp` each micro-batch's gradient is reduce-scattered onto the
+parameter shards, as FSDP must (a local copy of the whole gradient would undo its memory saving).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.mesh import Rules, constrain
+from jaxlm.mesh import Rules, constrain, logical_to_spec
 from jaxlm.train_state import ModelSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -28,7 +32,10 @@ def token_losses(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Ar
     """Per-token cross-entropy in float32 [B, T], plus z_loss * log(Z)^2 when z_loss > 0."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A masked sum, not a gather: with the vocabulary split over `tensor` it is a local reduction
+    # plus a [B, T] all-reduce, where a gather makes XLA reshard the whole logits.
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
     loss = log_z - target_logit
     if z_loss > 0:
         loss = loss + z_loss * jnp.square(log_z)
@@ -86,6 +93,74 @@ def _split_micro(batch: Batch, k: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def _without(rules: Rules, axis: str) -> Rules:
+    """`rules` with the mesh axis `axis` removed from every entry."""
+    out = []
+    for name, axes in rules:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != axis)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+def data_replicas(spec: ModelSpec, rules: Rules) -> int:
+    """How many `data` replicas the current mesh has, for replica-local gradient accumulation:
+    1 (use the plain accumulation) outside a mesh, without a `data` axis > 1, or when a rule puts a
+    parameter's dimension on `data` (then replicas do not hold whole parameters)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "data" not in mesh.axis_names or mesh.shape["data"] == 1:
+        return 1
+    for names in jax.tree.leaves(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple)):
+        if any("data" in ((a,) if isinstance(a, str) else a or ()) for a in logical_to_spec(names, rules)):
+            return 1
+    return mesh.shape["data"]
+
+
+def _replica_local_grads(grad_fn, params, spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
+                         rules: Rules, z_loss: float, loss_chunk_len: int):
+    """Sum of k micro-batches' (loss sum, tokens, gradients), each `data` replica accumulating its
+    own rows' gradient locally and the replicas reduced once at the end.
+
+    The batch [B, T] becomes [k, R, B/(kR), T]: replica r's rows are the ones it already holds
+    (rows are split over data x fsdp in that order) and micro-batch i takes the same rows as
+    `_split_micro`. The gradient is vmapped over R with `spmd_axis_name="data"`, so its leading
+    axis lives on `data` and XLA never needs to reduce across replicas inside the scan; inside the
+    vmap the rules leave `data` out (the vmap owns it).
+    """
+    inner = _without(rules, "data") + (("replica", "data"),)
+    row_names = (None, "replica", "act_batch", "act_seq")
+
+    def split(x):
+        b = x.shape[0]
+        x = x.reshape(replicas, b // (replicas * k), k, *x.shape[1:]).transpose(2, 0, 1, *range(3, x.ndim + 2))
+        return jax.lax.with_sharding_constraint(x, logical_to_spec(row_names[: x.ndim], inner))
+
+    def acc_spec(names):  # [R, *param]: replicas over data, the rest as the parameter
+        return logical_to_spec(("replica", *names), inner)
+
+    acc_specs = jax.tree.map(acc_spec, spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))
+    micro = jax.tree.map(split, batch)
+
+    def replica_grad(mb, mkey):
+        return grad_fn(params, spec, mb, mkey, z_loss, loss_chunk_len)
+
+    def accumulate(carry, xs):
+        mb, mkey = xs
+        with spmd.logical_axis_rules(_without(rules, "data")):
+            (l, t), g = jax.vmap(replica_grad, in_axes=(0, None if mkey is None else 0), spmd_axis_name="data")(mb, mkey)
+        g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
+        loss_acc, tok_acc, grad_acc = carry
+        return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
+
+    zeros = jax.tree.map(
+        lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s), params, acc_specs
+    )
+    init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), zeros)
+    keys = None if keys is None else jax.random.split(keys, (k, replicas))
+    (loss_sum, tokens, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
+    grads = jax.tree.map(lambda g, p: jnp.sum(g, axis=0).astype(p.dtype), grads, params)
+    return jnp.sum(loss_sum), jnp.sum(tokens), grads
+
+
 def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
     """L2 norms of `tree` (params or grads) per layer and per top-level group.
 
@@ -140,6 +215,10 @@ def make_train_step(
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
             if micro_batches == 1:
                 (loss_sum, tokens), grads = grad_fn(state.params, spec, batch, key, z_loss, loss_chunk_len)
+            elif (replicas := data_replicas(spec, rules)) > 1:
+                loss_sum, tokens, grads = _replica_local_grads(
+                    grad_fn, state.params, spec, batch, key, micro_batches, replicas, rules, z_loss, loss_chunk_len
+                )
             else:
                 micro = _split_micro(batch, micro_batches)
                 keys = jax.random.split(key, micro_batches) if dropout else None

@@ -129,3 +129,35 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
     assert ops["all-reduce"]["cross_host_bytes"] == ops["all-reduce"]["bytes"]
     groups = device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}", 8)
     assert groups.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def _compiled_collectives(**overrides) -> tuple[dict, int]:
+    """Collectives of the compiled train step (communication.py's count) and the float32 parameter bytes."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from communication import collectives
+    from jaxlm.trainer import build_trainer
+
+    trainer = build_trainer(config.recipe("tiny", **{**SMALL, **overrides}), abstract=True)
+    with jax.set_mesh(trainer.mesh):
+        hlo = trainer.compile_train_step().as_text()
+    param_bytes = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(trainer.state.params))
+    return collectives(hlo, 8), param_bytes
+
+
+def test_micro_batches_reduce_the_gradient_over_data_once_per_step():
+    """Each data replica accumulates its own gradient; one all-reduce per step, not one per micro-batch."""
+    ops, param_bytes = _compiled_collectives(mesh__data=8, mesh__fsdp=1, optim__micro_batches=4, data__global_batch_size=32)
+    once = 2 * 7 / 8 * param_bytes  # a ring all-reduce of the float32 gradient over 8 devices
+    assert once <= ops["all-reduce"]["bytes"] < 1.1 * once  # per micro-batch it would be 4x
+    assert ops["all-gather"]["bytes"] == ops["all-to-all"]["bytes"] == 0
+
+
+def test_sequence_parallel_gathers_and_scatters_instead_of_all_to_all():
+    """With act_seq=tensor the blocks' inputs are all-gathered over the sequence (Megatron's pattern):
+    no resharding of q, k, v, attention gradients or logits by all-to-all."""
+    tp, _ = _compiled_collectives(mesh__data=2, mesh__fsdp=1, mesh__tensor=4)
+    sp, _ = _compiled_collectives(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor")
+    total = sum(op["bytes"] for op in sp.values())
+    assert sp["all-to-all"]["bytes"] < 0.01 * total
+    assert sp["all-gather"]["bytes"] > tp["all-gather"]["bytes"]  # the entries' gathers
+    assert total < 1.6 * sum(op["bytes"] for op in tp.values())  # CPU: no reduce-scatter, so not 1x

@@ -63,7 +63,8 @@ def attend(
     implementation: str = "xla",
 ) -> jax.Array:  # [B, T, N, H]
     """Causal softmax attention; with segment ids, no attention across documents."""
-    mask = None if segment_ids is None else document_mask(segment_ids)
+    # The mask follows the batch, never the sequence: made whole where the attention runs.
+    mask = None if segment_ids is None else constrain(document_mask(segment_ids), ("act_batch", None, None, None))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 

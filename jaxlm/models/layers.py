@@ -88,6 +88,18 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def tensor_parallel_entry(x: jax.Array) -> jax.Array:
+    """The input [B, T, D] of a tensor-parallel region (attention, MLP) with its sequence whole.
+
+    Without sequence parallelism this is the layout activations have anyway. With it
+    (`rules.act_seq=tensor`), it is Megatron's all-gather of the normed activations at the region's
+    entry; the region's output, constrained back to `act_seq`, becomes the reduce-scatter. Without
+    it, GSPMD keeps the sequence split into the projections and reshards q, k and v to heads with
+    all-to-alls (measured: 2-2.5x the bytes, benchmarks/BENCHMARKS.md).
+    """
+    return constrain(x, ("act_batch", None, "act_embed"))
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped-query heads and optional rotary positions."""
 
@@ -111,6 +123,7 @@ class Attention(nnx.Module):
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys."""
         cfg, dt = self.cfg, self.cfg.dtype
+        x = tensor_parallel_entry(x)
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
@@ -126,6 +139,9 @@ class Attention(nnx.Module):
             out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)  # [B, T, N, H]
         else:
             out, cache = attend_cached(q, k, v, cache)
+        # Heads stay split into the output projection, and (the constraint's transpose) its
+        # gradient arrives head-split in the backward pass instead of being resharded from sequence.
+        out = constrain(out, ("act_batch", "act_seq", "act_heads", None))
         y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
         if cfg.use_bias:
             y = y + self.bo[...].astype(dt)
@@ -145,6 +161,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
+        x = tensor_parallel_entry(x)
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
         h = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
@@ -165,6 +182,7 @@ class GeluMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
+        x = tensor_parallel_entry(x)
         h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt))
         if self.use_bias:
             h = h + self.b_in[...].astype(dt)

@@ -235,6 +235,7 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final hidden states [B, T, D] -> logits [B, T, vocab]: the unembedding (or the tied embedding)."""
+        x = layers.tensor_parallel_entry(x)  # vocab-parallel: the sequence whole, as in the blocks
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
