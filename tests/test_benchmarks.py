@@ -36,3 +36,85 @@ def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
     table = result.stdout.strip().splitlines()
     assert table[-5].startswith("| batch | remat |")  # the table of every point comes last
     assert "| none |" in table[-3] and "| full |" in table[-2] and "error" in table[-1]
+
+
+def test_hlo_audit_finds_the_float32_matmuls_and_no_collectives_on_one_device(tmp_path):
+    """benchmarks/hlo_audit.py on the tiny recipe: in bf16 the only float32-operand matmuls are the XLA
+    attention's two score-gradient dots per layer (bf16 by their dot algorithm), the per-step matmul
+    FLOPs (loop trip counts included) are exactly the model's, and 1 device has no collectives; in
+    float32 every matmul is reported as a float32 one (the check can fail)."""
+    bf16, f32 = tmp_path / "bf16.json", tmp_path / "f32.json"
+    for out, extra in ((bf16, []), (f32, ["--lowered_only", "--set", "model.dtype=float32"])):
+        result = subprocess.run([sys.executable, "benchmarks/hlo_audit.py", "--recipe", "tiny", "--json", str(out), *extra],
+                                cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1].startswith("| ")  # the summary table comes last
+    from jaxlm import config
+    from jaxlm.models.transformer import ModelConfig, flops_per_token
+
+    m = ModelConfig.from_config(config.load_recipe("tiny").model)
+    b, t, L, k, g, h = 16, 128, m.n_layers, m.n_kv_heads, m.n_heads // m.n_kv_heads, m.head_dim
+    model_matmul_flops = (flops_per_token(m, t) + 6 * L * t * m.n_heads * h) * b * t  # + the masked attention half
+
+    r = json.loads(bf16.read_text())
+    mm = r["matmuls"]
+    assert r["batch"] == f"{b}x{t}" and r["dtype"] == "bfloat16" and r["attention"] == "xla"
+    assert mm["flops_per_step"] == model_matmul_flops  # every dot, times its loops' trip counts
+    per_step = {key: group["per_step"] for key, group in mm["by_dtype"].items()}
+    assert per_step == {
+        # per layer: q, k, v, o, gate, up, down and probs @ v, each forward + 2 gradients; the logits (x3)
+        "bf16 x bf16 -> bf16": 8 * 3 * L + 3,
+        "f32 x bf16 -> f32 [dot_bf16_bf16_f32]": 2 * L,  # d(scores) x k -> dq and d(scores) x q -> dk
+        "bf16 x bf16 -> f32 [dot_bf16_bf16_f32]": L,  # the scores q k^T, float32 out
+    }
+    assert mm["dots_per_step"] == 27 * L + 3
+    assert sorted((x["lhs"], x["rhs"], x["result"]) for x in mm["f32_operand"]) == [
+        (f"f32[{b},{k},{t},{g},{t}]", f"bf16[{b},{t},{k},{g},{h}]", f"f32[{b},{k},{t},{h}]"),  # dk
+        (f"f32[{b},{k},{t},{g},{t}]", f"bf16[{b},{t},{k},{h}]", f"f32[{b},{k},{t},{g},{h}]"),  # dq
+    ]
+    for x in mm["f32_operand"]:
+        assert x["algorithm"] == "dot_bf16_bf16_f32" and x["executions"] == L and x["deliberate"]
+        assert x["source"].startswith("jaxlm/models/attention.py:") and "(attend)" in x["source"]
+    assert mm["f32_matmuls_in_text"] == mm["unexplained_f32_operand_in_text"] == 0
+
+    opt = r["optimized"]
+    assert all(c == {"in_text": 0, "per_step": 0} for c in opt["collectives"].values())  # 1 device
+    copied = [x["origin"] for x in opt["materialized"] if x["origin"].startswith("step input")]
+    assert copied and not [o for o in copied if "state.params" in o]  # donated parameters update in place
+    assert opt["largest"] == opt["materialized"][:len(opt["largest"])]
+    assert [x["bytes"] for x in opt["materialized"]] == sorted((x["bytes"] for x in opt["materialized"]), reverse=True)
+    total = sum(c["bytes_per_step"] for c in opt["copies_transposes"].values())
+    assert total == sum(x["bytes_per_step"] for x in opt["materialized"]) == sum(
+        g["bytes_per_step"] for g in opt["by_origin"].values())
+
+    r32 = json.loads(f32.read_text())["matmuls"]
+    assert list(r32["by_dtype"]) == ["f32 x f32 -> f32"] and r32["dots_per_step"] == 27 * L + 3
+    assert r32["f32_matmuls_in_text"] == r32["unexplained_f32_operand_in_text"] == r32["dots_in_text"] > 0
+    assert r32["flops_per_step"] == model_matmul_flops
+
+
+def test_hlo_audit_counts_collectives_times_loop_trips():
+    """The collective counter the 1-device check relies on: an all-reduce in a 3-trip loop on 2 devices."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    spec = importlib.util.spec_from_file_location("hlo_audit", ROOT / "benchmarks" / "hlo_audit.py")
+    hlo_audit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hlo_audit)
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    sharded = NamedSharding(mesh, P("x"))
+
+    def f(a):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.sum(jnp.sin(a * i.astype(a.dtype))), 0.0)
+
+    lowered = jax.jit(f, in_shardings=sharded, out_shardings=NamedSharding(mesh, P())).lower(
+        jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=sharded))
+    module = hlo_audit.Module(lowered.compile().as_text(), trip_counts_from="backend_config")
+    assert hlo_audit.data_movement(module, 5)["collectives"]["all-reduce"] == {"in_text": 1, "per_step": 3}
+    pre = hlo_audit.Module(lowered.as_text(dialect="hlo"), trip_counts_from="condition")
+    assert pre.unknown_trip_counts == 0 and max(pre.runs.values()) == 3  # the loop body, from its condition
