@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
     parser.add_argument("--output", default=None, help="results JSON (default: <run_dir>/eval-<step>.json)")
     args = parser.parse_args(argv)
-    args.separator = prepare._unescape(args.separator)
+    args.separator = sources.unescape(args.separator)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         results = run_evaluation(args)

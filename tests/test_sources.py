@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxlm.data.sources import SourceSpec, iter_documents, load_documents, resolve_files
+from jaxlm.data.sources import SourceSpec, iter_documents, load_documents, resolve_files, unescape
 from jaxlm.errors import UserError
 
 DOCS = ["first document\nwith two lines", "second 🙂 документ", "third\n\nhas a blank line"]
@@ -25,6 +25,13 @@ def test_text_files_one_document_per_file_or_split_on_a_separator(tmp_path):
     joined = tmp_path / "all.md"
     joined.write_text("\n\n".join(["a b", "c d", "", "e"]), encoding="utf-8")
     assert load_documents(SourceSpec(str(joined), separator="\n\n")) == ["a b", "c d", "e"]
+    # `--config.data.separator=\n\n` arrives as backslash-n; the config's data loader unescapes it.
+    from jaxlm import config
+    from jaxlm.data.loader import source_spec
+
+    cfg = config.recipe("tiny", data__corpus=str(joined), data__separator=r"\n\n")
+    assert load_documents(source_spec(cfg)) == ["a b", "c d", "e"]
+    assert unescape("\n\n") == unescape(r"\n\n") == "\n\n" and unescape("é\t") == "é\t"
 
 
 def test_jsonl_plain_and_gzipped_with_a_text_field(tmp_path):

@@ -51,7 +51,7 @@ class Data:
 
 def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
     d = cfg.data
-    return sources.SourceSpec(d.corpus, d.format, d.text_field, d.separator, max_bytes=d.builtin_max_bytes)
+    return sources.SourceSpec(d.corpus, d.format, d.text_field, sources.unescape(d.separator), max_bytes=d.builtin_max_bytes)
 
 
 def inputs_key(cfg: ml_collections.ConfigDict) -> str:

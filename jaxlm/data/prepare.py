@@ -391,11 +391,6 @@ def open_prepared(
 # ----------------------------------------------------------------------------- CLI
 
 
-def _unescape(text: str) -> str:
-    """Python escapes typed on a command line (`\\n\\n`) as the characters they stand for."""
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxlm.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="'builtin', or files, directories and globs, comma-separated")
@@ -413,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
     args = parser.parse_args(argv)
     try:
-        spec = sources.SourceSpec(args.input, args.format, args.text_field, _unescape(args.separator), args.max_bytes)
+        spec = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator), args.max_bytes)
         manifest = prepare(
             spec, Tokenizer.load(args.tokenizer), args.output, val_fraction=args.val_fraction, seed=args.seed,
             shard_docs=args.shard_docs, workers=args.workers,

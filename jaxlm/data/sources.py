@@ -36,6 +36,13 @@ class SourceSpec:
     max_bytes: int = 0  # builtin only: stop after this many UTF-8 bytes (0 = the whole standard library)
 
 
+def unescape(text: str) -> str:
+    """Python escapes typed on a command line (`\\n\\n`) as the characters they stand for; text
+    that holds the characters already is unchanged (`--config.data.separator='\\n\\n'` and a
+    config file's "\n\n" mean the same)."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def resolve_files(spec: SourceSpec) -> list[str]:
     """The input files, sorted within each pattern; directories are walked. UserError if none match."""
     if spec.format not in FORMATS:

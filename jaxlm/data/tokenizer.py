@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
 
-    from jaxlm.data.sources import SourceSpec, iter_documents
+    from jaxlm.data.sources import SourceSpec, iter_documents, unescape
 
     parser = argparse.ArgumentParser(prog="python -m jaxlm.data.tokenizer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            spec = SourceSpec(args.input, args.format, args.text_field, args.separator, max_bytes=args.max_bytes)
+            spec = SourceSpec(args.input, args.format, args.text_field, unescape(args.separator), max_bytes=args.max_bytes)
             docs = _take_bytes(iter_documents(spec), args.max_bytes)
             if not docs:
                 raise UserError(f"the corpus {args.input!r} holds no documents; give non-empty text")
