@@ -165,13 +165,19 @@ def main() -> None:
     from train_throughput import report
 
     results = []
+    sets = [tuple(kv.split("=", 1)) for kv in args.set]
     for n in args.devices:
+        # micro_batches=0 resolved once, as the recipe's own mesh would on 80 GB GPUs, and kept for
+        # every option, so that the options compare the same program
+        base = config.load_recipe(args.recipe)
+        config.apply_overrides(base, sets)
+        micro = plan.for_gpus(base, n).optim.micro_batches
         for name in args.options:
             overrides = OPTIONS[name](n)
             if overrides is None:
                 continue
             cfg = config.load_recipe(args.recipe)
-            config.apply_overrides(cfg, [tuple(kv.split("=", 1)) for kv in args.set] + list(overrides.items()))
+            config.apply_overrides(cfg, sets + list(overrides.items()) + [("optim.micro_batches", micro)])
             row = {"recipe": args.recipe, "devices": n, "option": name}
             try:
                 start = time.time()

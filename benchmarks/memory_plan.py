@@ -59,6 +59,7 @@ def main() -> None:
     for (recipe, n, overrides), case in zip(cases, args.cases):
         cfg = config.load_recipe(recipe)
         config.apply_overrides(cfg, list(overrides.items()))
+        cfg = plan.for_gpus(cfg, n, args.device_memory_gib)  # micro_batches=0 as on those GPUs
         target = plan.estimate(cfg, n, platform="gpu")
         row = {
             "case": case,

@@ -10,7 +10,8 @@ def get_config():
         vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, mlp_dim=11008, max_seq_len=4096, remat="full"
     )
     c.data.update(seq_len=4096, global_batch_size=256, builtin_max_bytes=64_000_000)
-    # 256 x 4096 = 1M tokens per step; four micro-batches keep 8 sequences per device per micro-batch on 8 GPUs.
-    c.optim.update(peak_lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1, micro_batches=4)
+    # 256 x 4096 = 1M tokens per step; micro_batches=0: as few as fit in device memory (jaxlm.plan):
+    # 2 micro-batches of 16 sequences per device on 8 80 GB GPUs.
+    c.optim.update(peak_lr=3e-4, warmup_steps=2000, min_lr_ratio=0.1, micro_batches=0)
     c.run.update(steps=250_000, log_every=10, eval_every=2000)
     return c

@@ -148,7 +148,7 @@ def base_config() -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.1,  # applied to matrices only (not norms, biases)
         clip_norm=1.0,  # global-norm clipping; 0 = off
-        micro_batches=1,  # gradient accumulation: global batch split into this many, scanned
+        micro_batches=1,  # gradient accumulation: global batch split into this many, scanned; 0 = as few as fit in memory
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
     )
@@ -386,9 +386,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(o.clip_norm >= 0, "optim.clip_norm", o.clip_norm, "0 (off) or more")
     _check(o.z_loss >= 0, "optim.z_loss", o.z_loss, "0 (off) or more")
     _check(o.on_nonfinite in ("skip", "stop"), "optim.on_nonfinite", o.on_nonfinite, "'skip' or 'stop'")
-    _check(o.micro_batches > 0, "optim.micro_batches", o.micro_batches, "a positive integer")
-    _check(d.global_batch_size % o.micro_batches == 0, "optim.micro_batches", o.micro_batches,
-           f"a divisor of data.global_batch_size={d.global_batch_size}")
+    _check(o.micro_batches >= 0, "optim.micro_batches", o.micro_batches,
+           "a positive integer, or 0 for as few as fit in device memory")
+    _check(o.micro_batches == 0 or d.global_batch_size % o.micro_batches == 0, "optim.micro_batches",
+           o.micro_batches, f"a divisor of data.global_batch_size={d.global_batch_size}")
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
     _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")
@@ -481,6 +482,8 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
         )
     batch_shards = data * fsdp
+    if not cfg.optim.micro_batches:
+        raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.trainer.resolve_config)")
     micro = cfg.data.global_batch_size // cfg.optim.micro_batches
     if micro % batch_shards:
         raise UserError(

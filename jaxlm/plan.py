@@ -44,11 +44,14 @@ one layer's weights at full size over fsdp and data (still split over tensor) in
                                   2a (2q + 2kv) + 4 [B, N, T]
 
     forward (one block without remat) =
-        2 (8 + a) x               two norms: the f32 input, the f32 normalized value, the output
+        4 a x                     two norms: each its input and output (`layers.recomputed`)
       + a (q + 2 kv) + a q        q and k (after rotary), v; the attention output
       + attention                 XLA: (4 + a) s, the f32 softmax and the probabilities;
                                   cuDNN flash attention: 4 [B, N, T], its softmax statistics
-      + 6 a f                     SwiGLU: gate, up, silu's three, product (GELU (tanh): six too)
+      + 3 a f                     SwiGLU: gate, up, their product (GELU: 2 a f, in and out)
+                                  unrolled layers (scan_layers=False): 2 (8 + a) x and 6 a f, the
+                                  norms' f32 copies and the activations' intermediates (XLA's
+                                  buffers come out as if nothing were recomputed, measured)
       + 8 H [B, T]                rotary sin and cos
     saved(none) = forward + a * one layer's weights per device (their compute-dtype copy, a < 4)
     saved(full) = a x (the block's input)
@@ -58,13 +61,13 @@ one layer's weights at full size over fsdp and data (still split over tensor) in
 These are what the step's jaxpr saves (`jax.ad_checkpoint.print_saved_residuals`, with XLA's
 deduplication: the mask once, two of the three score-sized softmax tensors); the working-set
 shapes and the update copy were fitted to XLA's buffer assignment of the compiled step. On XLA
-attention the [B, N, T, T] scores dominate long sequences (125m at T=2048 without remat: 51 of 57
+attention the [B, N, T, T] scores dominate long sequences (125m at T=2048 without remat: 51 of 53
 GiB per device); cuDNN flash attention never materializes them. On the CPU, XLA keeps activations
 and gathered weights in float32 whatever the compute dtype (a bf16 and an f32 step have the same
 temporaries, measured), and attention is XLA's, so the compiled CPU figure is compared with the
 analytic one for that program: `a` = 4 and XLA attention. Over 39 CPU compiles (tiny to 7b; remat
 none, dots, dots_no_batch, full; micro-batches; data, fsdp and tensor meshes; 1 to 64 devices;
-long sequences, large vocabularies, GELU) compiled / analytic was 0.92 to 1.09: TOLERANCE states
+long sequences, large vocabularies, GELU) compiled / analytic was 0.92 to 1.11: TOLERANCE states
 15%. The cuDNN terms are not checked against a compile (no GPU here). benchmarks/BENCHMARKS.md
 has the recipes' figures (`benchmarks/memory_plan.py`).
 """
@@ -88,13 +91,14 @@ from jaxlm.errors import UserError
 
 GIB = 2**30
 F32 = 4
-TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1.09 measured)
+TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1.11 measured)
 REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
 # Calibrated against the buffer assignment of the compiled train step (module docstring):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
 LOGITS_EXTRA_BYTES = 6  # per logit, besides the compute-dtype logits: f32 softmax and gradient, partly fused
 UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
+AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
 
 # ----------------------------------------------------------------------------- the train state
@@ -209,14 +213,24 @@ def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
 
 
-def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
-    """Bytes one block keeps for its backward pass without remat, weights aside (per device)."""
+def _mlp_saved(m) -> int:
+    return 3 if m.mlp == "swiglu" else 2
+
+
+def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
+    """Bytes one block keeps for its backward pass without remat, weights aside (per device).
+
+    `recomputed=False`: as if the norms and activation functions were not recomputed (what unrolled
+    layers come to, and what a recomputed layer holds at its peak under remat).
+    """
     a = act_bytes
-    norms = 2 * (2 * F32 + a) * s.x  # each norm: the f32 input, the f32 normalized value, the output
+    if not recomputed:  # every intermediate, as autodiff saves it
+        return layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x + (6 - _mlp_saved(m)) * a * s.mlp
+    norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
     rope = 4 * F32 * m.head_dim / 2 * s.tokens if m.position == "rope" else 0.0  # sin and cos, for q and k
     attention_out = a * s.q
-    mlp = 6 * a * s.mlp  # SwiGLU: gate, up, silu's three, product; GELU (tanh): six of the same size
+    mlp = _mlp_saved(m) * a * s.mlp  # gate, up, product / GELU's input and output
     return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + mlp
 
 
@@ -224,7 +238,8 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     """The peak of one layer's backward pass beyond what is saved (per device); `full_weights`: the
     layer's weights at full size over fsdp, gathered copy and unreduced gradient (f32)."""
     a = act_bytes
-    forward = layer_forward_bytes(m, s, a)
+    # The backward of a recomputed norm or activation holds its float32 intermediates again, briefly.
+    forward = layer_forward_bytes(m, s, a, recomputed=False)
     if policy == "none":  # the gradients of its activations (about its forward once more), or its weights
         return max(WORKING_SET_NO_REMAT * forward, full_weights)
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
@@ -234,7 +249,7 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
         attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
     else:  # f32 logits and softmax, the probabilities, and the gradients of both
         attention = (3 * F32 + a) * s.scores
-    rest = forward - attention_forward_bytes(m, s, a)
+    rest = layer_forward_bytes(m, s, a, recomputed=False) - attention_forward_bytes(m, s, a)
     return max(rest, attention) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
@@ -242,7 +257,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
     a = act_bytes
     if policy == "none":
-        return layer_forward_bytes(m, s, a)
+        return layer_forward_bytes(m, s, a, recomputed=m.scan_layers)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
@@ -317,6 +332,8 @@ def estimate(
     from jaxlm.models import transformer
 
     config_lib.validate(cfg)
+    if not cfg.optim.micro_batches:  # as few as fit: planned for 80 GB devices (plan() uses its budget)
+        cfg = resolve_micro_batches(cfg, num_devices, 80 * GIB, platform)[0]
     derived = config_lib.derive(cfg, num_devices)
     m = transformer.ModelConfig.from_config(cfg.model)
     m = dataclasses.replace(m, attention=resolve_attention(cfg.model.attention, platform, m.dtype, m.head_dim))
@@ -511,6 +528,66 @@ def suggest(
     return found[:limit]
 
 
+# ----------------------------------------------------------------------------- micro-batches=0
+
+
+def device_memory_bytes(device=None) -> float:
+    """What one device can hold: an accelerator's own limit (`memory_stats()['bytes_limit']`); on a
+    CPU the host's memory shared by its local devices."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends have no memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / max(1, sum(d.platform == device.platform for d in jax.local_devices()))
+
+
+def resolve_micro_batches(
+    cfg: ml_collections.ConfigDict, num_devices: int, memory_bytes: float, platform: str,
+) -> tuple[ml_collections.ConfigDict, str]:
+    """`optim.micro_batches=0` made concrete: the fewest micro-batches whose analytic estimate uses
+    at most `AUTO_SHARE` of `memory_bytes` per device, and a line that says what was chosen.
+
+    Unchanged (and "") when micro_batches is set. Micro-batches change the summation order of the
+    gradient, not the update, so the choice may differ between machines (a resumed run on other
+    devices chooses again). When even one sequence per device does not fit, that is chosen and the
+    line says to run `python -m jaxlm.plan`.
+    """
+    if cfg.optim.micro_batches:
+        return cfg, ""
+    data, fsdp, _ = config_lib.mesh_shape(cfg, num_devices)
+    shards, batch = data * fsdp, cfg.data.global_batch_size
+    if batch % shards:
+        raise UserError(
+            f"config.data.global_batch_size={batch} does not divide over data*fsdp={shards} devices; use a "
+            f"multiple of {shards}"
+        )
+    budget = AUTO_SHARE * memory_bytes
+    per_shard = batch // shards
+    act_bytes = F32 if platform == "cpu" else None  # XLA:CPU keeps activations in float32
+    for k in (k for k in range(1, per_shard + 1) if per_shard % k == 0):
+        trial = _with(cfg, {"optim.micro_batches": k})
+        need = estimate(trial, num_devices, platform=platform, act_bytes=act_bytes).per_device_bytes
+        if need <= budget:
+            break
+    fits = need <= budget
+    line = (f"optim.micro_batches=0 (as few as fit): {k} micro-batch(es) of {per_shard // k} sequence(s) per "
+            f"device, planned {format_bytes(need)} of {format_bytes(memory_bytes)} per device"
+            + ("" if fits else f"; that is over {AUTO_SHARE:.0%}: see python -m jaxlm.plan for what would fit"))
+    return trial, line
+
+
+def for_gpus(cfg: ml_collections.ConfigDict, num_devices: int, memory_gib: float = 80.0) -> ml_collections.ConfigDict:
+    """`cfg` with `optim.micro_batches=0` resolved as on `num_devices` GPUs of `memory_gib`: for
+    compiling a GPU run's program on fake CPU devices (whose own choice would follow host memory)."""
+    return resolve_micro_batches(cfg, num_devices, memory_gib * GIB, "gpu")[0]
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -519,6 +596,7 @@ def plan(
     compile: bool = False, devices=None,
 ) -> dict[str, Any]:
     """The whole report as plain data (what `--json` prints)."""
+    cfg, auto = resolve_micro_batches(cfg, num_devices, device_memory_bytes, platform)
     est = estimate(cfg, num_devices, platform=platform)
     report: dict[str, Any] = {
         "recipe": cfg.run.get("recipe", ""),
@@ -531,6 +609,7 @@ def plan(
         "global_batch_size": cfg.data.global_batch_size,
         "seq_len": cfg.data.seq_len,
         "micro_batches": cfg.optim.micro_batches,
+        "micro_batches_auto": auto,
         "per_device_batch": est.per_device_batch,
         "remat": cfg.model.remat,
         "dtype": cfg.model.dtype,
@@ -568,6 +647,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  batch {r['global_batch_size']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es) of "
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
         f"{r['param_dtype']}; attention {r['attention']} (planned for {r['platform']})",
+        *([f"  {r['micro_batches_auto']}"] if r.get("micro_batches_auto") else []),
         "",
         f"  {'component':<22}{'per device':>14}{'unsharded':>14}",
     ]

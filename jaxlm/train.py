@@ -32,7 +32,7 @@ from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
-from jaxlm.trainer import Trainer, build_trainer, evaluate
+from jaxlm.trainer import Trainer, build_trainer, evaluate, resolve_config
 
 
 
@@ -254,6 +254,9 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         f"data={derived.mesh_shape[0]} fsdp={derived.mesh_shape[1]} tensor={derived.mesh_shape[2]}, "
         f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
+        + (f" in {trainer.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
+           + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
+           if trainer.cfg.optim.micro_batches > 1 else "")
     )
     if jax.process_index() == 0:
         data.tokenizer.save(run_dir / "tokenizer.model")
@@ -406,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = distributed.initialize_from(**layout_flags)  # a multi-process run: join it first
         if layout:
             console(f"jaxlm: {layout.describe()}")
-        config_lib.derive(cfg, jax.device_count())  # the mesh and batch fit the devices
+        config_lib.derive(resolve_config(cfg, jax.devices()), jax.device_count())  # the mesh and batch fit the devices
         enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)
     except UserError as e:

@@ -7,6 +7,7 @@ The CLI's loop (`jaxlm.train`), notebooks, benchmarks and the memory planner all
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Sequence
 
@@ -18,6 +19,8 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import optim, steps, train_state
 from jaxlm.models import attention, transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,6 +58,18 @@ class Trainer:
             return self.train_step.lower(state, self.batch_spec()).compile()
 
 
+def resolve_config(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], quiet: bool = True) -> ml_collections.ConfigDict:
+    """The config with its automatic choices made for these devices: `optim.micro_batches=0` becomes
+    the fewest micro-batches that the memory planner fits in a device (logged unless `quiet`)."""
+    from jaxlm import plan
+
+    memory = plan.device_memory_bytes(devices[0])
+    cfg, line = plan.resolve_micro_batches(cfg, len(devices), memory, devices[0].platform)
+    if line and not quiet:
+        log.info("%s", line)
+    return cfg
+
+
 def build_trainer(
     cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, *, abstract: bool = False
 ) -> Trainer:
@@ -65,6 +80,7 @@ def build_trainer(
     """
     config_lib.validate(cfg)
     devices = list(devices) if devices is not None else jax.devices()
+    cfg = resolve_config(cfg, devices, quiet=False)
     derived = config_lib.derive(cfg, len(devices))
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)

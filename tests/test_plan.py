@@ -126,7 +126,9 @@ def test_a_run_that_does_not_fit_gets_the_knobs_that_would_make_it_fit(capsys):
     # the text report says so and lists them as flags
     assert plan.main(argv[:-1]) == 1
     text = capsys.readouterr().out
-    assert "does not fit" in text and "--config.model.remat=" in text
+    assert "does not fit" in text
+    for suggestion in report["suggestions"]:  # every suggestion as the flags to pass
+        assert all(f"--config.{k}={v}" in text for k, v in suggestion["overrides"].items())
 
 
 def test_a_run_that_fits_says_by_how_much(capsys):
@@ -164,3 +166,26 @@ def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
     report = json.loads(result.stdout)
     assert report["compiled"]["num_devices"] == 16 and report["compiled"]["platform"] == "cpu"
     assert report["compiled"]["within_tolerance"]
+
+
+def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch):
+    """optim.micro_batches=0: the smallest divisor k whose plan fits AUTO_SHARE of the memory (k/2 did not)."""
+    budget = 80 * plan.GIB
+    for devices, want in ((8, 2), (1, 32)):  # the 1b recipe on 80 GB GPUs: 16 and 8 sequences per device
+        cfg, line = plan.resolve_micro_batches(recipe("1b"), devices, budget, "gpu")
+        k = cfg.optim.micro_batches
+        assert k == want and f"{k} micro-batch(es) of {256 // devices // k} sequence(s)" in line
+        assert plan.estimate(cfg, devices).per_device_bytes <= plan.AUTO_SHARE * budget
+        fewer = recipe("1b", optim__micro_batches=k // 2)
+        assert plan.estimate(fewer, devices).per_device_bytes > plan.AUTO_SHARE * budget
+    # nothing fits: one sequence per device, and the line says where to look
+    cfg, line = plan.resolve_micro_batches(recipe("7b"), 1, budget, "gpu")
+    assert cfg.optim.micro_batches == 256 and "python -m jaxlm.plan" in line
+    assert plan.resolve_micro_batches(recipe("tiny"), 8, budget, "gpu") == (recipe("tiny"), "")  # set: unchanged
+    with pytest.raises(config.UserError, match="optim.micro_batches"):
+        config.validate(recipe("tiny", optim__micro_batches=-1))
+    # the trainer resolves it for its devices: a small device memory makes it split the batch
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: 8 * 2**20)
+    trainer = build_trainer(recipe("tiny", optim__micro_batches=0), abstract=True)
+    assert trainer.cfg.optim.micro_batches > 1
+    assert trainer.derived.micro_batch_size * trainer.cfg.optim.micro_batches == 16

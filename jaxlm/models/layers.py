@@ -42,6 +42,21 @@ zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 
 
+def recomputed(fn: Callable) -> Callable:
+    """`fn` with its intermediates recomputed in the backward pass from its inputs.
+
+    For the elementwise pieces between matmuls (norms, activation functions): left to autodiff, an
+    RMSNorm keeps two float32 copies of its [B, T, D] input for the backward pass and SwiGLU six
+    [B, T, F] tensors, where the bf16 inputs suffice (1b, 8 sequences per device: 21 GiB of 48,
+    by the planner). Recomputing them is elementwise work that the backward pass's own kernels
+    read the same inputs for anyway. It pays in the layer scan (`model.scan_layers`, every recipe),
+    whose saved residuals are stacked buffers; with unrolled layers XLA's buffer assignment came out
+    the same either way (measured, `jaxlm.plan`). `prevent_cse=False`: inside a scan XLA cannot
+    merge the recomputation with the forward values, and the barrier would only hinder fusion.
+    """
+    return jax.checkpoint(fn, prevent_cse=False)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
         del use_bias  # RMSNorm has no bias
@@ -49,9 +64,13 @@ class RMSNorm(nnx.Module):
         self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        @recomputed
+        def norm(x, scale):
+            x32 = x.astype(jnp.float32)
+            x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+        return norm(x, self.scale[...])
 
 
 class LayerNorm(nnx.Module):
@@ -61,13 +80,17 @@ class LayerNorm(nnx.Module):
         self.bias = make_param(rngs, zeros, (dim,), ("norm",), param_dtype) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(self.dtype)
+        @recomputed
+        def norm(x, scale, bias):
+            x32 = x.astype(jnp.float32)
+            mean = jnp.mean(x32, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+            y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32)
+            if bias is not None:
+                y = y + bias.astype(jnp.float32)
+            return y.astype(self.dtype)
+
+        return norm(x, self.scale[...], None if self.bias is None else self.bias[...])
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -164,7 +187,7 @@ class GatedMLP(nnx.Module):
         x = tensor_parallel_entry(x)
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
-        h = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+        h = constrain(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), ("act_batch", "act_seq", "act_mlp"))
         return constrain(jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), ("act_batch", "act_seq", "act_embed"))
 
 
@@ -186,7 +209,7 @@ class GeluMLP(nnx.Module):
         h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt))
         if self.use_bias:
             h = h + self.b_in[...].astype(dt)
-        h = constrain(jax.nn.gelu(h, approximate=True), ("act_batch", "act_seq", "act_mlp"))
+        h = constrain(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), ("act_batch", "act_seq", "act_mlp"))
         y = jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt))
         if self.use_bias:
             y = y + self.b_out[...].astype(dt)
