@@ -81,6 +81,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         "overrides": overrides,
         "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
         "batch": f"{d.global_batch_size}x{d.seq_len}",
+        "micro_batches": trainer.cfg.optim.micro_batches,  # as resolved (optim.micro_batches=0: as few as fit)
         "remat": cfg.model.remat,
         "attention": trainer.model_cfg.attention,
         "devices": f"{n}x {device.device_kind}",
@@ -121,7 +122,7 @@ def run_isolated(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
     return {"recipe": args.recipe, "overrides": overrides, "status": f"{status}: {error[:200]}"}
 
 
-COLUMNS = ["batch", "remat", "attention", "compile_s", "step_s", "tokens_per_s", "tflops_per_device", "mfu",
+COLUMNS = ["batch", "micro_batches", "remat", "attention", "compile_s", "step_s", "tokens_per_s", "tflops_per_device", "mfu",
            "peak_memory_gib", "status"]
 
 

@@ -36,7 +36,7 @@ def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
     assert full["loss"] == pytest.approx(none["loss"], rel=1e-3)  # remat recomputes, it does not change the math
     assert full["peak_memory_gib"] < none["peak_memory_gib"]  # and it is what saves memory
     table = result.stdout.strip().splitlines()
-    assert table[-5].startswith("| batch | remat |")  # the table of every point comes last
+    assert table[-5].startswith("| batch | micro_batches | remat |")  # the table of every point comes last
     assert "| none |" in table[-3] and "| full |" in table[-2] and "error" in table[-1]
 
 

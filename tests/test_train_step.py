@@ -35,17 +35,17 @@ def _put(batch, sharding):
 def test_loss_and_gradients_agree_across_meshes():
     model_cfg = small_config()  # 8 heads, 8 kv heads: divisible by tensor=8
     batch = random_batch(16, 32, 96)
+    # The same parameters on every mesh (no optimizer state needed), laid out by each mesh's rules.
+    _, state, _, _, spec, rules = _setup((1, 1, 1), model_cfg)
+    params = jax.device_get(state.params)
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, b: steps.summed_loss(p, spec, b, None, 0.0)[0] / 1000.0))
     results = {}
     for shape in MESHES:
-        mesh, state, _, batch_sharding, spec, rules = _setup(shape, model_cfg)
-        grad_fn = jax.jit(
-            jax.grad(lambda p, b: steps.summed_loss(p, spec, b, None, 0.0)[0] / 1000.0),
-            out_shardings=None,
-        )
+        mesh = mesh_lib.make_mesh(shape)
         with jax.set_mesh(mesh):
-            loss = float(steps.summed_loss(state.params, spec, _put(batch, batch_sharding), None, 0.0)[0])
-            grads = jax.device_get(grad_fn(state.params, _put(batch, batch_sharding)))
-        results[shape] = (loss, grads)
+            on_mesh = jax.device_put(params, train_state.param_shardings(spec, mesh, rules))
+            loss, grads = jax.device_get(loss_and_grad(on_mesh, _put(batch, mesh_lib.batch_sharding(mesh, rules))))
+        results[shape] = (float(loss) * 1000.0, grads)
     ref_loss, ref_grads = results[(1, 1, 1)]
     for shape, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, ref_loss, rtol=2e-6, err_msg=str(shape))
