@@ -282,3 +282,14 @@ def test_any_process_count_reads_the_same_global_batches_and_resumes_them():
         np.testing.assert_array_equal(next(half)["inputs"], next(whole)["inputs"][4:8])
     with pytest.raises(UserError, match="has 4 data shards but this run reads 2"):
         stream(2, slice(0, 8)).set_states(states)
+
+
+@pytest.mark.slow  # ~50 s: two runs
+def test_micro_batches_over_two_processes_train_like_one_process(tmp_path):
+    """Each data replica accumulates its own micro-batches' gradient (one reduction per step), also
+    when the replicas are different processes: data=2 x fsdp=4, 2 micro-batches, 1 vs 2 processes."""
+    extra = ["--config.data.global_batch_size=16", "--config.mesh.data=2", "--config.mesh.fsdp=4",
+             "--config.optim.micro_batches=2", "--config.data.shards=2"]
+    train(args(tmp_path, "one", 4, *extra), 1)
+    train(args(tmp_path, "two", 4, *extra), 2)
+    close(losses(tmp_path / "two"), losses(tmp_path / "one"))
