@@ -63,8 +63,15 @@ def resolve_config(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]
     the fewest micro-batches that the memory planner fits in a device (logged unless `quiet`)."""
     from jaxlm import plan
 
-    memory = plan.device_memory_bytes(devices[0])
-    cfg, line = plan.resolve_micro_batches(cfg, len(devices), memory, devices[0].platform)
+    if cfg.optim.micro_batches:
+        return cfg
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    memory = plan.device_memory_bytes(local[0])
+    if jax.process_count() > 1:  # every process must compile the same step: process 0's figure decides
+        from jax.experimental import multihost_utils
+
+        memory = float(multihost_utils.broadcast_one_to_all(np.float64(memory)))
+    cfg, line = plan.resolve_micro_batches(cfg, len(devices), memory, local[0].platform)
     if line and not quiet:
         log.info("%s", line)
     return cfg

@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU measurements, as ONE command, from the repo root; everything lands in "$OUT".
+#
+#   bash benchmarks/gpu_session.sh                  # on the GPU machine (carry .whl; OUT is set by the device tool)
+#   OUT=/tmp/gpu_dry PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh --dry-run   # same steps, CPU, tiny recipe
+#
+# Steps, in order, each under its own `timeout` and logged into $OUT/session.log; a failing or timed-out
+# step is recorded and the script goes on:
+#   install  the carried wheels (.whl/*.whl) into /tmp/site; PYTHONPATH=/tmp/site:$PWD
+#   doctor   python -m jaxlm.doctor --expect=gpu
+#   mfu      benchmarks/mfu.py --recipe 1b (micro-batches resolved by the planner)   -> $OUT/mfu_1b.json
+#   sweep    mfu.py per point over model.attention x model.loss_chunk_len, one process per point, in priority
+#            order, while the time budget allows                                     -> $OUT/mfu_sweep.json
+#            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU)
+#   ckpt     benchmarks/checkpoint.py --recipes 125m (issue 4)                       -> $OUT/checkpoint.json
+#   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left   -> $OUT/hlo_audit.json, $OUT/hlo/*.hlo.gz
+# At most 7 files come back (the device tool returns 8 at most, 16 MiB each, 2 folders deep).
+#
+# The whole script keeps to GPU_SESSION_BUDGET_S seconds (default 540, inside a 600 s call): each step's
+# limit is min(its cap, what is left of the budget less what later steps are reserved).
+#
+# Knobs (environment):
+#   PYTHON                  interpreter (default python3)
+#   GPU_SESSION_DRY=1       same as --dry-run
+#   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu sweep ckpt hlo")
+#                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
+#   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len ..." in priority order
+#                           (default "xla:0 cudnn:512 xla:512"; dry "xla:0 cudnn:64 xla:64")
+#   MFU_STEPS/MFU_WARMUP    timed/warm-up steps of the mfu step (default 5/2; dry 2/1)
+#   SWEEP_STEPS/SWEEP_WARMUP  the same per sweep point (default 2/1; dry 1/1)
+#   JAX_COMPILATION_CACHE_DIR  persistent XLA cache (default /tmp/jaxlm_xla_cache): a program compiled
+#                           again in this call (or a later call on the same warm machine) is loaded, and
+#                           its compile_s is then the load time
+
+set -u
+set -o pipefail
+
+DRY=${GPU_SESSION_DRY:-0}
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_session.sh: unknown argument $arg (use --dry-run)" >&2; exit 2 ;;
+    esac
+done
+
+PYTHON=${PYTHON:-python3}
+if [ "$DRY" = 1 ]; then
+    OUT=${OUT:-/tmp/gpu_dry}
+    BUDGET=${GPU_SESSION_BUDGET_S:-300}
+    BIG=tiny; CKPT_RECIPE=tiny; EXPECT=cpu
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:64 xla:64"}
+    MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
+    SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
+    CKPT_ARGS=(--steps 4 --every 2)
+    #        cap min reserve (seconds)
+    DOCTOR=(60 10 0); MFU=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0)
+else
+    if [ -z "${OUT:-}" ]; then
+        OUT=/tmp/gpu_session_out
+        echo "gpu_session.sh: OUT is not set; writing to $OUT" >&2
+    fi
+    BUDGET=${GPU_SESSION_BUDGET_S:-540}
+    BIG=1b; CKPT_RECIPE=125m; EXPECT=gpu
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:512 xla:512"}
+    MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
+    SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
+    CKPT_ARGS=()
+    DOCTOR=(90 20 0); MFU=(240 60 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0)
+fi
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu sweep ckpt hlo} "
+
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/session.log
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")
+export PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxlm_xla_cache}
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SECONDS=0
+SUMMARY=()
+
+log() { printf '%s\n' "$*" | tee -a "$LOG"; }
+left() { echo $((BUDGET - SECONDS)); }
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
+
+# step NAME CAP MIN RESERVE -- command...: run it under timeout, log it, record rc and seconds.
+step() {
+    local name=$1 cap=$2 min=$3 reserve=$4; shift 5
+    local t=$(( $(left) - reserve ))
+    (( t > cap )) && t=$cap
+    if (( t < min )); then
+        log "### [$name] SKIPPED at ${SECONDS}s: $(left)s of the budget left, $reserve reserved, needs ${min}s"
+        SUMMARY+=("$name|skipped|0|$cap")
+        return 0
+    fi
+    log "### [$name] start at ${SECONDS}s, limit ${t}s: $*"
+    local t0=$SECONDS rc
+    timeout -k 15 "$t" "$@" 2>&1 | tee "$SCRATCH/step.log" | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    local status=ok
+    (( rc == 124 || rc == 137 )) && status="TIMED OUT (${t}s)"
+    (( rc != 0 && rc != 124 && rc != 137 )) && status="failed rc=$rc"
+    log "### [$name] $status after $((SECONDS - t0))s"
+    SUMMARY+=("$name|$status|$((SECONDS - t0))|$t")
+    return "$rc"
+}
+
+: > "$LOG"
+log "# gpu_session.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) | dry=$DRY | budget ${BUDGET}s | python $($PYTHON -V 2>&1) | $(uname -m)"
+log "# repo $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') | OUT=$OUT | cache $JAX_COMPILATION_CACHE_DIR | steps:$STEPS"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+
+# 1. install ------------------------------------------------------------------------------------------------
+t0=$SECONDS
+if [ "$DRY" = 1 ] && $PYTHON -c 'import grain, ml_collections, array_record' 2>/dev/null; then
+    log "### [install] skipped (dry run, grain/ml_collections/array_record importable)"
+    SUMMARY+=("install|skipped|0|-")
+elif ls .whl/*.whl >/dev/null 2>&1; then
+    log "### [install] $(ls .whl | tr '\n' ' ')"
+    timeout -k 10 120 $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$SCRATCH/pip.log" 2>&1
+    rc=$?
+    grep -v "Running pip as the 'root' user" "$SCRATCH/pip.log" | tee -a "$LOG"
+    if (( rc == 0 )); then
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
+        SUMMARY+=("install|ok|$((SECONDS - t0))|120")
+    else
+        SUMMARY+=("install|failed rc=$rc|$((SECONDS - t0))|120")
+    fi
+    log "### [install] rc=$rc after $((SECONDS - t0))s; PYTHONPATH=$PYTHONPATH"
+else
+    log "### [install] no .whl/*.whl here (name .whl in the call's carry); going on with what is installed"
+    SUMMARY+=("install|no wheels|0|-")
+fi
+$PYTHON -c 'import grain, ml_collections, array_record; print("# imports ok: grain", grain.__version__ if hasattr(grain, "__version__") else "")' 2>&1 | tail -1 | tee -a "$LOG"
+
+# 2. doctor -------------------------------------------------------------------------------------------------
+wanted doctor && step doctor "${DOCTOR[@]}" -- $PYTHON -m jaxlm.doctor --expect=$EXPECT
+
+# 3. MFU of the big recipe (micro-batches resolved automatically) ------------------------------------------
+wanted mfu && step mfu "${MFU[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$MFU_STEPS" \
+    --warmup "$MFU_WARMUP" --json "$OUT/mfu_1b.json"
+
+# 4. sweep: one mfu.py process per point (mfu.py's own --sweep keeps a parent process holding the GPU) ------
+if wanted sweep; then
+    i=0
+    for point in $SWEEP; do
+        i=$((i + 1))
+        attn=${point%%:*}; chunk=${point##*:}
+        step "sweep $attn/$chunk" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$SWEEP_STEPS" \
+            --warmup "$SWEEP_WARMUP" --set model.attention="$attn" model.loss_chunk_len="$chunk" \
+            --json "$SCRATCH/sweep_$i.json"
+        if [ ! -s "$SCRATCH/sweep_$i.json" ]; then
+            status=${SUMMARY[-1]#*|}; status=${status%%|*}
+            if [ "$status" != skipped ] && [ -s "$SCRATCH/step.log" ]; then  # the error's last line
+                status="$status: $(grep -v '^###' "$SCRATCH/step.log" | tail -1 | cut -c1-200 | tr -d '"\\')"
+            fi
+            printf '[{"recipe": "%s", "overrides": {"model.attention": "%s", "model.loss_chunk_len": "%s"}, "status": "%s"}]\n' \
+                "$BIG" "$attn" "$chunk" "$status" > "$SCRATCH/sweep_$i.json"
+        fi
+    done
+    $PYTHON - "$OUT/mfu_sweep.json" "$SCRATCH"/sweep_*.json <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+rows = [r for path in sys.argv[2:] for r in json.load(open(path))]
+json.dump(rows, open(sys.argv[1], "w"), indent=2)
+print(f"# {len(rows)} sweep points -> {sys.argv[1]}")
+EOF
+fi
+
+# 5. checkpoint overhead (issue 4) --------------------------------------------------------------------------
+wanted ckpt && step ckpt "${CKPT[@]}" -- $PYTHON benchmarks/checkpoint.py --recipes $CKPT_RECIPE "${CKPT_ARGS[@]}" \
+    --json "$OUT/checkpoint.json"
+
+# 6. HLO audit of the big recipe's step, if time is left; HLO text gzipped ---------------------------------
+if wanted hlo; then
+    step hlo "${HLO[@]}" -- $PYTHON benchmarks/hlo_audit.py --recipe $BIG --json "$OUT/hlo_audit.json" --hlo_dir "$OUT/hlo"
+    if [ -d "$OUT/hlo" ]; then
+        gzip -f "$OUT"/hlo/*.hlo 2>/dev/null
+        ls -l "$OUT/hlo" | tee -a "$LOG"
+    fi
+fi
+
+# summary ---------------------------------------------------------------------------------------------------
+{
+    echo
+    echo "## summary (${SECONDS}s of ${BUDGET}s)"
+    echo "| step | status | seconds | limit |"
+    echo "|---|---|---|---|"
+    for row in "${SUMMARY[@]}"; do echo "| ${row//|/ | } |"; done
+} | tee -a "$LOG"
+$PYTHON - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, os, sys
+out = sys.argv[1]
+rows = []
+for name in ("mfu_1b.json", "mfu_sweep.json"):
+    try:
+        rows += [(name, r) for r in json.load(open(os.path.join(out, name)))]
+    except (OSError, ValueError):
+        pass
+if rows:
+    cols = ["attention", "loss_chunk_len", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
+            "peak_memory_gib", "status"]
+    print("\n| file | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
+    for name, r in rows:
+        o = r.get("overrides", {})
+        vals = {**r, "attention": r.get("attention", o.get("model.attention", "")),
+                "loss_chunk_len": o.get("model.loss_chunk_len", "0")}
+        cells = []
+        for c in cols:
+            v = vals.get(c, "")
+            if c == "mfu":
+                v = f"{100 * v:.1f}%" if isinstance(v, float) else "n/a" if r.get("status") == "ok" else ""
+            cells.append(str(v)[:100])
+        print(f"| {name} | " + " | ".join(cells) + " |")
+try:
+    for r in json.load(open(os.path.join(out, "checkpoint.json"))):
+        print("\ncheckpoint:", json.dumps(r))
+except (OSError, ValueError):
+    pass
+EOF
+files=$(find "$OUT" -type f | wc -l)
+log ""
+log "## files in $OUT ($files; the device tool returns at most 8, 16 MiB each)"
+find "$OUT" -type f -printf '%s\t%P\n' | sort -k2 | awk '{printf "%10.1f KiB  %s%s\n", $1/1024, $2, ($1 > 16*1024*1024 ? "  OVER 16 MiB" : "")}' | tee -a "$LOG"
+rm -rf "$SCRATCH"
+exit 0
