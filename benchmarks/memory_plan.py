@@ -72,7 +72,7 @@ def main() -> None:
         }
         if not args.no_compile:
             compiled = plan.compiled_memory(cfg, plan.compile_devices(n))
-            same = plan.estimate(cfg, n, platform=compiled["platform"], act_bytes=4 if compiled["platform"] == "cpu" else None)
+            same = plan.estimate(cfg, n, platform=compiled["platform"], act_bytes=plan.cpu_act_bytes() if compiled["platform"] == "cpu" else None)
             row.update(
                 compiled_on=f"{n}x {compiled['platform']}",
                 analytic_same_gib=round(same.per_device_bytes / gib, 2),

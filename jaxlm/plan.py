@@ -64,8 +64,9 @@ shapes and the update copy were fitted to XLA's buffer assignment of the compile
 attention the [B, N, T, T] scores dominate long sequences (125m at T=2048 without remat: 51 of 53
 GiB per device); cuDNN flash attention never materializes them. On the CPU, XLA keeps activations
 and gathered weights in float32 whatever the compute dtype (a bf16 and an f32 step have the same
-temporaries, measured), and attention is XLA's, so the compiled CPU figure is compared with the
-analytic one for that program: `a` = 4 and XLA attention. Over 39 CPU compiles (tiny to 7b; remat
+temporaries, measured; jaxlib 0.11's XLA:CPU keeps bfloat16 instead, `cpu_act_bytes`), and attention
+is XLA's, so the compiled CPU figure is compared with the analytic one for that program: `a` =
+`cpu_act_bytes()` and XLA attention. Over 39 CPU compiles (tiny to 7b; remat
 none, dots, dots_no_batch, full; micro-batches; data, fsdp and tensor meshes; 1 to 64 devices;
 long sequences, large vocabularies, GELU) compiled / analytic was 0.92 to 1.11: TOLERANCE states
 15%. The cuDNN terms are not checked against a compile (no GPU here). benchmarks/BENCHMARKS.md
@@ -102,6 +103,16 @@ AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a 
 
 
 # ----------------------------------------------------------------------------- the train state
+
+
+def cpu_act_bytes() -> int | None:
+    """`estimate(act_bytes=)` for a step compiled by XLA:CPU: 4 (float32) with jaxlib < 0.11, whose
+    XLA:CPU upcasts bfloat16 matmuls and activations to float32; None (the compute dtype's) from
+    jaxlib 0.11 on, whose XLA:CPU keeps them in bfloat16 (measured, the tiny recipe on 8 CPU devices:
+    a bf16 step's temporaries are 0.90 to 0.96 of the f32 step's on jaxlib 0.10.2, 0.68 to 0.78 on 0.11.2)."""
+    import jax
+
+    return F32 if tuple(int(p) for p in jax.lib.__version__.split(".")[:2]) < (0, 11) else None
 
 
 def _itemsize(dtype) -> int:
@@ -325,8 +336,8 @@ def estimate(
 ) -> Estimate:
     """The analytic per-device memory of one train step on `num_devices` devices of `platform`.
 
-    `act_bytes` overrides the activations' bytes per element (default: the compute dtype's): 4 to
-    compare with a CPU compile, which keeps activations in float32.
+    `act_bytes` overrides the activations' bytes per element (default: the compute dtype's):
+    `cpu_act_bytes()` to compare with a CPU compile (float32 activations before jaxlib 0.11).
     """
     from jaxlm import mesh as mesh_lib
     from jaxlm.models import transformer
@@ -569,7 +580,7 @@ def resolve_micro_batches(
         )
     budget = AUTO_SHARE * memory_bytes
     per_shard = batch // shards
-    act_bytes = F32 if platform == "cpu" else None  # XLA:CPU keeps activations in float32
+    act_bytes = cpu_act_bytes() if platform == "cpu" else None  # XLA:CPU: float32 before jaxlib 0.11
     for k in (k for k in range(1, per_shard + 1) if per_shard % k == 0):
         trial = _with(cfg, {"optim.micro_batches": k})
         need = estimate(trial, num_devices, platform=platform, act_bytes=act_bytes).per_device_bytes
@@ -623,7 +634,7 @@ def plan(
         devices = devices if devices is not None else compile_devices(num_devices)
         compiled = compiled_memory(cfg, devices)
         cpu = compiled["platform"] == "cpu"
-        same = estimate(cfg, num_devices, platform=compiled["platform"], act_bytes=F32 if cpu else None)
+        same = estimate(cfg, num_devices, platform=compiled["platform"], act_bytes=cpu_act_bytes() if cpu else None)
         compiled["analytic_same_program_bytes"] = same.per_device_bytes
         compiled["ratio"] = compiled["per_device_bytes"] / same.per_device_bytes
         compiled["within_tolerance"] = abs(compiled["ratio"] - 1) <= TOLERANCE

@@ -101,7 +101,7 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     assert compiled["alias_bytes"] <= compiled["output_bytes"] and compiled["temp_bytes"] > 0
     peak = compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
     assert compiled["per_device_bytes"] == peak
-    analytic = plan.estimate(cfg, 8, platform="cpu", act_bytes=4).per_device_bytes  # the program compiled here
+    analytic = plan.estimate(cfg, 8, platform="cpu", act_bytes=plan.cpu_act_bytes()).per_device_bytes  # compiled here
     assert abs(peak / analytic - 1) <= plan.TOLERANCE, (peak, analytic)
     assert compiled["within_tolerance"]
     # planned for a GPU, so the CPU compile informs but the analytic figure decides
