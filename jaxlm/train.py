@@ -256,7 +256,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         f"{derived.tokens_per_step:,} tokens/step"
         + (f" in {trainer.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
-           if trainer.cfg.optim.micro_batches > 1 else "")
+           if trainer.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
     if jax.process_index() == 0:
         data.tokenizer.save(run_dir / "tokenizer.model")
