@@ -3,11 +3,13 @@
     python benchmarks/checkpoint.py                            # 125m, 20 steps, a save every 5
     python benchmarks/checkpoint.py --recipes tiny 125m --json ckpt.json
     python benchmarks/checkpoint.py --recipes 125m --steps 40 --every 10 --dir /mnt/disk/tmp
+    python benchmarks/checkpoint.py --set checkpoint.compress=true    # zstd-compressed arrays
 
 With `jaxlm.checkpoint.Checkpointer` (async, as in the train loop) on the recipe's sharded train
 state: how long `save` blocks the loop and how long until the files are committed (`wait`), for
-the first save (one-time setup and compilation included) and a later one; the bytes one checkpoint
-takes on disk; the time to restore it onto the abstract state of a fresh trainer (just written, so
+the first save (one-time setup and compilation included) and a later one, with the CPU time the
+later one took (all threads: the device-to-host copy, compression if on, tensorstore's writes); the
+bytes one checkpoint takes on disk; the time to restore it onto the abstract state of a fresh trainer (just written, so
 from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
 with a save every `--every` steps, saves included, the metrics synced once at the end of each
 window. The saves fall on the window's steps 1, 1+every, ...; the wait for the last one to commit,
@@ -39,13 +41,20 @@ from jaxlm.models.transformer import param_count  # noqa: E402
 from jaxlm.trainer import build_trainer  # noqa: E402
 
 
-def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float, float]:
-    """(seconds `save` blocked, seconds until `wait` returned), both from the call to `save`."""
-    t0 = time.perf_counter()
+def cpu_s() -> float:
+    """CPU seconds this process has used, all threads (Orbax's writers included)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float, float, float]:
+    """(seconds `save` blocked, seconds until `wait` returned, CPU seconds used meanwhile), from the
+    call to `save`; nothing else runs then, so the CPU time is the save's (copy, compression, I/O)."""
+    c0, t0 = cpu_s(), time.perf_counter()
     ckpt.save(step, state, meta=meta, force=True)
     blocked = time.perf_counter() - t0
     ckpt.wait()
-    return blocked, time.perf_counter() - t0
+    return blocked, time.perf_counter() - t0, cpu_s() - c0
 
 
 def run_window(trainer, state, batches, steps: int, ckpt: Checkpointer | None, meta: dict, first_step: int):
@@ -64,6 +73,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
+    compress = cfg.checkpoint.compress
     trainer = build_trainer(cfg)
     target = build_trainer(cfg, abstract=True).state  # what a resumed run restores onto
     d = cfg.data
@@ -71,16 +81,16 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
     meta = {"config": json.loads(cfg.to_json())}
     workdir = tempfile.mkdtemp(prefix=f"jaxlm-ckpt-bench-{recipe}-", dir=root)
-    r = {"recipe": recipe, "overrides": overrides, "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+    r = {"recipe": recipe, "overrides": overrides, "compress": compress, "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
          "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
     try:
-        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "a")) as ckpt:
+        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress) as ckpt:
             state = jax.block_until_ready(trainer.state)
             r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
-            r["first_save_blocked_s"], r["first_save_total_s"] = timed_save(ckpt, 0, state, meta)
+            r["first_save_blocked_s"], r["first_save_total_s"], _ = timed_save(ckpt, 0, state, meta)
             state, metrics = trainer.train_step(state, batches[0])  # compiles the step
             state = jax.block_until_ready(state)
-            r["save_blocked_s"], r["save_total_s"] = timed_save(ckpt, 1, state, meta)
+            r["save_blocked_s"], r["save_total_s"], r["save_cpu_s"] = timed_save(ckpt, 1, state, meta)
             r["disk_gib"] = round(sum(f.stat().st_size for f in pathlib.Path(workdir, "a", "1").rglob("*")
                                       if f.is_file()) / 2**30, 3)
 
@@ -92,7 +102,8 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
 
             state, _ = run_window(trainer, state, batches, 2, None, meta, 0)  # warm-up
             state, r["step_s_off"] = run_window(trainer, state, batches, steps, None, meta, 0)
-        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "b"), every_steps=every) as ckpt:
+        with jax.set_mesh(trainer.mesh), Checkpointer(
+                os.path.join(workdir, "b"), every_steps=every, compress=compress) as ckpt:
             state, r["step_s_on"] = run_window(trainer, state, batches, steps, ckpt, meta, 1)
             t0 = time.perf_counter()
             ckpt.wait()
@@ -122,8 +133,8 @@ def main() -> None:
         result = bench(recipe, overrides, args.steps, args.every, args.dir)
         results.append(result)
         print(json.dumps(result), file=sys.stderr)
-    cols = ["recipe", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s", "save_blocked_s",
-            "save_total_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
+    cols = ["recipe", "compress", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s", "save_blocked_s",
+            "save_total_s", "save_cpu_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
     report(results, cols, args.json)
 
 

@@ -159,6 +159,7 @@ def base_config() -> ml_collections.ConfigDict:
         keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
         keep_best=0,  # also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)
         async_save=True,  # write in the background; the loop waits only for the device-to-host copy
+        compress=False,  # zstd-compress the arrays: ~11% less disk for ~8x the background writer's CPU time
     )
     c.metrics = dict(
         grad_norm_per_layer=False,  # also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)

@@ -226,6 +226,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     with checkpoint.Checkpointer(
         run_dir / "checkpoints", every_steps=c.every_steps, every_minutes=c.every_minutes,
         keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best, async_save=c.async_save,
+        compress=c.compress,
     ) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
 

@@ -99,6 +99,21 @@ def test_read_meta(saved):
     assert meta["wall_s"] == 12.5 and meta["versions"]["jax"] == jax.__version__
 
 
+def test_compressed_and_uncompressed_checkpoints_restore_either_way(tmp_path):
+    state = {"w": jax.device_put(jnp.arange(65536, dtype=jnp.float32) % 7, jax.devices()[0])}  # compressible
+    target = {"w": jax.ShapeDtypeStruct((65536,), jnp.float32, sharding=state["w"].sharding)}
+    sizes = {}
+    for compress in (False, True):
+        directory = tmp_path / f"compress_{compress}"
+        with checkpoint.Checkpointer(directory, compress=compress) as ckpt:
+            ckpt.save(1, state, meta={}, force=True)
+        sizes[compress] = sum(f.stat().st_size for f in (directory / "1" / "state").rglob("*") if f.is_file())
+        with checkpoint.Checkpointer(directory, compress=not compress) as ckpt:  # the reader's setting is moot
+            restored, _, _ = ckpt.restore(target)
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
+    assert sizes[False] > 65536 * 4 > 10 * sizes[True]
+
+
 def test_keep_last_and_every(tmp_path):
     with checkpoint.Checkpointer(tmp_path, keep_last=2, keep_every=4) as ckpt:
         for step in range(1, 11):
