@@ -3,6 +3,7 @@
     python benchmarks/mfu.py --recipe 1b                                  # one H100: the MFU issue's number
     python benchmarks/mfu.py --recipe 1b --sweep data.global_batch_size=8,16 model.remat=none,dots
     python benchmarks/mfu.py --recipe tiny --steps 3 --set data.global_batch_size=8   # CPU smoke run
+    python benchmarks/mfu.py --recipe 1b --sweep "run.xla_flags=,--xla_gpu_enable_triton_gemm=false"  # vs XLA's defaults
 
 Per configuration: compile time (the first step), mean step time over `--steps` steps after
 `--warmup` steps (the loop never syncs inside the timed window), tokens/s, model TFLOP/s per device
@@ -35,11 +36,13 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     sys.path.insert(0, HERE)
     from train_throughput import CPU_OVERRIDES, random_batch
 
-    from jaxlm import config, metrics
+    from jaxlm import config, metrics, xla_flags
     from jaxlm.models.transformer import flops_per_token, param_count
     from jaxlm.trainer import build_trainer
 
     cfg = config.load_recipe(recipe)
+    if "run.xla_flags" in overrides:  # before JAX starts its backends (jax.default_backend() below)
+        xla_flags.apply(overrides["run.xla_flags"])
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
@@ -84,6 +87,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         "micro_batches": trainer.cfg.optim.micro_batches,  # as resolved (optim.micro_batches=0: as few as fit)
         "remat": cfg.model.remat,
         "attention": trainer.model_cfg.attention,
+        "xla_flags": cfg.run.xla_flags,
         "devices": f"{n}x {device.device_kind}",
         "compile_s": round(compile_s, 2),
         "step_s": round(step_s, 4),
@@ -156,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(measure(args.recipe, base, args.steps, args.warmup, args.peak_tflops)))
         return 0
+    if "run.xla_flags" in base:  # before the header below starts JAX; the points' processes inherit them
+        from jaxlm import xla_flags
+
+        xla_flags.apply(base["run.xla_flags"])
     import jax
 
     print(f"# {time.strftime('%Y-%m-%d')} | {args.recipe} | jax {jax.__version__} | "

@@ -75,6 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=0,  # 0 = only at the end
         peak_flops=0.0,  # peak FLOP/s of one device for MFU; 0 = from the table of known devices
         compile_cache_dir=".cache/jaxlm/xla",  # XLA's persistent compilation cache: restarts skip compiling; "" = off
+        xla_flags="",  # "--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA's defaults
     )
     c.model = dict(
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS

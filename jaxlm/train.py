@@ -27,6 +27,7 @@ from jaxlm import checkpoint
 from jaxlm import config as config_lib
 from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
+from jaxlm import xla_flags
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError
@@ -407,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, layout_flags = distributed.pop_flags(list(argv))
         cfg = config_lib.parse_cli(argv)
         config_lib.validate(cfg)  # before any device work
+        if cfg.run.xla_flags:
+            console(f"jaxlm: XLA_FLAGS={xla_flags.apply(cfg.run.xla_flags)}")  # before JAX starts, checked
         layout = distributed.initialize_from(**layout_flags)  # a multi-process run: join it first
         if layout:
             console(f"jaxlm: {layout.describe()}")
