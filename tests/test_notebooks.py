@@ -1,6 +1,11 @@
-"""Every notebook runs top to bottom in a real Jupyter kernel (this venv's Python) without an error."""
+"""Every notebook runs top to bottom in a real Jupyter kernel (this venv's Python) without an error,
+and the setup cell installs jaxlm into a kernel that lacks it (the Colab path)."""
 
 import pathlib
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -39,6 +44,49 @@ def test_the_committed_notebooks_have_no_outputs():
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code"), path
+
+
+def test_every_notebook_has_the_same_setup_cell():
+    cells = {path.name: nbformat.read(path, as_version=4).cells[1].source for path in NOTEBOOKS.glob("*.ipynb")}
+    assert len(cells) == 3 and len(set(cells.values())) == 1, "edit all the setup cells alike"
+    assert next(iter(cells.values())).startswith("# Setup:")
+
+
+def _pypi_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # 1-3 minutes: pip installs jaxlm and its dependencies into a new venv
+def test_setup_cell_installs_jaxlm_into_a_bare_kernel(tmp_path, monkeypatch):
+    """The Colab path: a kernel whose Python has neither jaxlm nor its dependencies, the checkout
+    named by JAXLM_CHECKOUT (an uploaded copy), the notebook opened from another folder."""
+    if not _pypi_reachable():
+        pytest.skip("pypi.org is not reachable: the setup cell installs jaxlm's dependencies from it")
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", "runs", ".cache", "*.egg-info", "__pycache__", ".pytest_cache", "build"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "ipykernel"], check=True)
+    assert subprocess.run([python, "-c", "import jaxlm"], cwd=tmp_path, capture_output=True).returncode != 0
+    subprocess.run([python, "-m", "ipykernel", "install", "--prefix", str(tmp_path / "jupyter"), "--name", "bare"],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter" / "share" / "jupyter"))
+    monkeypatch.setenv("JAXLM_CHECKOUT", str(checkout))
+    elsewhere = tmp_path / "elsewhere"  # not inside the checkout: the cell must find it by JAXLM_CHECKOUT
+    elsewhere.mkdir()
+    nb = nbformat.read(NOTEBOOKS / "03_ablation.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=1200, kernel_name="bare",
+                            resources={"metadata": {"path": str(elsewhere)}}).execute()
+    text = outputs(nb)
+    assert f"installing {checkout}[notebooks] into {venv}" in text and f"working in {checkout}" in text
+    assert sum(bool(o.get("data", {}).get("image/png")) for c in nb.cells for o in c.get("outputs", [])) >= 3
+    assert subprocess.run([python, "-c", "import jaxlm"], cwd=elsewhere).returncode == 0
 
 
 @pytest.mark.slow
