@@ -9,11 +9,15 @@
 #   install  the carried wheels (.whl/*.whl) into /tmp/site; PYTHONPATH=/tmp/site:$PWD
 #   doctor   python -m jaxlm.doctor --expect=gpu
 #   mfu      benchmarks/mfu.py --recipe 1b (micro-batches resolved by the planner)   -> $OUT/mfu_1b.json
-#   sweep    mfu.py per point over model.attention x model.loss_chunk_len, one process per point, in priority
-#            order, while the time budget allows                                     -> $OUT/mfu_sweep.json
-#            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU)
+#   sweep    mfu.py per point over model.attention x model.loss_chunk_len [x run.xla_flags], one process per
+#            point, in priority order, while the time budget allows                  -> $OUT/mfu_sweep.json
+#            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU; the
+#            points with XLA flags compare against it, one candidate flag each)
 #   ckpt     benchmarks/checkpoint.py --recipes 125m (issue 4)                       -> $OUT/checkpoint.json
 #   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left   -> $OUT/hlo_audit.json, $OUT/hlo/*.hlo.gz
+#   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
+#            wheels in .whl/nb (nbclient, ipykernel, matplotlib, ...) installed to /tmp/nbsite (issue 8:
+#            the notebooks run on a GPU unchanged); its text outputs go into session.log
 # At most 7 files come back (the device tool returns 8 at most, 16 MiB each, 2 folders deep).
 #
 # The whole script keeps to GPU_SESSION_BUDGET_S seconds (default 540, inside a 600 s call): each step's
@@ -23,10 +27,11 @@
 #   PYTHON                  interpreter (default python3)
 #   GPU_SESSION_DRY=1       same as --dry-run
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
-#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu sweep ckpt hlo")
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu sweep ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
-#   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len ..." in priority order
-#                           (default "xla:0 cudnn:512 xla:512"; dry "xla:0 cudnn:64 xla:64")
+#   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order
+#                           (default: xla:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU flags,
+#                           see below; dry "xla:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
 #   MFU_STEPS/MFU_WARMUP    timed/warm-up steps of the mfu step (default 5/2; dry 2/1)
 #   SWEEP_STEPS/SWEEP_WARMUP  the same per sweep point (default 2/1; dry 1/1)
 #   JAX_COMPILATION_CACHE_DIR  persistent XLA cache (default /tmp/jaxlm_xla_cache): a program compiled
@@ -50,12 +55,12 @@ if [ "$DRY" = 1 ]; then
     OUT=${OUT:-/tmp/gpu_dry}
     BUDGET=${GPU_SESSION_BUDGET_S:-300}
     BIG=tiny; CKPT_RECIPE=tiny; EXPECT=cpu
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:64 xla:64"}
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
     #        cap min reserve (seconds)
-    DOCTOR=(60 10 0); MFU=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0)
+    DOCTOR=(60 10 0); MFU=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
 else
     if [ -z "${OUT:-}" ]; then
         OUT=/tmp/gpu_session_out
@@ -63,13 +68,16 @@ else
     fi
     BUDGET=${GPU_SESSION_BUDGET_S:-540}
     BIG=1b; CKPT_RECIPE=125m; EXPECT=gpu
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:512 xla:512"}
+    # XLA GPU flags MaxText and others set (each alone, against XLA's defaults): cuBLAS instead of Triton
+    # for GEMMs, no CUDA graphs, the latency-hiding scheduler (for one GPU: overlap of copies, if any)
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
+cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding_scheduler=true"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
-    DOCTOR=(90 20 0); MFU=(240 60 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0)
+    DOCTOR=(90 20 0); MFU=(240 60 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
 fi
-STEPS=" ${GPU_SESSION_STEPS:-doctor mfu sweep ckpt hlo} "
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu sweep ckpt hlo notebook} "
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -149,17 +157,19 @@ if wanted sweep; then
     i=0
     for point in $SWEEP; do
         i=$((i + 1))
-        attn=${point%%:*}; chunk=${point##*:}
-        step "sweep $attn/$chunk" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$SWEEP_STEPS" \
-            --warmup "$SWEEP_WARMUP" --set model.attention="$attn" model.loss_chunk_len="$chunk" \
+        IFS=: read -r attn chunk flags <<< "$point"
+        flags=${flags//,/ }
+        step "sweep $attn/$chunk${flags:+ $flags}" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG \
+            --steps "$SWEEP_STEPS" --warmup "$SWEEP_WARMUP" \
+            --set model.attention="$attn" model.loss_chunk_len="$chunk" ${flags:+"run.xla_flags=$flags"} \
             --json "$SCRATCH/sweep_$i.json"
         if [ ! -s "$SCRATCH/sweep_$i.json" ]; then
             status=${SUMMARY[-1]#*|}; status=${status%%|*}
             if [ "$status" != skipped ] && [ -s "$SCRATCH/step.log" ]; then  # the error's last line
                 status="$status: $(grep -v '^###' "$SCRATCH/step.log" | tail -1 | cut -c1-200 | tr -d '"\\')"
             fi
-            printf '[{"recipe": "%s", "overrides": {"model.attention": "%s", "model.loss_chunk_len": "%s"}, "status": "%s"}]\n' \
-                "$BIG" "$attn" "$chunk" "$status" > "$SCRATCH/sweep_$i.json"
+            printf '[{"recipe": "%s", "overrides": {"model.attention": "%s", "model.loss_chunk_len": "%s", "run.xla_flags": "%s"}, "status": "%s"}]\n' \
+                "$BIG" "$attn" "$chunk" "$flags" "$status" > "$SCRATCH/sweep_$i.json"
         fi
     done
     $PYTHON - "$OUT/mfu_sweep.json" "$SCRATCH"/sweep_*.json <<'EOF' 2>&1 | tee -a "$LOG"
@@ -183,6 +193,18 @@ if wanted hlo; then
     fi
 fi
 
+# 7. the quickstart notebook in a real kernel, if time is left -------------------------------------------
+if wanted notebook; then
+    if ! $PYTHON -c 'import nbclient, ipykernel, matplotlib' 2>/dev/null && ls .whl/nb/*.whl >/dev/null 2>&1; then
+        timeout -k 10 120 $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/nbsite .whl/nb/*.whl 2>&1 | grep -v "Running pip as the 'root' user" | tail -3 | tee -a "$LOG"
+        export PYTHONPATH=/tmp/nbsite:$PYTHONPATH
+    fi
+    mkdir -p "$SCRATCH/runs"
+    export JAXLM_RUNS_DIR=$SCRATCH/runs
+    step notebook "${NB[@]}" -- $PYTHON benchmarks/run_notebook.py notebooks/01_quickstart.ipynb
+fi
+
 # summary ---------------------------------------------------------------------------------------------------
 {
     echo
@@ -201,13 +223,13 @@ for name in ("mfu_1b.json", "mfu_sweep.json"):
     except (OSError, ValueError):
         pass
 if rows:
-    cols = ["attention", "loss_chunk_len", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
+    cols = ["attention", "loss_chunk_len", "xla_flags", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
             "peak_memory_gib", "status"]
     print("\n| file | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, r in rows:
         o = r.get("overrides", {})
         vals = {**r, "attention": r.get("attention", o.get("model.attention", "")),
-                "loss_chunk_len": o.get("model.loss_chunk_len", "0")}
+                "loss_chunk_len": o.get("model.loss_chunk_len", "0"), "xla_flags": o.get("run.xla_flags", "")}
         cells = []
         for c in cols:
             v = vals.get(c, "")
