@@ -235,13 +235,12 @@ def make_train_step(
             denom = jnp.maximum(tokens, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            # A non-finite loss or gradient never reaches the state: the update is dropped (the
-            # select fuses into the elementwise optimizer update), and the host applies the policy.
+            # A non-finite loss or gradient never reaches the state: the optimizer keeps its state
+            # (selected inside it, so XLA updates the moments in place: jaxlm.optim), the update is
+            # dropped, and the host applies the policy.
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params, finite=finite)
+            params = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), state.params, updates)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from helpers import random_batch, small_config
@@ -170,6 +171,32 @@ def test_a_non_finite_loss_never_reaches_the_state():
     assert int(state.step) == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
     assert not np.array_equal(jax.device_get(state.params)["unembed"], before[0]["unembed"])  # the finite step applied
+
+
+def test_the_optimizer_is_optax_adamw_and_keeps_its_state_unless_finite():
+    """make_optimizer's AdamW (moments selected inside, for in-place updates) computes exactly what
+    optax.chain(clip, optax.adamw) does, in the same state structure; with finite=False, even on NaN
+    gradients, its state comes back unchanged."""
+    o = config.recipe("tiny").optim
+    params = {"w": jnp.linspace(-1.0, 1.0, 96).reshape(8, 12), "b": jnp.linspace(0.0, 0.5, 12)}
+    mask = {"w": True, "b": False}
+    ours, schedule = optim.make_optimizer(o, 50, mask)
+    ref = optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(
+        schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask))
+    state, ref_state = ours.init(params), ref.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+    update = jax.jit(ours.update)
+    key = jax.random.key(0)
+    for i in range(4):
+        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, i), p.shape), params)
+        u, state = update(grads, state, params, finite=jnp.bool_(True))
+        ref_u, ref_state = jax.jit(ref.update)(grads, ref_state, params)
+        jax.tree.map(np.testing.assert_array_equal, (u, state), (ref_u, ref_state))
+        params = optax.apply_updates(params, u)
+    nan_grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)
+    _, kept = update(nan_grads, state, params, finite=jnp.bool_(False))
+    jax.tree.map(np.testing.assert_array_equal, kept, state)
+    assert int(kept[1][0].count) == 4 and int(kept[1][2].count) == 4
 
 
 def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
