@@ -34,7 +34,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import checkpoint, inference, steps
+from jaxlm import checkpoint, inference, steps, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import trainer as trainer_lib
@@ -89,8 +89,10 @@ def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str |
     `build("tiny", devices=1)` is one device; `build("1b", devices="cpu", mesh=(1, 4, 2),
     abstract=True)` lays a large model out on 8 CPU devices without allocating it (shapes and
     shardings only: for `parameter_table`, `show_sharding` and `Trainer.compile_train_step`).
+    `run__xla_flags` takes effect only in the first `build` of a kernel that has not started JAX yet.
     """
     cfg = make_config(recipe, mesh=mesh, **overrides)
+    xla_flags.apply(cfg.run.xla_flags)  # before pick_devices starts JAX; once it has, refused, not ignored
     return trainer_lib.build_trainer(cfg, pick_devices(devices), abstract=abstract)
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from jaxlm import xla_flags
@@ -47,3 +48,12 @@ def test_flags_reach_xla_and_only_before_jax_starts():
     lines = out.stdout.splitlines()
     assert lines[0] == "3 True"
     assert lines[1].startswith("refused: run.xla_flags can only be set before JAX starts")
+
+
+def test_a_notebook_build_refuses_flags_once_jax_has_started():
+    from jaxlm import explore
+
+    jax_devices = jax.devices()  # JAX has started in this process (8 CPU devices)
+    with pytest.raises(UserError, match="only be set before JAX starts"):
+        explore.build("tiny", devices=1, abstract=True, run__xla_flags="--xla_force_host_platform_device_count=3")
+    assert len(jax_devices) == 8
