@@ -7,9 +7,9 @@ all start with a linear warmup from 0 to `peak_lr`. Gradient accumulation lives 
 The optimizer's update takes `finite=` (a traced bool): when false, its state stays as it was (the
 train step's non-finite guard), selected inside each stateful transform before the new moments feed
 the update. Selecting after optax's update instead leaves XLA two consumers of each new moment and
-it copies both moments every step (8.8 GB per step for the 1b recipe on XLA:CPU, and as much
-temporary memory); selected here they are updated in place. The state's structure is optax's
-`adamw` (chained after clipping), so checkpoints are the same.
+it copies both moments every step (8.8 GB per step for the 1b recipe on XLA:CPU); selected here
+they are updated in place. The state's structure is optax's `adamw` (chained after clipping), so
+checkpoints are the same.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def scale_by_learning_rate_unless(schedule: optax.Schedule) -> optax.GradientTra
         del params, extra
         lr = schedule(state.count)
         updates = jax.tree.map(lambda u: jnp.asarray(-lr, u.dtype) * u, updates)
-        return updates, optax.ScaleByScheduleState(count=jnp.where(finite, optax.safe_increment(state.count), state.count))
+        count = jnp.where(finite, optax.safe_increment(state.count), state.count)
+        return updates, optax.ScaleByScheduleState(count=count)
 
     return optax.GradientTransformationExtraArgs(optax.scale_by_learning_rate(schedule).init, update_fn)
