@@ -27,7 +27,7 @@ loss and bits per byte), `results.md` (per variant, mean ± standard deviation o
     --search grid|random|optuna [--trials N]
                           search `search_space` instead of running `variants`: the grid of its
                           points, N random draws (fixed by `search_seed`, so a search resumes),
-                          or Optuna's TPE sampler when optuna is installed (pip install optuna)
+                          or Optuna's TPE sampler (optuna: pip install -e ".[search]")
     --early_stop          stop a run whose validation loss is worse than the median of the other
                           runs' at the same step (with optuna: its MedianPruner); always on with
                           optuna unless --no_early_stop

@@ -213,7 +213,7 @@ def test_early_stopping_stops_a_bad_trial_from_its_logged_val_loss_and_a_resume_
 
 @pytest.mark.slow
 def test_an_optuna_search_prunes_from_the_logged_val_loss_and_resumes(tmp_path):
-    optuna = pytest.importorskip("optuna")
+    import optuna  # in the dev extra: `make test-slow` runs this, never skips it
     path = write_experiment(tmp_path / "bayes.py", tmp_path / "cache",
                             "search_space={'optim.peak_lr': Choice([3e-3, 2e-3, 1e-7])}")
     out = tmp_path / "runs"
