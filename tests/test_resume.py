@@ -81,6 +81,12 @@ def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted
     assert code == 0, err[-3000:]
     assert "resuming from step 15" in out
     assert losses(tmp / "killed") == expected  # same steps, once each, same values
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp / "killed" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()  # several event files, one per process; the killed ones' later points are dropped
+    assert len(list((tmp / "killed" / "tensorboard").iterdir())) == 5  # five processes
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, pytest.approx(v)) for s, v in expected]
 
 
 def test_a_finished_run_is_not_redone_and_changes_that_matter_are_refused(uninterrupted):
