@@ -9,6 +9,9 @@
 #   install  the carried wheels (.whl/*.whl) into /tmp/site; PYTHONPATH=/tmp/site:$PWD
 #   doctor   python -m jaxlm.doctor --expect=gpu
 #   mfu      benchmarks/mfu.py --recipe 1b (micro-batches resolved by the planner)   -> $OUT/mfu_1b.json
+#   attention  benchmarks/attention.py at 1b's shapes (8 x 2048, documents of mean length 512): each kernel
+#            checked against the float32 reference, then timed: cuDNN with the document mask (jaxlm's path),
+#            cuDNN's packed layout, Pallas with segment ids, XLA, cuDNN causal-only  -> $OUT/attention.json
 #   sweep    mfu.py per point over model.attention x model.loss_chunk_len [x run.xla_flags], one process per
 #            point, in priority order, while the time budget allows                  -> $OUT/mfu_sweep.json
 #            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU; the
@@ -18,7 +21,7 @@
 #   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
 #            wheels in .whl/nb (nbclient, ipykernel, matplotlib, ...) installed to /tmp/nbsite (issue 8:
 #            the notebooks run on a GPU unchanged); its text outputs go into session.log
-# At most 7 files come back (the device tool returns 8 at most, 16 MiB each, 2 folders deep).
+# At most 8 files come back (the device tool returns 8 at most, 16 MiB each, 2 folders deep).
 #
 # The whole script keeps to GPU_SESSION_BUDGET_S seconds (default 540, inside a 600 s call): each step's
 # limit is min(its cap, what is left of the budget less what later steps are reserved).
@@ -27,7 +30,7 @@
 #   PYTHON                  interpreter (default python3)
 #   GPU_SESSION_DRY=1       same as --dry-run
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
-#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu sweep ckpt hlo notebook")
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order
 #                           (default: xla:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU flags,
@@ -60,7 +63,8 @@ if [ "$DRY" = 1 ]; then
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
     #        cap min reserve (seconds)
-    DOCTOR=(60 10 0); MFU=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
+    DOCTOR=(60 10 0); MFU=(120 20 0); ATTN=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
+    ATTN_ARGS=(--recipe tiny --seq 64 --batch 2 --doc_len 20 --pad 5)
 else
     if [ -z "${OUT:-}" ]; then
         OUT=/tmp/gpu_session_out
@@ -75,9 +79,10 @@ cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
-    DOCTOR=(90 20 0); MFU=(240 60 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
+    DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
+    ATTN_ARGS=(--recipe 1b)
 fi
-STEPS=" ${GPU_SESSION_STEPS:-doctor mfu sweep ckpt hlo notebook} "
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu attention sweep ckpt hlo notebook} "
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -151,6 +156,10 @@ wanted doctor && step doctor "${DOCTOR[@]}" -- $PYTHON -m jaxlm.doctor --expect=
 # 3. MFU of the big recipe (micro-batches resolved automatically) ------------------------------------------
 wanted mfu && step mfu "${MFU[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$MFU_STEPS" \
     --warmup "$MFU_WARMUP" --json "$OUT/mfu_1b.json"
+
+# 3b. attention kernels at the big recipe's shapes, with packed documents --------------------------------
+wanted attention && step attention "${ATTN[@]}" -- $PYTHON benchmarks/attention.py "${ATTN_ARGS[@]}" \
+    --json "$OUT/attention.json"
 
 # 4. sweep: one mfu.py process per point (mfu.py's own --sweep keeps a parent process holding the GPU) ------
 if wanted sweep; then

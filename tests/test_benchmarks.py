@@ -123,3 +123,51 @@ def test_hlo_audit_counts_collectives_times_loop_trips():
     assert hlo_audit.data_movement(module, 5)["collectives"]["all-reduce"] == {"in_text": 1, "per_step": 3}
     pre = hlo_audit.Module(lowered.as_text(dialect="hlo"), trip_counts_from="condition")
     assert pre.unknown_trip_counts == 0 and max(pre.runs.values()) == 3  # the loop body, from its condition
+
+
+def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
+    """On a CPU: XLA and the interpreted Pallas kernel agree with the float32 reference on packed
+    documents with padding; the cuDNN candidates say they were skipped; the table comes last."""
+    out = tmp_path / "attention.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/attention.py", "--recipe", "tiny", "--seq", "64", "--batch", "2",
+         "--doc_len", "20", "--pad", "5", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in report["rows"]}
+    for name in ("xla", "pallas"):
+        assert rows[name]["check"] == "ok" and 0 < rows[name]["err_grad"] < 0.03 and rows[name]["ms"] > 0
+    assert {rows[n]["check"] for n in ("cudnn", "cudnn_packed", "cudnn_packed_causal", "cudnn_causal")} == {
+        "skipped: not a GPU"}
+    assert report["documents"] > 2 * 2 and report["max_segments"] >= 3  # several documents per row, and padding
+    assert result.stdout.strip().splitlines()[-1].startswith("tiny: batch 2 x 64")
+
+
+def test_attention_benchmark_check_fails_a_kernel_that_crosses_documents():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention as bench
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlm.models.attention import reference_attention
+
+    seg = jnp.asarray(bench.packed_rows(2, 32, 8, 3, seed=0))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, cot = (jax.random.normal(key, (2, 32, 4, 16)) for key in keys)
+    inputs = (q, k, v, seg, cot)
+
+    def documents(q, k, v, seg):
+        return reference_attention(q, k, v, segment_ids=seg)
+
+    def causal_only(q, k, v, seg):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    assert bench.check(documents, documents, inputs, 1e-6)["check"] == "ok"
+    wrong = bench.check(causal_only, documents, inputs, 0.03)
+    assert wrong["check"] == "WRONG" and wrong["err_out"] > 0.1
+    _, offsets, _ = bench.attention.packed_segments(seg, 32)
+    assert bench.segment_runs(np.asarray(seg)) == int((offsets >= 0).sum(axis=1).max())  # the layout's M

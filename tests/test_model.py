@@ -170,3 +170,21 @@ def test_transformer_builds_without_a_mesh_and_from_a_recipe():
     assert isinstance(Transformer(mc, rngs=nnx.Rngs(0)), Transformer)
     mc = ModelConfig.from_config(config.recipe("tiny", model__mlp="gelu").model)  # an ablation of one component
     assert (mc.norm, mc.mlp, mc.position) == ("rmsnorm", "gelu", "rope")
+
+
+@pytest.mark.parametrize("max_segments", [4, 3])
+def test_packed_segments_cover_each_document_causally(max_segments):
+    """cuDNN's packed layout from segment ids (padding runs are segments too): the same mask as the
+    document mask and the causal mask together, and `fits` is False once a row has too many runs."""
+    seg = jnp.array([[1] * 5 + [2] * 3 + [3] * 6 + [0] * 2, [1] * 16, [1, 1, 2, 2, 3, 3] + [0] * 10])
+    seqlens, offsets, fits = attention.packed_segments(seg, max_segments)
+    if max_segments == 4:
+        assert bool(fits)
+        np.testing.assert_array_equal(offsets, [[0, 5, 8, 14, -1], [0, -1, -1, -1, -1], [0, 2, 4, 6, -1]])
+        np.testing.assert_array_equal(seqlens, [[5, 3, 6, 2], [16, -1, -1, -1], [2, 2, 2, 10]])
+        causal = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+        want = causal & attention.document_mask(seg)
+        np.testing.assert_array_equal(attention.segments_mask(seqlens, offsets, 16), want)
+    else:  # rows 0 and 2 have 4 runs each
+        assert not bool(fits)
+        np.testing.assert_array_equal(offsets[1], [0, -1, -1, -1])

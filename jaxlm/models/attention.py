@@ -54,6 +54,37 @@ def document_mask(segment_ids: jax.Array) -> jax.Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
 
 
+def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Segment ids [B, T] -> cuDNN's packed ("ragged") layout: (seqlens [B, M], offsets [B, M + 1], fits).
+
+    Each maximal run of equal ids in a row is one segment, padding runs included, so that every token
+    lies in exactly one segment: offsets[b, i] is where row b's i-th run starts and seqlens[b, i] its
+    length; -1 fills the rest (the layout of `jax._src.cudnn.fused_attention_stablehlo`). `fits` is
+    False when some row has more than M runs, which the layout cannot express; the caller must then
+    fall back to a mask. Attention restricted to each segment, causal from the segment's start, is
+    exactly the document mask and the causal mask together (`segments_mask`, tested on CPU).
+    """
+    b, t = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [B, T]: the run each token is in
+    rows = jnp.arange(b)[:, None]
+    slot = jnp.where(starts & (run < max_segments), run, max_segments + 1)  # out of range: dropped
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    offsets = jnp.full((b, max_segments + 1), -1, jnp.int32).at[rows, slot].set(positions, mode="drop")
+    lengths = jnp.zeros((b, max_segments), jnp.int32).at[rows, run].add(1, mode="drop")
+    seqlens = jnp.where(lengths > 0, lengths, -1)
+    return seqlens, offsets, jnp.all(run[:, -1] < max_segments)
+
+
+def segments_mask(seqlens: jax.Array, offsets: jax.Array, length: int) -> jax.Array:
+    """[B, 1, T, T] bool: what attention over (seqlens, offsets) segments, causal within each, allows."""
+    pos = jnp.arange(length)
+    starts, lengths = offsets[:, :-1, None], seqlens[:, :, None]
+    inside = (lengths > 0) & (pos >= starts) & (pos < starts + lengths)  # [B, M, T]
+    same = jnp.einsum("bmq,bmk->bqk", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    return (same & (pos[:, None] >= pos[None, :]))[:, None]
+
+
 def attend(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H], K divides N (grouped-query)
