@@ -21,9 +21,9 @@ Candidates (--impls):
                        (`attention.packed_segments`, at most --max_segments per row), mask type PADDING_CAUSAL,
                        no mask tensor (Hopper or later); through a private jax module (`jax._src.cudnn`)
   cudnn_packed_causal  the same with mask type CAUSAL
-  pallas               jax's Pallas (Triton) flash attention with segment ids
-                       (`jax.experimental.pallas.ops.gpu.attention.mha`), key/value heads repeated for grouped
-                       queries; interpreted on a CPU (correct, not fast)
+  pallas               jax's Pallas (Triton) flash attention with segment ids (`model.attention=pallas`,
+                       `attention.pallas_attention`), key/value heads repeated for grouped queries;
+                       interpreted on a CPU (correct, not fast)
   cudnn_causal         cuDNN with the causal mask only: attends across documents, so it is checked against a
                        causal-only reference; the time without any document masking, a bound for the others
 A candidate that cannot run here is reported as skipped (cuDNN on a CPU) or failed, with the reason.
@@ -76,9 +76,9 @@ def segment_runs(segment_ids: np.ndarray) -> int:
     return int((np.diff(segment_ids, axis=1) != 0).sum(axis=1).max()) + 1
 
 
-def candidate(name: str, *, max_segments: int, interpret: bool):
+def candidate(name: str, *, max_segments: int):
     """(q, k, v, segment_ids) -> attention output, for one of IMPLS."""
-    if name in ("xla", "cudnn"):
+    if name in ("xla", "cudnn", "pallas"):  # the model's own kernels
         return lambda q, k, v, seg: attention.attend(q, k, v, segment_ids=seg, implementation=name)
     if name == "cudnn_causal":
         return lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -94,20 +94,6 @@ def candidate(name: str, *, max_segments: int, interpret: bool):
                 scale=1.0 / math.sqrt(q.shape[-1]), mask_type=mask_type)
 
         return packed
-    if name == "pallas":
-        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
-        def pallas(q, k, v, seg):
-            groups = q.shape[2] // k.shape[2]
-            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-            kwargs = {}
-            if interpret:  # small blocks: the interpreter's cost grows with the block size
-                b = min(16, q.shape[1])
-                kwargs["block_sizes"] = pallas_attention.BlockSizes(b, b, b, b, b, b)
-            return pallas_attention.mha(q, k, v, seg, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
-                                        interpret=interpret, **kwargs)
-
-        return pallas
     raise SystemExit(f"attention.py: unknown candidate {name!r}; choose from {', '.join(IMPLS)}")
 
 
@@ -158,14 +144,13 @@ def references(inputs) -> dict[bool, tuple]:
     return result
 
 
-def measure(name: str, inputs, reference: tuple, *, steps: int, max_segments: int, tolerance: float,
-            interpret: bool) -> dict:
+def measure(name: str, inputs, reference: tuple, *, steps: int, max_segments: int, tolerance: float) -> dict:
     q, k, v, seg, cot = inputs
     row = {"impl": name}
     if name in CUDNN and jax.default_backend() != "gpu":
         return {**row, "check": "skipped: not a GPU"}
     try:
-        fn = candidate(name, max_segments=max_segments, interpret=interpret)
+        fn = candidate(name, max_segments=max_segments)
         row.update(check(fn, reference, inputs, tolerance))
         compiled = loss_and_grads(fn).lower(q, k, v, seg, cot).compile()
         jax.block_until_ready(compiled(q, k, v, seg, cot))
@@ -222,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     expected = references(inputs)
     rows = []
     for name in args.impls:
-        row = measure(name, inputs, expected[name != "cudnn_causal"], steps=args.steps, max_segments=max_segments, tolerance=args.tolerance,
-                      interpret=not gpu)
+        row = measure(name, inputs, expected[name != "cudnn_causal"], steps=args.steps, max_segments=max_segments,
+                      tolerance=args.tolerance)
         rows.append(row)
         print(json.dumps(row), flush=True)
 

@@ -33,8 +33,8 @@
 #   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order
-#                           (default: xla:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU flags,
-#                           see below; dry "xla:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
+#                           (default: xla:0 pallas:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU
+#                           flags, see below; dry "xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
 #   MFU_STEPS/MFU_WARMUP    timed/warm-up steps of the mfu step (default 5/2; dry 2/1)
 #   SWEEP_STEPS/SWEEP_WARMUP  the same per sweep point (default 2/1; dry 1/1)
 #   JAX_COMPILATION_CACHE_DIR  persistent XLA cache (default /tmp/jaxlm_xla_cache): a program compiled
@@ -58,7 +58,7 @@ if [ "$DRY" = 1 ]; then
     OUT=${OUT:-/tmp/gpu_dry}
     BUDGET=${GPU_SESSION_BUDGET_S:-300}
     BIG=tiny; CKPT_RECIPE=tiny; EXPECT=cpu
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false"}
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
@@ -74,7 +74,7 @@ else
     BIG=1b; CKPT_RECIPE=125m; EXPECT=gpu
     # XLA GPU flags MaxText and others set (each alone, against XLA's defaults): cuBLAS instead of Triton
     # for GEMMs, no CUDA graphs, the latency-hiding scheduler (for one GPU: overlap of copies, if any)
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
+    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 pallas:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
 cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding_scheduler=true"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}

@@ -28,7 +28,7 @@ RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 MESH_AXES = ("data", "fsdp", "tensor")
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -101,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         scan_layers=True,
         remat="none",  # none | full | dots | dots_no_batch
-        attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn
+        attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn | pallas (Triton flash attention with segment ids)
         # Make the logits and the loss this many positions at a time (0 = the whole sequence at once):
         # only [batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].
         loss_chunk_len=0,

@@ -92,6 +92,7 @@ from jaxlm.errors import UserError
 
 GIB = 2**30
 F32 = 4
+FLASH = ("cudnn", "pallas")  # kernels that keep no [T, S] scores (Pallas's repeated key/value heads not counted)
 TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1.11 measured)
 REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
 # Calibrated against the buffer assignment of the compiled train step (module docstring):
@@ -219,7 +220,7 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
 
 def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     """What the attention kernel itself keeps for its backward pass (per device)."""
-    if m.attention == "cudnn":
+    if m.attention in FLASH:
         return F32 * s.head_stats  # flash attention keeps only its softmax statistics
     return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
 
@@ -256,7 +257,7 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
     # scores and their gradients, the rest of the layer its recomputed activations; the weights'
     # gather and gradient overlap both.
-    if m.attention == "cudnn":  # q, k, v, the output, their gradients, the softmax statistics
+    if m.attention in FLASH:  # q, k, v, the output, their gradients, the softmax statistics
         attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
     else:  # f32 logits and softmax, the probabilities, and the gradients of both
         attention = (3 * F32 + a) * s.scores
@@ -277,7 +278,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     if policy == "dots_no_batch":
         return block_input + projections
     if policy == "dots":  # also the attention's batched matmuls (XLA attention only)
-        batched = (F32 * s.scores + a * s.q) if m.attention != "cudnn" else 0.0
+        batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
         return block_input + projections + batched
     raise ValueError(f"unknown remat policy {policy!r}")
 

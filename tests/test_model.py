@@ -158,6 +158,11 @@ def test_attention_selection_is_explicit():
         attention.select_implementation("cudnn", "cpu")
     with pytest.raises(UserError, match="bfloat16 or float16"):
         attention.select_implementation("cudnn", "gpu", dtype=jnp.float32)
+    # Pallas only when asked for (not measured against cuDNN yet); off a GPU interpreted, and said so.
+    assert attention.select_implementation("pallas", "gpu") == "pallas"
+    assert attention.select_implementation("pallas", "cpu") == "pallas"
+    with pytest.raises(UserError, match="multiple of 16"):
+        attention.attend(*(jnp.zeros((1, 24, 2, 8)),) * 3, implementation="pallas")
 
 
 def test_transformer_builds_without_a_mesh_and_from_a_recipe():

@@ -2,6 +2,10 @@
 
 `attend` is the only place that knows which kernel runs. Packed documents are given as segment ids
 (0 = padding, 1.. = document within the row); a query attends to earlier keys of its own document.
+Kernels: XLA's attention (the reference, any backend); cuDNN flash attention (GPUs; the document mask
+reaches it as a dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
+themselves (GPUs; interpreted elsewhere: correct and slow, for tests). `benchmarks/attention.py`
+checks and times them against each other.
 Decoding goes through `attend_cached` instead: keys and values of earlier tokens come from a
 `KVCache`, always with XLA's attention.
 """
@@ -9,17 +13,18 @@ Decoding goes through `attend_cached` instead: keys and values of earlier tokens
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import constrain
+from jaxlm.mesh import constrain, logical_to_spec
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("xla", "cudnn")
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
 
 
 def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
@@ -35,6 +40,7 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     """Resolve 'auto' for the backend, dtype and head size; the choice and any fallback are logged.
 
     An explicit kernel the backend cannot run is a config error (one clear line), never a silent swap.
+    'auto' never picks Pallas (not yet measured against cuDNN on a GPU); off a GPU it runs interpreted.
     """
     platform = platform or jax.default_backend()
     if requested not in ("auto", *IMPLEMENTATIONS):
@@ -43,6 +49,8 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
     chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")
+    if chosen == "pallas" and platform != "gpu":
+        log.warning("attention: 'pallas' on %s runs the kernel interpreted: correct, and far slower than 'xla'", platform)
     if requested == "auto":
         why = f" (cuDNN not used: {reason})" if reason and platform == "gpu" else ""
         (log.warning if why else log.info)("attention: 'auto' chose %r on %s%s", chosen, platform, why)
@@ -94,9 +102,49 @@ def attend(
     implementation: str = "xla",
 ) -> jax.Array:  # [B, T, N, H]
     """Causal softmax attention; with segment ids, no attention across documents."""
+    if implementation == "pallas":
+        return pallas_attention(q, k, v, segment_ids)
     # The mask follows the batch, never the sequence: made whole where the attention runs.
     mask = None if segment_ids is None else constrain(document_mask(segment_ids), ("act_batch", None, None, None))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+PALLAS_BLOCK = 16  # the smallest block Triton's matmuls take: sequences must be a multiple of it
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """jax's Pallas (Triton) flash attention, causal, with segment ids; key/value heads repeated per
+    query group. Under a mesh it runs per shard (shard_map): batch and heads split as the activations
+    are, the sequence whole, as for the other kernels."""
+    from flax.linen import spmd
+    from jax.experimental.pallas.ops.gpu import attention as kernel
+
+    b, t, n, h = q.shape
+    if t % PALLAS_BLOCK:
+        raise UserError(f"config.model.attention='pallas' needs a sequence length that is a multiple of "
+                        f"{PALLAS_BLOCK}, not {t}; change data.seq_len or use 'cudnn' or 'xla'")
+    interpret = jax.default_backend() != "gpu"
+    block = math.gcd(t, 32 if interpret else 128)  # jax's defaults on a GPU: 128 forward, 32 backward
+    small = math.gcd(t, 32)
+    blocks = kernel.BlockSizes(block_q=block, block_k=block, block_q_dkv=small, block_kv_dkv=small,
+                               block_q_dq=small, block_kv_dq=small)
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+
+    def local(q, k, v, segment_ids):
+        groups = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        return kernel.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
+                          interpret=interpret)
+
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return local(q, k, v, segment_ids)
+    q_spec = logical_to_spec(("act_batch", None, "act_heads", None), rules)
+    kv_spec = logical_to_spec(("act_batch", None, "act_kv_heads", None), rules)
+    row_spec = logical_to_spec(("act_batch", None), rules)
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
 
 
 class KVCache(NamedTuple):
