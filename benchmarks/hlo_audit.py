@@ -55,7 +55,7 @@ def _load(name: str):
     try:
         spec.loader.exec_module(module)
     finally:
-        sys.path[:] = saved  # the scripts put their own folder first, which shadows packages (multiprocess)
+        sys.path[:] = saved  # the scripts put their own folder first, which can shadow packages
     return module
 
 

@@ -1,5 +1,9 @@
 """Small shared builders for the tests."""
 
+import importlib.util
+import pathlib
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,3 +40,18 @@ def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, packed: bool =
         "segment_ids": np.repeat(seg[None], batch, 0),
         "positions": np.repeat(pos[None], batch, 0),
     }
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module, leaving sys.path as it was: a script's folder left first on
+    sys.path shadows packages for every later test (a benchmarks/multiprocess.py once hid the
+    `multiprocess` package that `datasets` imports, and its test was skipped)."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", path)
+    module, saved = importlib.util.module_from_spec(spec), list(sys.path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module

@@ -147,13 +147,14 @@ def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
 
 
 def test_attention_benchmark_check_fails_a_kernel_that_crosses_documents():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import attention as bench
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from helpers import load_benchmark
     from jaxlm.models.attention import reference_attention
+
+    bench = load_benchmark("attention")
 
     seg = jnp.asarray(bench.packed_rows(2, 32, 8, 3, seed=0))
     keys = jax.random.split(jax.random.key(0), 4)

@@ -4,14 +4,12 @@ hybrid sharding (fsdp within a host, data across hosts). Each trains exactly lik
 """
 
 import math
-import pathlib
-import sys
 
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import random_batch
+from helpers import load_benchmark, random_batch
 from jaxlm import config
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -101,8 +99,8 @@ def test_each_option_trains_like_plain_data_parallel(overrides):
 def test_the_communication_benchmark_counts_collectives_times_their_loops():
     """benchmarks/communication.py on a hand-written HLO: a gradient all-reduce inside a 4-trip loop,
     an all-gather within each host of 4 devices, a tuple-shaped all-reduce with index comments."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    from communication import collectives, device_groups
+    communication = load_benchmark("communication")
+    collectives, device_groups = communication.collectives, communication.device_groups
 
     hlo = """HloModule step
 
@@ -133,8 +131,7 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 
 def _compiled_collectives(**overrides) -> tuple[dict, int]:
     """Collectives of the compiled train step (communication.py's count) and the float32 parameter bytes."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    from communication import collectives
+    collectives = load_benchmark("communication").collectives
     from jaxlm.trainer import build_trainer
 
     trainer = build_trainer(config.recipe("tiny", **{**SMALL, **overrides}), abstract=True)

@@ -56,7 +56,7 @@ def test_comma_separated_globs_keep_their_order_and_skip_repeats(tmp_path):
 
 
 def test_a_local_hugging_face_dataset(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")  # in the dev extra; optional for users
+    import datasets  # in the dev extra (optional for users): run, never skipped
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     datasets.Dataset.from_dict({"text": DOCS, "n": [1, 2, 3]}).save_to_disk(str(tmp_path / "one"))
     assert load_documents(SourceSpec(str(tmp_path / "one"), format="hf")) == DOCS

@@ -1,6 +1,6 @@
 """The multi-process path's overhead: the tiny recipe on 1 process x 8 CPU devices vs 2 processes x 4.
 
-    python benchmarks/multiprocess.py [--steps 40] [--json mp.json]
+    python benchmarks/multiprocess_runs.py [--steps 40] [--json mp.json]
 
 Both layouts run the real CLI (`python -m jaxlm.train`) on localhost, the two processes joined by
 `--coordinator` and talking through the gloo collectives, with the same global batches
