@@ -177,6 +177,15 @@ def test_transformer_builds_without_a_mesh_and_from_a_recipe():
     assert (mc.norm, mc.mlp, mc.position) == ("rmsnorm", "gelu", "rope")
 
 
+def _segments_mask(seqlens, offsets, length):
+    """[B, 1, T, T] bool: what attention within (seqlens, offsets) segments, causal in each, allows."""
+    pos = jnp.arange(length)
+    starts, lengths = offsets[:, :-1, None], seqlens[:, :, None]
+    inside = (lengths > 0) & (pos >= starts) & (pos < starts + lengths)  # [B, M, T]
+    same = jnp.einsum("bmq,bmk->bqk", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    return (same & (pos[:, None] >= pos[None, :]))[:, None]
+
+
 @pytest.mark.parametrize("max_segments", [4, 3])
 def test_packed_segments_cover_each_document_causally(max_segments):
     """cuDNN's packed layout from segment ids (padding runs are segments too): the same mask as the
@@ -189,7 +198,7 @@ def test_packed_segments_cover_each_document_causally(max_segments):
         np.testing.assert_array_equal(seqlens, [[5, 3, 6, 2], [16, -1, -1, -1], [2, 2, 2, 10]])
         causal = jnp.tril(jnp.ones((16, 16), bool))[None, None]
         want = causal & attention.document_mask(seg)
-        np.testing.assert_array_equal(attention.segments_mask(seqlens, offsets, 16), want)
+        np.testing.assert_array_equal(_segments_mask(seqlens, offsets, 16), want)
     else:  # rows 0 and 2 have 4 runs each
         assert not bool(fits)
         np.testing.assert_array_equal(offsets[1], [0, -1, -1, -1])

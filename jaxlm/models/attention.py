@@ -70,7 +70,7 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     length; -1 fills the rest (the layout of `jax._src.cudnn.fused_attention_stablehlo`). `fits` is
     False when some row has more than M runs, which the layout cannot express; the caller must then
     fall back to a mask. Attention restricted to each segment, causal from the segment's start, is
-    exactly the document mask and the causal mask together (`segments_mask`, tested on CPU).
+    exactly the document mask and the causal mask together (tested on CPU).
     """
     b, t = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -82,15 +82,6 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     lengths = jnp.zeros((b, max_segments), jnp.int32).at[rows, run].add(1, mode="drop")
     seqlens = jnp.where(lengths > 0, lengths, -1)
     return seqlens, offsets, jnp.all(run[:, -1] < max_segments)
-
-
-def segments_mask(seqlens: jax.Array, offsets: jax.Array, length: int) -> jax.Array:
-    """[B, 1, T, T] bool: what attention over (seqlens, offsets) segments, causal within each, allows."""
-    pos = jnp.arange(length)
-    starts, lengths = offsets[:, :-1, None], seqlens[:, :, None]
-    inside = (lengths > 0) & (pos >= starts) & (pos < starts + lengths)  # [B, M, T]
-    same = jnp.einsum("bmq,bmk->bqk", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
-    return (same & (pos[:, None] >= pos[None, :]))[:, None]
 
 
 def attend(
