@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--per_host", type=int, default=8, help="devices per host, for cross_host_gb")
     args = parser.parse_args()
 
-    from jaxlm import plan  # no backend started yet: the CPU device count can still be set
+    from jaxlm import memory, plan  # no backend started yet: the CPU device count can still be set
 
     plan.use_cpu_devices(max(args.devices))
     import jax
@@ -171,7 +171,7 @@ def main() -> None:
         # every option, so that the options compare the same program
         base = config.load_recipe(args.recipe)
         config.apply_overrides(base, sets)
-        micro = plan.for_gpus(base, n).optim.micro_batches
+        micro = memory.for_gpus(base, n).optim.micro_batches
         for name in args.options:
             overrides = OPTIONS[name](n)
             if overrides is None:
@@ -195,7 +195,7 @@ def main() -> None:
                     **{f"{op}_gb": float(f"{ops[op]['bytes'] / 1e9:.4g}") for op in COLLECTIVES},
                     total_gb=float(f"{sum(o['bytes'] for o in ops.values()) / 1e9:.4g}"),
                     cross_host_gb=float(f"{sum(o['cross_host_bytes'] for o in ops.values()) / 1e9:.4g}"),
-                    state_gib_per_device=round(plan.tree_bytes(trainer.state)[0] / 2**30, 2),
+                    state_gib_per_device=round(memory.tree_bytes(trainer.state)[0] / 2**30, 2),
                     compile_s=round(time.time() - start, 1),
                 )
             except Exception as e:  # noqa: BLE001 -- one failing option does not stop the others

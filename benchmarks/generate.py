@@ -29,7 +29,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import report  # noqa: E402
 
-from jaxlm import config, inference, train_state  # noqa: E402
+from jaxlm import axes, config, inference, train_state  # noqa: E402
 from jaxlm import mesh as mesh_lib  # noqa: E402
 from jaxlm.generate import Generator, Sampling, SamplingArrays  # noqa: E402
 from jaxlm.models.transformer import DTYPES, param_count  # noqa: E402
@@ -39,7 +39,7 @@ def build(recipe: str, param_dtype: str, devices, dtype: str | None = None) -> t
     cfg = config.load_recipe(recipe)
     model_cfg = inference.model_config(cfg, devices[0].platform, dtype)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    mesh = mesh_lib.make_mesh((1, len(devices), 1), devices)  # FSDP over every device, the default recipe mesh
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=len(devices)), devices)  # FSDP over every device, the default recipe mesh
     state, shardings, spec = train_state.create(model_cfg, optax.identity(), mesh, rules, cfg.run.seed)
     params = state.params
     if param_dtype != "float32":

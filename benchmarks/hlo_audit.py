@@ -374,13 +374,13 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
           hlo_dir: str | None) -> dict:
     import jax
 
-    from jaxlm import config, plan
+    from jaxlm import config, memory, plan
     from jaxlm.models.transformer import flops_per_token
     from jaxlm.trainer import build_trainer
 
     cfg = config.load_recipe(recipe)
     config.apply_overrides(cfg, overrides)
-    cfg = plan.for_gpus(cfg, num_devices)  # micro_batches=0 as on 80 GB GPUs, not as the host's memory allows
+    cfg = memory.for_gpus(cfg, num_devices)  # micro_batches=0 as on 80 GB GPUs, not as the host's memory allows
     trainer = build_trainer(cfg, devices=plan.compile_devices(num_devices), abstract=True)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state)
     start = time.perf_counter()

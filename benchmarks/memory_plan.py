@@ -4,7 +4,7 @@
     python benchmarks/memory_plan.py --cases 7b:64 "1b:8:mesh.data=2,mesh.fsdp=4" --json plan.json
 
 A case is `recipe:devices[:key=value,...]`. For each: the analytic per-device estimate as planned
-for GPUs (`jaxlm.plan.estimate`, cuDNN attention, bf16 activations) and its verdict against
+for GPUs (`jaxlm.memory.estimate`, cuDNN attention, bf16 activations) and its verdict against
 `--device_memory_gib`; the train step compiled ahead of time on that many devices (fake CPU devices
 unless there are enough accelerators; an abstract state, nothing allocated) with XLA's per-device
 figure (arguments + outputs - aliases + temporaries); and the analytic estimate of that same
@@ -47,20 +47,20 @@ def main() -> None:
     args = parser.parse_args()
     cases = [parse_case(c) for c in args.cases]
 
-    from jaxlm import plan  # imports no JAX backend: the CPU device count can still be set
+    from jaxlm import memory, plan  # start no JAX backend: the CPU device count can still be set
 
     plan.use_cpu_devices(max(n for _, n, _ in cases))
     import jax
 
     from jaxlm import config
 
-    gib = plan.GIB
+    gib = memory.GIB
     results = []
     for (recipe, n, overrides), case in zip(cases, args.cases):
         cfg = config.load_recipe(recipe)
         config.apply_overrides(cfg, list(overrides.items()))
-        cfg = plan.for_gpus(cfg, n, args.device_memory_gib)  # micro_batches=0 as on those GPUs
-        target = plan.estimate(cfg, n, platform="gpu")
+        cfg = memory.for_gpus(cfg, n, args.device_memory_gib)  # micro_batches=0 as on those GPUs
+        target = memory.estimate(cfg, n, platform="gpu")
         row = {
             "case": case,
             "mesh": "x".join(str(s) for s in target.mesh_shape),
@@ -72,7 +72,7 @@ def main() -> None:
         }
         if not args.no_compile:
             compiled = plan.compiled_memory(cfg, plan.compile_devices(n))
-            same = plan.estimate(cfg, n, platform=compiled["platform"], act_bytes=plan.cpu_act_bytes() if compiled["platform"] == "cpu" else None)
+            same = memory.estimate(cfg, n, platform=compiled["platform"], act_bytes=memory.cpu_act_bytes() if compiled["platform"] == "cpu" else None)
             row.update(
                 compiled_on=f"{n}x {compiled['platform']}",
                 analytic_same_gib=round(same.per_device_bytes / gib, 2),

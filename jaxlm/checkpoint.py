@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import grain
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxlm.errors import UserError
+from jaxlm.models import layout
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class Checkpointer:
             return False
         items = {
             "state": ocp.args.PyTreeSave(state),
-            "meta": ocp.args.JsonSave({**meta, "step": step, "saved_at": time.time(), "versions": versions()}),
+            "meta": ocp.args.JsonSave({**meta, "step": step, "saved_at": time.time(), "versions": versions(),
+                                       "param_layout": layout.LAYOUT}),
         }
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)  # its state is read before save returns
@@ -150,7 +151,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending (never one still being written)."""
-        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+        return complete_steps(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -161,11 +162,13 @@ class Checkpointer:
 
         `target` is an abstract state (ShapeDtypeStructs with shardings): each process reads only
         the shards its devices hold, in the target's layout, whatever mesh saved them. `data_iter`,
-        if given, is set in place to the saved position when the checkpoint has one.
+        if given, is set in place to the saved position when the checkpoint has one. A checkpoint
+        whose parameters are in an older layout (`jaxlm.models.layout`) is read in it and renamed.
         """
 
         def load(s: int):
-            items = {"state": _pytree_restore(target), "meta": ocp.args.JsonRestore()}
+            saved_layout = self.param_layout(s)
+            items = {"state": _pytree_restore(layout.to_layout(target, saved_layout)), "meta": ocp.args.JsonRestore()}
             data_dir = self.directory / str(s) / "data"
             merged = data_iter is not None and hasattr(data_iter, "set_states")
             if data_iter is not None and not merged and data_dir.exists():
@@ -173,9 +176,9 @@ class Checkpointer:
             restored = self._manager.restore(s, args=ocp.args.Composite(**items))
             if merged and data_dir.exists():
                 _restore_merged(data_dir, data_iter)
-            return restored["state"], restored["meta"]
+            return layout.from_layout(restored["state"], saved_layout), restored["meta"]
 
-        (state, meta), step = _first_loadable(self.directory, self.all_steps(), step, load)
+        (state, meta), step = newest_loadable(self.directory, self.all_steps(), step, load)
         return state, meta, step
 
     def read_meta(self, step: int | None = None) -> dict:
@@ -184,6 +187,12 @@ class Checkpointer:
         if step is None:
             raise UserError(f"no complete checkpoint in {self.directory}")
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def param_layout(self, step: int) -> int:
+        """The parameter layout checkpoint `step` was saved in; refused in one line when unknown."""
+        saved = self.read_meta(step).get("param_layout", 1)
+        layout.check(saved, f"checkpoint {self.directory / str(step)}")
+        return saved
 
     def close(self) -> None:
         """Finish the pending save and release Orbax's threads."""
@@ -223,16 +232,28 @@ def load_params(directory, target_params, *, step: int | None = None, dtype=None
 
     The cast happens as each shard is read, so no float32 copy of the model is ever on the devices.
     """
+    return load_params_and_step(directory, target_params, step=step, dtype=dtype)[0]
+
+
+def load_params_and_step(directory, target_params, *, step: int | None = None, dtype=None) -> tuple[Any, int]:
+    """`load_params`, and the step it read: `step`, or the newest that loads."""
     directory = epath.Path(directory).absolute()
     if dtype is not None:
         target_params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), target_params
         )
-    args = ocp.args.Composite(state=_pytree_restore({"params": target_params}, partial=True))
-    steps = sorted(ocp.path.step.checkpoint_steps(directory))
+    steps = complete_steps(directory)
     with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as manager:
-        params, _ = _first_loadable(directory, steps, step, lambda s: manager.restore(s, args=args)["state"]["params"])
-    return params
+
+        def load(s: int):
+            meta = manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            saved_layout = meta.get("param_layout", 1)
+            layout.check(saved_layout, f"checkpoint {directory / str(s)}")
+            target = layout.to_layout({"params": target_params}, saved_layout)
+            args = ocp.args.Composite(state=_pytree_restore(target, partial=True))
+            return layout.from_layout(manager.restore(s, args=args)["state"]["params"], saved_layout)
+
+        return newest_loadable(directory, steps, step, load)
 
 
 def _pytree_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
@@ -243,10 +264,18 @@ def _pytree_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
     )
 
 
-def _first_loadable(directory: epath.Path, steps: list[int], step: int | None, load: Callable[[int], Any]):
-    """(load(step), step), or, with no step asked for, that of the newest of `steps` that loads.
+def complete_steps(directory) -> list[int]:
+    """Steps of the complete checkpoints in `directory`, ascending (none when it does not exist)."""
+    directory = epath.Path(directory)
+    return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
-    A checkpoint that fails to load is reported and skipped, never deleted.
+
+def newest_loadable(directory, steps: list[int], step: int | None, load: Callable[[int], Any]) -> tuple[Any, int]:
+    """(load(step), step), or, with no step asked for, that of the newest of `steps` that loads:
+    the one way a checkpoint (state, parameters or metadata) is chosen.
+
+    A checkpoint that fails to load is reported and skipped, never deleted; a UserError from `load`
+    (not damage, e.g. a layout this version cannot read) is raised at once.
     """
     if step is not None and step not in steps:
         raise UserError(f"no complete checkpoint for step {step} in {directory} (complete: {steps or 'none'})")
@@ -257,6 +286,8 @@ def _first_loadable(directory: epath.Path, steps: list[int], step: int | None, l
     for s in candidates:
         try:
             loaded = load(s)
+        except UserError:  # not damage (a layout this version cannot read): falling back would hide it
+            raise
         except Exception as e:  # noqa: BLE001 -- truncated files, bad JSON, tensorstore errors, ...
             errors.append(f"step {s}: {_one_line(e)}")
             log.warning("checkpoint %s could not be restored (%s)", directory / str(s), _one_line(e))
@@ -268,14 +299,3 @@ def _first_loadable(directory: epath.Path, steps: list[int], step: int | None, l
 def _one_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-def save_final(directory, state, cfg: ml_collections.ConfigDict, **meta: Any) -> epath.Path:
-    """Save `state` at its step with the config and `meta`, synchronously; returns the step's directory.
-
-    The end-of-run save the training loop uses until it drives a `Checkpointer` itself.
-    """
-    step = int(jax.device_get(state.step))
-    with Checkpointer(directory) as ckpt:
-        ckpt.save(step, state, meta={"config": cfg.to_dict(), **meta}, force=True)
-    return ckpt.directory / str(step)

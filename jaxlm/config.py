@@ -20,12 +20,12 @@ from typing import Any, Sequence
 import ml_collections
 from ml_collections import config_dict
 
+from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
 from jaxlm.errors import UserError
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
-MESH_AXES = ("data", "fsdp", "tensor")
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
@@ -149,6 +149,9 @@ def base_config() -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.1,  # applied to matrices only (not norms, biases)
         clip_norm=1.0,  # global-norm clipping; 0 = off
+        # Which parameters train; the rest stay frozen (no gradient, no optimizer state). "" = all;
+        # else comma-separated regexes searched in paths (blocks/attn/wq/kernel) or type:<NNX variable type>.
+        trainable="",
         micro_batches=1,  # gradient accumulation: global batch split into this many, scanned; 0 = as few as fit in memory
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
@@ -173,7 +176,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.profile = dict(
         steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
     )
-    c.mesh = dict(data=1, fsdp=-1, tensor=1)  # -1 = the devices left over
+    c.mesh = {axis: -1 if axis == "fsdp" else 1 for axis in MESH_AXES}  # -1 = the devices left over
     # "host": data across hosts, fsdp (and tensor) within each host; "process": the same per process.
     # Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); "" = off.
     c.mesh.hybrid = ""
@@ -431,7 +434,7 @@ def parse_rule(axes: str) -> tuple[str, ...]:
 class Derived:
     """Everything that follows from the config and the number of devices, computed once."""
 
-    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    mesh_shape: MeshShape  # one size per axis of MESH_AXES
     num_devices: int
     batch_shards: int  # devices a batch is split over: data * fsdp
     micro_batch_size: int  # sequences per micro-batch, over all devices
@@ -439,23 +442,25 @@ class Derived:
     tokens_per_step: int
 
 
-def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) for `num_devices`; with mesh.hybrid, data = `groups` (the hosts or
-    processes of the run, from the live layout when not given)."""
+def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> MeshShape:
+    """The size of each mesh axis for `num_devices`; with mesh.hybrid, data = `groups` (the hosts or
+    processes of the run, from the live layout when not given) and fsdp the devices left in each."""
     if cfg.mesh.hybrid:
         from jaxlm import mesh as mesh_lib
 
         groups = groups or mesh_lib.hybrid_groups(cfg.mesh.hybrid)
-        tensor = cfg.mesh.tensor if cfg.mesh.tensor != -1 else 1
-        if num_devices % (groups * tensor):
+        inner = {a: max(cfg.mesh[a], 1) for a in MESH_AXES if a not in ("data", "fsdp")}  # -1 counts as 1
+        if num_devices % (groups * math.prod(inner.values())):
             raise UserError(
                 f"config.mesh.hybrid={cfg.mesh.hybrid!r}: {num_devices} devices do not split into {groups} "
-                f"{cfg.mesh.hybrid}(s) x mesh.tensor={tensor}; every {cfg.mesh.hybrid} needs the same device count"
+                f"{cfg.mesh.hybrid}(s) x {' x '.join(f'mesh.{a}={s}' for a, s in inner.items())}; every "
+                f"{cfg.mesh.hybrid} needs the same device count"
             )
-        return (groups, num_devices // groups // tensor, tensor)
+        fsdp = num_devices // groups // math.prod(inner.values())
+        return tuple({"data": groups, "fsdp": fsdp, **inner}[a] for a in MESH_AXES)
     sizes = [cfg.mesh[a] for a in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
-    described = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes))
+    described = describe(sizes, ", ")
     if -1 in sizes:
         if num_devices % fixed:
             raise UserError(
@@ -475,7 +480,8 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
     """Resolve the mesh and the batch split for `num_devices` (and, with mesh.hybrid, `groups`
     hosts or processes); UserError when they do not fit."""
     shape = mesh_shape(cfg, num_devices, groups)
-    data, fsdp, tensor = shape
+    sizes = sizes_of(shape)
+    tensor = sizes["tensor"]
     m = cfg.model
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % tensor or kv % tensor:
@@ -483,7 +489,7 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"config.model.n_heads={m.n_heads} / n_kv_heads={kv} must be divisible by the tensor axis "
             f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
         )
-    batch_shards = data * fsdp
+    batch_shards = sizes["data"] * sizes["fsdp"]
     if not cfg.optim.micro_batches:
         raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.trainer.resolve_config)")
     micro = cfg.data.global_batch_size // cfg.optim.micro_batches

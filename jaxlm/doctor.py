@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import distributed, metrics
+from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import attention
 
@@ -133,17 +134,6 @@ def environment() -> dict[str, Any]:
     return {"variables": env, "hostname": socket.gethostname(), "nvidia_smi": nvidia_smi()}
 
 
-def _hostnames() -> list[str]:
-    """Every process's hostname (a collective: all processes must call it)."""
-    from jax.experimental import multihost_utils
-
-    name = np.zeros(64, np.uint8)
-    raw = socket.gethostname().encode()[:64]
-    name[: len(raw)] = np.frombuffer(raw, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(name))  # [processes, 64]
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
-
-
 def devices_report() -> dict[str, Any]:
     devices, local = jax.devices(), jax.local_devices()
     kinds: dict[str, int] = {}
@@ -153,12 +143,10 @@ def devices_report() -> dict[str, Any]:
     for d in devices:
         per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
     memory = [(metrics.device_memory(d) or {}).get("memory_limit_bytes") or None for d in local]
-    hosts = [socket.gethostname()]
-    if jax.process_count() > 1:
-        try:
-            hosts = _hostnames()
-        except Exception as e:
-            hosts = [f"unknown ({_first_line(e)})"]
+    try:
+        hosts = list(mesh_lib.hostnames())  # a collective with several processes: every one runs the doctor
+    except Exception as e:
+        hosts = [f"unknown ({_first_line(e)})"]
     return {
         "platform": local[0].platform,
         "count": len(devices),

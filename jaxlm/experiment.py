@@ -63,7 +63,7 @@ import numpy as np
 
 from jaxlm import config as config_lib
 from jaxlm.console import duration
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 from jaxlm.table import Table
 
 # Per-run columns of results.csv besides the identifiers; lower is better for all of them.
@@ -965,8 +965,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like the other jaxlm commands
-        print(f"jaxlm: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report_error(message))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1001,8 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               collect_only=args.collect, print_commands=args.print_commands, results_dir=args.results_dir,
               echo=lambda line: print(line, file=sys.stderr if args.print_commands else sys.stdout, flush=True))
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     except SweepFailed as e:
         print(f"jaxlm.experiment: {e}", file=sys.stderr)
         return 1

@@ -18,16 +18,15 @@ import jax
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm import checkpoint
+from jaxlm import axes, checkpoint
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import train_state
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
-from jaxlm.models import attention, transformer
+from jaxlm.models import transformer
 
 
 @dataclasses.dataclass
@@ -64,9 +63,7 @@ def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def batch_shards(mesh: Mesh, rules: mesh_lib.Rules) -> int:
-    axes = mesh_lib.logical_to_spec(("act_batch",), rules)[0]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in mesh_lib.axes_of(mesh_lib.logical_to_spec(("act_batch",), rules)[0]))
 
 
 def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:
@@ -100,9 +97,7 @@ def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | Non
         if dtype not in transformer.DTYPES:
             raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
         overrides["dtype"] = transformer.DTYPES[dtype]
-    model_cfg = transformer.ModelConfig.from_config(cfg.model, **overrides)
-    impl = attention.select_implementation("auto", platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim)
-    return dataclasses.replace(model_cfg, attention=impl)
+    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", **overrides)
 
 
 def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, spec, devices,
@@ -115,10 +110,10 @@ def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.M
         shapes.append(config_lib.mesh_shape(cfg, n))
     except UserError:
         pass
-    shapes += [(1, n, 1), (n, 1, 1)]
+    shapes += [axes.shape_of(fsdp=n), axes.shape_of(data=n)]
     abstract_params, problem = None, None
     for shape in dict.fromkeys(shapes):
-        tensor = shape[2]
+        tensor = axes.sizes_of(shape)["tensor"]
         if model_cfg.n_heads % tensor or model_cfg.n_kv_heads % tensor:
             continue
         mesh = mesh_lib.make_mesh(shape, devices)
@@ -148,7 +143,7 @@ def load_run(
     run_dir = pathlib.Path(run_dir)
     cfg = read_config(run_dir)
     ckpt_dir = run_dir / "checkpoints"
-    steps = checkpoint_steps(ckpt_dir)
+    steps = checkpoint.complete_steps(ckpt_dir)
     if not steps:
         raise UserError(f"{run_dir} has no checkpoints (nothing complete in {ckpt_dir}); train it first, or wait "
                         f"for its first save")
@@ -172,23 +167,7 @@ def load_run(
         if param_dtype not in transformer.DTYPES:
             raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
         cast = transformer.DTYPES[param_dtype]
-    errors = []
-    for candidate in [step] if step is not None else steps[::-1]:  # the newest that loads
-        try:
-            params = checkpoint.load_params(ckpt_dir, abstract_params, step=candidate, dtype=cast)
-        except UserError as e:
-            if step is not None:
-                raise
-            errors.append(str(e))
-            continue
-        shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
-        return LoadedRun(run_dir=run_dir, cfg=cfg, step=candidate, model_cfg=model_cfg, tokenizer=tokenizer,
-                         mesh=mesh, rules=rules, spec=spec, params=params, param_shardings=shardings)
-    raise UserError(f"no checkpoint of {run_dir} could be restored: {'; '.join(errors)}")
-
-
-def checkpoint_steps(directory: pathlib.Path) -> list[int]:
-    """Steps of the complete checkpoints in `directory` (none when it does not exist)."""
-    if not directory.is_dir():
-        return []
-    return sorted(ocp.path.step.checkpoint_steps(directory))  # what Checkpointer.all_steps lists
+    params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step, dtype=cast)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    return LoadedRun(run_dir=run_dir, cfg=cfg, step=step, model_cfg=model_cfg, tokenizer=tokenizer,
+                     mesh=mesh, rules=rules, spec=spec, params=params, param_shardings=shardings)

@@ -1,4 +1,4 @@
-"""The device mesh (data, fsdp, tensor) and the one table that maps logical axis names onto it.
+"""The device mesh (its axes: `jaxlm.axes.MESH_AXES`) and the one table that maps logical axis names onto it.
 
 Model code names axes logically ("embed", "act_batch"); which mesh axes they land on is decided
 here, per recipe, from `config.mesh.rules`. Changing the parallelism never touches model code:
@@ -23,35 +23,42 @@ from flax.core import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# MESH_AXES, the one list of the mesh's axes, lives in jaxlm.axes (no JAX import: the config reads it)
+from jaxlm.axes import MESH_AXES, sizes_of
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+
+def axes_of(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """One entry of a PartitionSpec or a rules table (None, "fsdp" or ("data", "fsdp")) as a tuple."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 HYBRID = ("", "process", "host")
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None, hybrid: str = "") -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes, so the compiler propagates shardings (GSPMD).
+    """A mesh over MESH_AXES with Auto axes, so the compiler propagates shardings (GSPMD).
 
     `hybrid` ("process" or "host"): `data` indexes the groups of `device_groups` and each group's
-    devices form its (fsdp, tensor) block, so fsdp's collectives stay within a host."""
+    devices form the block of the other axes, so fsdp's collectives stay within a host."""
     devices = list(devices) if devices is not None else jax.devices()
     n = int(np.prod(shape))
     if len(devices) < n:
         raise ValueError(f"mesh {tuple(shape)} needs {n} devices, {len(devices)} available")
     if hybrid:
         groups = device_groups(devices, hybrid)
-        if len(groups) != shape[0] or any(len(g) * len(groups) != n for g in groups):
+        if len(groups) != sizes_of(shape)["data"] or any(len(g) * len(groups) != n for g in groups):
             raise ValueError(f"mesh {tuple(shape)} does not match {len(groups)} {hybrid} groups of devices")
         grid = np.array([sorted(g, key=lambda d: d.id) for g in groups], dtype=object).reshape(tuple(shape))
-        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:n])
 
 
 @functools.cache
-def _hostnames() -> tuple[str, ...]:
-    """Every process's hostname, in process order (a collective the first time on several processes)."""
+def hostnames() -> tuple[str, ...]:
+    """Every process's hostname, in process order (a collective the first time on several processes:
+    all of them must call it)."""
     if jax.process_count() == 1:
         return (socket.gethostname(),)
     from jax.experimental import multihost_utils
@@ -66,7 +73,7 @@ def _hostnames() -> tuple[str, ...]:
 def device_groups(devices: Sequence[jax.Device], by: str) -> list[list[jax.Device]]:
     """Devices grouped by their process ("process") or by their process's host ("host"), in order
     of the groups' first process."""
-    hosts = _hostnames() if by == "host" else None
+    hosts = hostnames() if by == "host" else None
     groups: dict = {}
     for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
         key = hosts[d.process_index] if hosts else d.process_index
@@ -104,9 +111,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
     order = [i for i, n in enumerate(names) if n not in YIELDING] + [i for i, n in enumerate(names) if n in YIELDING]
     for i in order:
         name = names[i]
-        axes = table.get(name) if name is not None else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in axes_of(table.get(name) if name is not None else None) if a not in used)
         used.update(axes)
         spec[i] = None if not axes else axes[0] if len(axes) == 1 else axes
     return P(*spec)
@@ -115,15 +120,15 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
 def extend_sharding(sharding: NamedSharding, shape: Sequence[int], extra: str | tuple[str, ...] | None) -> NamedSharding:
     """`sharding` further split over the mesh axes `extra` (those it does not use yet), on the
     largest dimension that divides evenly; unchanged where none does. ZeRO-1 for optimizer state."""
-    extra = tuple(a for a in ((extra,) if isinstance(extra, str) else extra or ()) if a)
+    extra = tuple(a for a in axes_of(extra) if a)
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    used = {a for s in spec for a in ((s,) if isinstance(s, str) else s or ())}
+    used = {a for s in spec for a in axes_of(s)}
     extra = tuple(a for a in extra if a not in used and sharding.mesh.shape[a] > 1)
     if not extra:
         return sharding
     factor = math.prod(sharding.mesh.shape[a] for a in extra)
     for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        axes = (spec[dim],) if isinstance(spec[dim], str) else tuple(spec[dim] or ())
+        axes = axes_of(spec[dim])
         if shape[dim] % (math.prod(sharding.mesh.shape[a] for a in axes) * factor) == 0:
             new = axes + extra
             spec[dim] = new[0] if len(new) == 1 else new

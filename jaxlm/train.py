@@ -23,14 +23,14 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 
-from jaxlm import checkpoint
+from jaxlm import axes, checkpoint
 from jaxlm import config as config_lib
 from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
 from jaxlm import xla_flags
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
 from jaxlm.trainer import Trainer, build_trainer, evaluate, resolve_config
@@ -195,12 +195,8 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     resume_step, saved = 0, {}
     if (run_dir / "checkpoints").exists():
         with checkpoint.Checkpointer(run_dir / "checkpoints") as peek:
-            for step in reversed(peek.all_steps()):  # the newest whose metadata reads; restore re-checks the rest
-                try:
-                    resume_step, saved = step, peek.read_meta(step)
-                    break
-                except Exception as e:  # a damaged checkpoint: reported, skipped, never deleted
-                    console(f"jaxlm: warning: cannot read checkpoint {peek.directory / str(step)} ({e}); trying the one before")
+            if peek.all_steps():  # the newest whose metadata reads; restore re-checks the rest
+                saved, resume_step = checkpoint.newest_loadable(peek.directory, peek.all_steps(), None, peek.read_meta)
     steps = distributed.all_values(resume_step)
     if len(set(steps)) > 1:
         raise UserError(
@@ -253,7 +249,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
         f"parameters, {derived.num_devices} {trainer.mesh.devices.flat[0].platform} device(s), mesh "
-        f"data={derived.mesh_shape[0]} fsdp={derived.mesh_shape[1]} tensor={derived.mesh_shape[2]}, "
+        f"{axes.describe(derived.mesh_shape)}, "
         f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
         + (f" in {trainer.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
@@ -398,7 +394,7 @@ def enable_compilation_cache(directory: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 75  # 75: EX_TEMPFAIL, "try again": re-run resumes
+EXIT_NONFINITE, EXIT_PREEMPTED = 3, 75  # user errors: errors.EXIT_USER_ERROR (2); 75: EX_TEMPFAIL, "try again": re-run resumes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -417,8 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return report_error(e)
     except NonFiniteError as e:
         print(f"jaxlm: stopped: {e}; last good state saved in {e.checkpoint_dir}", file=sys.stderr)
         return EXIT_NONFINITE

@@ -1,4 +1,4 @@
-"""The memory planner: exact state bytes per device, the 16 bytes per parameter of f32 AdamW, the
+"""The memory estimate and planner: exact state bytes per device, the 16 bytes per parameter of f32 AdamW, the
 compiled figure on 8 fake CPU devices within the stated tolerance, the verdict and its knobs."""
 
 import json
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import config, plan
+from jaxlm import config, memory, plan
 from jaxlm.models import transformer
 from jaxlm.trainer import build_trainer
 
@@ -38,7 +38,7 @@ def shard_bytes(tree) -> int:
 )
 def test_state_bytes_per_device_equal_a_direct_count_of_the_shards(mesh):
     cfg = recipe("tiny", **mesh)
-    est = plan.estimate(cfg, 8)
+    est = memory.estimate(cfg, 8)
     trainer = build_trainer(cfg, jax.devices()[:8], abstract=True)  # real devices, real shardings
     params, opt = shard_bytes(trainer.state.params), shard_bytes(trainer.state.opt_state)
     assert est.row("parameters").per_device_bytes == params
@@ -53,7 +53,7 @@ def test_state_bytes_per_device_equal_a_direct_count_of_the_shards(mesh):
 
 
 def test_a_1b_float32_adamw_model_needs_16_bytes_per_parameter_before_activations():
-    est = plan.estimate(recipe("1b", optim__micro_batches=1), 8)
+    est = memory.estimate(recipe("1b", optim__micro_batches=1), 8)
     assert 1.0e9 < est.param_count < 1.2e9
     assert est.bytes_per_param == pytest.approx(16.0, abs=1e-3)
     state = sum(est.row(k).total_bytes for k in ("parameters", "gradients", "optimizer state"))
@@ -65,20 +65,20 @@ def test_a_1b_float32_adamw_model_needs_16_bytes_per_parameter_before_activation
 
 def test_activations_follow_the_remat_policy_and_the_micro_batches():
     def saved(policy, platform):
-        est = plan.estimate(recipe("125m", model__remat=policy), 8, platform=platform)
+        est = memory.estimate(recipe("125m", model__remat=policy), 8, platform=platform)
         return est.row("activations saved").per_device_bytes
 
     xla = {policy: saved(policy, "cpu") for policy in plan.REMAT_ORDER}
     assert xla["none"] > xla["dots"] > xla["dots_no_batch"] > xla["full"]
     cudnn = {policy: saved(policy, "gpu") for policy in plan.REMAT_ORDER}  # no batched matmuls to save
     assert cudnn["none"] > cudnn["dots"] == cudnn["dots_no_batch"] > cudnn["full"]
-    est_1 = plan.estimate(recipe("125m", optim__micro_batches=1, model__remat="full"), 8)
-    est_4 = plan.estimate(recipe("125m", optim__micro_batches=4, model__remat="full"), 8)
+    est_1 = memory.estimate(recipe("125m", optim__micro_batches=1, model__remat="full"), 8)
+    est_4 = memory.estimate(recipe("125m", optim__micro_batches=4, model__remat="full"), 8)
     ratio = est_1.row("activations saved").per_device_bytes / est_4.row("activations saved").per_device_bytes
     assert ratio == pytest.approx(4.0, rel=0.01)
     assert est_4.row("grad accumulator").per_device_bytes == est_4.row("gradients").per_device_bytes
     # on a GPU the 125m recipe gets cuDNN flash attention: no [B, N, T, T] scores
-    gpu, cpu = plan.estimate(recipe("125m"), 8, platform="gpu"), plan.estimate(recipe("125m"), 8, platform="cpu")
+    gpu, cpu = memory.estimate(recipe("125m"), 8, platform="gpu"), memory.estimate(recipe("125m"), 8, platform="cpu")
     assert (gpu.attention, cpu.attention) == ("cudnn", "xla")
     assert gpu.per_device_bytes < cpu.per_device_bytes / 3
 
@@ -91,7 +91,7 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     devices = jax.devices()[:8]
     assert len(devices) == 8 and devices[0].platform == "cpu"
     cfg = recipe("tiny", **overrides)
-    report = plan.plan(cfg, 8, 80 * plan.GIB, compile=True, devices=devices)
+    report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=devices)
     compiled = report["compiled"]
     assert compiled["platform"] == "cpu" and compiled["num_devices"] == 8 and compiled["attention"] == "xla"
     # XLA's memory analysis is per device: the arguments are the donated state's shards (+ the batch)
@@ -101,8 +101,8 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     assert compiled["alias_bytes"] <= compiled["output_bytes"] and compiled["temp_bytes"] > 0
     peak = compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
     assert compiled["per_device_bytes"] == peak
-    analytic = plan.estimate(cfg, 8, platform="cpu", act_bytes=plan.cpu_act_bytes()).per_device_bytes  # compiled here
-    assert abs(peak / analytic - 1) <= plan.TOLERANCE, (peak, analytic)
+    analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes  # compiled here
+    assert abs(peak / analytic - 1) <= memory.TOLERANCE, (peak, analytic)
     assert compiled["within_tolerance"]
     # planned for a GPU, so the CPU compile informs but the analytic figure decides
     assert report["decided_by"] == "analytic" and report["fits"]
@@ -120,9 +120,9 @@ def test_a_run_that_does_not_fit_gets_the_knobs_that_would_make_it_fit(capsys):
     for suggestion in report["suggestions"]:
         changes = {k.replace(".", "__"): str(v) for k, v in suggestion["overrides"].items()}
         assert changes and all(str(base.get(k)) != v for k, v in changes.items())
-        per_device = plan.estimate(recipe("7b", **{**base, **changes}), 8).per_device_bytes
+        per_device = memory.estimate(recipe("7b", **{**base, **changes}), 8).per_device_bytes
         assert per_device == pytest.approx(suggestion["per_device_bytes"])
-        assert per_device <= budget_gib * plan.GIB
+        assert per_device <= budget_gib * memory.GIB
     # the text report says so and lists them as flags
     assert plan.main(argv[:-1]) == 1
     text = capsys.readouterr().out
@@ -170,22 +170,22 @@ def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
 
 def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch):
     """optim.micro_batches=0: the smallest divisor k whose plan fits AUTO_SHARE of the memory (k/2 did not)."""
-    budget = 80 * plan.GIB
+    budget = 80 * memory.GIB
     for devices, want in ((8, 2), (1, 32)):  # the 1b recipe on 80 GB GPUs: 16 and 8 sequences per device
-        cfg, line = plan.resolve_micro_batches(recipe("1b"), devices, budget, "gpu")
+        cfg, line = memory.resolve_micro_batches(recipe("1b"), devices, budget, "gpu")
         k = cfg.optim.micro_batches
         assert k == want and f"{k} micro-batch(es) of {256 // devices // k} sequence(s)" in line
-        assert plan.estimate(cfg, devices).per_device_bytes <= plan.AUTO_SHARE * budget
+        assert memory.estimate(cfg, devices).per_device_bytes <= memory.AUTO_SHARE * budget
         fewer = recipe("1b", optim__micro_batches=k // 2)
-        assert plan.estimate(fewer, devices).per_device_bytes > plan.AUTO_SHARE * budget
+        assert memory.estimate(fewer, devices).per_device_bytes > memory.AUTO_SHARE * budget
     # nothing fits: one sequence per device, and the line says where to look
-    cfg, line = plan.resolve_micro_batches(recipe("7b"), 1, budget, "gpu")
+    cfg, line = memory.resolve_micro_batches(recipe("7b"), 1, budget, "gpu")
     assert cfg.optim.micro_batches == 256 and "python -m jaxlm.plan" in line
-    assert plan.resolve_micro_batches(recipe("tiny"), 8, budget, "gpu") == (recipe("tiny"), "")  # set: unchanged
+    assert memory.resolve_micro_batches(recipe("tiny"), 8, budget, "gpu") == (recipe("tiny"), "")  # set: unchanged
     with pytest.raises(config.UserError, match="optim.micro_batches"):
         config.validate(recipe("tiny", optim__micro_batches=-1))
     # the trainer resolves it for its devices: a small device memory makes it split the batch
-    monkeypatch.setattr(plan, "device_memory_bytes", lambda device=None: 8 * 2**20)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 8 * 2**20)
     trainer = build_trainer(recipe("tiny", optim__micro_batches=0), abstract=True)
     assert trainer.cfg.optim.micro_batches > 1
     assert trainer.derived.micro_batch_size * trainer.cfg.optim.micro_batches == 16

@@ -43,7 +43,7 @@ import tqdm
 
 from jaxlm.data import sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 
 if TYPE_CHECKING:
     from jaxlm.data.pipeline import FlatDocuments
@@ -94,7 +94,7 @@ def prepare(
         "sources": _describe_sources(spec),
         "complete": False,
     }
-    if (out / MANIFEST).exists():
+    if is_prepared(out):
         previous = read_manifest(out)
         _check_same_inputs(out, previous, manifest)
         if previous["complete"] and not _remove_damaged_shards(out, previous):
@@ -165,6 +165,13 @@ def _check_same_inputs(out: pathlib.Path, previous: Manifest, current: Manifest)
 
 def _write_manifest(out: pathlib.Path, manifest: Manifest) -> None:
     write_bytes_atomically(out / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+def is_prepared(directory: str | os.PathLike, *, complete: bool = False) -> bool:
+    """Whether `directory` holds prepared data (a manifest); with `complete`, only once fully written."""
+    if not (pathlib.Path(directory) / MANIFEST).is_file():
+        return False
+    return not complete or read_manifest(directory)["complete"]
 
 
 def read_manifest(output_dir: str | os.PathLike) -> Manifest:
@@ -414,8 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_docs=args.shard_docs, workers=args.workers,
         )
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     except KeyboardInterrupt:
         print("jaxlm: interrupted (run the same command again to continue)", file=sys.stderr)
         return 130

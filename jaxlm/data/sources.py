@@ -237,28 +237,6 @@ def is_validation(doc: str, val_fraction: float, seed: int) -> bool:
     return _unit_hash(doc, seed) < val_fraction
 
 
-def split_train_val(docs: Sequence[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Split documents by a hash of their text, so the split survives reordering and appending.
-
-    Identical documents always land on the same side, so validation text never leaks into
-    training. With two or more distinct documents and `val_fraction > 0`, each side gets at
-    least one. Order within each side follows `docs`.
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    scores = [_unit_hash(doc, seed) for doc in docs]
-    is_val = [score < val_fraction for score in scores]  # the same rule as is_validation
-    if val_fraction > 0 and len(set(scores)) >= 2:
-        lowest, highest = min(scores), max(scores)
-        if not any(is_val):
-            is_val = [score == lowest for score in scores]
-        elif all(is_val):
-            is_val = [score != highest for score in scores]
-    train = [doc for doc, v in zip(docs, is_val) if not v]
-    val = [doc for doc, v in zip(docs, is_val) if v]
-    return train, val
-
-
 def corpus_fingerprint(docs: Sequence[str]) -> str:
     """A short content hash of a corpus: the cache key of tokenizers and tokenized data trained on it."""
     h = hashlib.sha256()

@@ -1,0 +1,34 @@
+"""The device mesh's axes, named once.
+
+Every mesh, mesh shape, `config.mesh` key and description of a mesh follows `MESH_AXES`: a new
+axis (`stage`, for pipeline parallelism) is added by naming it here, and its size defaults to 1.
+No JAX import, so that the config can read it before JAX starts; `jaxlm.mesh` re-exports it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+MeshShape = tuple[int, ...]  # one size per axis of MESH_AXES, in its order
+
+
+def shape_of(**sizes: int) -> MeshShape:
+    """A mesh shape from sizes by axis name, 1 for the axes not named: `shape_of(fsdp=8)`."""
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {', '.join(MESH_AXES)}")
+    return tuple(sizes.get(axis, 1) for axis in MESH_AXES)
+
+
+def sizes_of(shape: Sequence[int]) -> dict[str, int]:
+    """{axis: size} of a mesh shape."""
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"mesh shape {tuple(shape)} has {len(shape)} sizes; the axes are {', '.join(MESH_AXES)}")
+    return dict(zip(MESH_AXES, shape))
+
+
+def describe(shape: Sequence[int], sep: str = " ") -> str:
+    """'data=2 fsdp=4 tensor=1'."""
+    return sep.join(f"{axis}={size}" for axis, size in sizes_of(shape).items())

@@ -1,0 +1,386 @@
+"""The analytic memory of one train step on each device, and `optim.micro_batches=0` made concrete.
+
+A library: the trainer resolves micro-batches with it and `python -m jaxlm.plan` reports it; it
+imports neither. The train state comes from the code that creates it (`train_state.state_shardings`
+on an abstract mesh), so parameters, gradients and optimizer state are exact per device for the
+recipe's rules table. Activations come from formulas, per layer, of what the step's jaxpr saves for
+the backward pass (`jax.ad_checkpoint.print_saved_residuals`, after XLA's deduplication) and of the
+backward pass's peak; the constants below were fitted to XLA's buffer assignment of the compiled
+step, and `TOLERANCE` states how far a compiled step may be from the estimate. Elements are counted
+on one device for one micro-batch of B sequences of T tokens, split as `config.mesh.rules` splits
+the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
+sequences; cuDNN flash attention never materializes them. The measurements behind all of this are
+in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+
+from jaxlm import axes, optim, train_state
+from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm.errors import UserError
+from jaxlm.models import transformer
+
+GIB = 2**30
+F32 = 4
+FLASH = ("cudnn", "pallas")  # kernels that keep no [T, S] scores (Pallas's repeated key/value heads not counted)
+TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1.11 measured)
+# Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
+WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
+WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
+LOGITS_EXTRA_BYTES = 6  # per logit, besides the compute-dtype logits: f32 softmax and gradient, partly fused
+UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
+AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
+
+
+# ----------------------------------------------------------------------------- the train state
+
+
+def cpu_act_bytes() -> int | None:
+    """`estimate(act_bytes=)` for a step compiled by XLA:CPU: 4 (float32) with jaxlib < 0.11, whose
+    XLA:CPU upcasts bfloat16 matmuls and activations to float32; None (the compute dtype's) from
+    jaxlib 0.11 on, whose XLA:CPU keeps them in bfloat16 (measured: benchmarks/BENCHMARKS.md)."""
+    return F32 if tuple(int(p) for p in jax.lib.__version__.split(".")[:2]) < (0, 11) else None
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def tree_bytes(tree) -> tuple[int, int]:
+    """(bytes on one device, unsharded bytes) of a tree of ShapeDtypeStructs that carry shardings."""
+    per_device = total = 0
+    for leaf in jax.tree.leaves(tree):
+        size = _itemsize(leaf.dtype)
+        total += math.prod(leaf.shape) * size
+        per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * size
+    return per_device, total
+
+
+@functools.lru_cache(maxsize=8)
+def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
+    """Model spec, optimizer and the state's abstract shapes: they depend on the model and optimizer only."""
+    optim_cfg = ml_collections.ConfigDict(dict(optim_items))
+    spec = train_state.model_spec(model_cfg, optim_cfg.trainable)
+    tx, _ = optim.make_optimizer(optim_cfg, steps, spec.decay_mask)
+    shapes = jax.eval_shape(train_state.init_fn(model_cfg, spec, tx, 0))
+    return spec, tx, shapes
+
+
+def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], model_cfg):
+    """The train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`: the
+    per-device layout the trainer creates (same rules, same code), without any device."""
+    spec, tx, shapes = _model_and_shapes(model_cfg, tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)
+    mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    train_state.check_divisible(spec, shapes.params, mesh, rules)
+    shardings = train_state.state_shardings(shapes, spec, tx, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSizes:
+    """Elements on one device of each activation shape of one micro-batch (a 1-device mesh: all of it)."""
+
+    x: float  # [B, T, D]
+    q: float  # [B, T, N, H]
+    kv: float  # [B, T, K, H]
+    mlp: float  # [B, T, F]
+    vocab: float  # [B, T, V]
+    scores: float  # [B, N, T, T]: XLA attention's logits
+    head_stats: float  # [B, N, T]: cuDNN attention's softmax statistics
+    tokens: float  # [B, T]
+
+
+def _ways(names: Sequence[str | None], rules, mesh_sizes: dict[str, int]) -> int:
+    """How many devices an activation with these logical axis names is split over."""
+    spec = mesh_lib.logical_to_spec(names, rules)
+    return math.prod(mesh_sizes[axis] for entry in spec for axis in mesh_lib.axes_of(entry))
+
+
+def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, int]) -> ActivationSizes:
+    """Per-device element counts of one micro-batch of `rows` sequences, split as the rules split them."""
+    b, t = "act_batch", "act_seq"
+    tokens = rows * seq_len
+
+    def per_device(width: float, names) -> float:
+        return tokens * width / _ways(names, rules, mesh_sizes)
+
+    return ActivationSizes(
+        x=per_device(m.d_model, (b, t, "act_embed")),
+        q=per_device(m.n_heads * m.head_dim, (b, t, "act_heads", None)),
+        kv=per_device(m.n_kv_heads * m.head_dim, (b, t, "act_kv_heads", None)),
+        mlp=per_device(m.mlp_dim, (b, t, "act_mlp")),
+        vocab=per_device(m.vocab_size, (b, t, "act_vocab")),
+        scores=per_device(m.n_heads * seq_len, (b, t, "act_heads", None)),
+        head_stats=per_device(m.n_heads, (b, t, "act_heads")),
+        tokens=per_device(1, (b, t)),
+    )
+
+
+def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
+    """What the attention kernel itself keeps for its backward pass (per device)."""
+    if m.attention in FLASH:
+        return F32 * s.head_stats  # flash attention keeps only its softmax statistics
+    return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
+
+
+def _mlp_saved(m) -> int:
+    return 3 if m.mlp == "swiglu" else 2
+
+
+def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
+    """Bytes one block keeps for its backward pass without remat, weights aside (per device).
+
+    `recomputed=False`: as if the norms and activation functions were not recomputed (what unrolled
+    layers come to, and what a recomputed layer holds at its peak under remat).
+    """
+    a = act_bytes
+    if not recomputed:  # every intermediate, as autodiff saves it
+        return layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x + (6 - _mlp_saved(m)) * a * s.mlp
+    norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
+    qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
+    rope = 4 * F32 * m.head_dim / 2 * s.tokens if m.position == "rope" else 0.0  # sin and cos, for q and k
+    attention_out = a * s.q
+    mlp = _mlp_saved(m) * a * s.mlp  # gate, up, product / GELU's input and output
+    return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + mlp
+
+
+def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float) -> float:
+    """The peak of one layer's backward pass beyond what is saved (per device); `full_weights`: the
+    layer's weights at full size over fsdp, gathered copy and unreduced gradient (f32)."""
+    a = act_bytes
+    # The backward of a recomputed norm or activation holds its float32 intermediates again, briefly.
+    forward = layer_forward_bytes(m, s, a, recomputed=False)
+    if policy == "none":  # the gradients of its activations (about its forward once more), or its weights
+        return max(WORKING_SET_NO_REMAT * forward, full_weights)
+    # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
+    # scores and their gradients, the rest of the layer its recomputed activations; the weights'
+    # gather and gradient overlap both.
+    if m.attention in FLASH:  # q, k, v, the output, their gradients, the softmax statistics
+        attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
+    else:  # f32 logits and softmax, the probabilities, and the gradients of both
+        attention = (3 * F32 + a) * s.scores
+    rest = layer_forward_bytes(m, s, a, recomputed=False) - attention_forward_bytes(m, s, a)
+    return max(rest, attention) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
+
+
+def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> float:
+    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
+    a = act_bytes
+    if policy == "none":
+        return layer_forward_bytes(m, s, a, recomputed=m.scan_layers)
+    block_input = a * s.x  # what remat always keeps: the block's input
+    if policy == "full":
+        return block_input
+    mlp_dots = (2 if m.mlp == "swiglu" else 1) * a * s.mlp  # gate and up / in
+    projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
+    if policy == "dots_no_batch":
+        return block_input + projections
+    if policy == "dots":  # also the attention's batched matmuls (XLA attention only)
+        batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
+        return block_input + projections + batched
+    raise ValueError(f"unknown remat policy {policy!r}")
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One component: bytes on each device, and unsharded (what one device would hold alone)."""
+
+    name: str
+    per_device_bytes: float
+    total_bytes: float
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Estimate:
+    """The analytic memory of one train step on one device, by component."""
+
+    rows: list[Row]
+    param_count: int
+    mesh_shape: axes.MeshShape
+    per_device_batch: int  # sequences per device per micro-batch
+    act_bytes: int
+    attention: str
+
+    @property
+    def per_device_bytes(self) -> float:
+        return sum(r.per_device_bytes for r in self.rows)
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Parameters + gradients + optimizer state, unsharded, per parameter: 16 for float32 AdamW
+        (4 + 4 + 4 + 4), the standard count (a micro-batch accumulator adds 4 more, not counted here)."""
+        return sum(self.row(k).total_bytes for k in ("parameters", "gradients", "optimizer state")) / self.param_count
+
+
+def estimate(
+    cfg: ml_collections.ConfigDict, num_devices: int, *, platform: str = "gpu", act_bytes: int | None = None,
+) -> Estimate:
+    """The analytic per-device memory of one train step on `num_devices` devices of `platform`.
+
+    `act_bytes` overrides the activations' bytes per element (default: the compute dtype's):
+    `cpu_act_bytes()` to compare with a CPU compile (float32 activations before jaxlib 0.11).
+    """
+    config_lib.validate(cfg)
+    if not cfg.optim.micro_batches:  # as few as fit: planned for 80 GB devices (plan() uses its budget)
+        cfg = resolve_micro_batches(cfg, num_devices, 80 * GIB, platform)[0]
+    derived = config_lib.derive(cfg, num_devices)
+    m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False)
+    a = act_bytes or _itemsize(m.dtype)
+    state = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    sizes = axes.sizes_of(derived.mesh_shape)
+    param_bytes = tree_bytes(state.params)
+    # Gradients, the accumulator and the update exist for the trainable parameters only (optim.trainable).
+    spec = _model_and_shapes(dataclasses.replace(m, attention="xla", remat="none"),
+                             tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)[0]
+    trainable_bytes = tree_bytes(spec.split(state.params)[0])
+    opt_bytes = tree_bytes(state.opt_state)
+    scalars = [x + y for x, y in zip(tree_bytes(state.step), tree_bytes(state.rng))]
+    batch_tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    batch = (20 * batch_tokens / _ways(("act_batch", "act_seq"), rules, sizes), 20 * batch_tokens)  # 5 4-byte arrays
+    accumulate = cfg.optim.micro_batches > 1  # the scan over micro-batches carries a sum of gradients
+
+    # Weights that one layer's backward (and the loss) holds at full size over fsdp and data (still
+    # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
+    tensor = sizes["tensor"]
+    blocks_bytes = tree_bytes(state.params["blocks"])
+    layer_params = [b / _itemsize(m.param_dtype) / m.n_layers for b in blocks_bytes]  # (per device, all)
+    full_weights = [2 * F32 * layer_params[1] / tensor, 2 * F32 * layer_params[1]]
+    # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
+    # gradient of one micro-batch at full size, before it is added to the accumulator.
+    copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
+    full_embedding = [copies * F32 * m.vocab_size * m.d_model / tensor, copies * F32 * m.vocab_size * m.d_model]
+    cast = a < _itemsize(m.param_dtype) and m.remat == "none"  # saved bf16 copies of the weights
+
+    def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float]:
+        """(saved, one layer's backward, logits and loss); i = 0 per device, 1 unsharded."""
+        s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
+        saved = m.n_layers * (layer_saved_bytes(m, s, a, m.remat) + (a * layer_params[i] if cast else 0.0))
+        saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
+        if m.attention != "cudnn":
+            saved += s.scores  # the attention mask, one for all layers
+        layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
+        chunk = cfg.model.loss_chunk_len
+        fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
+        logits = (a + LOGITS_EXTRA_BYTES) * s.vocab * fraction + full_embedding[i]
+        return saved, layer, logits
+
+    saved, layer, logits = activations(sizes, 0)
+    saved_total, layer_total, logits_total = activations({axis: 1 for axis in sizes}, 1)
+    trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={cfg.optim.trainable!r})"
+    rows = [
+        Row("parameters", *param_bytes, _dtype_name(m.param_dtype)),
+        Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note),
+        Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
+        *([Row("grad accumulator", *trainable_bytes, f"{cfg.optim.micro_batches} micro-batches")] if accumulate else []),
+        Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
+            "AdamW's new values beside the donated state"),
+        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={m.remat}"),
+        Row("working set", max(layer, logits), max(layer_total, logits_total),
+            f"the larger of one layer's backward ({format_bytes(layer)}) and the logits ({format_bytes(logits)})"),
+        Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
+    ]
+    return Estimate(
+        rows=rows, param_count=transformer.param_count(m)["total"], mesh_shape=derived.mesh_shape,
+        per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention,
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def with_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A copy of `cfg` with {"a.b": value} overrides applied."""
+    new = ml_collections.ConfigDict(cfg.to_dict())
+    with new.unlocked():
+        config_lib.apply_overrides(new, list(overrides.items()))
+    return new
+
+
+# ----------------------------------------------------------------------------- micro-batches=0
+
+
+def device_memory_bytes(device=None) -> float:
+    """What one device can hold: an accelerator's own limit (`memory_stats()['bytes_limit']`); on a
+    CPU the host's memory shared by its local devices."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends have no memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / max(1, sum(d.platform == device.platform for d in jax.local_devices()))
+
+
+def resolve_micro_batches(
+    cfg: ml_collections.ConfigDict, num_devices: int, memory_bytes: float, platform: str,
+) -> tuple[ml_collections.ConfigDict, str]:
+    """`optim.micro_batches=0` made concrete: the fewest micro-batches whose analytic estimate uses
+    at most `AUTO_SHARE` of `memory_bytes` per device, and a line that says what was chosen.
+
+    Unchanged (and "") when micro_batches is set. Micro-batches change the summation order of the
+    gradient, not the update, so the choice may differ between machines (a resumed run on other
+    devices chooses again). When even one sequence per device does not fit, that is chosen and the
+    line says to run `python -m jaxlm.plan`.
+    """
+    if cfg.optim.micro_batches:
+        return cfg, ""
+    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
+    shards, batch = sizes["data"] * sizes["fsdp"], cfg.data.global_batch_size
+    if batch % shards:
+        raise UserError(
+            f"config.data.global_batch_size={batch} does not divide over data*fsdp={shards} devices; use a "
+            f"multiple of {shards}"
+        )
+    budget = AUTO_SHARE * memory_bytes
+    per_shard = batch // shards
+    act_bytes = cpu_act_bytes() if platform == "cpu" else None  # XLA:CPU: float32 before jaxlib 0.11
+    for k in (k for k in range(1, per_shard + 1) if per_shard % k == 0):
+        trial = with_overrides(cfg, {"optim.micro_batches": k})
+        need = estimate(trial, num_devices, platform=platform, act_bytes=act_bytes).per_device_bytes
+        if need <= budget:
+            break
+    fits = need <= budget
+    line = (f"optim.micro_batches=0 (as few as fit): {k} micro-batch(es) of {per_shard // k} sequence(s) per "
+            f"device, planned {format_bytes(need)} of {format_bytes(memory_bytes)} per device"
+            + ("" if fits else f"; that is over {AUTO_SHARE:.0%}: see python -m jaxlm.plan for what would fit"))
+    return trial, line
+
+
+def for_gpus(cfg: ml_collections.ConfigDict, num_devices: int, memory_gib: float = 80.0) -> ml_collections.ConfigDict:
+    """`cfg` with `optim.micro_batches=0` resolved as on `num_devices` GPUs of `memory_gib`: for
+    compiling a GPU run's program on fake CPU devices (whose own choice would follow host memory)."""
+    return resolve_micro_batches(cfg, num_devices, memory_gib * GIB, "gpu")[0]
