@@ -15,6 +15,7 @@ Next to it: the tokens/s that the 1b recipe consumes on one H100 at 50% MFU.
 """
 
 import argparse
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -131,6 +132,17 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def cached_tokenizer(cache_dir: str, docs: list[str], vocab_size: int) -> tokenizer.Tokenizer:
+    """The BPE tokenizer of these documents and vocab size, trained once and kept in `cache_dir`."""
+    key = hashlib.sha256(f"{sources.corpus_fingerprint(docs)}|{vocab_size}|bpe".encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"tokenizer-{key}.model")
+    if os.path.exists(path):
+        return tokenizer.Tokenizer.load(path)
+    tok = tokenizer.SentencePieceTokenizer.train(docs, vocab_size, "bpe")
+    tok.save(path)
+    return tok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max_bytes", type=int, default=0, help="of the built-in corpus (0: all of it)")
@@ -150,7 +162,7 @@ def main() -> None:
     spec = sources.SourceSpec("builtin", max_bytes=args.max_bytes)
     docs = list(sources.iter_documents(spec))
     t = time.perf_counter()
-    tok = tokenizer.get_or_train(args.cache_dir, docs, args.vocab)
+    tok = cached_tokenizer(args.cache_dir, docs, args.vocab)
     print(f"corpus: {len(docs)} documents, {sum(len(d.encode()) for d in docs) / 1e6:.1f} MB; tokenizer bpe"
           f" {args.vocab} ({time.perf_counter() - t:.0f} s, cached in {args.cache_dir})\n")
 

@@ -35,6 +35,7 @@ def random_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, np.nd
         "targets": rng.integers(0, vocab, (batch, seq), dtype=np.int32),
         "segment_ids": np.ones((batch, seq), np.int32),
         "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
+        "weights": np.ones((batch, seq), np.float32),
     }
 
 

@@ -34,7 +34,7 @@ from flax.core import spmd
 
 from jaxlm import inference, steps
 from jaxlm.data import loader, pipeline, prepare, sources
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ def perplexity(run: inference.LoadedRun, doc_tokens: Sequence[np.ndarray], *, se
     with jax.set_mesh(run.mesh):
         pending = []
         for batch in batches:
-            real = batch["segment_ids"] > 0
-            batch = dict(batch, weights=real.astype(np.float32))
+            real = batch["weights"] > 0
             pending.append(scorer(run.params, _put(run, batch)))  # dispatched; read below
             tokens += int(real.sum())
             total_bytes += int(byte_lengths[batch["targets"]][real].sum())
@@ -132,7 +131,7 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
                             f"{d.val_fraction}); give --corpus=<files or prepared directory>")
         return docs, f"validation split of {d.corpus}"
     directory = pathlib.Path(corpus)
-    if (directory / prepare.MANIFEST).is_file():
+    if prepare.is_prepared(directory):
         _check_same_tokenizer(run, directory)
         return _take_prepared(directory, split, max_tokens), f"{split} split of {directory}"
     spec = sources.SourceSpec(corpus, format, text_field, separator)
@@ -146,18 +145,16 @@ def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
     """The prepared corpus the run trained from, when it is on disk here (its val split is tokenized)."""
     d = run.cfg.data
     given = pathlib.Path(d.corpus)
-    if (given / prepare.MANIFEST).is_file():
+    if prepare.is_prepared(given):
         _check_same_tokenizer(run, given)
         return given
     if d.tokenize_on_the_fly:
         return None
     try:
-        cached = pathlib.Path(d.cache_dir) / f"prepared-{loader.inputs_key(run.cfg)}-{run.tokenizer.sha256[:16]}"
+        cached = loader.cached_prepared_dir(run.cfg, run.tokenizer.sha256)
     except (UserError, OSError):  # the corpus is not here: reading it raises the clear error later
         return None
-    if (cached / prepare.MANIFEST).is_file() and prepare.read_manifest(cached)["complete"]:
-        return cached
-    return None
+    return cached if prepare.is_prepared(cached, complete=True) else None
 
 
 def _check_same_tokenizer(run: inference.LoadedRun, directory: pathlib.Path) -> None:
@@ -389,8 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OSError as e:
                 raise UserError(f"cannot write the results to {output}: {e.strerror}; give another --output") from None
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     print(f"jaxlm: {results['run_dir']} step {results['step']} on {results['devices']} ({results['dtype']})")
     print(format_table(results))
     print(f"jaxlm: results written to {output}")

@@ -38,8 +38,10 @@ from jaxlm import checkpoint, inference, steps, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import trainer as trainer_lib
+from jaxlm.axes import MESH_AXES
+from jaxlm.axes import describe as describe_mesh
 from jaxlm.data import loader
-from jaxlm.data.tokenizer import BOS_ID, Tokenizer
+from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
 from jaxlm.run_dir import make_run_dir, run_dir_path
@@ -54,15 +56,16 @@ Model = trainer_lib.Trainer | inference.LoadedRun  # what inspection, forward an
 def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
                 mesh: Sequence[int] | None = None, **overrides: Any) -> ml_collections.ConfigDict:
     """A validated config: a recipe name or path (or a ConfigDict, copied) with `a__b=value`
-    overrides; `mesh=(data, fsdp, tensor)` sets the mesh sizes."""
+    overrides; `mesh=(data, fsdp, tensor)` (a size per axis of MESH_AXES) sets the mesh sizes."""
     if isinstance(recipe, ml_collections.ConfigDict):
         cfg = copy.deepcopy(recipe)
     else:
         cfg = config_lib.load_recipe(recipe)
     if mesh is not None:
-        if len(mesh) != 3:
-            raise UserError(f"mesh={tuple(mesh)}: give three sizes (data, fsdp, tensor); -1 takes the devices left over")
-        overrides = {**dict(zip(("mesh__data", "mesh__fsdp", "mesh__tensor"), mesh)), **overrides}
+        if len(mesh) != len(MESH_AXES):
+            raise UserError(f"mesh={tuple(mesh)}: give {len(MESH_AXES)} sizes ({', '.join(MESH_AXES)}); "
+                            f"-1 takes the devices left over")
+        overrides = {**{f"mesh__{a}": size for a, size in zip(MESH_AXES, mesh)}, **overrides}
     config_lib.apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
     config_lib.validate(cfg)
     return cfg
@@ -181,8 +184,8 @@ def describe(trainer: trainer_lib.Trainer) -> str:
         f"{cfg.run.get('recipe', '?')} ({cfg.model.variant}: {m.norm}, {m.mlp}, {m.position} positions), "
         f"{counts['total'] / 1e6:.2f}M parameters, {m.n_layers} layers x d_model {m.d_model}, "
         f"{m.n_heads} heads ({m.n_kv_heads} kv) of {m.head_dim}, mlp {m.mlp_dim}, vocab {m.vocab_size}; "
-        f"{len(devices)} {devices[0].platform} device(s), mesh data={d.mesh_shape[0]} fsdp={d.mesh_shape[1]} "
-        f"tensor={d.mesh_shape[2]}; batch {cfg.data.global_batch_size} x {cfg.data.seq_len} "
+        f"{len(devices)} {devices[0].platform} device(s), mesh {describe_mesh(d.mesh_shape)}; "
+        f"batch {cfg.data.global_batch_size} x {cfg.data.seq_len} "
         f"({d.per_device_batch} sequences per device), {d.tokens_per_step:,} tokens/step, "
         f"{transformer.flops_per_token(m, cfg.data.seq_len) / 1e6:.1f} MFLOPs/token; attention={m.attention}"
     )
@@ -234,7 +237,7 @@ def device_memory_table(model: Model) -> Table:
             sizes = [len(range(*s.indices(n))) for s, n in zip(index, leaf.shape)]
             per_device[device] += math.prod(sizes) * itemsize
     coords = {d: c for c, d in np.ndenumerate(mesh.devices)}
-    return Table(["device", "mesh position (data, fsdp, tensor)", "parameter bytes"],
+    return Table(["device", f"mesh position ({', '.join(mesh.axis_names)})", "parameter bytes"],
                  [(str(d), coords[d], _bytes(n)) for d, n in per_device.items()])
 
 
@@ -288,7 +291,7 @@ def forward(model: Model, texts: str | Sequence[str], tokenizer: Tokenizer | Non
     texts = [texts] if single else list(texts)
     params, _, mesh, rules = _params_and_names(model)
     context = model.model_cfg.max_seq_len
-    ids = [[BOS_ID, *row] for row in tokenizer.encode(texts, add_bos=False, add_eos=False)]
+    ids = tokenizer.encode(texts, add_bos=True, add_eos=False)
     longest = max(len(row) for row in ids)
     if longest > context + 1:
         raise UserError(f"a text is {longest - 1} tokens but the model's context is {context} "
@@ -302,6 +305,7 @@ def forward(model: Model, texts: str | Sequence[str], tokenizer: Tokenizer | Non
         n = len(row) - 1
         batch["inputs"][r, :n], batch["targets"][r, :n] = row[:-1], row[1:]
         batch["segment_ids"][r, :n], batch["positions"][r, :n] = 1, np.arange(n)
+    batch["weights"] = (batch["segment_ids"] > 0).astype(np.float32)
     sharding = NamedSharding(mesh, mesh_lib.logical_to_spec(("act_batch", "act_seq"), rules))
     with jax.set_mesh(mesh):
         device_batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}

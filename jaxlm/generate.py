@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import inference, train_state
 from jaxlm import mesh as mesh_lib
-from jaxlm.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from jaxlm.errors import UserError
+from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.errors import UserError, report_error
 from jaxlm.models import attention, transformer
 
 log = logging.getLogger(__name__)
@@ -63,18 +63,19 @@ GREEDY = Sampling(temperature=0.0)
 
 
 class SamplingArrays(NamedTuple):
-    """A `Sampling` and the EOS id as device scalars: arguments of the compiled functions, not constants
-    of them, so one compiled prefill and decode step serve every setting."""
+    """A `Sampling` and the EOS and pad ids as device scalars: arguments of the compiled functions, not
+    constants of them, so one compiled prefill and decode step serve every setting and tokenizer."""
 
     temperature: jax.Array  # float32 []
     top_k: jax.Array  # int32 []
     top_p: jax.Array  # float32 []
     eos_id: jax.Array  # int32 []; -1: never stop
+    pad_id: jax.Array  # int32 []: a stopped row's tokens
 
     @classmethod
-    def of(cls, sampling: Sampling, eos_id: int | None) -> "SamplingArrays":
+    def of(cls, sampling: Sampling, eos_id: int | None, pad_id: int = 0) -> "SamplingArrays":
         return cls(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p),
-                   np.int32(-1 if eos_id is None else eos_id))
+                   np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id))
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling | SamplingArrays) -> jax.Array:
@@ -99,7 +100,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling | Sampli
 class DecodeState(NamedTuple):
     """Everything a decode step carries besides the cache."""
 
-    tokens: jax.Array  # [B, max_new] int32: the new tokens so far (PAD after a row stops)
+    tokens: jax.Array  # [B, max_new] int32: the new tokens so far (pad after a row stops)
     last: jax.Array  # [B] int32: each row's latest token, the next step's input
     done: jax.Array  # [B] bool: the row has produced EOS (or is batch padding)
     count: jax.Array  # int32 []: new tokens so far (the column the next one goes to)
@@ -118,7 +119,10 @@ class Completion:
 
 class Generator:
     """Batched sampling from a model's parameters on a mesh, with one compiled prefill and one compiled
-    decode step for every sampling setting (compiled once per batch shape and cache length)."""
+    decode step for every sampling setting (compiled once per batch shape and cache length).
+
+    The special ids are the tokenizer's. Without one (prompts given as ids) padding is id 0 and a row
+    stops early only at an `eos_id` given to `generate_ids`."""
 
     def __init__(self, model_cfg: transformer.ModelConfig, params, mesh: Mesh, rules: mesh_lib.Rules,
                  param_shardings=None, tokenizer: Tokenizer | None = None, graphdef=None):
@@ -132,6 +136,17 @@ class Generator:
     def from_run(cls, run: inference.LoadedRun) -> "Generator":
         return cls(run.model_cfg, run.params, run.mesh, run.rules, run.param_shardings, run.tokenizer,
                    run.spec.graphdef)
+
+    @property
+    def pad_id(self) -> int:
+        """Fills the slots left of a prompt and a row's tokens after it stops (masked, never read)."""
+        return 0 if self.tokenizer is None else self.tokenizer.pad_id
+
+    @property
+    def eos_id(self) -> int | None:
+        """Where a row stops by default: the tokenizer's EOS; None (never) without one."""
+        eos = -1 if self.tokenizer is None else self.tokenizer.eos_id
+        return eos if eos >= 0 else None
 
     # ------------------------------------------------------------------------- shardings
 
@@ -147,7 +162,7 @@ class Generator:
         # Replicated (a few ints per row): every process can read the tokens and whether all rows are done.
         replicated = NamedSharding(self.mesh, P())
         return DecodeState(tokens=replicated, last=replicated, done=replicated, count=replicated, key=replicated,
-                           sampling=SamplingArrays(*[replicated] * 4))
+                           sampling=SamplingArrays(*[replicated] * len(SamplingArrays._fields)))
 
     # ------------------------------------------------------------------------- compiled functions
 
@@ -163,7 +178,7 @@ class Generator:
 
         def next_tokens(logits, state_key, count, done, sampling: SamplingArrays):
             token = sample_logits(logits, jax.random.fold_in(state_key, count), sampling)
-            token = jnp.where(done, PAD_ID, token)
+            token = jnp.where(done, sampling.pad_id, token)
             return token, done | (token == sampling.eos_id)
 
         def prefill(params, prompts, start, done, rng, sampling, cache_len, max_new):
@@ -194,7 +209,7 @@ class Generator:
         prefill_jit = jax.jit(
             prefill, static_argnums=(6, 7), out_shardings=outs,
             in_shardings=(self.param_shardings, self._sharding("act_batch", None), rows, rows, replicated,
-                          SamplingArrays(*[replicated] * 4)),
+                          SamplingArrays(*[replicated] * len(SamplingArrays._fields))),
         )
         decode_jit = jax.jit(decode, donate_argnums=(1, 2), in_shardings=(self.param_shardings, *outs),
                              out_shardings=outs)
@@ -230,9 +245,10 @@ class Generator:
         max_new = self.max_new_tokens_for(lengths, max_new_tokens)
         length = -(-max(lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
         rows = -(-len(prompts) // self.batch_shards) * self.batch_shards
-        tokens = np.full((rows, length), PAD_ID, np.int32)
-        start = np.full(rows, length - 1, np.int32)  # batch padding rows: a lone BOS
-        tokens[:, -1] = BOS_ID
+        tokens = np.full((rows, length), self.pad_id, np.int32)
+        start = np.full(rows, length - 1, np.int32)  # batch padding rows: a lone token, BOS where there is one
+        bos = -1 if self.tokenizer is None else self.tokenizer.bos_id
+        tokens[:, -1] = bos if bos >= 0 else self.pad_id
         for row, prompt in enumerate(prompts):
             tokens[row, length - len(prompt):] = np.asarray(prompt, np.int32)
             start[row] = length - len(prompt)
@@ -246,15 +262,17 @@ class Generator:
         max_new_tokens: int,
         sampling: Sampling = GREEDY,
         seed: int = 0,
-        eos_id: int | None = EOS_ID,
+        eos_id: int | None | Literal["tokenizer"] = "tokenizer",
     ) -> list[Completion]:
-        """New tokens for each prompt (token ids, normally starting with BOS); `eos_id=None` never stops early."""
+        """New tokens for each prompt (token ids, normally starting with BOS). A row stops at `eos_id`:
+        by default the tokenizer's (`self.eos_id`); None never stops early."""
+        eos_id = self.eos_id if isinstance(eos_id, str) else eos_id
         tokens, start, is_padding, cache_len, max_new = self.prepare(prompts, max_new_tokens)
         prefill, decode = self.compiled()
         with jax.set_mesh(self.mesh):
             rows, whole, put = self._sharding("act_batch"), NamedSharding(self.mesh, P()), inference.put_global
             key = put(np.asarray(jax.random.PRNGKey(seed)), whole)
-            settings = SamplingArrays(*[put(x, whole) for x in SamplingArrays.of(sampling, eos_id)])
+            settings = SamplingArrays(*[put(x, whole) for x in SamplingArrays.of(sampling, eos_id, self.pad_id)])
             cache, state = prefill(self.params, put(tokens, self._sharding("act_batch", None)), put(start, rows),
                                    put(is_padding, rows), key, settings, cache_len, max_new)
             for n in range(1, max_new):
@@ -326,10 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         generator = load(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
         batch = [p for p in prompts for _ in range(args.num_samples)]
         completions = generator.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                         seed=args.seed, eos_id=None if args.ignore_eos else EOS_ID)
+                                         seed=args.seed, eos_id=None if args.ignore_eos else "tokenizer")
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     for i, c in enumerate(completions):
         if args.json:
             print(json.dumps({"prompt": c.prompt, "completion": c.text, "tokens": len(c.ids),

@@ -39,6 +39,7 @@ def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, packed: bool =
         "targets": targets,
         "segment_ids": np.repeat(seg[None], batch, 0),
         "positions": np.repeat(pos[None], batch, 0),
+        "weights": np.repeat((seg[None] > 0).astype(np.float32), batch, 0),
     }
 
 
@@ -55,3 +56,18 @@ def load_benchmark(name: str):
     finally:
         sys.path[:] = saved
     return module
+
+
+def llama_layout_model(**special_ids: int) -> bytes:
+    """A SentencePiece model trained by sentencepiece itself, not by jaxlm, with Llama's special ids
+    (unk 0, bos 1, eos 2, no pad) unless others are given, and byte fallback: 300 ids."""
+    import io
+
+    import sentencepiece as spm
+
+    ids = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, **special_ids}
+    lines = ["alice likes apples. bob likes bananas.", "def f(x):", "    return x + 1"] * 20
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buffer, model_type="bpe",
+                                   vocab_size=300, byte_fallback=True, num_threads=1, minloglevel=2, **ids)
+    return buffer.getvalue()

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from helpers import llama_layout_model
 from jaxlm.data import pipeline, sources
-from jaxlm.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_or_train
+from jaxlm.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from jaxlm.errors import UserError
 
 UNICODE_TEXTS = [
@@ -33,7 +34,7 @@ def corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def bpe(corpus: list[str]) -> Tokenizer:
-    return Tokenizer.train(corpus, 512)
+    return SentencePieceTokenizer.train(corpus, 512)
 
 
 def synthetic_docs(num_docs: int = 40, seed: int = 0) -> list[np.ndarray]:
@@ -80,23 +81,13 @@ def test_builtin_corpus_is_deterministic_and_stops_at_max_bytes(corpus: list[str
     assert any("def " in doc for doc in corpus)
 
 
-def test_split_train_val_is_deterministic_disjoint_and_order_free(corpus: list[str]) -> None:
+def test_the_validation_split_is_decided_by_the_text_not_the_position() -> None:
     docs = [f"document {i}\n" for i in range(200)]
-    train, val = sources.split_train_val(docs, 0.1, seed=0)
-    assert (train, val) == sources.split_train_val(docs, 0.1, seed=0)
-    assert not set(train) & set(val)
-    assert sorted(train + val) == sorted(docs)
+    val = {d for d in docs if sources.is_validation(d, 0.1, seed=0)}
     assert 5 <= len(val) <= 40
-    # The side is decided by the text, not the position.
-    train_rev, val_rev = sources.split_train_val(docs[::-1], 0.1, seed=0)
-    assert set(val_rev) == set(val) and set(train_rev) == set(train)
-    assert set(sources.split_train_val(docs, 0.1, seed=1)[1]) != set(val)
-    # Tiny fractions still give a non-empty validation set, and duplicates never straddle.
-    train, val = sources.split_train_val(corpus[:3] + corpus[:1], 1e-9, seed=0)
-    assert len(val) >= 1 and len(train) >= 1 and not set(train) & set(val)
-    assert sources.split_train_val(docs, 0.0, seed=0) == (docs, [])
-    with pytest.raises(ValueError):
-        sources.split_train_val(docs, 1.0, seed=0)
+    assert val == {d for d in docs[::-1] if sources.is_validation(d, 0.1, seed=0)}
+    assert val != {d for d in docs if sources.is_validation(d, 0.1, seed=1)}
+    assert not any(sources.is_validation(d, 0.0, seed=0) for d in docs)
 
 
 def test_corpus_fingerprint() -> None:
@@ -110,18 +101,20 @@ def test_corpus_fingerprint() -> None:
 
 @pytest.mark.parametrize("model_type,vocab_size", [("bpe", 512), ("unigram", 512), ("char", 512), ("byte", 260)])
 def test_tokenizer_round_trips_exactly(corpus: list[str], model_type: str, vocab_size: int) -> None:
-    tok = Tokenizer.train(corpus, vocab_size, model_type)
+    tok = SentencePieceTokenizer.train(corpus, vocab_size, model_type)
     assert tok.vocab_size == vocab_size
     held_out_source = inspect.getsource(textwrap)  # a real multi-line Python file
     texts = UNICODE_TEXTS + [held_out_source, corpus[0]]
     encoded = tok.encode(texts)
+    assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)  # every trained tokenizer's
     for text, ids in zip(texts, encoded):
-        assert ids[0] == BOS_ID and ids[-1] == EOS_ID
-        assert UNK_ID not in ids and PAD_ID not in ids
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert tok.unk_id not in ids and tok.pad_id not in ids
         assert max(ids) < vocab_size
         assert tok.decode(ids) == text
-    assert tok.encode(["a\nb"], add_bos=False, add_eos=False)[0][0] not in (BOS_ID, EOS_ID)
-    assert tok.decode([BOS_ID, PAD_ID, *tok.encode(["x y"], add_bos=False, add_eos=False)[0], EOS_ID]) == "x y"
+    assert tok.encode(["a\nb"], add_bos=False, add_eos=False)[0][0] not in (tok.bos_id, tok.eos_id)
+    x_y = tok.encode(["x y"], add_bos=False, add_eos=False)[0]
+    assert tok.decode([tok.bos_id, tok.pad_id, *x_y, tok.eos_id]) == "x y"
 
 
 def test_bpe_learns_merges(bpe: Tokenizer, corpus: list[str]) -> None:
@@ -133,49 +126,47 @@ def test_special_ids_and_identity_survive_save_load(bpe: Tokenizer, tmp_path) ->
     path = tmp_path / "tok.model"
     bpe.save(path)
     proto = spm.SentencePieceProcessor(model_file=str(path))
-    assert [proto.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert [proto.id_to_piece(i) for i in (0, 1, 2, 3)] == ["<pad>", "<unk>", "<s>", "</s>"]
     loaded = Tokenizer.load(path)
+    assert isinstance(loaded, SentencePieceTokenizer)
+    assert (loaded.pad_id, loaded.unk_id, loaded.bos_id, loaded.eos_id) == (0, 1, 2, 3)
     assert loaded.sha256 == bpe.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert loaded.vocab_size == bpe.vocab_size
     assert loaded.encode(UNICODE_TEXTS) == bpe.encode(UNICODE_TEXTS)
     assert os.listdir(tmp_path) == ["tok.model"]  # no temporary file left behind
 
 
+def test_a_model_trained_elsewhere_keeps_its_own_special_ids(tmp_path) -> None:
+    path = tmp_path / "llama.model"
+    path.write_bytes(llama_layout_model())  # unk 0, bos 1, eos 2, no pad
+    tok = Tokenizer.load(path)
+    assert (tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.pad_id == tok.eos_id  # no pad: EOS stands in (never scored, never attended to)
+    ids = pipeline.tokenize_documents(tok, ["alice likes bob"])[0]
+    assert ids[0] == 1 and ids[-1] == 2 and tok.decode(ids.tolist()) == "alice likes bob"
+    assert tok.byte_lengths()[[0, 1, 2]].sum() == 0
+    # No BOS, EOS or pad at all: encoding adds none, and padding falls back to id 0.
+    bare = SentencePieceTokenizer(llama_layout_model(bos_id=-1, eos_id=-1))
+    assert (bare.bos_id, bare.eos_id, bare.pad_id) == (-1, -1, 0)
+    assert bare.encode(["ab"]) == bare.encode(["ab"], add_bos=False, add_eos=False)
+
+
 def test_tokenizer_training_is_deterministic(corpus: list[str], bpe: Tokenizer) -> None:
-    assert Tokenizer.train(corpus, 512).sha256 == bpe.sha256
+    assert SentencePieceTokenizer.train(corpus, 512).sha256 == bpe.sha256
 
 
 def test_tokenizer_errors(corpus: list[str], tmp_path) -> None:
     with pytest.raises(ValueError, match="bpe, unigram, char, byte"):
-        Tokenizer.train(corpus, 512, "wordpiece")
+        SentencePieceTokenizer.train(corpus, 512, "wordpiece")
     with pytest.raises(UserError, match="vocab_size=200000"):
-        Tokenizer.train(corpus, 200_000)
+        SentencePieceTokenizer.train(corpus, 200_000)
     with pytest.raises(ValueError, match="260"):
-        Tokenizer.train(corpus, 100, "byte")
+        SentencePieceTokenizer.train(corpus, 100, "byte")
     with pytest.raises(UserError, match="not found"):
         Tokenizer.load(tmp_path / "missing.model")
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(UserError, match="not a SentencePiece model"):
         Tokenizer.load(tmp_path / "junk.model")
-
-
-def test_get_or_train_loads_from_cache(corpus: list[str], tmp_path, monkeypatch) -> None:
-    tok = get_or_train(tmp_path, corpus, 512, "bpe")
-    (path,) = tmp_path.iterdir()
-    assert path.name.startswith("tokenizer-") and path.suffix == ".model"
-    mtime = path.stat().st_mtime_ns
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("trained again instead of loading the cache")
-
-    monkeypatch.setattr(Tokenizer, "train", no_training)
-    again = get_or_train(tmp_path, corpus, 512, "bpe")
-    assert again.sha256 == tok.sha256
-    assert path.stat().st_mtime_ns == mtime
-    assert list(tmp_path.iterdir()) == [path]
-    monkeypatch.undo()
-    get_or_train(tmp_path, corpus, 600, "bpe")  # other options: another cache entry
-    assert len(list(tmp_path.iterdir())) == 2
 
 
 # --- tokenized documents ---
@@ -185,7 +176,7 @@ def test_tokenize_documents(bpe: Tokenizer, corpus: list[str]) -> None:
     docs = corpus[:4] + ["", "short"]
     doc_tokens = pipeline.tokenize_documents(bpe, docs)
     for doc, ids in zip(docs, doc_tokens):
-        assert ids.dtype == np.int32 and ids[0] == BOS_ID and ids[-1] == EOS_ID
+        assert ids.dtype == np.int32 and ids[0] == bpe.bos_id and ids[-1] == bpe.eos_id
         assert bpe.decode(ids.tolist()) == doc
 
 
@@ -195,10 +186,11 @@ def test_tokenize_documents(bpe: Tokenizer, corpus: list[str]) -> None:
 def test_packed_batches_hold_true_next_token_pairs() -> None:
     batches = take(pipeline.make_train_dataset(synthetic_docs(), seq_len=SEQ_LEN, batch_size=4, seed=0), 30)
     for batch in batches:
-        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
-        for value in batch.values():
-            assert value.shape == (4, SEQ_LEN) and value.dtype == np.int32
+        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets", "weights"]
+        for key, value in batch.items():
+            assert value.shape == (4, SEQ_LEN) and value.dtype == (np.float32 if key == "weights" else np.int32)
         pad = batch["segment_ids"] == 0
+        np.testing.assert_array_equal(batch["weights"], np.where(pad, 0.0, 1.0))  # the loss skips padding only
         assert not batch["inputs"][pad].any() and not batch["targets"][pad].any() and not batch["positions"][pad].any()
         for seg_row in batch["segment_ids"]:  # segments 1..k, then padding only at the end
             used = seg_row[seg_row > 0]
@@ -290,7 +282,9 @@ def test_eval_batches_are_fixed_and_complete() -> None:
     docs = synthetic_docs()
     batches = pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=1000)
     assert_batches_equal(batches, pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=1000))
-    assert all(v.shape == (4, SEQ_LEN) and v.dtype == np.int32 for b in batches for v in b.values())
+    assert all(v.shape == (4, SEQ_LEN) and v.dtype == (np.float32 if k == "weights" else np.int32)
+               for b in batches for k, v in b.items())
+    assert all(np.array_equal(b["weights"], (b["segment_ids"] > 0).astype(np.float32)) for b in batches)
     targets = np.concatenate([b["targets"][b["segment_ids"] > 0] for b in batches])
     assert collections.Counter(targets.tolist()) == collections.Counter(np.concatenate([d[1:] for d in docs]).tolist())
     # No shuffling: the first segment is the start of the first document with a next-token pair.
@@ -372,9 +366,9 @@ def test_on_the_fly_of_nothing_is_a_user_error(bpe: Tokenizer) -> None:
 
 @pytest.mark.parametrize("model_type,vocab_size", [("bpe", 512), ("unigram", 512), ("char", 512), ("byte", 260)])
 def test_byte_lengths_of_a_documents_ids_add_up_to_its_utf8_size(corpus, model_type, vocab_size) -> None:
-    tok = Tokenizer.train(corpus[:2], vocab_size, model_type)
+    tok = SentencePieceTokenizer.train(corpus[:2], vocab_size, model_type)
     lengths = tok.byte_lengths()
-    assert lengths.shape == (vocab_size,) and lengths[[PAD_ID, UNK_ID, BOS_ID, EOS_ID]].sum() == 0
+    assert lengths.shape == (vocab_size,) and lengths[[tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id]].sum() == 0
     for text in UNICODE_TEXTS + corpus[2:4]:
         ids = tok.encode([text])[0]  # with BOS and EOS, which stand for no bytes
         assert int(lengths[ids].sum()) == len(text.encode("utf-8")), (model_type, text[:40])

@@ -6,10 +6,11 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import llama_layout_model
 from jaxlm import explore, trainer as trainer_lib
-from jaxlm.data.tokenizer import BOS_ID
+from jaxlm.data.tokenizer import SentencePieceTokenizer
 from jaxlm.errors import UserError
-from jaxlm.mesh import logical_to_spec
+from jaxlm.mesh import axes_of, logical_to_spec
 from jaxlm.models import transformer
 
 SMALL = dict(model__vocab_size=512, model__d_model=64, model__n_layers=2, model__n_heads=4, model__n_kv_heads=2,
@@ -34,35 +35,36 @@ def test_the_parameter_table_says_what_the_rules_and_mesh_make_of_each_weight():
     assert [p.logical_axes for p in params] == names
     for p in params:
         assert p.spec == logical_to_spec(p.logical_axes, trainer.rules)
-        split = [math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ())) for axes in p.spec]
+        split = [math.prod(sizes[a] for a in axes_of(axes)) for axes in p.spec]
         split += [1] * (len(p.shape) - len(split))
         assert p.shard_shape == tuple(n // k for n, k in zip(p.shape, split))
         assert p.bytes_per_device == math.prod(p.shard_shape) * 4
     by_name = {p.name: p for p in params}
-    assert by_name["blocks.mlp.w_up"].shape == (2, 64, 128)
-    assert by_name["blocks.mlp.w_up"].shard_shape == (2, 16, 64)  # embed over fsdp=4, mlp over tensor=2
+    assert by_name["blocks.mlp.w_up.kernel"].shape == (2, 64, 128)
+    assert by_name["blocks.mlp.w_up.kernel"].shard_shape == (2, 16, 64)  # embed over fsdp=4, mlp over tensor=2
     assert sum(p.count for p in params) == transformer.param_count(trainer.model_cfg)["total"]
     table = explore.parameter_table(trainer)
     assert f"{sum(p.count for p in params):,} parameters" in table.footer
-    assert table.records()[0]["name"] == params[0].name and "| blocks.attn.wk |" in table.to_markdown()
+    assert table.records()[0]["name"] == params[0].name and "| blocks.attn.wk.kernel |" in table.to_markdown()
     # The drawn 2-D view: the stacked layers axis dropped, head_dim merged into heads.
-    assert explore.sharding_view((2, 64, 4, 16), by_name["blocks.attn.wq"].spec)[:2] == ((64, 64), jax.P("fsdp", "tensor"))
-    assert explore.sharding_view((2, 4, 16, 64), by_name["blocks.attn.wo"].spec)[:2] == ((64, 64), jax.P("tensor", "fsdp"))
-    with pytest.raises(UserError, match="no parameter 'blocks.mlp.w_in'"):
-        explore.find_parameter(trainer, "blocks.mlp.w_in")
+    assert explore.sharding_view((2, 64, 4, 16), by_name["blocks.attn.wq.kernel"].spec)[:2] == ((64, 64), jax.P("fsdp", "tensor"))
+    assert explore.sharding_view((2, 4, 16, 64), by_name["blocks.attn.wo.kernel"].spec)[:2] == ((64, 64), jax.P("tensor", "fsdp"))
+    with pytest.raises(UserError, match="no parameter 'blocks.mlp.w_in.kernel'"):
+        explore.find_parameter(trainer, "blocks.mlp.w_in.kernel")
 
 
 def test_forward_on_text_gives_the_loss_the_eval_step_gives(built):
     trainer, data, _ = built
     text = "def add(a, b):\n    return a + b\n"
     result = explore.forward(trainer, text, data.tokenizer)
-    ids = [BOS_ID, *data.tokenizer.encode([text], add_bos=False, add_eos=False)[0]]
+    ids = [data.tokenizer.bos_id, *data.tokenizer.encode([text], add_bos=False, add_eos=False)[0]]
     assert result.ids == ids and result.logits.shape == (len(ids) - 1, 512)
     # The same tokens as an eval batch through the CLI's compiled eval step.
     n = len(ids) - 1
     batch = {k: np.zeros((8, 32), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
     batch["inputs"][0, :n], batch["targets"][0, :n] = ids[:-1], ids[1:]
     batch["segment_ids"][0, :n], batch["positions"][0, :n] = 1, np.arange(n)
+    batch["weights"] = (batch["segment_ids"] > 0).astype(np.float32)
     with jax.set_mesh(trainer.mesh):
         val = trainer_lib.evaluate(trainer, trainer.state.params, [batch])
     assert result.loss == pytest.approx(val["val_loss"], rel=1e-5)
@@ -70,6 +72,8 @@ def test_forward_on_text_gives_the_loss_the_eval_step_gives(built):
     assert result.losses[0] == pytest.approx(-log_probs[ids[1]], rel=1e-5)
     two = explore.forward(trainer, [text, "import os"], data.tokenizer)
     assert two[0].loss == pytest.approx(result.loss, rel=1e-5) and len(two[1].ids) < len(ids)
+    llama = SentencePieceTokenizer(llama_layout_model())  # another tokenizer's BOS begins the text: Llama's 1
+    assert explore.forward(trainer, text, llama).ids == [1, *llama.encode([text], add_bos=False, add_eos=False)[0]]
     with pytest.raises(UserError, match="context is 32"):
         explore.forward(trainer, "x = 1\n" * 200, data.tokenizer)
 
@@ -81,7 +85,7 @@ def test_train_steps_then_save_and_load_give_back_the_same_model(built):
     before = jax.device_get(trainer.state.params)
     history = list(explore.train_steps(trainer, data, 2))
     assert [m["step"] for m in history] == [step + 1, step + 2] and all(math.isfinite(m["loss"]) for m in history)
-    assert not np.allclose(jax.device_get(trainer.state.params)["unembed"], before["unembed"])
+    assert not np.allclose(jax.device_get(trainer.state.params)["unembed"]["kernel"], before["unembed"]["kernel"])
     val = explore.evaluate(trainer, data)
     assert val["val_perplexity"] == pytest.approx(math.exp(val["val_loss"]))
 

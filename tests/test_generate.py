@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from helpers import small_config
+from helpers import llama_layout_model, small_config
 from tiny_run import LIKES, NAMES, SEQ_LEN
 from jaxlm import config, generate, inference, train_state
 from jaxlm import mesh as mesh_lib
+from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.generate import GREEDY, Generator, Sampling
 from jaxlm.models import attention
@@ -149,6 +150,31 @@ def test_each_row_stops_at_its_own_eos(generator, prompts):
         else:
             assert completion.ids == ids and completion.finish_reason == "length"
     assert completions[0].ids == free[0][:3]
+
+
+def test_special_ids_come_from_the_tokenizer(generator, prompts, tmp_path):
+    """With a tokenizer of Llama's layout (unk 0, bos 1, eos 2, no pad: pad is its EOS), prompts are
+    left-padded with its pad, batch padding rows are its lone BOS, stopped rows hold its pad, a row
+    stops at its EOS by default, and the completions are those of the run's own tokenizer (pad 0)."""
+    (tmp_path / "llama.model").write_bytes(llama_layout_model())
+    tok = Tokenizer.load(tmp_path / "llama.model")
+    gen = Generator(generator.model_cfg, generator.params, generator.mesh, generator.rules,
+                    generator.param_shardings, tok, generator.graphdef)
+    assert (gen.pad_id, gen.eos_id) == (2, 2) and (generator.pad_id, generator.eos_id) == (0, 3)
+    tokens, start, padding, cache_len, max_new = gen.prepare(prompts, NEW)
+    assert padding.sum() > 0  # 3 prompts, a row per device
+    for row in range(len(prompts)):
+        assert (tokens[row, : start[row]] == tok.pad_id).all()
+    assert (tokens[padding, -1] == tok.bos_id).all() and (tokens[padding, :-1] == tok.pad_id).all()
+    prefill, decode = gen.compiled()
+    with jax.set_mesh(gen.mesh):
+        cache, state = prefill(gen.params, tokens, start, padding, jax.random.PRNGKey(0),
+                               generate.SamplingArrays.of(GREEDY, gen.eos_id, gen.pad_id), cache_len, max_new)
+        _, state = decode(gen.params, cache, state)
+    assert (np.asarray(state.tokens)[padding, :2] == tok.pad_id).all()  # done from the start
+    free = [c.ids for c in generator.generate_ids(prompts, max_new_tokens=NEW, eos_id=None)]
+    expected = [ids[: ids.index(2)] if 2 in ids else ids for ids in free]
+    assert [c.ids for c in gen.generate_ids(prompts, max_new_tokens=NEW)] == expected
 
 
 def test_the_model_completes_the_facts_it_learned(generator):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxlm.data import pipeline, prepare, sources
-from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from jaxlm.errors import UserError
 
 SEQ_LEN = 64
@@ -45,7 +45,7 @@ def docs(spec: sources.SourceSpec) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tok(docs: list[str]) -> Tokenizer:
-    return Tokenizer.train(docs, 512)
+    return SentencePieceTokenizer.train(docs, 512)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_prepared_batches_equal_in_memory_batches(prepared: str, tok: Tokenizer,
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys()
             for k in a:
-                assert a[k].dtype == b[k].dtype == np.int32
+                assert a[k].dtype == b[k].dtype == (np.float32 if k == "weights" else np.int32)
                 np.testing.assert_array_equal(a[k], b[k])
 
 
@@ -235,7 +235,7 @@ def test_other_tokenizer_inputs_or_options_are_refused(
     shutil.copytree(prepared, out)
     tok = Tokenizer.load(os.path.join(prepared, prepare.TOKENIZER))
     with pytest.raises(UserError, match="another tokenizer"):
-        prepare.prepare(spec, Tokenizer.train(docs, 260, "byte"), out, progress=False, **OPTIONS)
+        prepare.prepare(spec, SentencePieceTokenizer.train(docs, 260, "byte"), out, progress=False, **OPTIONS)
     with pytest.raises(UserError, match="other options"):
         prepare.prepare(spec, tok, out, progress=False, **{**OPTIONS, "shard_docs": 9})
     changed = str(tmp_path / "corpus")
@@ -284,7 +284,7 @@ def test_epoch_and_tokens_seen_follow_the_stream_and_resume() -> None:
 
     it, epochs, tokens = make(2), [], []
     for batch in it:
-        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets"]
+        assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets", "weights"]
         tokens.append(int((batch["segment_ids"] > 0).sum()))
         epochs.append(it.epoch)
         assert it.tokens_seen == sum(tokens)

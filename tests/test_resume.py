@@ -109,15 +109,15 @@ def test_a_finished_run_is_not_redone_and_changes_that_matter_are_refused(uninte
 def test_resuming_with_another_tokenizer_is_refused(tmp_path):
     """Same config, but the tokenizer file behind data.tokenizer_path changed: its hash tells."""
     from jaxlm.data.sources import SourceSpec, iter_documents
-    from jaxlm.data.tokenizer import Tokenizer
+    from jaxlm.data.tokenizer import SentencePieceTokenizer
 
     docs = list(iter_documents(SourceSpec("builtin", max_bytes=200_000)))
     model = tmp_path / "tok.model"
-    Tokenizer.train(docs, 512, "bpe").save(model)
+    SentencePieceTokenizer.train(docs, 512, "bpe").save(model)
     argv = args(tmp_path, "tok", f"--config.data.tokenizer_path={model}", steps=2)
     code, _, err = run(argv)
     assert code == 0, err[-2000:]
-    Tokenizer.train(docs, 512, "unigram").save(model)
+    SentencePieceTokenizer.train(docs, 512, "unigram").save(model)
     code, _, err = run([*argv, "--config.run.steps=4"])  # the later flag wins
     assert code == 2 and "was trained with another tokenizer" in err, err[-2000:]
 

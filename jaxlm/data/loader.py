@@ -41,7 +41,7 @@ class Data:
     def eval_target_bytes(self) -> int:
         """UTF-8 bytes that the held-out batches' target tokens stand for, over all processes."""
         lengths = self.tokenizer.byte_lengths()
-        local = sum(int(lengths[b["targets"]][b["segment_ids"] > 0].sum()) for b in self.eval_batches)
+        local = sum(int(lengths[b["targets"]][b["weights"] > 0].sum()) for b in self.eval_batches)
         if jax.process_count() == 1:
             return local
         from jax.experimental import multihost_utils
@@ -105,7 +105,7 @@ def _cached_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tok
                 break
     if not docs:
         raise UserError(f"the corpus {d.corpus!r} holds no training documents; give non-empty text")
-    tok = tokenizer.Tokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
+    tok = tokenizer.SentencePieceTokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
     tok.save(path)
     return tok
 
@@ -115,17 +115,22 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
     for these inputs and tokenizer, built on first use (resumably) with every core."""
     d = cfg.data
     given = pathlib.Path(d.corpus)
-    if (given / prepare.MANIFEST).is_file():
+    if prepare.is_prepared(given):
         return given
     key = inputs_key(cfg)
     with _cache_lock(cfg):
         tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(cfg, key)
-        out = pathlib.Path(d.cache_dir) / f"prepared-{key}-{tok.sha256[:16]}"
-        if not ((out / prepare.MANIFEST).is_file() and prepare.read_manifest(out)["complete"]):
+        out = cached_prepared_dir(cfg, tok.sha256, key)
+        if not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
             prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
                             workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
     return out
+
+
+def cached_prepared_dir(cfg: ml_collections.ConfigDict, tokenizer_sha256: str, key: str | None = None) -> pathlib.Path:
+    """Where `data.cache_dir` keeps the corpus prepared with this tokenizer (`key`: `inputs_key(cfg)`)."""
+    return pathlib.Path(cfg.data.cache_dir) / f"prepared-{key or inputs_key(cfg)}-{tokenizer_sha256[:16]}"
 
 
 def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
@@ -156,7 +161,7 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
     """The raw training documents in memory, tokenized inside the pipeline; the held-out set is
     tokenized here, once."""
     d = cfg.data
-    if (pathlib.Path(d.corpus) / prepare.MANIFEST).is_file():
+    if prepare.is_prepared(d.corpus):
         raise UserError(f"{d.corpus} is a prepared (tokenized) corpus; set config.data.tokenize_on_the_fly=false")
     tok = load_tokenizer(cfg, inputs_key(cfg))
     _check_vocab(cfg, tok, "data.tokenizer_path" if d.tokenizer_path else "the corpus")

@@ -1,11 +1,13 @@
 """The grain input pipeline: tokenized documents -> shuffled chunks -> packed rows -> batches.
 
-Every batch is a dict of int32 numpy arrays of shape [batch_size, seq_len]:
-  inputs       token ids
-  targets      the next token of each input (0 on padding)
-  segment_ids  1, 2, ... for the documents packed in a row, 0 on padding
-  positions    position within the document's chunk, restarting at 0 for each segment
-A model masks attention across segments and the loss on segment 0.
+Every batch is a dict of numpy arrays of shape [batch_size, seq_len]:
+  inputs       int32 token ids (0 on padding)
+  targets      int32, the next token of each input (0 on padding)
+  segment_ids  int32, 1, 2, ... for the documents packed in a row, 0 on padding
+  positions    int32, position within the document's chunk, restarting at 0 for each segment
+  weights      float32, each target's weight in the loss: 1 for text, 0 on padding
+A model masks attention across segments; the loss is the weighted mean over targets. The weights
+are added last (`_with_weights`), outside the stages whose state a checkpoint holds.
 
 Documents come as a list of token arrays or as `FlatDocuments` (memory-mapped prepared shards from
 `jaxlm.data.prepare.open_prepared`); the two give the same batches. A training iterator
@@ -156,6 +158,11 @@ def _to_batch_row(packed: Batch) -> Batch:
     return row
 
 
+def _with_weights(batch: Batch) -> Batch:
+    """The batch with its loss weights: packing padding (segment 0) weighs 0, every real target 1."""
+    return {**batch, "weights": (batch["segment_ids"] > 0).astype(np.float32)}
+
+
 def _with_epoch(num_chunks: int, index: int, chunk: Batch) -> Batch:
     """Tag a chunk of the repeated, shuffled stream with its pass over the data."""
     return {**chunk, "epoch": np.array([index // num_chunks], np.int32)}
@@ -166,7 +173,7 @@ def _with_text_epoch(num_docs: int, index: int, text: str) -> tuple[int, str]:
 
 
 class TrainIterator(grain.DatasetIterator):
-    """Model batches (the four keys) plus how far this process has read, for logging and stopping.
+    """Model batches (the five keys) plus how far this process has read, for logging and stopping.
 
     After each `next()`, `epoch` is the latest 0-based pass over the data that a batch has drawn
     from, and `tokens_seen` counts this process's real (non-padding) target tokens so far; both are
@@ -182,7 +189,7 @@ class TrainIterator(grain.DatasetIterator):
         batch = next(self._parent)
         self.epoch = max(self.epoch, int(batch.pop("epoch").max()))  # grain workers may straddle a boundary
         self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
-        return batch
+        return _with_weights(batch)
 
     def get_state(self) -> dict:
         return {"parent": self._parent.get_state(), "epoch": self.epoch, "tokens_seen": self.tokens_seen}
@@ -289,8 +296,8 @@ def make_eval_batches(
 ) -> list[Batch]:
     """The first `max_batches` packed batches of the documents in order, no shuffling.
 
-    A short last batch is filled with all-padding rows (segment 0), so every batch has the same
-    shape and no evaluation token is dropped.
+    A short last batch is filled with all-padding rows (segment 0, weight 0), so every batch has
+    the same shape and no evaluation token is dropped.
     """
     chunks = _Chunks(doc_tokens, seq_len)
     ds = _pack_and_batch(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len, batch_size, drop_remainder=False)
@@ -299,5 +306,5 @@ def make_eval_batches(
         if len(batches) == max_batches:
             break
         short = batch_size - len(batch["inputs"])
-        batches.append({k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()})
+        batches.append(_with_weights({k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()}))
     return batches

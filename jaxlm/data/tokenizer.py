@@ -1,5 +1,13 @@
-"""SentencePiece tokenizers: trained in-process on the corpus, cached by content, exact round trip."""
+"""The tokenizer interface, and SentencePiece tokenizers trained in-process with exact round trip.
 
+`Tokenizer` is all the rest of jaxlm uses of a tokenizer: its special ids as attributes, encode,
+decode, the bytes each id stands for, its identity and its file; `Tokenizer.load` opens a tokenizer
+file. SentencePiece is the one implementation for now (a Hugging Face tokenizer.json one is next):
+a loaded model keeps its own special ids (Llama's: unk 0, bos 1, eos 2, no pad), and a tokenizer
+trained here has pad, unk, bos, eos = 0, 1, 2, 3.
+"""
+
+import abc
 import hashlib
 import io
 import os
@@ -10,21 +18,15 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_model
 
-from jaxlm.data.sources import corpus_fingerprint
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 
-PAD_ID = 0
-UNK_ID = 1
-BOS_ID = 2
-EOS_ID = 3
 MODEL_TYPES = ("bpe", "unigram", "char", "byte")
 BYTE_VOCAB_SIZE = 260  # 4 specials + 256 byte pieces: the whole vocabulary of a 'byte' tokenizer.
 
-# Bump when the training options below change, so cached tokenizers are retrained.
-_FORMAT_VERSION = 1
 # Lines sampled for training: enough for a good vocabulary, few enough that ~5 MB trains in seconds.
 _MAX_TRAIN_LINES = {"bpe": 200_000, "unigram": 50_000, "char": 200_000}
-_SPECIALS = (("<pad>", PAD_ID), ("<unk>", UNK_ID), ("<s>", BOS_ID), ("</s>", EOS_ID))
+# The pieces and ids of the specials of every tokenizer trained here (only of those: a loaded model has its own).
+_TRAINED_SPECIALS = {"pad": ("<pad>", 0), "unk": ("<unk>", 1), "bos": ("<s>", 2), "eos": ("</s>", 3)}
 _PieceType = spm_model.ModelProto.SentencePiece.Type
 
 
@@ -64,14 +66,15 @@ def _byte_model_proto(vocab_size: int) -> bytes:
     U+2581, which must then be a piece of its own. Here whitespace is not escaped at all.
     """
     model = spm_model.ModelProto()
-    for piece, _ in _SPECIALS:
+    for piece, _ in _TRAINED_SPECIALS.values():
         model.pieces.add(piece=piece, score=0.0, type=_PieceType.UNKNOWN if piece == "<unk>" else _PieceType.CONTROL)
     for byte in range(256):
         model.pieces.add(piece=f"<0x{byte:02X}>", score=0.0, type=_PieceType.BYTE)
     spec = model.trainer_spec
     spec.model_type = spm_model.TrainerSpec.CHAR
     spec.byte_fallback = True
-    spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    for name, (_, id_) in _TRAINED_SPECIALS.items():
+        setattr(spec, f"{name}_id", id_)
     normalizer = model.normalizer_spec
     normalizer.name = "identity"
     normalizer.add_dummy_prefix = False
@@ -81,12 +84,62 @@ def _byte_model_proto(vocab_size: int) -> bytes:
     return model.SerializeToString()
 
 
-class Tokenizer:
-    """A SentencePiece model with fixed special ids and exact round trip of any Unicode text.
+class Tokenizer(abc.ABC):
+    """What jaxlm uses of a tokenizer. Each implementation reads its special ids from its own model.
 
-    Byte fallback makes every string encodable (no UNK), and identity normalization with no
-    whitespace folding keeps code and text byte-exact. One known exception for trained models:
-    a literal U+2581 ('▁', SentencePiece's space marker) in the input decodes as a space.
+    `bos_id` and `eos_id` begin and end a document, `unk_id` stands for what the vocabulary cannot
+    spell; each is -1 when the model has none. `pad_id` is never -1: it is the model's pad or, when
+    the model has none (Llama), its eos (as Hugging Face generation does), else 0. It only needs to
+    be a valid id: what it fills (left-padded prompts, a row after EOS) is masked from attention and
+    never scored. The packing padding of training batches is id 0 with segment 0 and weight 0.
+    Instances pickle (grain workers tokenize with them).
+    """
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer in file `path`: a SentencePiece .model (the one format for now)."""
+        return SentencePieceTokenizer.load(path)
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def sha256(self) -> str:
+        """Hex digest of the tokenizer's file: its identity, recorded with data and checkpoints."""
+
+    @abc.abstractmethod
+    def encode(
+        self, texts: Sequence[str], add_bos: bool = True, add_eos: bool = True, num_threads: int = -1
+    ) -> list[list[int]]:
+        """The ids of each text, with BOS before and EOS after where asked (and the model has them)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids` with special ids dropped."""
+
+    @abc.abstractmethod
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for, int32 [vocab_size] (0 for special ids)."""
+
+    @abc.abstractmethod
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the file `load` reads back."""
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model with its own special ids (`sp.pad_id()` etc., pad as `Tokenizer` says).
+
+    One trained here (`train`) round-trips any Unicode text exactly: byte fallback makes every
+    string encodable (no UNK), and identity normalization with no whitespace folding keeps code and
+    text byte-exact. One known exception: a literal U+2581 ('▁', SentencePiece's space marker) in the
+    input decodes as a space.
     """
 
     def __init__(self, model_proto: bytes):
@@ -96,12 +149,13 @@ class Tokenizer:
         self._dropped = np.array(
             [sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) for i in range(sp.get_piece_size())]
         )
-        for piece, expected in _SPECIALS:
-            if sp.piece_to_id(piece) != expected:
-                raise UserError(f"tokenizer model has {piece} at id {sp.piece_to_id(piece)}, jaxlm needs id {expected}")
+        self.unk_id, self.bos_id, self.eos_id = sp.unk_id(), sp.bos_id(), sp.eos_id()  # -1: none
+        self.pad_id = next(i for i in (sp.pad_id(), self.eos_id, 0) if i >= 0)  # see Tokenizer
 
     @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int, model_type: str = "bpe", num_threads: int = 2) -> "Tokenizer":
+    def train(
+        cls, texts: Sequence[str], vocab_size: int, model_type: str = "bpe", num_threads: int = 2
+    ) -> "SentencePieceTokenizer":
         """Train on `texts` in memory; the result has exactly `vocab_size` ids for every model type."""
         _check_model_type(model_type)
         if model_type == "byte":
@@ -122,10 +176,7 @@ class Tokenizer:
                 vocab_size=vocab_size,
                 character_coverage=1.0 if model_type == "char" else 0.9995,
                 byte_fallback=True,
-                pad_id=PAD_ID,
-                unk_id=UNK_ID,
-                bos_id=BOS_ID,
-                eos_id=EOS_ID,
+                **{f"{name}_id": id_ for name, (_, id_) in _TRAINED_SPECIALS.items()},
                 normalization_rule_name="identity",
                 remove_extra_whitespaces=False,
                 add_dummy_prefix=False,
@@ -152,7 +203,7 @@ class Tokenizer:
         self.__init__(proto)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> "SentencePieceTokenizer":
         try:
             with open(path, "rb") as f:
                 proto = f.read()
@@ -180,6 +231,7 @@ class Tokenizer:
         self, texts: Sequence[str], add_bos: bool = True, add_eos: bool = True, num_threads: int = -1
     ) -> list[list[int]]:
         """Encode a batch in parallel (`num_threads=-1`: all cores)."""
+        add_bos, add_eos = add_bos and self.bos_id >= 0, add_eos and self.eos_id >= 0  # sentencepiece raises
         return self._sp.encode(list(texts), out_type=int, add_bos=add_bos, add_eos=add_eos, num_threads=num_threads)
 
     def byte_lengths(self) -> np.ndarray:
@@ -204,21 +256,6 @@ class Tokenizer:
         return self._sp.decode([i for i in ids if not self._dropped[i]])
 
 
-def get_or_train(
-    cache_dir: str | os.PathLike, docs: Sequence[str], vocab_size: int, model_type: str = "bpe"
-) -> Tokenizer:
-    """Load the tokenizer trained on exactly these documents and options, training it once if missing."""
-    _check_model_type(model_type)
-    key_text = f"v{_FORMAT_VERSION}|{corpus_fingerprint(docs)}|{vocab_size}|{model_type}"
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"tokenizer-{key}.model")
-    if os.path.exists(path):
-        return Tokenizer.load(path)
-    tokenizer = Tokenizer.train(docs, vocab_size, model_type)
-    tokenizer.save(path)
-    return tokenizer
-
-
 def _take_bytes(docs: Iterable[str], max_bytes: int) -> list[str]:
     """Documents from the start of `docs` until `max_bytes` UTF-8 bytes are collected."""
     taken, total = [], 0
@@ -233,7 +270,6 @@ def _take_bytes(docs: Iterable[str], max_bytes: int) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
     import argparse
-    import sys
 
     from jaxlm.data.sources import SourceSpec, iter_documents, unescape
 
@@ -261,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             docs = _take_bytes(iter_documents(spec), args.max_bytes)
             if not docs:
                 raise UserError(f"the corpus {args.input!r} holds no documents; give non-empty text")
-            tok = Tokenizer.train(docs, args.vocab_size, args.model_type)
+            tok = SentencePieceTokenizer.train(docs, args.vocab_size, args.model_type)
             tok.save(args.output)
             print(f"wrote {args.output}: {args.model_type}, {tok.vocab_size} tokens, sha256 {tok.sha256[:16]}, "
                   f"trained on {len(docs)} documents")
@@ -270,8 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(Tokenizer.load(args.model).decode(args.ids))
     except UserError as e:
-        print(f"jaxlm: error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     return 0
 
 
