@@ -1,7 +1,9 @@
 """The train step and the eval step: pure functions of (state, batch), compiled once each.
 
-A batch is a dict of int32 [B, T] arrays: `inputs`, `targets`, `segment_ids` (0 = padding) and
-`positions`. Losses are token means over non-padding targets, in float32. Gradient accumulation
+A batch is a dict of [B, T] arrays: `inputs`, `targets`, `segment_ids` (0 = padding), `positions`
+(int32) and `weights` (float32, each target's weight in the loss: 0 for padding, and for whatever
+else should not be learned, such as an SFT prompt). Losses are weighted token means, in float32.
+Gradients exist for the trainable parameters only (`ModelSpec.trainable`). Gradient accumulation
 scans over micro-batches inside the same compiled function and sums per-token losses, so k
 micro-batches give the same update as one batch of k times the size. Over the mesh's `data` axis
 (where every replica holds the whole parameters) each replica keeps its own running gradient and
@@ -22,7 +24,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.mesh import Rules, constrain, logical_to_spec
+from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.train_state import ModelSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -70,16 +72,22 @@ def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, ta
 
 
 def summed_loss(params, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
-    """(sum of token losses, number of tokens) over the non-padding targets of a batch; with
-    `loss_chunk_len`, the logits are made that many positions at a time (`chunked_loss_sum`)."""
+    """(weighted sum of token losses, sum of weights) over a batch; with `loss_chunk_len`, the
+    logits are made that many positions at a time (`chunked_loss_sum`)."""
     model = nnx.merge(spec.graphdef, params)
-    weights = (batch["segment_ids"] > 0).astype(jnp.float32)
+    weights = batch["weights"]
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
         x = model(*args, dropout_key=dropout_key, hidden=True)
         return chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len), jnp.sum(weights)
     logits = model(*args, dropout_key=dropout_key)
     return jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights), jnp.sum(weights)
+
+
+def trainable_loss(trainable, frozen, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float,
+                   loss_chunk_len: int = 0):
+    """`summed_loss` as a function of the trainable parameters, the frozen ones held fixed."""
+    return summed_loss(spec.merge(trainable, frozen), spec, batch, dropout_key, z_loss, loss_chunk_len)
 
 
 def _split_micro(batch: Batch, k: int) -> Batch:
@@ -97,7 +105,7 @@ def _without(rules: Rules, axis: str) -> Rules:
     """`rules` with the mesh axis `axis` removed from every entry."""
     out = []
     for name, axes in rules:
-        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != axis)
+        kept = tuple(a for a in axes_of(axes) if a != axis)
         out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
     return tuple(out)
 
@@ -110,12 +118,12 @@ def data_replicas(spec: ModelSpec, rules: Rules) -> int:
     if mesh.empty or "data" not in mesh.axis_names or mesh.shape["data"] == 1:
         return 1
     for names in jax.tree.leaves(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple)):
-        if any("data" in ((a,) if isinstance(a, str) else a or ()) for a in logical_to_spec(names, rules)):
+        if any("data" in axes_of(a) for a in logical_to_spec(names, rules)):
             return 1
     return mesh.shape["data"]
 
 
-def _replica_local_grads(grad_fn, params, spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
+def _replica_local_grads(grad_fn, params, frozen, spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
                          rules: Rules, z_loss: float, loss_chunk_len: int):
     """Sum of k micro-batches' (loss sum, tokens, gradients), each `data` replica accumulating its
     own rows' gradient locally and the replicas reduced once at the end.
@@ -137,11 +145,11 @@ def _replica_local_grads(grad_fn, params, spec: ModelSpec, batch: Batch, keys, k
     def acc_spec(names):  # [R, *param]: replicas over data, the rest as the parameter
         return logical_to_spec(("replica", *names), inner)
 
-    acc_specs = jax.tree.map(acc_spec, spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))
+    acc_specs = jax.tree.map(acc_spec, spec.trainable_names, is_leaf=lambda x: isinstance(x, tuple))
     micro = jax.tree.map(split, batch)
 
     def replica_grad(mb, mkey):
-        return grad_fn(params, spec, mb, mkey, z_loss, loss_chunk_len)
+        return grad_fn(params, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
 
     def accumulate(carry, xs):
         mb, mkey = xs
@@ -203,21 +211,23 @@ def make_train_step(
     loss_chunk_len: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `compile_train_step` jits it with shardings and donation.
+    `tx` updates the trainable parameters (`spec.split`); the frozen ones pass through unchanged.
 
     Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
     (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
     per layer and top-level group (`norms_by_group`).
     """
-    grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
 
     def step_fn(state: TrainState, batch: Batch):
         with spmd.logical_axis_rules(rules):
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
+            trainable, frozen = spec.split(state.params)
             if micro_batches == 1:
-                (loss_sum, tokens), grads = grad_fn(state.params, spec, batch, key, z_loss, loss_chunk_len)
+                (loss_sum, tokens), grads = grad_fn(trainable, frozen, spec, batch, key, z_loss, loss_chunk_len)
             elif (replicas := data_replicas(spec, rules)) > 1:
                 loss_sum, tokens, grads = _replica_local_grads(
-                    grad_fn, state.params, spec, batch, key, micro_batches, replicas, rules, z_loss, loss_chunk_len
+                    grad_fn, trainable, frozen, spec, batch, key, micro_batches, replicas, rules, z_loss, loss_chunk_len
                 )
             else:
                 micro = _split_micro(batch, micro_batches)
@@ -226,10 +236,10 @@ def make_train_step(
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (l, t), g = grad_fn(state.params, spec, mb, mkey, z_loss, loss_chunk_len)
+                    (l, t), g = grad_fn(trainable, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
                     return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
 
-                zeros = jax.tree.map(jnp.zeros_like, state.params)
+                zeros = jax.tree.map(jnp.zeros_like, trainable)
                 init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
                 loss_sum, tokens, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
             denom = jnp.maximum(tokens, 1.0)
@@ -239,8 +249,9 @@ def make_train_step(
             # (selected inside it, so XLA updates the moments in place: jaxlm.optim), the update is
             # dropped, and the host applies the policy.
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params, finite=finite)
-            params = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), state.params, updates)
+            updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite)
+            trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
+            params = spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -250,7 +261,7 @@ def make_train_step(
             "param_norm": optax.tree.norm(params),
         }
         if grad_norm_per_layer:
-            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, spec.logical_names).items()})
+            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, spec.trainable_names).items()})
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 

@@ -3,12 +3,17 @@
 The state is plain data (step, params as a nested dict of arrays, optax state, RNG key) so that jit
 can donate it and Orbax can save it. The model's structure (an NNX graphdef) is kept beside it and
 merged with the params inside the compiled step.
+
+Parameters are trainable or frozen (`optim.trainable`, `ModelSpec.trainable`): gradients, the
+optimizer's state and its update exist only for the trainable part; frozen parameters ride along in
+`params` untouched. Full training is the case where everything is trainable.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import flax.struct
@@ -20,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import Rules, extend_sharding, logical_to_spec
+from jaxlm.mesh import Rules, axes_of, extend_sharding, logical_to_spec
 from jaxlm.models.transformer import ModelConfig, Transformer
 
 
@@ -38,7 +43,62 @@ class ModelSpec:
 
     graphdef: Any
     logical_names: Any  # dict tree of tuples of logical axis names, like params
-    decay_mask: Any  # dict tree of bools, like params
+    trainable: Any  # dict tree of bools, like params: what the optimizer updates
+    decay_mask: Any  # dict tree of bools, like the trainable part of params: what weight decay applies to
+
+    def split(self, tree) -> tuple[Any, Any]:
+        """A params-like tree -> (its trainable part, its frozen part), each a nested dict holding
+        only its own leaves (the frozen part is `{}` when everything trains)."""
+        return _select(tree, self.trainable, True), _select(tree, self.trainable, False)
+
+    def merge(self, trainable, frozen):
+        """The inverse of `split`."""
+        return _union(trainable, frozen)
+
+    @property
+    def trainable_names(self):
+        """`logical_names` of the trainable parameters only."""
+        return self.split(self.logical_names)[0]
+
+
+def _select(tree, mask, keep: bool):
+    out = {}
+    for key, sub in mask.items():
+        if isinstance(sub, dict):
+            part = _select(tree[key], sub, keep)
+            if part:
+                out[key] = part
+        elif sub == keep:
+            out[key] = tree[key]
+    return out
+
+
+def _union(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _union(out[key], value) if key in out else value
+    return out
+
+
+def trainable_filter(spec: str):
+    """`optim.trainable` -> a predicate (path, variable type) -> bool. "" = everything trains.
+
+    Comma-separated entries, a parameter trains when any entry matches it: a regular expression
+    searched in its path (`blocks/attn/wq/kernel`), or `type:Name`, an NNX variable type (the
+    parameter's class or a base class), as `nnx.LoRAParam` marks adapters."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if not entries:
+        return lambda path, types: True
+    patterns, types = [], []
+    for entry in entries:
+        if entry.startswith("type:"):
+            types.append(entry[len("type:"):])
+            continue
+        try:
+            patterns.append(re.compile(entry))
+        except re.error as e:
+            raise UserError(f"config.optim.trainable: {entry!r} is not a regular expression ({e})") from None
+    return lambda path, var_types: any(p.search(path) for p in patterns) or any(t in var_types for t in types)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -50,17 +110,24 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(params=seed))
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """Structure and metadata of the model, from an abstract build (no arrays allocated)."""
+def model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
+    """Structure and metadata of the model, from an abstract build (no arrays allocated);
+    `trainable` is `optim.trainable` (`trainable_filter`)."""
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-    names, decay = {}, {}
+    names, decay, trains = {}, {}, {}
+    selected = trainable_filter(trainable)
     for path, var in nnx.to_flat_state(state):
         meta = var.get_metadata()
         _set_path(names, path, tuple(meta["out_sharding"]))
         _set_path(decay, path, bool(meta["decay"]))
-    return ModelSpec(graphdef=graphdef, logical_names=names, decay_mask=decay)
+        _set_path(trains, path, bool(selected("/".join(map(str, path)), {c.__name__ for c in type(var).__mro__})))
+    if not any(jax.tree.leaves(trains)):
+        example = "/".join(map(str, next(iter(nnx.to_flat_state(state)))[0]))
+        raise UserError(f"config.optim.trainable={trainable!r} matches no parameter (paths look like {example!r})")
+    spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay)
+    return dataclasses.replace(spec, decay_mask=spec.split(decay)[0])
 
 
 def _set_path(tree: dict, path: tuple, value: Any) -> None:
@@ -86,7 +153,7 @@ def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation,
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(spec.split(params)[0]),
             rng=jax.random.PRNGKey(seed + 1),
         )
 
@@ -95,13 +162,13 @@ def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation,
 
 def state_shardings(abstract: TrainState, spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
     """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer
-    moments like their params and further over the `opt_state` rule's axes (ZeRO-1: "data"),
-    scalars replicated."""
+    moments like their (trainable) params and further over the `opt_state` rule's axes (ZeRO-1:
+    "data"), scalars replicated."""
     params = param_shardings(spec, mesh, rules)
     replicated = NamedSharding(mesh, P())
     extra = dict(rules).get("opt_state")
     opt = optax.tree_map_params(tx, lambda leaf, s: extend_sharding(s, leaf.shape, extra), abstract.opt_state,
-                                params, transform_non_params=lambda _: replicated)
+                                spec.split(params)[0], transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
 
 
@@ -111,7 +178,7 @@ def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
     flat_shapes = jax.tree.leaves(shapes)
     for (path, names), shape in zip(flat_names, flat_shapes):
         for name, size, axes in zip(names, shape.shape, logical_to_spec(names, rules)):
-            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            axes = axes_of(axes)
             devices = math.prod(mesh.shape[a] for a in axes)
             if size % devices:
                 where = ".".join(str(getattr(k, "key", k)) for k in path)

@@ -16,9 +16,10 @@ import ml_collections
 import numpy as np
 
 from jaxlm import config as config_lib
+from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import optim, steps, train_state
-from jaxlm.models import attention, transformer
+from jaxlm.models import transformer
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class Trainer:
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as abstract arrays, for ahead-of-time compilation."""
         shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
-        keys = ("inputs", "targets", "segment_ids", "positions")
-        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in keys}
+        dtypes = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+                  "weights": np.float32}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
 
     def compile_train_step(self):
         """Compile the train step ahead of time (works on an abstract state): `.memory_analysis()`,
@@ -61,17 +63,15 @@ class Trainer:
 def resolve_config(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], quiet: bool = True) -> ml_collections.ConfigDict:
     """The config with its automatic choices made for these devices: `optim.micro_batches=0` becomes
     the fewest micro-batches that the memory planner fits in a device (logged unless `quiet`)."""
-    from jaxlm import plan
-
     if cfg.optim.micro_batches:
         return cfg
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
-    memory = plan.device_memory_bytes(local[0])
+    memory = memory_lib.device_memory_bytes(local[0])
     if jax.process_count() > 1:  # every process must compile the same step: process 0's figure decides
         from jax.experimental import multihost_utils
 
         memory = float(multihost_utils.broadcast_one_to_all(np.float64(memory)))
-    cfg, line = plan.resolve_micro_batches(cfg, len(devices), memory, local[0].platform)
+    cfg, line = memory_lib.resolve_micro_batches(cfg, len(devices), memory, local[0].platform)
     if line and not quiet:
         log.info("%s", line)
     return cfg
@@ -91,12 +91,8 @@ def build_trainer(
     derived = config_lib.derive(cfg, len(devices))
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model)
-    impl = attention.select_implementation(
-        cfg.model.attention, devices[0].platform, dtype=model_cfg.dtype, head_dim=model_cfg.head_dim
-    )
-    model_cfg = dataclasses.replace(model_cfg, attention=impl)
-    spec = train_state.model_spec(model_cfg)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform)
+    spec = train_state.model_spec(model_cfg, cfg.optim.trainable)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
     if abstract:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, spec)

@@ -106,8 +106,8 @@ def test_flops_per_token_matches_a_hand_count():
 def test_weight_decay_applies_to_matrices_only():
     spec = model_spec(small_config(norm="layernorm", use_bias=True, position="learned"))
     mask = spec.decay_mask
-    assert mask["blocks"]["attn"]["wq"] and mask["blocks"]["mlp"]["w_up"] and mask["embed"]["embedding"]
-    assert mask["pos_embed"] and mask["unembed"]
+    assert mask["blocks"]["attn"]["wq"]["kernel"] and mask["blocks"]["mlp"]["w_up"]["kernel"] and mask["embed"]["embedding"]
+    assert mask["pos_embed"] and mask["unembed"]["kernel"]
     assert not mask["blocks"]["attn"]["bq"] and not mask["blocks"]["attn_norm"]["scale"]
     assert not mask["blocks"]["attn_norm"]["bias"] and not mask["final_norm"]["scale"]
 

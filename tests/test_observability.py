@@ -94,7 +94,7 @@ def test_tensorboard_has_the_scalars_and_parameter_histograms(observed_run):
     events.Reload()
     assert [e.step for e in events.Scalars("grad_norm/layer_03")] == list(range(1, STEPS + 1))
     assert [e.step for e in events.Scalars("param_norm")] == list(range(1, STEPS + 1))
-    wq = events.Histograms("params/blocks/attn/wq")
+    wq = events.Histograms("params/blocks/attn/wq/kernel")
     assert [h.step for h in wq] == [4, 8]
     assert all(sum(h.histogram_value.bucket) == h.histogram_value.num == 4 * 128 * 4 * 32 for h in wq)
 
@@ -116,7 +116,7 @@ def test_wandb_offline_run_has_the_same_values(observed_run):
     expected = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r}
     assert losses == expected
-    assert any("params/blocks/attn/wq/values" in r for r in rows)  # the histograms went there too
+    assert any("params/blocks/attn/wq/kernel/values" in r for r in rows)  # the histograms went there too
     assert (run_dir / "wandb_id").read_text().strip()  # a resumed run continues this W&B run
 
 

@@ -30,7 +30,7 @@ def test_zero1_shards_the_optimizer_state_over_data():
     zero1 = build_trainer(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
                           abstract=True)
     mu = zero1.state.opt_state[1][0].mu
-    assert mu["blocks"]["mlp"]["w_up"].sharding.spec == P(None, "fsdp", ("tensor", "data"))  # its largest dim
+    assert mu["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", ("tensor", "data"))  # its largest dim
     assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data"), "fsdp")
     # Parameters keep their layout; the moments (all but the clip and count scalars) are 1/8 per device.
     assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)

@@ -28,14 +28,14 @@ def _flat(tree):
 
 # Hand-written expectations, so the test does not only compare the rules with themselves.
 EXPECTED_DEFAULT = {
-    "['blocks']['attn']['wq']": P(None, "fsdp", "tensor", None),
-    "['blocks']['attn']['wk']": P(None, "fsdp", "tensor", None),
-    "['blocks']['attn']['wo']": P(None, "tensor", None, "fsdp"),
-    "['blocks']['mlp']['w_gate']": P(None, "fsdp", "tensor"),
-    "['blocks']['mlp']['w_down']": P(None, "tensor", "fsdp"),
+    "['blocks']['attn']['wq']['kernel']": P(None, "fsdp", "tensor", None),
+    "['blocks']['attn']['wk']['kernel']": P(None, "fsdp", "tensor", None),
+    "['blocks']['attn']['wo']['kernel']": P(None, "tensor", None, "fsdp"),
+    "['blocks']['mlp']['w_gate']['kernel']": P(None, "fsdp", "tensor"),
+    "['blocks']['mlp']['w_down']['kernel']": P(None, "tensor", "fsdp"),
     "['blocks']['attn_norm']['scale']": P(None, None),
     "['embed']['embedding']": P("tensor", "fsdp"),
-    "['unembed']": P("fsdp", "tensor"),
+    "['unembed']['kernel']": P("fsdp", "tensor"),
     "['final_norm']['scale']": P(None),
 }
 
@@ -50,10 +50,10 @@ EXPECTED_DEFAULT = {
             "1b",
             dict(embed="fsdp,tensor", mlp="", heads="", kv_heads="", vocab=""),
             {
-                "['blocks']['attn']['wq']": P(None, ("fsdp", "tensor"), None, None),
-                "['blocks']['mlp']['w_down']": P(None, None, ("fsdp", "tensor")),
+                "['blocks']['attn']['wq']['kernel']": P(None, ("fsdp", "tensor"), None, None),
+                "['blocks']['mlp']['w_down']['kernel']": P(None, None, ("fsdp", "tensor")),
                 "['embed']['embedding']": P(None, ("fsdp", "tensor")),
-                "['unembed']": P(("fsdp", "tensor"), None),
+                "['unembed']['kernel']": P(("fsdp", "tensor"), None),
             },
         ),
     ],
@@ -67,7 +67,7 @@ def test_every_parameter_is_sharded_as_the_rules_say(recipe, overrides, expected
     for path, array in params.items():
         assert array.sharding.spec == names[path], path
         # Each device holds only its shard: never a full copy of a sharded weight.
-        factor = [np.prod([dict(zip(mesh_lib.MESH_AXES, (2, 2, 2)))[a] for a in ((s,) if isinstance(s, str) else s or ())])
+        factor = [np.prod([array.sharding.mesh.shape[a] for a in mesh_lib.axes_of(s)])
                   for s in tuple(names[path]) + (None,) * (array.ndim - len(names[path]))]
         shard_shape = tuple(d // f for d, f in zip(array.shape, factor))
         assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, path
@@ -124,4 +124,4 @@ def test_building_under_an_active_mesh_works():
     with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1))):
         for abstract in (True, False):
             trainer = build_trainer(cfg, abstract=abstract)
-            assert trainer.state.params["blocks"]["mlp"]["w_up"].sharding.spec == P(None, "fsdp", "tensor")
+            assert trainer.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")

@@ -36,8 +36,10 @@ def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
     return None
 
 
-def select_implementation(requested: str, platform: str | None = None, *, dtype=jnp.bfloat16, head_dim: int = 64) -> str:
-    """Resolve 'auto' for the backend, dtype and head size; the choice and any fallback are logged.
+def select_implementation(requested: str, platform: str | None = None, *, dtype=jnp.bfloat16, head_dim: int = 64,
+                          log_choice: bool = True) -> str:
+    """Resolve 'auto' for the backend, dtype and head size: the one place that decides what 'auto'
+    means. The choice and any fallback are logged (unless `log_choice` is false: the planner).
 
     An explicit kernel the backend cannot run is a config error (one clear line), never a silent swap.
     'auto' never picks Pallas (not yet measured against cuDNN on a GPU); off a GPU it runs interpreted.
@@ -49,9 +51,9 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
     chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")
-    if chosen == "pallas" and platform != "gpu":
+    if chosen == "pallas" and platform != "gpu" and log_choice:
         log.warning("attention: 'pallas' on %s runs the kernel interpreted: correct, and far slower than 'xla'", platform)
-    if requested == "auto":
+    if requested == "auto" and log_choice:
         why = f" (cuDNN not used: {reason})" if reason and platform == "gpu" else ""
         (log.warning if why else log.info)("attention: 'auto' chose %r on %s%s", chosen, platform, why)
     return chosen

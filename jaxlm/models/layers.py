@@ -1,14 +1,16 @@
-"""Building blocks of the decoder: norms, rotary embedding, attention, MLPs, embedding.
+"""Building blocks of the decoder: norms, rotary embedding, projections, attention, MLPs, embedding.
 
 Every weight is an `nnx.Param` created with logical axis names (never mesh axes); `jaxlm.mesh`
-maps the names onto the device mesh. Weights are stored in `param_dtype` and cast to the compute
-`dtype` where they are used; norm statistics and softmax run in float32.
+maps the names onto the device mesh. Every weight matmul goes through one module, `Projection`,
+which owns its kernel, the kernel's logical names, the cast to the compute `dtype` and the
+contraction: the seam where adapters, quantized or sparse kernels plug in without the attention or
+MLP code knowing. Norm statistics and softmax run in float32.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,46 @@ def recomputed(fn: Callable) -> Callable:
     merge the recomputation with the forward values, and the barrier would only hinder fusion.
     """
     return jax.checkpoint(fn, prevent_cse=False)
+
+
+EinsumOp = Callable[..., jax.Array]  # (equation, x, kernel) -> y, like jnp.einsum
+
+
+class Projection(nnx.Module):
+    """One weight matmul, `einsum(equation, x, kernel)`: q, k, v, o, the MLP's and the unembedding.
+
+    It owns the kernel (stored in `param_dtype`, with its logical axis names), the kernel's cast to
+    the compute `dtype` (`weight()`) and the contraction (`einsum_op`, `jnp.einsum` by default, as
+    `flax.nnx.Einsum` takes one). What comes next plugs in here: a quantized kernel overrides
+    `weight()` (dequantize, fake-quantize, apply a sparsity mask), a different contraction replaces
+    `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel`. `projections`
+    finds every one in a model by path.
+    """
+
+    def __init__(self, equation: str, shape: tuple[int, ...], names: tuple, *, init: Initializer, dtype,
+                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum):
+        self.equation, self.dtype, self.einsum_op = equation, dtype, einsum_op
+        self.kernel = make_param(rngs, init, shape, names, param_dtype)
+
+    @property
+    def in_axes(self) -> tuple[int, ...]:
+        """The kernel's dimensions that are contracted with the input (the rest are the output's)."""
+        x, kernel = self.equation.split("->")[0].split(",")
+        return tuple(i for i, c in enumerate(kernel) if c in x)
+
+    def weight(self) -> jax.Array:
+        """The kernel as the contraction uses it: cast to the compute dtype."""
+        return self.kernel[...].astype(self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.einsum_op(self.equation, x, self.weight())
+
+
+def projections(module: nnx.Module) -> Iterator[tuple[tuple, Projection]]:
+    """Every `Projection` in `module`, with its path (e.g. `('blocks', 'attn', 'wq')`)."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, Projection):
+            yield path, node
 
 
 class RMSNorm(nnx.Module):
@@ -130,11 +172,13 @@ class Attention(nnx.Module):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pd, std = cfg.param_dtype, cfg.init_std
         self.cfg = cfg
-        self.wq = make_param(rngs, normal(std), (d, n, h), ("embed", "heads", "head_dim"), pd)
-        self.wk = make_param(rngs, normal(std), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
-        self.wv = make_param(rngs, normal(std), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        self.wq = Projection("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std), **kw)
+        self.wk = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
+        self.wv = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
         # Residual projections start smaller so the residual stream's variance does not grow with depth.
-        self.wo = make_param(rngs, normal(cfg.residual_init_std), (n, h, d), ("heads", "head_dim", "embed"), pd)
+        self.wo = Projection("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"),
+                             init=normal(cfg.residual_init_std), **kw)
         if cfg.use_bias:
             self.bq = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pd, decay=False)
             self.bk = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
@@ -147,9 +191,7 @@ class Attention(nnx.Module):
         """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys."""
         cfg, dt = self.cfg, self.cfg.dtype
         x = tensor_parallel_entry(x)
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if cfg.use_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if cfg.position == "rope":
@@ -165,7 +207,7 @@ class Attention(nnx.Module):
         # Heads stay split into the output projection, and (the constraint's transpose) its
         # gradient arrives head-split in the backward pass instead of being resharded from sequence.
         out = constrain(out, ("act_batch", "act_seq", "act_heads", None))
-        y = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+        y = self.wo(out)
         if cfg.use_bias:
             y = y + self.bo[...].astype(dt)
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))
@@ -176,19 +218,17 @@ class GatedMLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
-        self.dtype = cfg.dtype
-        self.w_gate = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
-        self.w_up = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
-        self.w_down = make_param(rngs, normal(cfg.residual_init_std), (f, d), ("mlp", "embed"), pd)
+        d, f = cfg.d_model, cfg.mlp_dim
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
+        self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
+        self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
         x = tensor_parallel_entry(x)
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        gate, up = self.w_gate(x), self.w_up(x)
         h = constrain(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), ("act_batch", "act_seq", "act_mlp"))
-        return constrain(jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)), ("act_batch", "act_seq", "act_embed"))
+        return constrain(self.w_down(h), ("act_batch", "act_seq", "act_embed"))
 
 
 class GeluMLP(nnx.Module):
@@ -197,8 +237,9 @@ class GeluMLP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
         self.dtype, self.use_bias = cfg.dtype, cfg.use_bias
-        self.w_in = make_param(rngs, normal(cfg.init_std), (d, f), ("embed", "mlp"), pd)
-        self.w_out = make_param(rngs, normal(cfg.residual_init_std), (f, d), ("mlp", "embed"), pd)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        self.w_in = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
+        self.w_out = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
         if cfg.use_bias:
             self.b_in = make_param(rngs, zeros, (f,), ("mlp",), pd)
             self.b_out = make_param(rngs, zeros, (d,), ("norm",), pd)
@@ -206,30 +247,34 @@ class GeluMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         x = tensor_parallel_entry(x)
-        h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt))
+        h = self.w_in(x)
         if self.use_bias:
             h = h + self.b_in[...].astype(dt)
         h = constrain(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), ("act_batch", "act_seq", "act_mlp"))
-        y = jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt))
+        y = self.w_out(h)
         if self.use_bias:
             y = y + self.b_out[...].astype(dt)
         return constrain(y, ("act_batch", "act_seq", "act_embed"))
 
 
 class Embed(nnx.Module):
-    """Token embedding; `attend` is the tied unembedding."""
+    """Token embedding; `attend` is the tied unembedding, with a projection's hooks (`weight`, `einsum_op`)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, init_std: float, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dtype = dtype
+    def __init__(self, vocab_size: int, dim: int, *, init_std: float, dtype, param_dtype, rngs: nnx.Rngs,
+                 einsum_op: EinsumOp = jnp.einsum):
+        self.dtype, self.einsum_op = dtype, einsum_op
         self.embedding = make_param(rngs, normal(init_std), (vocab_size, dim), ("vocab", "embed"), param_dtype)
+
+    def weight(self) -> jax.Array:
+        return self.embedding[...].astype(self.dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         # Gather from the whole table in the compute dtype, as FSDP gathers every weight before use:
         # a gather from a vocab- and fsdp-sharded table makes XLA replicate it the slow way.
-        return jnp.take(gathered(self.embedding[...].astype(self.dtype)), ids, axis=0)
+        return jnp.take(gathered(self.weight()), ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
+        return self.einsum_op("btd,vd->btv", x, self.weight())
 
 
 def gathered(table: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxlm.mesh import constrain
 from jaxlm.models import layers
-from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype
+from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, select_implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +77,13 @@ class ModelConfig:
         return layers.residual_init_std(self.init_std, self.n_layers)
 
     @classmethod
-    def from_config(cls, m, **overrides) -> "ModelConfig":
-        """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices."""
+    def from_config(cls, m, platform: str | None = None, *, attention: str | None = None, log_choice: bool = True,
+                    **overrides) -> "ModelConfig":
+        """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices.
+
+        The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
+        (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
+        `log_choice` is false."""
         variant = VARIANTS[m["variant"]]
         mlp = m["mlp"] or variant.mlp
         head_dim = m["head_dim"] or m["d_model"] // m["n_heads"]
@@ -104,9 +109,10 @@ class ModelConfig:
             param_dtype=DTYPES[m["param_dtype"]],
             scan_layers=m["scan_layers"],
             remat=m["remat"],
-            attention="xla" if m["attention"] == "auto" else m["attention"],
         )
         fields.update(overrides)
+        fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
+                                                    head_dim=head_dim, log_choice=log_choice)
         return cls(**fields)
 
 
@@ -172,8 +178,9 @@ class Transformer(nnx.Module):
             cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.use_bias, rngs=rngs
         )
         if not cfg.tie_embeddings:
-            self.unembed = layers.make_param(
-                rngs, layers.normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype
+            self.unembed = layers.Projection(
+                "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init=layers.normal(cfg.init_std),
+                dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
             )
 
     def __call__(
@@ -239,7 +246,7 @@ class Transformer(nnx.Module):
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, self.unembed[...].astype(self.cfg.dtype))
+            logits = self.unembed(x)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
     def _blocks_with_cache(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -1,0 +1,77 @@
+"""Trainable and frozen parameters (`optim.trainable`): gradients, optimizer state and updates for
+the trainable part only; frozen parameters pass through the step bit-unchanged."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import random_batch, small_config
+from jaxlm import config, mesh as mesh_lib, optim, steps, train_state
+from jaxlm.errors import UserError
+
+
+def _step(trainable: str, mesh_shape=(1, 2, 1), micro_batches=1):
+    cfg = config.recipe("tiny", optim__clip_norm=0.0, optim__trainable=trainable)
+    model_cfg = small_config()
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    spec = train_state.model_spec(model_cfg, trainable)
+    tx, schedule = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    mesh = mesh_lib.make_mesh(mesh_shape)
+    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, spec=spec)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    step = steps.compile_train_step(steps.make_train_step(spec, tx, schedule, rules=rules, micro_batches=micro_batches), shardings, batch_sharding)
+    batch = {k: jax.device_put(v, batch_sharding) for k, v in random_batch(8, 32, 96).items()}
+    before = jax.device_get(state.params)
+    with jax.set_mesh(mesh):
+        after, metrics = step(state, batch)
+    return spec, before, after, metrics
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 2, 1), 1), ((2, 2, 2), 2)])
+def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh_shape, micro_batches):
+    _, before, full, _ = _step("", mesh_shape, micro_batches)
+    spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)
+    trains = _flat(spec.trainable)
+    assert any(trains.values()) and not all(trains.values())
+    full, part, before = _flat(jax.device_get(full.params)), _flat(jax.device_get(part.params)), _flat(before)
+    for path, trainable in trains.items():
+        if trainable:  # Adam is per parameter and clipping is off: the same update as in full training
+            assert "mlp" in path or "final_norm" in path
+            assert not np.array_equal(part[path], before[path]), path
+            np.testing.assert_allclose(part[path], full[path], rtol=1e-6, atol=1e-7, err_msg=path)
+        else:
+            np.testing.assert_array_equal(part[path], before[path], err_msg=path)
+
+
+def test_optimizer_state_exists_for_trainable_parameters_only():
+    spec, _, state, metrics = _step("type:Param")  # every parameter is an nnx.Param: all train
+    assert all(jax.tree.leaves(spec.trainable)) and spec.split(spec.trainable)[1] == {}
+    spec, _, state, _ = _step("wq")
+    adam = state.opt_state[0]  # (scale_by_adam, ...): mu and nu keyed like the trainable parameters
+    assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(spec.split(spec.trainable)[0])
+    assert set(_flat(adam.mu)) == {"['blocks']['attn']['wq']['kernel']"}
+
+
+def test_a_filter_that_matches_nothing_or_is_not_a_regex_is_one_clear_error():
+    with pytest.raises(UserError, match=r"optim.trainable='type:LoRAParam' matches no parameter"):
+        train_state.model_spec(small_config(), "type:LoRAParam")
+    with pytest.raises(UserError, match=r"optim.trainable: '\[' is not a regular expression"):
+        train_state.model_spec(small_config(), "[")
+
+
+def test_the_memory_plan_counts_frozen_parameters_without_gradients_or_moments():
+    from jaxlm import memory
+
+    full = memory.estimate(config.recipe("tiny"), 1, platform="cpu")
+    part = memory.estimate(config.recipe("tiny", optim__trainable="mlp/"), 1, platform="cpu")
+    m = config.recipe("tiny").model
+    mlp_bytes = 4 * m.n_layers * 3 * m.d_model * m.mlp_dim  # w_gate, w_up, w_down in float32
+    assert part.row("parameters").total_bytes == full.row("parameters").total_bytes
+    assert part.row("gradients").total_bytes == mlp_bytes < full.row("gradients").total_bytes
+    assert part.row("update temporaries").total_bytes == mlp_bytes
+    # AdamW's mu and nu for the MLP's weights only, plus the step counters.
+    assert 2 * mlp_bytes <= part.row("optimizer state").total_bytes < 2 * mlp_bytes + 64
