@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
 ARGS ?=
 
-.PHONY: install train test test-slow test-all bench clean
+.PHONY: install train test lint test-slow test-all bench clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
@@ -22,8 +22,12 @@ install: $(VENV)/.installed-$(EXTRAS)
 train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.run.steps=100" to override
 	$(BIN)/python -m jaxlm.train --config=configs/tiny.py $(ARGS)
 
-test: install  ## the default suite (CPU, 8 fake devices, under 10 minutes)
+test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices, under 10 minutes)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: install  ## ruff alone
+	$(BIN)/ruff check .
 
 test-slow: install  ## the slow tests only
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
