@@ -9,8 +9,8 @@ With `jaxlm.checkpoint.Checkpointer` (async, as in the train loop) on the recipe
 state: how long `save` blocks the loop and how long until the files are committed (`wait`), for
 the first save (one-time setup and compilation included) and a later one, with the CPU time the
 later one took (all threads: the device-to-host copy, compression if on, tensorstore's writes); the
-bytes one checkpoint takes on disk; the time to restore it onto the abstract state of a fresh trainer (just written, so
-from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
+bytes one checkpoint takes on disk; the time to restore it onto the abstract state of a fresh `TrainSetup` (just
+written, so from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
 with a save every `--every` steps, saves included, the metrics synced once at the end of each
 window. The saves fall on the window's steps 1, 1+every, ...; the wait for the last one to commit,
 after the window, is reported apart (`final_wait_s`). Batches are random tokens (CPU shapes as in
@@ -35,10 +35,9 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import CPU_OVERRIDES, random_batch, report  # noqa: E402
 
-from jaxlm import config  # noqa: E402
+from jaxlm import config, train_setup  # noqa: E402
 from jaxlm.checkpoint import Checkpointer  # noqa: E402
 from jaxlm.models.transformer import param_count  # noqa: E402
-from jaxlm.trainer import build_trainer  # noqa: E402
 
 
 def cpu_s() -> float:
@@ -57,11 +56,11 @@ def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float,
     return blocked, time.perf_counter() - t0, cpu_s() - c0
 
 
-def run_window(trainer, state, batches, steps: int, ckpt: Checkpointer | None, meta: dict, first_step: int):
+def run_window(setup, state, batches, steps: int, ckpt: Checkpointer | None, meta: dict, first_step: int):
     """Mean step time of `steps` steps, saving on steps 1, 1+every, ... of the window when `ckpt`."""
     t0 = time.perf_counter()
     for i in range(steps):
-        state, metrics = trainer.train_step(state, batches[i % 2])
+        state, metrics = setup.train_step(state, batches[i % 2])
         if ckpt is not None and i % ckpt.every_steps == 0:
             ckpt.save(first_step + i, state, meta=meta, force=True)
     jax.block_until_ready(metrics)
@@ -74,21 +73,21 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
     compress = cfg.checkpoint.compress
-    trainer = build_trainer(cfg)
-    target = build_trainer(cfg, abstract=True).state  # what a resumed run restores onto
+    setup = train_setup.build(cfg)
+    target = train_setup.build(cfg, abstract=True).state  # what a resumed run restores onto
     d = cfg.data
     per_process = d.global_batch_size // jax.process_count()
-    batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
     meta = {"config": json.loads(cfg.to_json())}
     workdir = tempfile.mkdtemp(prefix=f"jaxlm-ckpt-bench-{recipe}-", dir=root)
-    r = {"recipe": recipe, "overrides": overrides, "compress": compress, "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+    r = {"recipe": recipe, "overrides": overrides, "compress": compress, "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
          "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
     try:
-        with jax.set_mesh(trainer.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress) as ckpt:
-            state = jax.block_until_ready(trainer.state)
+        with jax.set_mesh(setup.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress) as ckpt:
+            state = jax.block_until_ready(setup.state)
             r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
             r["first_save_blocked_s"], r["first_save_total_s"], _ = timed_save(ckpt, 0, state, meta)
-            state, metrics = trainer.train_step(state, batches[0])  # compiles the step
+            state, metrics = setup.train_step(state, batches[0])  # compiles the step
             state = jax.block_until_ready(state)
             r["save_blocked_s"], r["save_total_s"], r["save_cpu_s"] = timed_save(ckpt, 1, state, meta)
             r["disk_gib"] = round(sum(f.stat().st_size for f in pathlib.Path(workdir, "a", "1").rglob("*")
@@ -100,11 +99,11 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             r["restore_s"] = time.perf_counter() - t0
             del restored
 
-            state, _ = run_window(trainer, state, batches, 2, None, meta, 0)  # warm-up
-            state, r["step_s_off"] = run_window(trainer, state, batches, steps, None, meta, 0)
-        with jax.set_mesh(trainer.mesh), Checkpointer(
+            state, _ = run_window(setup, state, batches, 2, None, meta, 0)  # warm-up
+            state, r["step_s_off"] = run_window(setup, state, batches, steps, None, meta, 0)
+        with jax.set_mesh(setup.mesh), Checkpointer(
                 os.path.join(workdir, "b"), every_steps=every, compress=compress) as ckpt:
-            state, r["step_s_on"] = run_window(trainer, state, batches, steps, ckpt, meta, 1)
+            state, r["step_s_on"] = run_window(setup, state, batches, steps, ckpt, meta, 1)
             t0 = time.perf_counter()
             ckpt.wait()
             r["final_wait_s"] = time.perf_counter() - t0

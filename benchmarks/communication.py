@@ -159,10 +159,9 @@ def main() -> None:
 
     plan.use_cpu_devices(max(args.devices))
     import jax
-
-    from jaxlm import config
-    from jaxlm.trainer import build_trainer
     from train_throughput import report
+
+    from jaxlm import config, train_setup
 
     results = []
     sets = [tuple(kv.split("=", 1)) for kv in args.set]
@@ -181,21 +180,21 @@ def main() -> None:
             row = {"recipe": args.recipe, "devices": n, "option": name}
             try:
                 start = time.time()
-                trainer = build_trainer(cfg, devices=plan.compile_devices(n), abstract=True)
-                hlo = trainer.compile_train_step().as_text()
+                setup = train_setup.build(cfg, devices=plan.compile_devices(n), abstract=True)
+                hlo = setup.compile_train_step().as_text()
                 ops = collectives(hlo, n, args.per_host)
                 if args.hlo_dir:
                     name_ = re.sub(r"\W+", "_", f"{args.recipe}_{n}_{name}").strip("_")
                     pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (pathlib.Path(args.hlo_dir) / f"{name_}.hlo").write_text(hlo)
                 row.update(
-                    mesh="x".join(map(str, trainer.derived.mesh_shape)),
+                    mesh="x".join(map(str, setup.derived.mesh_shape)),
                     micro_batches=cfg.optim.micro_batches,
                     **{f"{op}_n": ops[op]["count"] for op in COLLECTIVES},
                     **{f"{op}_gb": float(f"{ops[op]['bytes'] / 1e9:.4g}") for op in COLLECTIVES},
                     total_gb=float(f"{sum(o['bytes'] for o in ops.values()) / 1e9:.4g}"),
                     cross_host_gb=float(f"{sum(o['cross_host_bytes'] for o in ops.values()) / 1e9:.4g}"),
-                    state_gib_per_device=round(memory.tree_bytes(trainer.state)[0] / 2**30, 2),
+                    state_gib_per_device=round(memory.tree_bytes(setup.state)[0] / 2**30, 2),
                     compile_s=round(time.time() - start, 1),
                 )
             except Exception as e:  # noqa: BLE001 -- one failing option does not stop the others

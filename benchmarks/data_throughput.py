@@ -159,8 +159,8 @@ def main() -> None:
     versions = " | ".join(f"{p} {importlib.metadata.version(p)}" for p in packages)
     print(f"# {time.strftime('%Y-%m-%d')} | {cpu_model()}, {len(os.sched_getaffinity(0))} cores"
           f" | python {platform.python_version()} | {versions}\n")
-    spec = sources.SourceSpec("builtin", max_bytes=args.max_bytes)
-    docs = list(sources.iter_documents(spec))
+    source = sources.SourceSpec("builtin", max_bytes=args.max_bytes)
+    docs = list(sources.iter_documents(source))
     t = time.perf_counter()
     tok = cached_tokenizer(args.cache_dir, docs, args.vocab)
     print(f"corpus: {len(docs)} documents, {sum(len(d.encode()) for d in docs) / 1e6:.1f} MB; tokenizer bpe"

@@ -40,11 +40,11 @@ def build(recipe: str, param_dtype: str, devices, dtype: str | None = None) -> t
     model_cfg = inference.model_config(cfg, devices[0].platform, dtype)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=len(devices)), devices)  # FSDP over every device, the default recipe mesh
-    state, shardings, spec = train_state.create(model_cfg, optax.identity(), mesh, rules, cfg.run.seed)
+    state, shardings, model_spec = train_state.create(model_cfg, optax.identity(), mesh, rules, cfg.run.seed)
     params = state.params
     if param_dtype != "float32":
         params = jax.tree.map(lambda x: x.astype(DTYPES[param_dtype]), params)
-    gen = Generator(model_cfg, params, mesh, rules, shardings.params, graphdef=spec.graphdef)
+    gen = Generator(model_cfg, params, mesh, rules, shardings.params, graphdef=model_spec.graphdef)
     info = {"recipe": recipe, "params_m": round(param_count(model_cfg)["total"] / 1e6, 2),
             "dtype": dtype or cfg.model.dtype, "param_dtype": param_dtype}
     return gen, info

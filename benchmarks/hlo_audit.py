@@ -374,30 +374,29 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
           hlo_dir: str | None) -> dict:
     import jax
 
-    from jaxlm import config, memory, plan
+    from jaxlm import config, memory, plan, train_setup
     from jaxlm.models.transformer import flops_per_token
-    from jaxlm.trainer import build_trainer
 
     cfg = config.load_recipe(recipe)
     config.apply_overrides(cfg, overrides)
     cfg = memory.for_gpus(cfg, num_devices)  # micro_batches=0 as on 80 GB GPUs, not as the host's memory allows
-    trainer = build_trainer(cfg, devices=plan.compile_devices(num_devices), abstract=True)
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state)
+    setup = train_setup.build(cfg, devices=plan.compile_devices(num_devices), abstract=True)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), setup.state)
     start = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):
-        lowered = trainer.train_step.lower(state, trainer.batch_spec())
+    with jax.set_mesh(setup.mesh):
+        lowered = setup.train_step.lower(state, setup.batch_spec())
     lower_s = time.perf_counter() - start
     pre_text = lowered.as_text(dialect="hlo", debug_info=True)
     pre = Module(pre_text, trip_counts_from="condition")
-    m, d = trainer.model_cfg, cfg.data
+    m, d = setup.model_cfg, cfg.data
     tokens = d.global_batch_size * d.seq_len
     model_flops = flops_per_token(m, d.seq_len) * tokens
     causal_half = 6 * m.n_layers * d.seq_len * m.n_heads * m.head_dim * tokens  # XLA runs the masked half too
-    device = trainer.mesh.devices.flat[0]
+    device = setup.mesh.devices.flat[0]
     result = dict(
         recipe=recipe, overrides=dict(overrides), devices=f"{num_devices}x {device.device_kind}",
         pipeline=f"XLA:{device.platform.upper()}",
-        mesh="x".join(map(str, trainer.derived.mesh_shape)), batch=f"{d.global_batch_size}x{d.seq_len}",
+        mesh="x".join(map(str, setup.derived.mesh_shape)), batch=f"{d.global_batch_size}x{d.seq_len}",
         micro_batches=cfg.optim.micro_batches, remat=cfg.model.remat, attention=m.attention,
         dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, lower_s=round(lower_s, 1),
         matmuls=matmul_report(matmuls(pre)), unknown_trip_counts_lowered=pre.unknown_trip_counts,

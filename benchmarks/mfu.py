@@ -36,9 +36,8 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     sys.path.insert(0, HERE)
     from train_throughput import CPU_OVERRIDES, random_batch
 
-    from jaxlm import config, metrics, xla_flags
+    from jaxlm import config, metrics, train_setup, xla_flags
     from jaxlm.models.transformer import flops_per_token, param_count
-    from jaxlm.trainer import build_trainer
 
     cfg = config.load_recipe(recipe)
     if "run.xla_flags" in overrides:  # before JAX starts its backends (jax.default_backend() below)
@@ -46,15 +45,15 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
-    trainer = build_trainer(cfg)
+    setup = train_setup.build(cfg)
     d = cfg.data
     per_process = d.global_batch_size // jax.process_count()
-    batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
     device = jax.devices()[0]
-    state = trainer.state
-    with jax.set_mesh(trainer.mesh):
+    state = setup.state
+    with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
-        compiled = trainer.train_step.lower(state, batches[0]).compile()
+        compiled = setup.train_step.lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - t0
         for i in range(warmup):
             state, out = compiled(state, batches[i % 2])
@@ -67,7 +66,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         step_s = (time.perf_counter() - t0) / steps
     loss = float(out["loss"])
     tokens = d.global_batch_size * d.seq_len
-    flops = flops_per_token(trainer.model_cfg, d.seq_len) * tokens
+    flops = flops_per_token(setup.model_cfg, d.seq_len) * tokens
     n = jax.device_count()
     peak = metrics.peak_flops(device.device_kind, peak_tflops * 1e12)
     util = metrics.mfu(flops / tokens, tokens / step_s, n, peak)
@@ -82,11 +81,11 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     return {
         "recipe": recipe,
         "overrides": overrides,
-        "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+        "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
         "batch": f"{d.global_batch_size}x{d.seq_len}",
-        "micro_batches": trainer.cfg.optim.micro_batches,  # as resolved (optim.micro_batches=0: as few as fit)
+        "micro_batches": setup.cfg.optim.micro_batches,  # as resolved (optim.micro_batches=0: as few as fit)
         "remat": cfg.model.remat,
-        "attention": trainer.model_cfg.attention,
+        "attention": setup.model_cfg.attention,
         "xla_flags": cfg.run.xla_flags,
         "devices": f"{n}x {device.device_kind}",
         "compile_s": round(compile_s, 2),

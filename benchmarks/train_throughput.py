@@ -20,9 +20,8 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config
+from jaxlm import config, train_setup
 from jaxlm.models.transformer import flops_per_token, param_count
-from jaxlm.trainer import build_trainer
 
 # On a CPU the recipe-sized 125m step takes minutes; these shapes keep it to seconds per step.
 CPU_OVERRIDES = {"125m": {"data.global_batch_size": 2, "data.seq_len": 512}}
@@ -44,30 +43,30 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, warmup: int) -> di
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
-    trainer = build_trainer(cfg)
+    setup = train_setup.build(cfg)
     d = cfg.data
     per_process = d.global_batch_size // jax.process_count()
-    batches = [trainer.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
-    state = trainer.state
-    with jax.set_mesh(trainer.mesh):
+    batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    state = setup.state
+    with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
-        state, metrics = trainer.train_step(state, batches[0])
+        state, metrics = setup.train_step(state, batches[0])
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - t0
         for i in range(warmup):
-            state, metrics = trainer.train_step(state, batches[i % 2])
+            state, metrics = setup.train_step(state, batches[i % 2])
         jax.block_until_ready(metrics)
         t0 = time.perf_counter()
         for i in range(steps):
-            state, metrics = trainer.train_step(state, batches[i % 2])
+            state, metrics = setup.train_step(state, batches[i % 2])
         jax.block_until_ready(metrics)
         step_s = (time.perf_counter() - t0) / steps
     tokens = d.global_batch_size * d.seq_len
-    flops = flops_per_token(trainer.model_cfg, d.seq_len) * tokens
+    flops = flops_per_token(setup.model_cfg, d.seq_len) * tokens
     return {
         "recipe": recipe,
         "overrides": overrides,
-        "params_m": round(param_count(trainer.model_cfg)["total"] / 1e6, 2),
+        "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
         "batch": f"{d.global_batch_size}x{d.seq_len}",
         "dtype": cfg.model.dtype,
         "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}",

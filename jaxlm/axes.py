@@ -7,7 +7,7 @@ No JAX import, so that the config can read it before JAX starts; `jaxlm.mesh` re
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 

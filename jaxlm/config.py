@@ -18,7 +18,8 @@ import importlib.util
 import math
 import pathlib
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
@@ -196,10 +197,10 @@ def recipe_names() -> list[str]:
 
 def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
     """Load `configs/<name>.py` (or any path), optionally `path:arg`, and return its locked config."""
-    spec, _, arg = str(name_or_path).partition(":")
-    path = pathlib.Path(spec)
+    name, _, arg = str(name_or_path).partition(":")
+    path = pathlib.Path(name)
     if not path.suffix:
-        path = RECIPES_DIR / f"{spec}.py"
+        path = RECIPES_DIR / f"{name}.py"
     if not path.is_file():
         raise UserError(
             f"--config: no recipe file {str(path)!r}; give a path to a .py file "
@@ -494,7 +495,7 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
         )
     batch_shards = sizes["data"] * sizes["fsdp"]
     if not cfg.optim.micro_batches:
-        raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.trainer.resolve_config)")
+        raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.train_setup.resolve_config)")
     micro = cfg.data.global_batch_size // cfg.optim.micro_batches
     if micro % batch_shards:
         raise UserError(

@@ -37,7 +37,7 @@ import re
 import socket
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 
@@ -294,7 +294,7 @@ def rendezvous(layout: Layout, timeout_s: float) -> None:
             server.settimeout(max(min(deadline - time.monotonic(), 1.0), 0.01))
             try:
                 conn, _ = server.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             try:
                 words = _read_line(conn, min(deadline, time.monotonic() + 10)).split()

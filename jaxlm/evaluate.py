@@ -24,7 +24,8 @@ import logging
 import math
 import pathlib
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ def make_scorer(run: inference.LoadedRun):
     A batch holds int32 `inputs`, `targets`, `segment_ids` (0 = padding), `positions` and float32
     `weights` [B, T] (which targets count); the loss of a target is -log p(target | earlier tokens).
     """
-    graphdef, rules = run.spec.graphdef, run.rules
+    graphdef, rules = run.model_spec.graphdef, run.rules
 
     def score(params, batch):
         with spmd.logical_axis_rules(rules):
@@ -123,8 +124,8 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
         directory = _prepared_val_dir(run)
         if directory is not None:
             return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
-        spec = loader.source_spec(run.cfg)
-        texts = (doc for doc in sources.iter_documents(spec) if sources.is_validation(doc, d.val_fraction, d.seed))
+        source = loader.source_spec(run.cfg)
+        texts = (doc for doc in sources.iter_documents(source) if sources.is_validation(doc, d.val_fraction, d.seed))
         docs = _tokenize_up_to(tok, texts, max_tokens)
         if not docs:
             raise UserError(f"the run's validation split is empty (data.corpus={d.corpus!r}, data.val_fraction="
@@ -134,8 +135,8 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
     if prepare.is_prepared(directory):
         _check_same_tokenizer(run, directory)
         return _take_prepared(directory, split, max_tokens), f"{split} split of {directory}"
-    spec = sources.SourceSpec(corpus, format, text_field, separator)
-    docs = _tokenize_up_to(tok, sources.iter_documents(spec), max_tokens)
+    source = sources.SourceSpec(corpus, format, text_field, separator)
+    docs = _tokenize_up_to(tok, sources.iter_documents(source), max_tokens)
     if not docs:
         raise UserError(f"--corpus={corpus}: no documents (every file is empty); give non-empty text")
     return docs, corpus

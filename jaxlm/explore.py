@@ -1,18 +1,18 @@
 """The notebook API: build a model from a recipe, look inside it, run it on text, train it a few
 steps in a loop you control, save, load and sample. Each function is a thin layer over what the
-CLI uses (`build_trainer`, `load_data`, the compiled train and eval steps, `Checkpointer`,
+CLI uses (`train_setup.build`, `load_data`, the compiled train and eval steps, `Checkpointer`,
 `inference.load_run`, `generate.Generator`), so a notebook runs exactly what `python -m
 jaxlm.train` runs.
 
     from jaxlm import explore
-    trainer = explore.build("tiny", devices=1, model__vocab_size=512)   # a__b=v overrides
-    explore.parameter_table(trainer)           # names, shapes, logical axes, specs, shards, counts
-    data = explore.load_data(trainer)
-    explore.forward(trainer, "def main():", data.tokenizer).loss
-    for metrics in explore.train_steps(trainer, data, 50): ...
-    explore.evaluate(trainer, data)
-    explore.sample(trainer, ["def "], data.tokenizer, max_new_tokens=40)
-    run_dir = explore.save(trainer, data, "runs/notebook")   # a run directory the CLI resumes
+    setup = explore.build("tiny", devices=1, model__vocab_size=512)   # a__b=v overrides
+    explore.parameter_table(setup)           # names, shapes, logical axes, specs, shards, counts
+    data = explore.load_data(setup)
+    explore.forward(setup, "def main():", data.tokenizer).loss
+    for metrics in explore.train_steps(setup, data, 50): ...
+    explore.evaluate(setup, data)
+    explore.sample(setup, ["def "], data.tokenizer, max_new_tokens=40)
+    run_dir = explore.save(setup, data, "runs/notebook")   # a run directory the CLI resumes
     loaded = explore.load(run_dir)             # parameters only, on the devices here
 """
 
@@ -26,7 +26,8 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +38,9 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import checkpoint, inference, steps, xla_flags
+from jaxlm import checkpoint, inference, steps, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm import trainer as trainer_lib
 from jaxlm.axes import MESH_AXES
 from jaxlm.axes import describe as describe_mesh
 from jaxlm.data import loader
@@ -50,7 +50,7 @@ from jaxlm.models import transformer
 from jaxlm.run_dir import make_run_dir, run_dir_path
 from jaxlm.table import Table
 
-Model = trainer_lib.Trainer | inference.LoadedRun  # what inspection, forward and sampling accept
+Model = train_setup.TrainSetup | inference.LoadedRun  # what inspection, forward and sampling accept
 
 
 # ----------------------------------------------------------------------------- building
@@ -89,23 +89,23 @@ def pick_devices(devices: int | str | Sequence[jax.Device] | None) -> list[jax.D
 
 
 def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str | Sequence[jax.Device] | None = None,
-          *, mesh: Sequence[int] | None = None, abstract: bool = False, **overrides: Any) -> trainer_lib.Trainer:
-    """A `Trainer` (mesh, sharded train state, compiled steps) for a recipe on `devices`.
+          *, mesh: Sequence[int] | None = None, abstract: bool = False, **overrides: Any) -> train_setup.TrainSetup:
+    """A `TrainSetup` (mesh, sharded train state, compiled steps) for a recipe on `devices`.
 
     `build("tiny", devices=1)` is one device; `build("1b", devices="cpu", mesh=(1, 4, 2),
     abstract=True)` lays a large model out on 8 CPU devices without allocating it (shapes and
-    shardings only: for `parameter_table`, `show_sharding` and `Trainer.compile_train_step`).
+    shardings only: for `parameter_table`, `show_sharding` and `TrainSetup.compile_train_step`).
     `run__xla_flags` takes effect only in the first `build` of a kernel that has not started JAX yet.
     """
     cfg = make_config(recipe, mesh=mesh, **overrides)
     xla_flags.apply(cfg.run.xla_flags)  # before pick_devices starts JAX; once it has, refused, not ignored
-    return trainer_lib.build_trainer(cfg, pick_devices(devices), abstract=abstract)
+    return train_setup.build(cfg, pick_devices(devices), abstract=abstract)
 
 
-def load_data(trainer_or_cfg: trainer_lib.Trainer | ml_collections.ConfigDict) -> loader.Data:
+def load_data(setup_or_cfg: train_setup.TrainSetup | ml_collections.ConfigDict) -> loader.Data:
     """The config's data: training stream (`.train`), held-out batches and tokenizer (cached in
     `data.cache_dir`, the same cache the CLI uses)."""
-    cfg = trainer_or_cfg.cfg if isinstance(trainer_or_cfg, trainer_lib.Trainer) else trainer_or_cfg
+    cfg = setup_or_cfg.cfg if isinstance(setup_or_cfg, train_setup.TrainSetup) else setup_or_cfg
     return loader.load_data(cfg)
 
 
@@ -125,13 +125,13 @@ class Parameter:
 
 
 def _params_and_names(model: Model):
-    if isinstance(model, trainer_lib.Trainer):
-        return model.state.params, model.spec.logical_names, model.mesh, model.rules
-    return model.params, model.spec.logical_names, model.mesh, model.rules
+    if isinstance(model, train_setup.TrainSetup):
+        return model.state.params, model.model_spec.logical_names, model.mesh, model.rules
+    return model.params, model.model_spec.logical_names, model.mesh, model.rules
 
 
 def parameters(model: Model) -> list[Parameter]:
-    """Every parameter of a Trainer (concrete or abstract) or a loaded run, in tree order."""
+    """Every parameter of a TrainSetup (concrete or abstract) or a loaded run, in tree order."""
     params, names, mesh, rules = _params_and_names(model)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     flat_names = jax.tree_util.tree_leaves(names, is_leaf=lambda x: isinstance(x, tuple))
@@ -178,11 +178,11 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def describe(trainer: trainer_lib.Trainer) -> str:
+def describe(setup: train_setup.TrainSetup) -> str:
     """One paragraph: model, devices, mesh, batch split, FLOPs."""
-    cfg, d, m = trainer.cfg, trainer.derived, trainer.model_cfg
+    cfg, d, m = setup.cfg, setup.derived, setup.model_cfg
     counts = transformer.param_count(m)
-    devices = list(trainer.mesh.devices.flat)
+    devices = list(setup.mesh.devices.flat)
     return (
         f"{cfg.run.get('recipe', '?')} ({cfg.model.variant}: {m.norm}, {m.mlp}, {m.position} positions), "
         f"{counts['total'] / 1e6:.2f}M parameters, {m.n_layers} layers x d_model {m.d_model}, "
@@ -286,10 +286,10 @@ _forward_jit = jax.jit(_forward_fn, static_argnames=("graphdef", "rules"))
 
 def forward(model: Model, texts: str | Sequence[str], tokenizer: Tokenizer | None = None) -> Forward | list[Forward]:
     """Run the model on text (each with BOS in front): logits and per-token losses, on the model's
-    mesh. A Trainer needs the `tokenizer` (`load_data(...).tokenizer`); a loaded run has its own."""
+    mesh. A TrainSetup needs the `tokenizer` (`load_data(...).tokenizer`); a loaded run has its own."""
     tokenizer = tokenizer or getattr(model, "tokenizer", None)
     if tokenizer is None:
-        raise UserError("forward(trainer, text, tokenizer): pass the tokenizer, e.g. load_data(trainer).tokenizer")
+        raise UserError("forward(setup, text, tokenizer): pass the tokenizer, e.g. load_data(setup).tokenizer")
     single = isinstance(texts, str)
     texts = [texts] if single else list(texts)
     params, _, mesh, rules = _params_and_names(model)
@@ -312,62 +312,63 @@ def forward(model: Model, texts: str | Sequence[str], tokenizer: Tokenizer | Non
     sharding = NamedSharding(mesh, mesh_lib.logical_to_spec(("act_batch", "act_seq"), rules))
     with jax.set_mesh(mesh):
         device_batch = {k: jax.device_put(v, sharding) for k, v in batch.items()}
-        logits, losses = jax.device_get(_forward_jit(params, device_batch, graphdef=model.spec.graphdef, rules=rules))
+        logits, losses = jax.device_get(
+            _forward_jit(params, device_batch, graphdef=model.model_spec.graphdef, rules=rules))
     out = [Forward(text=t, ids=row, logits=logits[r, :len(row) - 1], losses=losses[r, :len(row) - 1], tokenizer=tokenizer)
            for r, (t, row) in enumerate(zip(texts, ids))]
     return out[0] if single else out
 
 
-def train_steps(trainer: trainer_lib.Trainer, data: loader.Data, steps: int) -> Iterator[dict[str, float]]:
+def train_steps(setup: train_setup.TrainSetup, data: loader.Data, steps: int) -> Iterator[dict[str, float]]:
     """Run `steps` steps of the compiled train step on the next batches of `data.train`, yielding
-    each step's metrics (step, loss, grad_norm, lr, ...) as floats; `trainer.state` advances.
+    each step's metrics (step, loss, grad_norm, lr, ...) as floats; `setup.state` advances.
 
     The same step and batches as `python -m jaxlm.train`; the learning-rate schedule follows
-    `run.steps` of the config. The state is donated: keep `trainer.state`, not an old reference.
+    `run.steps` of the config. The state is donated: keep `setup.state`, not an old reference.
     """
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(setup.mesh):
         for _ in range(steps):
-            trainer.state, metrics = trainer.train_step(trainer.state, trainer.put_batch(next(data.train)))
+            setup.state, metrics = setup.train_step(setup.state, setup.put_batch(next(data.train)))
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            values["step"] = int(jax.device_get(trainer.state.step))
+            values["step"] = int(jax.device_get(setup.state.step))
             values["epoch"] = data.train.epoch
             yield values
 
 
-def evaluate(trainer: trainer_lib.Trainer, data: loader.Data) -> dict[str, float]:
+def evaluate(setup: train_setup.TrainSetup, data: loader.Data) -> dict[str, float]:
     """Held-out val_loss, val_perplexity and val_bits_per_byte, as the CLI logs them."""
-    return trainer_lib.evaluate(trainer, trainer.state.params, data.eval_batches, data.eval_target_bytes)
+    return train_setup.evaluate(setup, setup.state.params, data.eval_batches, data.eval_target_bytes)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def save(trainer: trainer_lib.Trainer, data: loader.Data, run_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+def save(setup: train_setup.TrainSetup, data: loader.Data, run_dir: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write a run directory like the CLI's (config.json, tokenizer.model, checkpoints/<step>/ with
     the train state and the data position): `load` reads it, and `python -m jaxlm.train` with the
     same config and `run.name` continues training it. Default: `run.output_dir/run.name`."""
-    cfg = trainer.cfg
+    cfg = setup.cfg
     run_dir = pathlib.Path(run_dir) if run_dir is not None else run_dir_path(cfg)
     if run_dir_path(cfg) != run_dir:
         cfg = copy.deepcopy(cfg)
         cfg.run.output_dir, cfg.run.name = str(run_dir.parent), run_dir.name
-    step = int(jax.device_get(trainer.state.step))
+    step = int(jax.device_get(setup.state.step))
     make_run_dir(run_dir, cfg, step)
     data.tokenizer.save(run_dir / "tokenizer.model")
     meta = {"config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
-            "tokens_seen": step * trainer.derived.tokens_per_step, "wall_s": 0.0}
+            "tokens_seen": step * setup.derived.tokens_per_step, "wall_s": 0.0}
     with checkpoint.Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
-        ckpt.save(step, trainer.state, meta=meta, data_iter=data.train, force=True)
+        ckpt.save(step, setup.state, meta=meta, data_iter=data.train, force=True)
     return run_dir
 
 
-def restore(trainer: trainer_lib.Trainer, run_dir: str | pathlib.Path, *, step: int | None = None,
+def restore(setup: train_setup.TrainSetup, run_dir: str | pathlib.Path, *, step: int | None = None,
             data: loader.Data | None = None) -> int:
-    """Replace `trainer.state` with checkpoint `step` (default: the newest) of a run, onto the
-    trainer's mesh, and set `data.train` to the saved position; returns the step."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state)
+    """Replace `setup.state` with checkpoint `step` (default: the newest) of a run, onto the
+    setup's mesh, and set `data.train` to the saved position; returns the step."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), setup.state)
     with checkpoint.Checkpointer(pathlib.Path(run_dir) / "checkpoints") as ckpt:
-        trainer.state, _, step = ckpt.restore(target, step=step, data_iter=None if data is None else data.train)
+        setup.state, _, step = ckpt.restore(target, step=step, data_iter=None if data is None else data.train)
     return step
 
 
@@ -389,18 +390,18 @@ def generator(model: Model, tokenizer: Tokenizer | None = None):
     cache = vars(model).setdefault("_explore_generator", {})
     gen = cache.get("gen")
     if gen is None:
-        if isinstance(model, trainer_lib.Trainer):
+        if isinstance(model, train_setup.TrainSetup):
             gen = generate.Generator(model.model_cfg, model.state.params, model.mesh, model.rules,
-                                     model.shardings.params, tokenizer, model.spec.graphdef)
+                                     model.shardings.params, tokenizer, model.model_spec.graphdef)
         else:
             gen = generate.Generator.from_run(model)
         cache["gen"] = gen
-    if isinstance(model, trainer_lib.Trainer):
+    if isinstance(model, train_setup.TrainSetup):
         gen.params = model.state.params  # the train step donates the state: always the newest
     if tokenizer is not None:
         gen.tokenizer = tokenizer
     if gen.tokenizer is None:
-        raise UserError("sample(trainer, prompts, tokenizer): pass the tokenizer, e.g. load_data(trainer).tokenizer")
+        raise UserError("sample(setup, prompts, tokenizer): pass the tokenizer, e.g. load_data(setup).tokenizer")
     return gen
 
 

@@ -20,7 +20,8 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import Literal, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ class SamplingArrays(NamedTuple):
     pad_id: jax.Array  # int32 []: a stopped row's tokens
 
     @classmethod
-    def of(cls, sampling: Sampling, eos_id: int | None, pad_id: int = 0) -> "SamplingArrays":
+    def of(cls, sampling: Sampling, eos_id: int | None, pad_id: int = 0) -> SamplingArrays:
         return cls(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p),
                    np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id))
 
@@ -127,15 +128,15 @@ class Generator:
     def __init__(self, model_cfg: transformer.ModelConfig, params, mesh: Mesh, rules: mesh_lib.Rules,
                  param_shardings=None, tokenizer: Tokenizer | None = None, graphdef=None):
         self.model_cfg, self.params, self.mesh, self.rules, self.tokenizer = model_cfg, params, mesh, rules, tokenizer
-        self.graphdef = graphdef if graphdef is not None else train_state.model_spec(model_cfg).graphdef
+        self.graphdef = graphdef if graphdef is not None else train_state.build_model_spec(model_cfg).graphdef
         self.param_shardings = param_shardings or jax.tree.map(lambda x: x.sharding, params)
         self.batch_shards = inference.batch_shards(mesh, rules)
         self._compiled = None
 
     @classmethod
-    def from_run(cls, run: inference.LoadedRun) -> "Generator":
+    def from_run(cls, run: inference.LoadedRun) -> Generator:
         return cls(run.model_cfg, run.params, run.mesh, run.rules, run.param_shardings, run.tokenizer,
-                   run.spec.graphdef)
+                   run.model_spec.graphdef)
 
     @property
     def pad_id(self) -> int:

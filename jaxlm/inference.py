@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -20,10 +21,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm import axes, checkpoint
+from jaxlm import axes, checkpoint, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm import train_state
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -38,7 +38,7 @@ class LoadedRun:
     tokenizer: Tokenizer
     mesh: Mesh
     rules: mesh_lib.Rules
-    spec: train_state.ModelSpec
+    model_spec: train_state.ModelSpec
     params: Any  # nested dict of arrays, sharded by the rules
     param_shardings: Any
 
@@ -100,7 +100,7 @@ def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | Non
     return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", **overrides)
 
 
-def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, spec, devices,
+def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, model_spec, devices,
                         rules: mesh_lib.Rules) -> tuple[Mesh, Any]:
     """(mesh, abstract params with their shardings): the run's mesh shape if it fits these devices and
     the model, else FSDP over all devices, else data parallelism (parameters replicated)."""
@@ -118,7 +118,7 @@ def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.M
             continue
         mesh = mesh_lib.make_mesh(shape, devices)
         try:
-            abstract, *_ = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, spec)
+            abstract, *_ = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, model_spec)
         except UserError as e:  # a parameter dimension that does not split over this mesh
             problem = problem or e
             continue
@@ -160,8 +160,8 @@ def load_run(
     devices = list(devices) if devices is not None else jax.devices()
     model_cfg = model_config(cfg, devices[0].platform, dtype)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    spec = train_state.model_spec(model_cfg)
-    mesh, abstract_params = make_inference_mesh(cfg, model_cfg, spec, devices, rules)
+    model_spec = train_state.build_model_spec(model_cfg)
+    mesh, abstract_params = make_inference_mesh(cfg, model_cfg, model_spec, devices, rules)
     cast = None
     if param_dtype:
         if param_dtype not in transformer.DTYPES:
@@ -170,4 +170,4 @@ def load_run(
     params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step, dtype=cast)
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
     return LoadedRun(run_dir=run_dir, cfg=cfg, step=step, model_cfg=model_cfg, tokenizer=tokenizer,
-                     mesh=mesh, rules=rules, spec=spec, params=params, param_shardings=shardings)
+                     mesh=mesh, rules=rules, model_spec=model_spec, params=params, param_shardings=shardings)

@@ -1,6 +1,6 @@
 """The analytic memory of one train step on each device, and `optim.micro_batches=0` made concrete.
 
-A library: the trainer resolves micro-batches with it and `python -m jaxlm.plan` reports it; it
+A library: `train_setup.build` resolves micro-batches with it and `python -m jaxlm.plan` reports it; it
 imports neither. The train state comes from the code that creates it (`train_state.state_shardings`
 on an abstract mesh), so parameters, gradients and optimizer state are exact per device for the
 recipe's rules table. Activations come from formulas, per layer, of what the step's jaxpr saves for
@@ -19,7 +19,8 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -74,22 +75,22 @@ def tree_bytes(tree) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=8)
 def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
-    """Model spec, optimizer and the state's abstract shapes: they depend on the model and optimizer only."""
+    """ModelSpec, optimizer and the state's abstract shapes: they depend on the model and optimizer only."""
     optim_cfg = ml_collections.ConfigDict(dict(optim_items))
-    spec = train_state.model_spec(model_cfg, optim_cfg.trainable)
-    tx, _ = optim.make_optimizer(optim_cfg, steps, spec.decay_mask)
-    shapes = jax.eval_shape(train_state.init_fn(model_cfg, spec, tx, 0))
-    return spec, tx, shapes
+    model_spec = train_state.build_model_spec(model_cfg, optim_cfg.trainable)
+    tx, _ = optim.make_optimizer(optim_cfg, steps, model_spec.decay_mask)
+    shapes = jax.eval_shape(train_state.init_fn(model_cfg, model_spec, tx, 0))
+    return model_spec, tx, shapes
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], model_cfg):
     """The train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`: the
-    per-device layout the trainer creates (same rules, same code), without any device."""
-    spec, tx, shapes = _model_and_shapes(model_cfg, tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)
+    per-device layout `train_setup.build` creates (same rules, same code), without any device."""
+    model_spec, tx, shapes = _model_and_shapes(model_cfg, tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)
     mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    train_state.check_divisible(spec, shapes.params, mesh, rules)
-    shardings = train_state.state_shardings(shapes, spec, tx, mesh, rules)
+    train_state.check_divisible(model_spec, shapes.params, mesh, rules)
+    shardings = train_state.state_shardings(shapes, model_spec, tx, mesh, rules)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
@@ -112,8 +113,8 @@ class ActivationSizes:
 
 def _ways(names: Sequence[str | None], rules, mesh_sizes: dict[str, int]) -> int:
     """How many devices an activation with these logical axis names is split over."""
-    spec = mesh_lib.logical_to_spec(names, rules)
-    return math.prod(mesh_sizes[axis] for entry in spec for axis in mesh_lib.axes_of(entry))
+    pspec = mesh_lib.logical_to_spec(names, rules)
+    return math.prod(mesh_sizes[axis] for entry in pspec for axis in mesh_lib.axes_of(entry))
 
 
 def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, int]) -> ActivationSizes:
@@ -258,9 +259,9 @@ def estimate(
     sizes = axes.sizes_of(derived.mesh_shape)
     param_bytes = tree_bytes(state.params)
     # Gradients, the accumulator and the update exist for the trainable parameters only (optim.trainable).
-    spec = _model_and_shapes(dataclasses.replace(m, attention="xla", remat="none"),
-                             tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)[0]
-    trainable_bytes = tree_bytes(spec.split(state.params)[0])
+    model_spec = _model_and_shapes(dataclasses.replace(m, attention="xla", remat="none"),
+                                   tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)[0]
+    trainable_bytes = tree_bytes(model_spec.split(state.params)[0])
     opt_bytes = tree_bytes(state.opt_state)
     scalars = [x + y for x, y in zip(tree_bytes(state.step), tree_bytes(state.rng))]
     batch_tokens = cfg.data.global_batch_size * cfg.data.seq_len

@@ -11,11 +11,10 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import functools
 import math
 import socket
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -29,16 +29,16 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
 
-from jaxlm import axes, memory
+from jaxlm import axes, memory, train_setup
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error
 from jaxlm.memory import GIB, format_bytes
-from jaxlm.trainer import build_trainer
 
 REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
 
@@ -83,9 +83,9 @@ def use_cpu_devices(num_devices: int) -> None:
 def compiled_memory(cfg: ml_collections.ConfigDict, devices) -> dict[str, Any]:
     """Compile the real train step ahead of time on `devices` (an abstract state: nothing allocated)
     and read XLA's per-device memory analysis."""
-    trainer = build_trainer(cfg, devices, abstract=True)
+    setup = train_setup.build(cfg, devices, abstract=True)
     start = time.perf_counter()
-    analysis = trainer.compile_train_step().memory_analysis()
+    analysis = setup.compile_train_step().memory_analysis()
     seconds = time.perf_counter() - start
     if analysis is None:
         raise UserError(f"--compile: XLA gives no memory analysis on {devices[0].platform}; use the analytic figure")
@@ -98,7 +98,7 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices) -> dict[str, Any]:
     peak = figures["argument_bytes"] + figures["output_bytes"] - figures["alias_bytes"] + figures["temp_bytes"]
     return {
         **figures, "per_device_bytes": peak, "platform": devices[0].platform, "device_kind": devices[0].device_kind,
-        "num_devices": len(devices), "attention": trainer.model_cfg.attention, "compile_s": round(seconds, 2),
+        "num_devices": len(devices), "attention": setup.model_cfg.attention, "compile_s": round(seconds, 2),
     }
 
 

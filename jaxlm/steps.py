@@ -14,7 +14,7 @@ parameter shards, as FSDP must (a local copy of the whole gradient would undo it
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +71,10 @@ def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, ta
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))[0]
 
 
-def summed_loss(params, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
+def summed_loss(params, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
     """(weighted sum of token losses, sum of weights) over a batch; with `loss_chunk_len`, the
     logits are made that many positions at a time (`chunked_loss_sum`)."""
-    model = nnx.merge(spec.graphdef, params)
+    model = nnx.merge(model_spec.graphdef, params)
     weights = batch["weights"]
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
@@ -84,10 +84,10 @@ def summed_loss(params, spec: ModelSpec, batch: Batch, dropout_key, z_loss: floa
     return jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights), jnp.sum(weights)
 
 
-def trainable_loss(trainable, frozen, spec: ModelSpec, batch: Batch, dropout_key, z_loss: float,
+def trainable_loss(trainable, frozen, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float,
                    loss_chunk_len: int = 0):
     """`summed_loss` as a function of the trainable parameters, the frozen ones held fixed."""
-    return summed_loss(spec.merge(trainable, frozen), spec, batch, dropout_key, z_loss, loss_chunk_len)
+    return summed_loss(model_spec.merge(trainable, frozen), model_spec, batch, dropout_key, z_loss, loss_chunk_len)
 
 
 def _split_micro(batch: Batch, k: int) -> Batch:
@@ -110,20 +110,20 @@ def _without(rules: Rules, axis: str) -> Rules:
     return tuple(out)
 
 
-def data_replicas(spec: ModelSpec, rules: Rules) -> int:
+def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
     """How many `data` replicas the current mesh has, for replica-local gradient accumulation:
     1 (use the plain accumulation) outside a mesh, without a `data` axis > 1, or when a rule puts a
     parameter's dimension on `data` (then replicas do not hold whole parameters)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "data" not in mesh.axis_names or mesh.shape["data"] == 1:
         return 1
-    for names in jax.tree.leaves(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple)):
+    for names in jax.tree.leaves(model_spec.logical_names, is_leaf=lambda x: isinstance(x, tuple)):
         if any("data" in axes_of(a) for a in logical_to_spec(names, rules)):
             return 1
     return mesh.shape["data"]
 
 
-def _replica_local_grads(grad_fn, params, frozen, spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
+def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
                          rules: Rules, z_loss: float, loss_chunk_len: int):
     """Sum of k micro-batches' (loss sum, tokens, gradients), each `data` replica accumulating its
     own rows' gradient locally and the replicas reduced once at the end.
@@ -145,11 +145,11 @@ def _replica_local_grads(grad_fn, params, frozen, spec: ModelSpec, batch: Batch,
     def acc_spec(names):  # [R, *param]: replicas over data, the rest as the parameter
         return logical_to_spec(("replica", *names), inner)
 
-    acc_specs = jax.tree.map(acc_spec, spec.trainable_names, is_leaf=lambda x: isinstance(x, tuple))
+    acc_specs = jax.tree.map(acc_spec, model_spec.trainable_names, is_leaf=lambda x: isinstance(x, tuple))
     micro = jax.tree.map(split, batch)
 
     def replica_grad(mb, mkey):
-        return grad_fn(params, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
+        return grad_fn(params, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
 
     def accumulate(carry, xs):
         mb, mkey = xs
@@ -199,7 +199,7 @@ def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
 
 
 def make_train_step(
-    spec: ModelSpec,
+    model_spec: ModelSpec,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     *,
@@ -210,8 +210,8 @@ def make_train_step(
     grad_norm_per_layer: bool = False,
     loss_chunk_len: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The uncompiled train step; `compile_train_step` jits it with shardings and donation.
-    `tx` updates the trainable parameters (`spec.split`); the frozen ones pass through unchanged.
+    """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
+    `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
 
     Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
     (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
@@ -222,12 +222,13 @@ def make_train_step(
     def step_fn(state: TrainState, batch: Batch):
         with spmd.logical_axis_rules(rules):
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
-            trainable, frozen = spec.split(state.params)
+            trainable, frozen = model_spec.split(state.params)
             if micro_batches == 1:
-                (loss_sum, tokens), grads = grad_fn(trainable, frozen, spec, batch, key, z_loss, loss_chunk_len)
-            elif (replicas := data_replicas(spec, rules)) > 1:
+                (loss_sum, tokens), grads = grad_fn(trainable, frozen, model_spec, batch, key, z_loss, loss_chunk_len)
+            elif (replicas := data_replicas(model_spec, rules)) > 1:
                 loss_sum, tokens, grads = _replica_local_grads(
-                    grad_fn, trainable, frozen, spec, batch, key, micro_batches, replicas, rules, z_loss, loss_chunk_len
+                    grad_fn, trainable, frozen, model_spec, batch, key, micro_batches, replicas, rules, z_loss,
+                    loss_chunk_len,
                 )
             else:
                 micro = _split_micro(batch, micro_batches)
@@ -236,7 +237,7 @@ def make_train_step(
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (l, t), g = grad_fn(trainable, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
+                    (l, t), g = grad_fn(trainable, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
                     return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -251,7 +252,7 @@ def make_train_step(
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite)
             trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
-            params = spec.merge(trainable, frozen)
+            params = model_spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -261,24 +262,24 @@ def make_train_step(
             "param_norm": optax.tree.norm(params),
         }
         if grad_norm_per_layer:
-            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, spec.trainable_names).items()})
+            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
     return step_fn
 
 
-def make_eval_step(spec: ModelSpec, rules: Rules = (), loss_chunk_len: int = 0):
+def make_eval_step(model_spec: ModelSpec, rules: Rules = (), loss_chunk_len: int = 0):
     """(params, batch) -> (sum of token losses, tokens): summed so batches combine exactly."""
 
     def eval_fn(params, batch: Batch):
         with spmd.logical_axis_rules(rules):
-            return summed_loss(params, spec, batch, None, 0.0, loss_chunk_len)
+            return summed_loss(params, model_spec, batch, None, 0.0, loss_chunk_len)
 
     return eval_fn
 
 
-def compile_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSharding):
+def jit_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSharding):
     """jit with explicit shardings; the state is donated so its buffers are reused in place."""
     replicated = NamedSharding(batch_sharding.mesh, P())
     return jax.jit(
@@ -289,7 +290,7 @@ def compile_train_step(step_fn, state_shardings: TrainState, batch_sharding: Nam
     )
 
 
-def compile_eval_step(eval_fn, params_shardings, batch_sharding: NamedSharding):
+def jit_eval_step(eval_fn, params_shardings, batch_sharding: NamedSharding):
     replicated = NamedSharding(batch_sharding.mesh, P())
     return jax.jit(eval_fn, in_shardings=(params_shardings, batch_sharding), out_shardings=replicated)
 

@@ -21,23 +21,21 @@ import pathlib
 import signal
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
 
-from jaxlm import axes, checkpoint
+from jaxlm import axes, checkpoint, distributed, train_setup, xla_flags
 from jaxlm import config as config_lib
-from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
-from jaxlm import xla_flags
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError, report_error
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
-from jaxlm.trainer import Trainer, build_trainer, evaluate, resolve_config
-
+from jaxlm.train_setup import TrainSetup, evaluate, resolve_config
 
 
 class NonFiniteError(Exception):
@@ -59,12 +57,12 @@ class StepLog:
     waits for a step that is finished or nearly, never for the one just queued.
     """
 
-    def __init__(self, sinks: Sinks, trainer: "Trainer", resume_step: int = 0):
-        cfg = trainer.cfg
-        self.sinks, self.tokens_per_step = sinks, trainer.derived.tokens_per_step
+    def __init__(self, sinks: Sinks, setup: TrainSetup, resume_step: int = 0):
+        cfg = setup.cfg
+        self.sinks, self.tokens_per_step = sinks, setup.derived.tokens_per_step
         self.total_steps, self.log_every, self.on_nonfinite = cfg.run.steps, cfg.run.log_every, cfg.optim.on_nonfinite
-        self.flops_per_token = transformer.flops_per_token(trainer.model_cfg, cfg.data.seq_len)
-        self.devices = list(trainer.mesh.devices.flat)
+        self.flops_per_token = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len)
+        self.devices = list(setup.mesh.devices.flat)
         self.peak_flops = metrics_lib.peak_flops(self.devices[0].device_kind, cfg.run.peak_flops)
         self.progress = Progress(cfg.run.steps, resume_step, cfg.metrics.progress)
         self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
@@ -172,7 +170,7 @@ class StopSignals:
     def __init__(self):
         self.received: str | None = None
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         for sig in self._previous:
             signal.signal(sig, self._handle)
@@ -241,23 +239,23 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
             f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
         )
-    trainer = build_trainer(cfg, abstract=bool(resume_step))  # a resumed state is restored, never initialised
-    _check_process_rows(trainer, data)
-    state = trainer.state
+    setup = train_setup.build(cfg, abstract=bool(resume_step))  # a resumed state is restored, never initialised
+    _check_process_rows(setup, data)
+    state = setup.state
     if resume_step:
-        state, saved, resume_step = ckpt.restore(trainer.state, data_iter=data.train)
-    derived, model_cfg = trainer.derived, trainer.model_cfg
+        state, saved, resume_step = ckpt.restore(setup.state, data_iter=data.train)
+    derived, model_cfg = setup.derived, setup.model_cfg
     make_run_dir(run_dir, cfg, resume_step)
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
-        f"parameters, {derived.num_devices} {trainer.mesh.devices.flat[0].platform} device(s), mesh "
+        f"parameters, {derived.num_devices} {setup.mesh.devices.flat[0].platform} device(s), mesh "
         f"{axes.describe(derived.mesh_shape)}, "
         f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
-        + (f" in {trainer.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
+        + (f" in {setup.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
-           if trainer.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
+           if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
     if jax.process_index() == 0:
         data.tokenizer.save(run_dir / "tokenizer.model")
@@ -267,7 +265,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
 
     total_steps = cfg.run.steps
     sinks = Sinks(run_dir, cfg, resume_step)
-    log = StepLog(sinks, trainer, resume_step)
+    log = StepLog(sinks, setup, resume_step)
     profile = Profile(cfg, run_dir)
     histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)
@@ -286,11 +284,11 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     # Every process acts on a signal, or on process 0's clock saying a save is due, at the same step.
     agreement = distributed.StepAgreement()
     try:
-        with jax.set_mesh(trainer.mesh), StopSignals() as signals:
+        with jax.set_mesh(setup.mesh), StopSignals() as signals:
             for step in range(resume_step + 1, total_steps + 1):
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = trainer.train_step(state, trainer.put_batch(next(data.train)))
+                    state, metrics = setup.train_step(state, setup.put_batch(next(data.train)))
                 profile.after(step, metrics)
                 if pending:
                     log.record(*pending)
@@ -298,7 +296,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                 histograms = None
                 if histograms_every and step % histograms_every == 0:
                     histograms = metrics_lib.param_histograms(state.params)
-                    if trainer.mesh.devices.flat[0].platform == "cpu":
+                    if setup.mesh.devices.flat[0].platform == "cpu":
                         # Finished before the next step starts: two programs with collectives in flight
                         # at once can deadlock XLA:CPU's device threads (seen with 8 fake devices).
                         jax.block_until_ready(histograms)
@@ -315,7 +313,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
                 if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                     log.record(*pending)
                     pending = None
-                    val = evaluate(trainer, state.params, data.eval_batches, eval_target_bytes)
+                    val = evaluate(setup, state.params, data.eval_batches, eval_target_bytes)
                     log.pause()
                     if val:
                         val_loss = val["val_loss"]
@@ -373,13 +371,13 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     return summary
 
 
-def _check_process_rows(trainer: Trainer, data: Data) -> None:
+def _check_process_rows(setup: TrainSetup, data: Data) -> None:
     """The rows this process reads must be the rows its devices hold in the global batch."""
     if jax.process_count() == 1:
         return
-    shape = (trainer.cfg.data.global_batch_size, trainer.cfg.data.seq_len)
+    shape = (setup.cfg.data.global_batch_size, setup.cfg.data.seq_len)
     held = {(index[0].start or 0, index[0].stop or shape[0])
-            for index in trainer.batch_sharding.addressable_devices_indices_map(shape).values()}
+            for index in setup.batch_sharding.addressable_devices_indices_map(shape).values()}
     lo, hi = min(a for a, _ in held), max(b for _, b in held)
     covered = sum(b - a for a, b in held)
     if (lo, hi) != (data.train.rows.start, data.train.rows.stop) or covered != hi - lo:

@@ -80,13 +80,13 @@ def _union(a: dict, b: dict) -> dict:
     return out
 
 
-def trainable_filter(spec: str):
+def trainable_filter(selection: str):
     """`optim.trainable` -> a predicate (path, variable type) -> bool. "" = everything trains.
 
     Comma-separated entries, a parameter trains when any entry matches it: a regular expression
     searched in its path (`blocks/attn/wq/kernel`), or `type:Name`, an NNX variable type (the
     parameter's class or a base class), as `nnx.LoRAParam` marks adapters."""
-    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    entries = [e.strip() for e in selection.split(",") if e.strip()]
     if not entries:
         return lambda path, types: True
     patterns, types = [], []
@@ -110,7 +110,7 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(params=seed))
 
 
-def model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
+def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     """Structure and metadata of the model, from an abstract build (no arrays allocated);
     `trainable` is `optim.trainable` (`trainable_filter`)."""
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
@@ -126,8 +126,8 @@ def model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     if not any(jax.tree.leaves(trains)):
         example = "/".join(map(str, next(iter(nnx.to_flat_state(state)))[0]))
         raise UserError(f"config.optim.trainable={trainable!r} matches no parameter (paths look like {example!r})")
-    spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay)
-    return dataclasses.replace(spec, decay_mask=spec.split(decay)[0])
+    model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay)
+    return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
 
 
 def _set_path(tree: dict, path: tuple, value: Any) -> None:
@@ -136,15 +136,15 @@ def _set_path(tree: dict, path: tuple, value: Any) -> None:
     tree[path[-1]] = value
 
 
-def param_shardings(spec: ModelSpec, mesh: Mesh, rules: Rules):
+def param_shardings(model_spec: ModelSpec, mesh: Mesh, rules: Rules):
     return jax.tree.map(
         lambda names: NamedSharding(mesh, logical_to_spec(names, rules)),
-        spec.logical_names,
+        model_spec.logical_names,
         is_leaf=lambda x: isinstance(x, tuple),
     )
 
 
-def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation, seed: int):
+def init_fn(cfg: ModelConfig, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int):
     """A function () -> TrainState: what `create` compiles with sharded outputs."""
 
     def init() -> TrainState:
@@ -153,28 +153,29 @@ def init_fn(cfg: ModelConfig, spec: ModelSpec, tx: optax.GradientTransformation,
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(spec.split(params)[0]),
+            opt_state=tx.init(model_spec.split(params)[0]),
             rng=jax.random.PRNGKey(seed + 1),
         )
 
     return init
 
 
-def state_shardings(abstract: TrainState, spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
+def state_shardings(abstract: TrainState, model_spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
     """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer
     moments like their (trainable) params and further over the `opt_state` rule's axes (ZeRO-1:
     "data"), scalars replicated."""
-    params = param_shardings(spec, mesh, rules)
+    params = param_shardings(model_spec, mesh, rules)
     replicated = NamedSharding(mesh, P())
     extra = dict(rules).get("opt_state")
     opt = optax.tree_map_params(tx, lambda leaf, s: extend_sharding(s, leaf.shape, extra), abstract.opt_state,
-                                spec.split(params)[0], transform_non_params=lambda _: replicated)
+                                model_spec.split(params)[0], transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
 
 
-def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
+def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
     """Every sharded parameter dimension must split evenly over its mesh axes; say which does not."""
-    flat_names = jax.tree_util.tree_flatten_with_path(spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))[0]
+    flat_names = jax.tree_util.tree_flatten_with_path(model_spec.logical_names,
+                                                      is_leaf=lambda x: isinstance(x, tuple))[0]
     flat_shapes = jax.tree.leaves(shapes)
     for (path, names), shape in zip(flat_names, flat_shapes):
         for name, size, axes in zip(names, shape.shape, logical_to_spec(names, rules)):
@@ -188,25 +189,25 @@ def check_divisible(spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
                 )
 
 
-def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, spec: ModelSpec | None = None):
-    """(abstract state whose leaves carry their shardings, the shardings, model spec, init function).
+def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None):
+    """(abstract state whose leaves carry their shardings, the shardings, ModelSpec, init function).
 
     Nothing is allocated: this is what ahead-of-time compilation and memory planning need.
     """
-    spec = spec or model_spec(cfg)
-    init = init_fn(cfg, spec, tx, seed)
+    model_spec = model_spec or build_model_spec(cfg)
+    init = init_fn(cfg, model_spec, tx, seed)
     shapes = jax.eval_shape(init)
-    check_divisible(spec, shapes.params, mesh, rules)
-    shardings = state_shardings(shapes, spec, tx, mesh, rules)
+    check_divisible(model_spec, shapes.params, mesh, rules)
+    shardings = state_shardings(shapes, model_spec, tx, mesh, rules)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    return abstract, shardings, spec, init
+    return abstract, shardings, model_spec, init
 
 
 def create(
-    cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, spec: ModelSpec | None = None
+    cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None
 ) -> tuple[TrainState, TrainState, ModelSpec]:
-    """Initialise the state directly into its shards: (state, its shardings, model spec)."""
-    _, shardings, spec, init = abstract_state(cfg, tx, mesh, rules, seed, spec)
+    """Initialise the state directly into its shards: (state, its shardings, ModelSpec)."""
+    _, shardings, model_spec, init = abstract_state(cfg, tx, mesh, rules, seed, model_spec)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()
-    return state, shardings, spec
+    return state, shardings, model_spec

@@ -25,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _model_and_optimizer():
     cfg = config.recipe("tiny")
     model_cfg = small_config(n_kv_heads=4)
-    tx, _ = optim.make_optimizer(cfg.optim, 10, train_state.model_spec(model_cfg).decay_mask)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, train_state.build_model_spec(model_cfg).decay_mask)
     return model_cfg, tx, mesh_lib.rules_from_config(cfg.mesh.rules), cfg
 
 
@@ -85,9 +85,9 @@ def test_load_params_in_bfloat16_onto_another_mesh(saved):
     target = _abstract((1, 2, 4)).params
     params = checkpoint.load_params(directory, target, dtype=jnp.bfloat16)
     assert jax.tree.structure(params) == jax.tree.structure(expected.params)  # no optimizer state
-    for got, want, spec in zip(jax.tree.leaves(params), jax.tree.leaves(expected.params), jax.tree.leaves(target)):
+    for got, want, leaf in zip(jax.tree.leaves(params), jax.tree.leaves(expected.params), jax.tree.leaves(target)):
         assert got.dtype == jnp.bfloat16
-        _assert_sharding(got, spec.sharding)
+        _assert_sharding(got, leaf.sharding)
         np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16))
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tiny_run import FRUITS, LIKES, NAMES, SEQ_LEN
 from jaxlm import evaluate, inference
 from jaxlm.data import pipeline, prepare, sources
+from tiny_run import FRUITS, LIKES, NAMES, SEQ_LEN
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def run(run_dir):
 def independent_logp(run, sequences) -> list[np.ndarray]:
     """log p of every next token of each sequence (at most seq_len + 1 tokens), each sequence run
     alone through a plain jitted forward pass on one device, log-softmax in float64."""
-    graphdef = run.spec.graphdef
+    graphdef = run.model_spec.graphdef
     forward = jax.jit(lambda params, inputs: nnx.merge(graphdef, params)(inputs))
     params = jax.tree.map(jnp.asarray, jax.device_get(run.params))
     rows = -(-len(sequences) // 32) * 32  # fixed shapes: one compilation for the whole module
@@ -127,8 +127,8 @@ def test_bits_per_byte_on_a_known_text(run_dir, run, tmp_path):
 
 def test_a_prepared_corpus_and_a_token_limit(run_dir, run, tmp_path):
     """The val split of the corpus prepared with the run's tokenizer is the run's validation split."""
-    spec = sources.SourceSpec(str(run_dir.parent / "facts.txt"), separator="\n\n")
-    prepare.prepare(spec, run.tokenizer, tmp_path / "prepared", val_fraction=0.2, seed=0, workers=1, progress=False)
+    source = sources.SourceSpec(str(run_dir.parent / "facts.txt"), separator="\n\n")
+    prepare.prepare(source, run.tokenizer, tmp_path / "prepared", val_fraction=0.2, seed=0, workers=1, progress=False)
     prepared, name = evaluate.corpus_documents(run, str(tmp_path / "prepared"))
     raw, _ = evaluate.corpus_documents(run, "val")
     assert name.startswith("val split of")

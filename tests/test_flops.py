@@ -17,8 +17,8 @@ import jax
 import pytest
 
 from jaxlm import config as config_lib
+from jaxlm import train_setup
 from jaxlm.models.transformer import flops_per_token, matmul_params
-from jaxlm.trainer import build_trainer
 
 # Elementwise FLOPs as a fraction of the matmul FLOPs, measured on jax 0.10.2, CPU: 3.3% (llama-gqa
 # below), 4.5% (gpt2-tied), 3.5% for the 4-layer tiny recipe, about half of it bf16 -> f32 converts
@@ -66,9 +66,9 @@ def test_flops_per_token_agrees_with_xla_cost_analysis(overrides):
     cfg = config_lib.recipe(
         "tiny", model__scan_layers=False, model__remat="none", optim__micro_batches=1, **overrides
     )
-    trainer = build_trainer(cfg, devices=jax.devices()[:1], abstract=True)
-    compiled = trainer.compile_train_step()
-    m, seq_len, tokens = trainer.model_cfg, cfg.data.seq_len, trainer.derived.tokens_per_step
+    setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
+    compiled = setup.compile_train_step()
+    m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
 
     model_flops = flops_per_token(m, seq_len) * tokens
     causal_half = 6 * m.n_layers * seq_len * m.n_heads * m.head_dim * tokens  # XLA also runs the masked half

@@ -11,13 +11,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import llama_layout_model, small_config
-from tiny_run import LIKES, NAMES, SEQ_LEN
 from jaxlm import config, generate, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.generate import GREEDY, Generator, Sampling
 from jaxlm.models import attention
+from tiny_run import LIKES, NAMES, SEQ_LEN
 
 NEW = 12
 
@@ -79,13 +79,13 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     mesh_shape = (2, 2, 2)
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     mesh = mesh_lib.make_mesh(mesh_shape)
-    spec = train_state.model_spec(model_cfg)
-    shardings = train_state.param_shardings(spec, mesh, rules)
+    model_spec = train_state.build_model_spec(model_cfg)
+    shardings = train_state.param_shardings(model_spec, mesh, rules)
     params = jax.device_put(random_params(model_cfg), shardings)
-    gen = Generator(model_cfg, params, mesh, rules, shardings, graphdef=spec.graphdef)
+    gen = Generator(model_cfg, params, mesh, rules, shardings, graphdef=model_spec.graphdef)
     prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
     completions = gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)
-    assert [c.ids for c in completions] == full_forward_greedy(model_cfg, spec.graphdef, params, prompts, 8)
+    assert [c.ids for c in completions] == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
     # The cache is sharded like the activations: rows over data x fsdp, key/value heads over tensor.
     prefill, _ = gen.compiled()
     tokens, start, padding, cache_len, max_new = gen.prepare(prompts, 8)
@@ -201,7 +201,7 @@ def test_cli_prints_completions_equal_to_full_passes_in_the_runs_bfloat16(run_di
     run = inference.load_run(run_dir)
     assert run.model_cfg.dtype == jnp.bfloat16
     prompts = run.tokenizer.encode(["alice likes", "bob likes"], add_bos=True, add_eos=False)
-    expected = full_forward_greedy(run.model_cfg, run.spec.graphdef, run.params, prompts, 10)
+    expected = full_forward_greedy(run.model_cfg, run.model_spec.graphdef, run.params, prompts, 10)
     assert [line["completion"] for line in lines] == [run.tokenizer.decode(ids) for ids in expected]
     assert all(line["tokens"] == 10 and line["finish_reason"] == "length" for line in lines)
 

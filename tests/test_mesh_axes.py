@@ -1,5 +1,5 @@
 """The mesh's axes are data (`jaxlm.axes.MESH_AXES`): naming a fourth axis there is all it takes to
-get a 4-D mesh whose new axis defaults to size 1, through the config, the planner and the trainer."""
+get a 4-D mesh whose new axis defaults to size 1, through the config, the planner and the train setup."""
 
 import os
 import pathlib
@@ -15,8 +15,7 @@ import jaxlm.axes
 jaxlm.axes.MESH_AXES = (*jaxlm.axes.MESH_AXES, "stage")  # before any other jaxlm module reads it
 
 import jax
-from jaxlm import config, memory, mesh
-from jaxlm.trainer import build_trainer
+from jaxlm import config, memory, mesh, train_setup
 
 cfg = config.load_recipe("tiny")
 config.apply_overrides(cfg, [("mesh.data", "2"), ("mesh.tensor", "2")])
@@ -24,9 +23,9 @@ assert cfg.mesh.stage == 1, cfg.mesh
 assert config.derive(cfg, 8).mesh_shape == (2, 2, 2, 1)
 assert mesh.make_mesh((2, 2, 2, 1)).axis_names == ("data", "fsdp", "tensor", "stage")
 assert memory.estimate(cfg, 8).mesh_shape == (2, 2, 2, 1)
-trainer = build_trainer(cfg, jax.devices()[:8], abstract=True)
-assert dict(trainer.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
-trainer.compile_train_step()
+setup = train_setup.build(cfg, jax.devices()[:8], abstract=True)
+assert dict(setup.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+setup.compile_train_step()
 print("ok")
 """
 

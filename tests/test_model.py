@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import small_config
 from jaxlm.models import attention
 from jaxlm.models.transformer import Transformer, flops_per_token, param_count
-from jaxlm.train_state import build_model, model_spec
+from jaxlm.train_state import build_model, build_model_spec
 
 
 @pytest.mark.parametrize("variant", ["llama", "gpt2"])
@@ -104,8 +104,8 @@ def test_flops_per_token_matches_a_hand_count():
 
 
 def test_weight_decay_applies_to_matrices_only():
-    spec = model_spec(small_config(norm="layernorm", use_bias=True, position="learned"))
-    mask = spec.decay_mask
+    model_spec = build_model_spec(small_config(norm="layernorm", use_bias=True, position="learned"))
+    mask = model_spec.decay_mask
     assert mask["blocks"]["attn"]["wq"]["kernel"] and mask["blocks"]["mlp"]["w_up"]["kernel"] and mask["embed"]["embedding"]
     assert mask["pos_embed"] and mask["unembed"]["kernel"]
     assert not mask["blocks"]["attn"]["bq"] and not mask["blocks"]["attn_norm"]["scale"]

@@ -24,11 +24,11 @@ def _bytes_per_device(tree) -> int:
 
 
 def test_zero1_shards_the_optimizer_state_over_data():
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
-    plain = build_trainer(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1), abstract=True)
-    zero1 = build_trainer(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
-                          abstract=True)
+    plain = train_setup.build(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1), abstract=True)
+    zero1 = train_setup.build(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
+                              abstract=True)
     mu = zero1.state.opt_state[1][0].mu
     assert mu["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", ("tensor", "data"))  # its largest dim
     assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data"), "fsdp")
@@ -74,13 +74,13 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
 
 
 def _losses(steps=3, **overrides):
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
-    trainer = build_trainer(config.recipe("tiny", **SMALL, **overrides))
-    state, losses = trainer.state, []
-    with jax.set_mesh(trainer.mesh):
+    setup = train_setup.build(config.recipe("tiny", **SMALL, **overrides))
+    state, losses = setup.state, []
+    with jax.set_mesh(setup.mesh):
         for i in range(steps):
-            state, metrics = trainer.train_step(state, trainer.put_batch(random_batch(16, 32, 128, seed=i)))
+            state, metrics = setup.train_step(state, setup.put_batch(random_batch(16, 32, 128, seed=i)))
             losses.append(float(metrics["loss"]))
     return losses
 
@@ -132,12 +132,12 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 def _compiled_collectives(**overrides) -> tuple[dict, int]:
     """Collectives of the compiled train step (communication.py's count) and the float32 parameter bytes."""
     collectives = load_benchmark("communication").collectives
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
-    trainer = build_trainer(config.recipe("tiny", **{**SMALL, **overrides}), abstract=True)
-    with jax.set_mesh(trainer.mesh):
-        hlo = trainer.compile_train_step().as_text()
-    param_bytes = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(trainer.state.params))
+    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}), abstract=True)
+    with jax.set_mesh(setup.mesh):
+        hlo = setup.compile_train_step().as_text()
+    param_bytes = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(setup.state.params))
     return collectives(hlo, 8), param_bytes
 
 

@@ -12,9 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import config, memory, plan
+from jaxlm import config, memory, plan, train_setup
 from jaxlm.models import transformer
-from jaxlm.trainer import build_trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,7 +25,7 @@ def recipe(name, **overrides):
 
 
 def shard_bytes(tree) -> int:
-    """Bytes on device 0, from the shard shapes of the trainer's real (device) shardings."""
+    """Bytes on device 0, from the shard shapes of the TrainSetup's real (device) shardings."""
     return sum(
         math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
         for leaf in jax.tree.leaves(tree)
@@ -39,13 +38,13 @@ def shard_bytes(tree) -> int:
 def test_state_bytes_per_device_equal_a_direct_count_of_the_shards(mesh):
     cfg = recipe("tiny", **mesh)
     est = memory.estimate(cfg, 8)
-    trainer = build_trainer(cfg, jax.devices()[:8], abstract=True)  # real devices, real shardings
-    params, opt = shard_bytes(trainer.state.params), shard_bytes(trainer.state.opt_state)
+    setup = train_setup.build(cfg, jax.devices()[:8], abstract=True)  # real devices, real shardings
+    params, opt = shard_bytes(setup.state.params), shard_bytes(setup.state.opt_state)
     assert est.row("parameters").per_device_bytes == params
     assert est.row("gradients").per_device_bytes == params  # float32 gradients, sharded like the params
     assert est.row("optimizer state").per_device_bytes == opt
     # and the unsharded totals from the parameter count: 4 bytes each, AdamW's mu and nu 8
-    count = transformer.param_count(trainer.model_cfg)["total"]
+    count = transformer.param_count(setup.model_cfg)["total"]
     assert est.row("parameters").total_bytes == 4 * count
     assert 8 * count <= est.row("optimizer state").total_bytes <= 8 * count + 64  # + int32 step counts
     # sharding really splits it: every leaf over fsdp (or fsdp x tensor) except the norms' scales
@@ -186,6 +185,6 @@ def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch
         config.validate(recipe("tiny", optim__micro_batches=-1))
     # the trainer resolves it for its devices: a small device memory makes it split the batch
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 8 * 2**20)
-    trainer = build_trainer(recipe("tiny", optim__micro_batches=0), abstract=True)
-    assert trainer.cfg.optim.micro_batches > 1
-    assert trainer.derived.micro_batch_size * trainer.cfg.optim.micro_batches == 16
+    setup = train_setup.build(recipe("tiny", optim__micro_batches=0), abstract=True)
+    assert setup.cfg.optim.micro_batches > 1
+    assert setup.derived.micro_batch_size * setup.cfg.optim.micro_batches == 16

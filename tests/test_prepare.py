@@ -34,13 +34,13 @@ def corpus_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def spec(corpus_dir: str) -> sources.SourceSpec:
+def source(corpus_dir: str) -> sources.SourceSpec:
     return sources.SourceSpec(f"{corpus_dir}/*.txt,{corpus_dir}/*.jsonl", separator="\n\n\n")
 
 
 @pytest.fixture(scope="module")
-def docs(spec: sources.SourceSpec) -> list[str]:
-    return list(sources.iter_documents(spec))
+def docs(source: sources.SourceSpec) -> list[str]:
+    return list(sources.iter_documents(source))
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +56,10 @@ def tok_path(tok: Tokenizer, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def prepared(spec: sources.SourceSpec, tok: Tokenizer, tmp_path_factory) -> str:
+def prepared(source: sources.SourceSpec, tok: Tokenizer, tmp_path_factory) -> str:
     """An uninterrupted single-worker prepare: the reference output."""
     out = str(tmp_path_factory.mktemp("prepared") / "out")
-    prepare.prepare(spec, tok, out, workers=1, progress=False, **OPTIONS)
+    prepare.prepare(source, tok, out, workers=1, progress=False, **OPTIONS)
     return out
 
 
@@ -174,9 +174,9 @@ def test_grain_workers_map_the_shards_again(prepared: str, tok: Tokenizer, docs:
 
 
 def test_two_workers_write_the_same_bytes_as_one(
-    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path
+    prepared: str, source: sources.SourceSpec, tok: Tokenizer, tmp_path
 ) -> None:
-    prepare.prepare(spec, tok, tmp_path / "out", workers=2, progress=False, **OPTIONS)
+    prepare.prepare(source, tok, tmp_path / "out", workers=2, progress=False, **OPTIONS)
     assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
 
 
@@ -204,7 +204,7 @@ def test_prepare_killed_halfway_resumes_to_the_same_bytes(
 
 
 def test_damaged_shard_is_named_and_rewritten_by_prepare(
-    prepared: str, spec: sources.SourceSpec, tok: Tokenizer, tmp_path, caplog
+    prepared: str, source: sources.SourceSpec, tok: Tokenizer, tmp_path, caplog
 ) -> None:
     out = str(tmp_path / "out")
     shutil.copytree(prepared, out)
@@ -224,23 +224,23 @@ def test_damaged_shard_is_named_and_rewritten_by_prepare(
     lost = prepare.read_manifest(out)["splits"]["train"]["shards"][1]["documents"]
     assert len(skipped) == len(whole) - lost > 0
     assert "skipping shard" in caplog.text and "train-00001.tokens is corrupt" in caplog.text
-    prepare.prepare(spec, tok, out, progress=False, **OPTIONS)
+    prepare.prepare(source, tok, out, progress=False, **OPTIONS)
     assert file_bytes(out) == file_bytes(prepared)
 
 
 def test_other_tokenizer_inputs_or_options_are_refused(
-    prepared: str, spec: sources.SourceSpec, docs: list[str], corpus_dir: str, tmp_path
+    prepared: str, source: sources.SourceSpec, docs: list[str], corpus_dir: str, tmp_path
 ) -> None:
     out = str(tmp_path / "out")
     shutil.copytree(prepared, out)
     tok = Tokenizer.load(os.path.join(prepared, prepare.TOKENIZER))
     with pytest.raises(UserError, match="another tokenizer"):
-        prepare.prepare(spec, SentencePieceTokenizer.train(docs, 260, "byte"), out, progress=False, **OPTIONS)
+        prepare.prepare(source, SentencePieceTokenizer.train(docs, 260, "byte"), out, progress=False, **OPTIONS)
     with pytest.raises(UserError, match="other options"):
-        prepare.prepare(spec, tok, out, progress=False, **{**OPTIONS, "shard_docs": 9})
+        prepare.prepare(source, tok, out, progress=False, **{**OPTIONS, "shard_docs": 9})
     changed = str(tmp_path / "corpus")
     shutil.copytree(corpus_dir, changed)
-    moved = dataclasses.replace(spec, paths=f"{changed}/*.txt,{changed}/*.jsonl")
+    moved = dataclasses.replace(source, paths=f"{changed}/*.txt,{changed}/*.jsonl")
     with open(os.path.join(changed, "extra.jsonl"), "a") as f:
         f.write(json.dumps({"text": "one more document"}) + "\n")
     with pytest.raises(UserError, match="other input files"):
@@ -250,7 +250,7 @@ def test_other_tokenizer_inputs_or_options_are_refused(
     shutil.copy(os.path.join(corpus_dir, "extra.jsonl"), changed)
     prepare.prepare(moved, tok, out, progress=False, **OPTIONS)
     with pytest.raises(UserError, match="not an empty directory"):
-        prepare.prepare(spec, tok, corpus_dir, progress=False, **OPTIONS)
+        prepare.prepare(source, tok, corpus_dir, progress=False, **OPTIONS)
     assert file_bytes(out) == file_bytes(prepared)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import checkpoint, config, trainer
+from jaxlm import checkpoint, config, train_setup
 from jaxlm.errors import UserError
 from jaxlm.models import layout
 
@@ -54,13 +54,13 @@ def _flat(tree) -> dict[str, np.ndarray]:
 def _build(name: str):
     overrides, mesh = CASES[name]
     cfg = config.recipe("tiny", **COMMON, **overrides, **dict(zip(("mesh__data", "mesh__fsdp", "mesh__tensor"), mesh)))
-    return trainer.build_trainer(cfg, jax.devices()[: int(np.prod(mesh))])
+    return train_setup.build(cfg, jax.devices()[: int(np.prod(mesh))])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_and_one_train_step_equal_commit_a89b6fe(name, reference):
     t, batch = _build(name), _batch()
-    model = nnx.merge(t.spec.graphdef, jax.device_get(t.state.params))
+    model = nnx.merge(t.model_spec.graphdef, jax.device_get(t.state.params))
     logits = jax.jit(lambda m, b: m(b["inputs"], b["positions"], b["segment_ids"]))(model, batch)
     np.testing.assert_array_equal(np.asarray(logits, np.float32), reference[f"{name}/logits"])
     with jax.set_mesh(t.mesh):

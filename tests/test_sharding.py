@@ -6,20 +6,19 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import small_config
-from jaxlm import config, optim
+from jaxlm import config, optim, train_state
 from jaxlm import mesh as mesh_lib
-from jaxlm import train_state
 
 
 def _create(recipe: str, shape=(2, 2, 2), **rule_overrides):
     cfg = config.recipe(recipe, **{f"mesh__rules__{k}": v for k, v in rule_overrides.items()})
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = small_config(n_kv_heads=4)
-    spec = train_state.model_spec(model_cfg)
-    tx, _ = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     mesh = mesh_lib.make_mesh(shape)
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules)
-    return state, rules, spec
+    state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules)
+    return state, rules, model_spec
 
 
 def _flat(tree):
@@ -59,9 +58,9 @@ EXPECTED_DEFAULT = {
     ],
 )
 def test_every_parameter_is_sharded_as_the_rules_say(recipe, overrides, expected):
-    state, rules, spec = _create(recipe, **overrides)
+    state, rules, model_spec = _create(recipe, **overrides)
     params = _flat(state.params)
-    names = _flat(jax.tree.map(lambda n: mesh_lib.logical_to_spec(n, rules), spec.logical_names,
+    names = _flat(jax.tree.map(lambda n: mesh_lib.logical_to_spec(n, rules), model_spec.logical_names,
                                is_leaf=lambda x: isinstance(x, tuple)))
     assert params.keys() == names.keys()
     for path, array in params.items():
@@ -95,8 +94,8 @@ def test_uneven_shards_are_a_clear_error():
     cfg = config.recipe("tiny")
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = small_config(n_heads=8, n_kv_heads=2, vocab_size=100)
-    spec = train_state.model_spec(model_cfg)
-    tx, _ = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg)
+    tx, _ = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     with pytest.raises(UserError, match="kv_heads"):
         train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 8)), rules)
 
@@ -104,12 +103,12 @@ def test_uneven_shards_are_a_clear_error():
 def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated():
     """Ahead of time, nothing allocated: each device's arguments are 1/8 of the state (plus its
     rows of the batch), and the new state reuses the donated buffers."""
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
     cfg = config.recipe("1b", mesh__fsdp=8, data__global_batch_size=32)  # 4 micro-batches of 8
-    trainer = build_trainer(cfg, abstract=True)
-    memory = trainer.compile_train_step().memory_analysis()
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state))
+    setup = train_setup.build(cfg, abstract=True)
+    memory = setup.compile_train_step().memory_analysis()
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.state))
     batch_bytes = 4 * 32 * 2048 * 4  # four int32 arrays
     assert state_bytes > 3 * 4 * 1.0e9  # params, Adam mu and nu in float32: 1.1B parameters
     assert memory.argument_size_in_bytes == pytest.approx((state_bytes + batch_bytes) / 8, rel=1e-3)
@@ -118,10 +117,10 @@ def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated
 
 def test_building_under_an_active_mesh_works():
     """Notebooks often run inside `with jax.set_mesh(...)`: shardings still come from the rules only."""
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
     cfg = config.recipe("tiny", model__n_layers=2, mesh__fsdp=2, mesh__data=-1)
     with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1))):
         for abstract in (True, False):
-            trainer = build_trainer(cfg, abstract=abstract)
-            assert trainer.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
+            setup = train_setup.build(cfg, abstract=abstract)
+            assert setup.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")

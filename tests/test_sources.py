@@ -50,9 +50,9 @@ def test_parquet_with_a_text_column(tmp_path):
 def test_comma_separated_globs_keep_their_order_and_skip_repeats(tmp_path):
     write_jsonl(tmp_path / "x.jsonl", [{"text": "x"}])
     (tmp_path / "y.txt").write_text("y")
-    spec = SourceSpec(f"{tmp_path}/y.txt,{tmp_path}/*.jsonl,{tmp_path}/y.txt")
-    assert resolve_files(spec) == [str(tmp_path / "y.txt"), str(tmp_path / "x.jsonl")]
-    assert load_documents(spec) == ["y", "x"]
+    source = SourceSpec(f"{tmp_path}/y.txt,{tmp_path}/*.jsonl,{tmp_path}/y.txt")
+    assert resolve_files(source) == [str(tmp_path / "y.txt"), str(tmp_path / "x.jsonl")]
+    assert load_documents(source) == ["y", "x"]
 
 
 def test_a_local_hugging_face_dataset(tmp_path, monkeypatch):
@@ -97,8 +97,8 @@ def test_builtin_corpus_is_a_source():
 )
 def test_bad_input_is_one_line_naming_the_file(tmp_path, setup, spec_kw, message):
     setup(tmp_path)
-    spec = SourceSpec(**{k: v.format(p=tmp_path) if isinstance(v, str) else v for k, v in spec_kw.items()})
+    source = SourceSpec(**{k: v.format(p=tmp_path) if isinstance(v, str) else v for k, v in spec_kw.items()})
     with pytest.raises(UserError) as error:
-        load_documents(spec)
+        load_documents(source)
     assert message.format(p=tmp_path) in str(error.value)
     assert "\n" not in str(error.value)

@@ -8,9 +8,8 @@ import optax
 import pytest
 
 from helpers import random_batch, small_config
-from jaxlm import config, optim, steps
+from jaxlm import config, optim, steps, train_state
 from jaxlm import mesh as mesh_lib
-from jaxlm import train_state
 
 MESHES = [(1, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]  # data alone is covered by (2, 2, 2)
 
@@ -18,15 +17,16 @@ MESHES = [(1, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]  # data alone is covered b
 def _setup(mesh_shape, model_cfg, *, micro_batches=1, steps_total=100, **optim_overrides):
     cfg = config.recipe("tiny", **{f"optim__{k}": v for k, v in optim_overrides.items()})
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    spec = train_state.model_spec(model_cfg)
-    tx, schedule = optim.make_optimizer(cfg.optim, steps_total, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg)
+    tx, schedule = optim.make_optimizer(cfg.optim, steps_total, model_spec.decay_mask)
     mesh = mesh_lib.make_mesh(mesh_shape)
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=0)
+    state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step = steps.compile_train_step(
-        steps.make_train_step(spec, tx, schedule, micro_batches=micro_batches, rules=rules), shardings, batch_sharding
+    step = steps.jit_train_step(
+        steps.make_train_step(model_spec, tx, schedule, micro_batches=micro_batches, rules=rules), shardings,
+        batch_sharding,
     )
-    return mesh, state, step, batch_sharding, spec, rules
+    return mesh, state, step, batch_sharding, model_spec, rules
 
 
 def _put(batch, sharding):
@@ -37,14 +37,14 @@ def test_loss_and_gradients_agree_across_meshes():
     model_cfg = small_config()  # 8 heads, 8 kv heads: divisible by tensor=8
     batch = random_batch(16, 32, 96)
     # The same parameters on every mesh (no optimizer state needed), laid out by each mesh's rules.
-    _, state, _, _, spec, rules = _setup((1, 1, 1), model_cfg)
+    _, state, _, _, model_spec, rules = _setup((1, 1, 1), model_cfg)
     params = jax.device_get(state.params)
-    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, b: steps.summed_loss(p, spec, b, None, 0.0)[0] / 1000.0))
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, b: steps.summed_loss(p, model_spec, b, None, 0.0)[0] / 1000.0))
     results = {}
     for shape in MESHES:
         mesh = mesh_lib.make_mesh(shape)
         with jax.set_mesh(mesh):
-            on_mesh = jax.device_put(params, train_state.param_shardings(spec, mesh, rules))
+            on_mesh = jax.device_put(params, train_state.param_shardings(model_spec, mesh, rules))
             loss, grads = jax.device_get(loss_and_grad(on_mesh, _put(batch, mesh_lib.batch_sharding(mesh, rules))))
         results[shape] = (float(loss) * 1000.0, grads)
     ref_loss, ref_grads = results[(1, 1, 1)]
@@ -89,11 +89,11 @@ def test_a_tiny_model_overfits_one_batch():
 def test_padding_targets_do_not_count():
     model_cfg = small_config()
     batch = random_batch(4, 32, 96, seed=3)
-    mesh, state, _, batch_sharding, spec, _ = _setup((1, 1, 1), model_cfg)
-    loss_sum, tokens = steps.summed_loss(state.params, spec, batch, None, 0.0)
+    mesh, state, _, batch_sharding, model_spec, _ = _setup((1, 1, 1), model_cfg)
+    loss_sum, tokens = steps.summed_loss(state.params, model_spec, batch, None, 0.0)
     assert float(tokens) == float((batch["segment_ids"] > 0).sum())
     changed = dict(batch, targets=np.where(batch["segment_ids"] > 0, batch["targets"], 7).astype(np.int32))
-    assert float(steps.summed_loss(state.params, spec, changed, None, 0.0)[0]) == pytest.approx(float(loss_sum))
+    assert float(steps.summed_loss(state.params, model_spec, changed, None, 0.0)[0]) == pytest.approx(float(loss_sum))
 
 
 def test_z_loss_adds_log_z_squared():
@@ -152,15 +152,15 @@ def test_a_non_finite_loss_never_reaches_the_state():
     batch = random_batch(4, 32, 96)
     cfg = config.recipe("tiny")
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    spec = train_state.model_spec(model_cfg)
-    tx, schedule = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg)
+    tx, schedule = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     mesh = mesh_lib.make_mesh((1, 2, 1))
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules)
+    state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules)
     sharding = mesh_lib.batch_sharding(mesh, rules)
     before = jax.device_get((state.params, state.opt_state))
     for z_loss, skipped in ((float("inf"), 1), (0.0, 0)):
-        step = steps.compile_train_step(
-            steps.make_train_step(spec, tx, schedule, z_loss=z_loss, rules=rules), shardings, sharding
+        step = steps.jit_train_step(
+            steps.make_train_step(model_spec, tx, schedule, z_loss=z_loss, rules=rules), shardings, sharding
         )
         with jax.set_mesh(mesh):
             state, metrics = step(state, _put(batch, sharding))
@@ -208,12 +208,12 @@ def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
     scanned, unrolled = small_config(n_layers=3), small_config(n_layers=3, scan_layers=False)
     params = {}
     for cfg in (scanned, unrolled):
-        spec = train_state.model_spec(cfg)
+        model_spec = train_state.build_model_spec(cfg)
         state = nnx.state(train_state.build_model(cfg, seed=0), nnx.Param)
-        params[cfg.scan_layers] = (nnx.to_pure_dict(state), spec)
+        params[cfg.scan_layers] = (nnx.to_pure_dict(state), model_spec)
     norms = {}
-    for scan, (tree, spec) in params.items():
-        norms[scan] = {k: float(v) for k, v in steps.norms_by_group(tree, spec.logical_names).items()}
+    for scan, (tree, model_spec) in params.items():
+        norms[scan] = {k: float(v) for k, v in steps.norms_by_group(tree, model_spec.logical_names).items()}
         assert set(norms[scan]) == {"layer_00", "layer_01", "layer_02", "embed", "final_norm", "unembed"}
         total = float(optax.tree.norm(tree))
         np.testing.assert_allclose(np.sqrt(sum(v * v for v in norms[scan].values())), total, rtol=1e-5)
@@ -228,7 +228,8 @@ def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
 def test_chunked_loss_equals_the_plain_loss_value_and_gradient(mesh_shape):
     """Logits made 8 positions at a time (rematerialized in the backward) give the loss and the
     gradients (of the hidden states and of the projection) of the whole-sequence loss."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(0)
     b, t, d, v = 4, 32, 16, 96
@@ -259,7 +260,7 @@ def test_chunked_loss_equals_the_plain_loss_value_and_gradient(mesh_shape):
 def test_train_step_with_a_chunked_loss_follows_the_plain_one():
     """Three steps of the real train step with the logits made 8 positions at a time track the plain
     step's losses and gradient norms (on 8 devices, micro-batched, tied and untied embeddings)."""
-    from jaxlm.trainer import build_trainer
+    from jaxlm import train_setup
 
     batch = random_batch(16, 32, 96, seed=3)
     for tie in (False, True):
@@ -270,11 +271,11 @@ def test_train_step_with_a_chunked_loss_follows_the_plain_one():
                 model__n_kv_heads=2, model__dtype="float32", model__tie_embeddings=tie, model__loss_chunk_len=chunk,
                 data__seq_len=32, data__global_batch_size=16, optim__micro_batches=2,
             )
-            trainer = build_trainer(cfg)
-            state, out = trainer.state, []
-            with jax.set_mesh(trainer.mesh):
+            setup = train_setup.build(cfg)
+            state, out = setup.state, []
+            with jax.set_mesh(setup.mesh):
                 for _ in range(3):
-                    state, metrics = trainer.train_step(state, trainer.put_batch(batch))
+                    state, metrics = setup.train_step(state, setup.put_batch(batch))
                     out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
             results.append(out)
         np.testing.assert_allclose(results[1], results[0], rtol=2e-5)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from helpers import random_batch, small_config
-from jaxlm import config, mesh as mesh_lib, optim, steps, train_state
+from jaxlm import config, optim, steps, train_state
+from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 
 
@@ -14,17 +15,17 @@ def _step(trainable: str, mesh_shape=(1, 2, 1), micro_batches=1):
     cfg = config.recipe("tiny", optim__clip_norm=0.0, optim__trainable=trainable)
     model_cfg = small_config()
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    spec = train_state.model_spec(model_cfg, trainable)
-    tx, schedule = optim.make_optimizer(cfg.optim, 10, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg, trainable)
+    tx, schedule = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     mesh = mesh_lib.make_mesh(mesh_shape)
-    state, shardings, spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, spec=spec)
+    state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, model_spec=model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step = steps.compile_train_step(steps.make_train_step(spec, tx, schedule, rules=rules, micro_batches=micro_batches), shardings, batch_sharding)
+    step = steps.jit_train_step(steps.make_train_step(model_spec, tx, schedule, rules=rules, micro_batches=micro_batches), shardings, batch_sharding)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in random_batch(8, 32, 96).items()}
     before = jax.device_get(state.params)
     with jax.set_mesh(mesh):
         after, metrics = step(state, batch)
-    return spec, before, after, metrics
+    return model_spec, before, after, metrics
 
 
 def _flat(tree):
@@ -34,8 +35,8 @@ def _flat(tree):
 @pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 2, 1), 1), ((2, 2, 2), 2)])
 def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh_shape, micro_batches):
     _, before, full, _ = _step("", mesh_shape, micro_batches)
-    spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)
-    trains = _flat(spec.trainable)
+    model_spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)
+    trains = _flat(model_spec.trainable)
     assert any(trains.values()) and not all(trains.values())
     full, part, before = _flat(jax.device_get(full.params)), _flat(jax.device_get(part.params)), _flat(before)
     for path, trainable in trains.items():
@@ -48,19 +49,20 @@ def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh
 
 
 def test_optimizer_state_exists_for_trainable_parameters_only():
-    spec, _, state, metrics = _step("type:Param")  # every parameter is an nnx.Param: all train
-    assert all(jax.tree.leaves(spec.trainable)) and spec.split(spec.trainable)[1] == {}
-    spec, _, state, _ = _step("wq")
+    model_spec, _, state, metrics = _step("type:Param")  # every parameter is an nnx.Param: all train
+    assert all(jax.tree.leaves(model_spec.trainable)) and model_spec.split(model_spec.trainable)[1] == {}
+    model_spec, _, state, _ = _step("wq")
     adam = state.opt_state[0]  # (scale_by_adam, ...): mu and nu keyed like the trainable parameters
-    assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(spec.split(spec.trainable)[0])
+    trainable_part = model_spec.split(model_spec.trainable)[0]
+    assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(trainable_part)
     assert set(_flat(adam.mu)) == {"['blocks']['attn']['wq']['kernel']"}
 
 
 def test_a_filter_that_matches_nothing_or_is_not_a_regex_is_one_clear_error():
     with pytest.raises(UserError, match=r"optim.trainable='type:LoRAParam' matches no parameter"):
-        train_state.model_spec(small_config(), "type:LoRAParam")
+        train_state.build_model_spec(small_config(), "type:LoRAParam")
     with pytest.raises(UserError, match=r"optim.trainable: '\[' is not a regular expression"):
-        train_state.model_spec(small_config(), "[")
+        train_state.build_model_spec(small_config(), "[")
 
 
 def test_the_memory_plan_counts_frozen_parameters_without_gradients_or_moments():

@@ -16,7 +16,8 @@ import os
 import pathlib
 import sys
 import sysconfig
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grain
 import jax
@@ -30,7 +31,7 @@ from jaxlm.errors import UserError
 
 @dataclasses.dataclass
 class Data:
-    train: "ShardedStream"  # this process's rows of each global batch; knows its epoch
+    train: ShardedStream  # this process's rows of each global batch; knows its epoch
     eval_batches: list[dict[str, np.ndarray]]  # this process's rows of the fixed held-out batches
     tokenizer: Any
     train_tokens: int | None  # None when tokenized on the fly (unknown until read)
@@ -57,12 +58,12 @@ def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
 def inputs_key(cfg: ml_collections.ConfigDict) -> str:
     """A cheap identity of the corpus (its files' sizes and times, or the interpreter for the built-in
     one) and of how it is read: the cache key of its tokenizer and prepared shards."""
-    spec = source_spec(cfg)
-    if spec.paths == "builtin":
+    source = source_spec(cfg)
+    if source.paths == "builtin":
         files = [sys.version, sysconfig.get_paths()["stdlib"]]
     else:
-        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(spec)]
-    identity = {"spec": dataclasses.asdict(spec), "files": files, "val_fraction": cfg.data.val_fraction,
+        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(source)]
+    identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": cfg.data.val_fraction,
                 "seed": cfg.data.seed}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -68,7 +68,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(
-    spec: sources.SourceSpec,
+    source: sources.SourceSpec,
     tokenizer: Tokenizer,
     output_dir: str | os.PathLike,
     *,
@@ -78,7 +78,7 @@ def prepare(
     workers: int = 1,
     progress: bool = True,
 ) -> Manifest:
-    """Tokenize every document of `spec` into train and val shards under `output_dir`.
+    """Tokenize every document of `source` into train and val shards under `output_dir`.
 
     Continues an interrupted run of the same inputs and tokenizer (and rewrites shards that no
     longer match a complete manifest); refuses a directory prepared from anything else.
@@ -92,9 +92,9 @@ def prepare(
         "format_version": FORMAT_VERSION,
         "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size},
         "token_dtype": token_dtype(tokenizer.vocab_size).name,
-        "input": dataclasses.asdict(spec),
+        "input": dataclasses.asdict(source),
         "options": {"val_fraction": val_fraction, "seed": seed, "shard_docs": shard_docs},
-        "sources": _describe_sources(spec),
+        "sources": _describe_sources(source),
         "complete": False,
     }
     if is_prepared(out):
@@ -108,7 +108,7 @@ def prepare(
     _remove_partial_writes(out)
     _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
     tokenizer.save(out / TOKENIZER)
-    manifest["splits"] = _write_shards(spec, out, manifest, workers, progress)
+    manifest["splits"] = _write_shards(source, out, manifest, workers, progress)
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
     _write_manifest(out, manifest)
@@ -120,17 +120,17 @@ def _remove_partial_writes(out: pathlib.Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _describe_sources(spec: sources.SourceSpec) -> list[dict[str, Any]]:
+def _describe_sources(source: sources.SourceSpec) -> list[dict[str, Any]]:
     """Each input file with its size and sha256: the identity of the inputs."""
-    if spec.paths == "builtin":
+    if source.paths == "builtin":
         h, size = hashlib.sha256(), 0
-        for doc in sources.iter_documents(spec):
+        for doc in sources.iter_documents(source):
             data = doc.encode("utf-8")
             h.update(len(data).to_bytes(8, "little") + data)
             size += len(data)
         return [{"path": "builtin", "bytes": size, "sha256": h.hexdigest()}]
     described = []
-    for path in sources.resolve_files(spec):
+    for path in sources.resolve_files(source):
         try:
             with open(path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -196,7 +196,7 @@ def read_manifest(output_dir: str | os.PathLike) -> Manifest:
 # ----------------------------------------------------------------------------- writing shards
 
 
-def _plan(spec: sources.SourceSpec, options: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]]:
+def _plan(source: sources.SourceSpec, options: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]]:
     """(split, shard file name, documents) in a fixed order, from the inputs alone."""
     groups: dict[str, list[str]] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
@@ -206,7 +206,7 @@ def _plan(spec: sources.SourceSpec, options: dict[str, Any]) -> Iterator[tuple[s
         counts[split] += 1
         return split, f"{split}-{counts[split] - 1:05d}.tokens", docs
 
-    for doc in sources.iter_documents(spec):
+    for doc in sources.iter_documents(source):
         split = "val" if sources.is_validation(doc, options["val_fraction"], options["seed"]) else "train"
         groups[split].append(doc)
         if len(groups[split]) == options["shard_docs"]:
@@ -274,7 +274,7 @@ class _InProcess(concurrent.futures.Executor):
 
 
 def _write_shards(
-    spec: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool
+    source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool
 ) -> dict[str, dict[str, Any]]:
     """Write every planned shard not already on disk, `workers` at a time; the manifest's splits."""
     tokenizer_path = str(out / TOKENIZER)
@@ -306,7 +306,7 @@ def _write_shards(
 
     with executor, bar:
         pending: collections.deque = collections.deque()
-        for split, name, docs in _plan(spec, manifest["options"]):
+        for split, name, docs in _plan(source, manifest["options"]):
             task = _existing_shard(out / name, len(docs))
             if task is None:
                 task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"])
@@ -316,7 +316,7 @@ def _write_shards(
         while pending:
             collect(*pending.popleft())
     if not splits["train"]["documents"] + splits["val"]["documents"]:
-        raise UserError(f"the corpus {spec.paths!r} holds no documents (every file is empty); give non-empty text")
+        raise UserError(f"the corpus {source.paths!r} holds no documents (every file is empty); give non-empty text")
     if not splits["train"]["documents"]:
         raise UserError(f"all {splits['val']['documents']} documents fell in the validation split; lower val_fraction")
     return splits
@@ -418,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
     args = parser.parse_args(argv)
     try:
-        spec = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator), args.max_bytes)
+        source = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator), args.max_bytes)
         manifest = prepare(
-            spec, Tokenizer.load(args.tokenizer), args.output, val_fraction=args.val_fraction, seed=args.seed,
+            source, Tokenizer.load(args.tokenizer), args.output, val_fraction=args.val_fraction, seed=args.seed,
             shard_docs=args.shard_docs, workers=args.workers,
         )
     except UserError as e:

@@ -43,21 +43,21 @@ def unescape(text: str) -> str:
     return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
-def resolve_files(spec: SourceSpec) -> list[str]:
+def resolve_files(source: SourceSpec) -> list[str]:
     """The input files, sorted within each pattern; directories are walked. UserError if none match."""
-    if spec.format not in FORMATS:
-        raise UserError(f"data format {spec.format!r} is unknown; use one of {', '.join(FORMATS)}")
+    if source.format not in FORMATS:
+        raise UserError(f"data format {source.format!r} is unknown; use one of {', '.join(FORMATS)}")
     files: list[str] = []
-    for pattern in (p.strip() for p in spec.paths.split(",")):
+    for pattern in (p.strip() for p in source.paths.split(",")):
         if not pattern:
             continue
         expanded = os.path.expanduser(pattern)
-        if spec.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
+        if source.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
             matches = [expanded] if os.path.isdir(expanded) else []
         elif os.path.isdir(expanded):
             matches = sorted(
                 os.path.join(root, name) for root, _, names in os.walk(expanded) for name in names
-                if spec.format != "auto" or _format_of(name, strict=False)
+                if source.format != "auto" or _format_of(name, strict=False)
             )
         else:
             matches = sorted(m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
@@ -84,18 +84,18 @@ def _open_text(path: str) -> io.TextIOBase:
     return opener(path, "rt", encoding="utf-8", newline="")
 
 
-def read_file_documents(path: str, spec: SourceSpec) -> Iterator[str]:
+def read_file_documents(path: str, source: SourceSpec) -> Iterator[str]:
     """The documents of one file, in order. Empty documents are skipped."""
-    fmt = spec.format if spec.format != "auto" else _format_of(path)
+    fmt = source.format if source.format != "auto" else _format_of(path)
     try:
         if fmt == "text":
-            yield from _read_text(path, spec.separator)
+            yield from _read_text(path, source.separator)
         elif fmt == "jsonl":
-            yield from _read_jsonl(path, spec.text_field)
+            yield from _read_jsonl(path, source.text_field)
         elif fmt == "parquet":
-            yield from _read_parquet(path, spec.text_field)
+            yield from _read_parquet(path, source.text_field)
         elif fmt == "hf":
-            yield from _read_hf(path, spec.text_field)
+            yield from _read_hf(path, source.text_field)
         else:
             raise UserError(f"data format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     except FileNotFoundError:
@@ -174,19 +174,19 @@ def _read_hf(path: str, field: str) -> Iterator[str]:
             yield text[field]
 
 
-def iter_documents(spec: SourceSpec) -> Iterator[str]:
-    """Every document of the spec, files in order."""
-    if spec.paths == "builtin":
-        yield from builtin_corpus(spec.max_bytes or 10**12)
+def iter_documents(source: SourceSpec) -> Iterator[str]:
+    """Every document of the source, files in order."""
+    if source.paths == "builtin":
+        yield from builtin_corpus(source.max_bytes or 10**12)
         return
-    for path in resolve_files(spec):
-        yield from read_file_documents(path, spec)
+    for path in resolve_files(source):
+        yield from read_file_documents(path, source)
 
 
-def load_documents(spec: SourceSpec) -> list[str]:
-    docs = list(iter_documents(spec))
+def load_documents(source: SourceSpec) -> list[str]:
+    docs = list(iter_documents(source))
     if not docs:
-        raise UserError(f"the corpus {spec.paths!r} holds no documents (every file is empty); give non-empty text")
+        raise UserError(f"the corpus {source.paths!r} holds no documents (every file is empty); give non-empty text")
     return docs
 
 # Tests and IDE/2to3 fixtures are repetitive or unusual Python: keep the default corpus to real library code.
@@ -228,7 +228,7 @@ def builtin_corpus(max_bytes: int) -> list[str]:
 
 def _unit_hash(text: str, seed: int) -> float:
     """A uniform number in [0, 1) fixed by the text and the seed, independent of position."""
-    digest = hashlib.sha256(f"{seed}\0{text}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{text}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

@@ -70,11 +70,11 @@ def _byte_model_proto(vocab_size: int) -> bytes:
         model.pieces.add(piece=piece, score=0.0, type=_PieceType.UNKNOWN if piece == "<unk>" else _PieceType.CONTROL)
     for byte in range(256):
         model.pieces.add(piece=f"<0x{byte:02X}>", score=0.0, type=_PieceType.BYTE)
-    spec = model.trainer_spec
-    spec.model_type = spm_model.TrainerSpec.CHAR
-    spec.byte_fallback = True
+    trainer_spec = model.trainer_spec
+    trainer_spec.model_type = spm_model.TrainerSpec.CHAR
+    trainer_spec.byte_fallback = True
     for name, (_, id_) in _TRAINED_SPECIALS.items():
-        setattr(spec, f"{name}_id", id_)
+        setattr(trainer_spec, f"{name}_id", id_)
     normalizer = model.normalizer_spec
     normalizer.name = "identity"
     normalizer.add_dummy_prefix = False
@@ -293,8 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            spec = SourceSpec(args.input, args.format, args.text_field, unescape(args.separator), max_bytes=args.max_bytes)
-            docs = _take_bytes(iter_documents(spec), args.max_bytes)
+            source = SourceSpec(args.input, args.format, args.text_field, unescape(args.separator), max_bytes=args.max_bytes)
+            docs = _take_bytes(iter_documents(source), args.max_bytes)
             if not docs:
                 raise UserError(f"the corpus {args.input!r} holds no documents; give non-empty text")
             tok = SentencePieceTokenizer.train(docs, args.vocab_size, args.model_type)

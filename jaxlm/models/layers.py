@@ -10,7 +10,7 @@ MLP code knowing. Norm statistics and softmax run in float32.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp

@@ -78,7 +78,7 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, m, platform: str | None = None, *, attention: str | None = None, log_choice: bool = True,
-                    **overrides) -> "ModelConfig":
+                    **overrides) -> ModelConfig:
         """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices.
 
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`

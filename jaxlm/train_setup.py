@@ -1,7 +1,7 @@
-"""A `Trainer`: the mesh, the sharded train state and the compiled steps, built from a config.
+"""A `TrainSetup`: the mesh, the sharded train state and the compiled steps, built from a config.
 
 The CLI's loop (`jaxlm.train`), notebooks, benchmarks and the memory planner all build one with
-`build_trainer(cfg)`; `abstract=True` builds it without allocating the state.
+`train_setup.build(cfg)`; `abstract=True` builds it without allocating the state.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Trainer:
+class TrainSetup:
     """Everything a training loop needs, built from a config: the CLI, notebooks and benchmarks share it."""
 
     cfg: ml_collections.ConfigDict
@@ -33,7 +34,7 @@ class Trainer:
     model_cfg: Any  # jaxlm.models.transformer.ModelConfig
     mesh: jax.sharding.Mesh
     rules: Any
-    spec: Any  # jaxlm.train_state.ModelSpec
+    model_spec: Any  # jaxlm.train_state.ModelSpec
     state: Any  # jaxlm.train_state.TrainState, sharded
     shardings: Any
     batch_sharding: jax.sharding.NamedSharding
@@ -77,9 +78,9 @@ def resolve_config(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]
     return cfg
 
 
-def build_trainer(
+def build(
     cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None, *, abstract: bool = False
-) -> Trainer:
+) -> TrainSetup:
     """Validate, make the mesh, create the sharded state and the steps (compiled on first call).
 
     With `abstract=True` the state holds only shapes and shardings (nothing is allocated), for
@@ -92,27 +93,27 @@ def build_trainer(
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform)
-    spec = train_state.model_spec(model_cfg, cfg.optim.trainable)
-    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, spec.decay_mask)
+    model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
+    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask)
     if abstract:
-        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
+        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
     else:
-        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, spec)
+        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
-        spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
+        model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
         dropout=cfg.model.dropout > 0, rules=rules, grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
         loss_chunk_len=cfg.model.loss_chunk_len,
     )
-    return Trainer(
-        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, spec=spec, state=state,
+    return TrainSetup(
+        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
         shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
-        train_step=steps.compile_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.compile_eval_step(steps.make_eval_step(spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding),
+        train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
+        eval_step=steps.jit_eval_step(steps.make_eval_step(model_spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding),
     )
 
 
-def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]],
+def evaluate(setup: TrainSetup, params, batches: list[dict[str, np.ndarray]],
              target_bytes: int | None = None) -> dict[str, float]:
     """Held-out metrics over fixed batches: `val_loss` (token-mean cross-entropy, nats),
     `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
@@ -120,7 +121,7 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, np.ndarray]],
     `target_bytes` is given. Empty when there are no batches."""
     if not batches:
         return {}
-    sums = jax.device_get([trainer.eval_step(params, trainer.put_batch(batch)) for batch in batches])
+    sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch)) for batch in batches])
     total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
     loss = total / max(tokens, 1.0)
     out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
