@@ -171,9 +171,11 @@ def measure(name: str, inputs, reference: tuple, *, steps: int, max_segments: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = jax.default_backend() == "gpu"
-    parser.add_argument("--recipe", default="1b" if gpu else "tiny", help="shapes (heads, head size, sequence) of this recipe")
+    parser.add_argument("--recipe", default="1b" if gpu else "tiny",
+                        help="shapes (heads, head size, sequence) of this recipe")
     parser.add_argument("--seq", type=int, default=0, help="sequence length (default: the recipe's)")
-    parser.add_argument("--batch", type=int, default=8 if gpu else 2, help="sequences (default: 8, 1b's micro-batch per H100)")
+    parser.add_argument("--batch", type=int, default=8 if gpu else 2,
+                        help="sequences (default: 8, 1b's micro-batch per H100)")
     parser.add_argument("--doc_len", type=float, default=512, help="mean document length in tokens")
     parser.add_argument("--pad", type=int, default=0, help="padding tokens at the end of each row")
     parser.add_argument("--max_segments", type=int, default=0,

@@ -80,7 +80,8 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
     meta = {"config": json.loads(cfg.to_json())}
     workdir = tempfile.mkdtemp(prefix=f"jaxlm-ckpt-bench-{recipe}-", dir=root)
-    r = {"recipe": recipe, "overrides": overrides, "compress": compress, "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
+    r = {"recipe": recipe, "overrides": overrides, "compress": compress,
+         "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
          "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
     try:
         with jax.set_mesh(setup.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress) as ckpt:
@@ -132,7 +133,8 @@ def main() -> None:
         result = bench(recipe, overrides, args.steps, args.every, args.dir)
         results.append(result)
         print(json.dumps(result), file=sys.stderr)
-    cols = ["recipe", "compress", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s", "save_blocked_s",
+    cols = ["recipe", "compress", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s",
+            "save_blocked_s",
             "save_total_s", "save_cpu_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
     report(results, cols, args.json)
 

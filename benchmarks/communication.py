@@ -63,7 +63,8 @@ def shape_bytes(shape: str) -> int:
 def device_groups(line: str, num_devices: int) -> np.ndarray:
     """[groups, group size] device ids of a collective, from its replica_groups in any of XLA's forms."""
     ids = np.arange(num_devices)
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line)  # mesh['a'=8,'b'=8][, device_ids=..] {'b'}
+    # mesh['a'=8,'b'=8][, device_ids=..] {'b'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line)
     if m:
         axes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
         d = re.search(r"device_ids=\(\[([\d,]+)\]T\(([\d,]+)\)\)", m.group(2))

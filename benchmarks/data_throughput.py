@@ -60,7 +60,7 @@ def bench_formats(
     for options in ("group_size:1", "group_size:1,uncompressed"):
         path = os.path.join(workdir, f"docs-{len(rows)}.array_record")
 
-        def write() -> None:
+        def write(path=path, options=options) -> None:
             writer = ArrayRecordWriter(path, options)
             for doc in doc_list:
                 writer.write(doc.tobytes())
@@ -69,7 +69,7 @@ def bench_formats(
         write_s = timed(write)
         reader = ArrayRecordReader(path, "readahead_buffer_size:0")
         records = [
-            lambda i=i: np.frombuffer(reader.read([int(doc_of_chunk[picks[i]])])[0], np.uint16)[
+            lambda i=i, reader=reader: np.frombuffer(reader.read([int(doc_of_chunk[picks[i]])])[0], np.uint16)[
                 offset_in_doc[picks[i]] : offset_in_doc[picks[i]] + seq_len + 1].astype(np.int32)
             for i in range(reads)
         ]

@@ -39,7 +39,8 @@ def build(recipe: str, param_dtype: str, devices, dtype: str | None = None) -> t
     cfg = config.load_recipe(recipe)
     model_cfg = inference.model_config(cfg, devices[0].platform, dtype)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=len(devices)), devices)  # FSDP over every device, the default recipe mesh
+    # FSDP over every device, the default recipe mesh
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=len(devices)), devices)
     state, shardings, model_spec = train_state.create(model_cfg, optax.identity(), mesh, rules, cfg.run.seed)
     params = state.params
     if param_dtype != "float32":

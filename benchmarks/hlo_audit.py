@@ -155,7 +155,8 @@ class Module:
             root = next((i for i in body.values() if i["root"]), None)
             if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
                 bound = body.get(root["operands"][1])
-                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", bound["operands"][0] if bound["operands"] else ""):
+                first = bound["operands"][0] if bound and bound["operands"] else ""
+                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", first):
                     return int(bound["operands"][0])
         self.unknown_trip_counts += 1
         return 1
@@ -260,7 +261,8 @@ def matmuls(module: Module) -> list[dict]:
 def matmul_report(dots: list[dict]) -> dict:
     groups: dict[str, dict] = {}
     for d in dots:
-        key = f"{d['lhs_dtype']} x {d['rhs_dtype']} -> {d['result_dtype']}" + (f" [{d['algorithm']}]" if d["algorithm"] else "")
+        key = f"{d['lhs_dtype']} x {d['rhs_dtype']} -> {d['result_dtype']}"
+        key += f" [{d['algorithm']}]" if d["algorithm"] else ""
         g = groups.setdefault(key, dict(in_text=0, per_step=0, flops_per_step=0))
         g["in_text"] += 1
         g["per_step"] += d["executions"]
@@ -314,7 +316,8 @@ def _origin(module: Module, by_name: dict[str, dict], name: str) -> str:
 def _category(origin: str) -> str:
     if origin.startswith("step input"):
         return "step input (state or batch)"
-    return {"broadcast": "broadcast (buffer init)", "get-tuple-element": "loop carry (get-tuple-element)"}.get(origin, "a computed value")
+    names = {"broadcast": "broadcast (buffer init)", "get-tuple-element": "loop carry (get-tuple-element)"}
+    return names.get(origin, "a computed value")
 
 
 def data_movement(module: Module, top: int) -> dict:
@@ -367,7 +370,9 @@ def data_movement(module: Module, top: int) -> dict:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB" if n >= 1e7 else f"{n / 1e6:.3g} MB" if n >= 1e4 else f"{n:.0f} B"
+    if n >= 1e12:
+        return f"{n / 1e12:.3g} TB"
+    return f"{n / 1e9:.3g} GB" if n >= 1e7 else f"{n / 1e6:.3g} MB" if n >= 1e4 else f"{n:.0f} B"
 
 
 def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: int, lowered_only: bool,
@@ -419,7 +424,8 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
     out["unknown_trip_counts"] = opt.unknown_trip_counts
     optimized_dots = matmuls(opt)
     out["dots_in_text"] = len(optimized_dots)
-    out["f32_operand_dots_in_text"] = sum(x["lhs_dtype"] in WIDE_DTYPES or x["rhs_dtype"] in WIDE_DTYPES for x in optimized_dots)
+    out["f32_operand_dots_in_text"] = sum(
+        x["lhs_dtype"] in WIDE_DTYPES or x["rhs_dtype"] in WIDE_DTYPES for x in optimized_dots)
     analysis = compiled.memory_analysis()
     out["temp_gib"] = round(analysis.temp_size_in_bytes / 2**30, 2)
     out["argument_gib"] = round(analysis.argument_size_in_bytes / 2**30, 2)
@@ -441,7 +447,8 @@ def report(r: dict, top: int = 10) -> str:
     lines.append("| lhs x rhs -> result [algorithm] | in program text | per step | TFLOP per step | share of matmul FLOPs |")
     lines.append("|---|---|---|---|---|")
     for key, g in mm["by_dtype"].items():
-        lines.append(f"| {key} | {g['in_text']} | {g['per_step']} | {g['flops_per_step'] / 1e12:.4g} | {100 * g['flops_share']:.2f}% |")
+        lines.append(f"| {key} | {g['in_text']} | {g['per_step']} | {g['flops_per_step'] / 1e12:.4g} | "
+                     f"{100 * g['flops_share']:.2f}% |")
     lines.append("")
     lines.append("### Matmuls with a float32 operand (lowered module)")
     lines.append("")

@@ -72,7 +72,8 @@ def main() -> None:
         }
         if not args.no_compile:
             compiled = plan.compiled_memory(cfg, plan.compile_devices(n))
-            same = memory.estimate(cfg, n, platform=compiled["platform"], act_bytes=memory.cpu_act_bytes() if compiled["platform"] == "cpu" else None)
+            act_bytes = memory.cpu_act_bytes() if compiled["platform"] == "cpu" else None
+            same = memory.estimate(cfg, n, platform=compiled["platform"], act_bytes=act_bytes)
             row.update(
                 compiled_on=f"{n}x {compiled['platform']}",
                 analytic_same_gib=round(same.per_device_bytes / gib, 2),

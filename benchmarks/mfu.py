@@ -121,7 +121,8 @@ def run_isolated(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     error = (result.stderr.strip().splitlines() or ["no output"])[-1]
-    status = "out of memory" if "RESOURCE_EXHAUSTED" in result.stderr or "out of memory" in result.stderr.lower() else "error"
+    oom = "RESOURCE_EXHAUSTED" in result.stderr or "out of memory" in result.stderr.lower()
+    status = "out of memory" if oom else "error"
     return {"recipe": args.recipe, "overrides": overrides, "status": f"{status}: {error[:200]}"}
 
 

@@ -79,7 +79,8 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=0,  # 0 = only at the end
         peak_flops=0.0,  # peak FLOP/s of one device for MFU; 0 = from the table of known devices
         compile_cache_dir=".cache/jaxlm/xla",  # XLA's persistent compilation cache: restarts skip compiling; "" = off
-        xla_flags="",  # "--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA's defaults
+        # "--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA's defaults
+        xla_flags="",
     )
     c.model = dict(
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
@@ -105,7 +106,8 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         scan_layers=True,
         remat="none",  # none | full | dots | dots_no_batch
-        attention="auto",  # auto (cudnn on GPU, else xla) | xla | cudnn | pallas (Triton flash attention with segment ids)
+        # auto (cudnn on GPU, else xla) | xla | cudnn | pallas (Triton flash attention with segment ids)
+        attention="auto",
         # Make the logits and the loss this many positions at a time (0 = the whole sequence at once):
         # only [batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].
         loss_chunk_len=0,
@@ -156,7 +158,8 @@ def base_config() -> ml_collections.ConfigDict:
         # Which parameters train; the rest stay frozen (no gradient, no optimizer state). "" = all;
         # else comma-separated regexes searched in paths (blocks/attn/wq/kernel) or type:<NNX variable type>.
         trainable="",
-        micro_batches=1,  # gradient accumulation: global batch split into this many, scanned; 0 = as few as fit in memory
+        # gradient accumulation: global batch split into this many, scanned; 0 = as few as fit in memory
+        micro_batches=1,
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
     )
@@ -165,7 +168,8 @@ def base_config() -> ml_collections.ConfigDict:
         every_minutes=30.0,  # ... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT
         keep_last=3,  # the newest checkpoints kept
         keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
-        keep_best=0,  # also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)
+        # also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)
+        keep_best=0,
         async_save=True,  # write in the background; the loop waits only for the device-to-host copy
         compress=False,  # zstd-compress the arrays: ~11% less disk for ~8x the background writer's CPU time
     )

@@ -457,7 +457,8 @@ def pop_flags(argv: list[str]) -> tuple[list[str], dict]:
             try:
                 values[name] = FLAGS[name](value)
             except ValueError:
-                raise UserError(f"--{name}={value}: expected {'a number' if FLAGS[name] is not str else 'host:port'}") from None
+                expected = "a number" if FLAGS[name] is not str else "host:port"
+                raise UserError(f"--{name}={value}: expected {expected}") from None
         else:
             rest.append(arg)
     if "distributed_timeout_s" in values:

@@ -653,7 +653,9 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
                 for r in csv.DictReader(f)]
 
 
-def mean_curves(curves: Sequence[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
+def mean_curves(
+    curves: Sequence[dict[str, Any]], key: str
+) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
     """variant -> (steps, mean, min, max) of `key` over the variant's runs that logged each step."""
     by_variant: dict[str, dict[int, list[float]]] = {}
     for r in curves:
@@ -807,7 +809,8 @@ def _optuna_runs(exp: Experiment, root: pathlib.Path, seeds, extra, trials: int,
     )
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # left by a killed sweep
         study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={"run_name": t.user_attrs.get("run_name")})  # resumed from its checkpoint
+        # resumed from its checkpoint
+        study.enqueue_trial(t.params, user_attrs={"run_name": t.user_attrs.get("run_name")})
     finished = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     live: dict[str, Any] = {}
 
@@ -992,7 +995,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="an override for every run (repeatable)")
     parser.add_argument("--only", type=lambda s: [v for v in s.split(",") if v], help="comma-separated variants to run")
     parser.add_argument("--output_dir", "--output-dir", default="runs", help="runs go to <output_dir>/<experiment>/")
-    parser.add_argument("--results_dir", "--results-dir", help="where results.md/csv and loss.png go (default: the sweep's directory)")
+    parser.add_argument("--results_dir", "--results-dir",
+                        help="where results.md/csv and loss.png go (default: the sweep's directory)")
     args = parser.parse_args(argv)
     # SIGTERM (a cluster ending this job) stops the runs it started too: they save and can be resumed.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

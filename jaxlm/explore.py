@@ -269,7 +269,8 @@ class Forward:
         """For each position: the actual next token, its loss, and the model's k likeliest."""
         decode = self.tokenizer.decode
         order = np.argsort(-self.logits, axis=-1)[:, :k]
-        rows = [(i, repr(decode([self.ids[i + 1]])), float(self.losses[i]), "  ".join(repr(decode([int(t)])) for t in order[i]))
+        rows = [(i, repr(decode([self.ids[i + 1]])), float(self.losses[i]),
+                 "  ".join(repr(decode([int(t)])) for t in order[i]))
                 for i in range(len(self.losses))]
         return Table(["position", "next token", "loss", f"top {k} predicted"], rows)
 

@@ -70,7 +70,8 @@ def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:
     """The run's config.json over the current defaults (so a run from before a key existed still loads)."""
     path = run_dir / "config.json"
     if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist; give --run_dir=<run.output_dir>/<run.name> of a training run")
+        raise UserError(f"run directory {run_dir} does not exist; "
+                        "give --run_dir=<run.output_dir>/<run.name> of a training run")
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.json); give the directory python -m jaxlm.train wrote")
     try:

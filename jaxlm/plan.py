@@ -142,7 +142,8 @@ def suggest(
             for index in itertools.product(*(range(len(options)) for options in group)):
                 overrides = {k: v for options, i in zip(group, index) for k, v in options[i].items()}
                 try:
-                    per_device = memory.estimate(memory.with_overrides(cfg, overrides), num_devices, platform=platform).per_device_bytes
+                    changed = memory.with_overrides(cfg, overrides)
+                    per_device = memory.estimate(changed, num_devices, platform=platform).per_device_bytes
                 except UserError:  # e.g. a batch that no longer splits over the devices
                     continue
                 if per_device <= budget_bytes:
@@ -239,7 +240,8 @@ def format_report(report: dict[str, Any]) -> str:
             + ("(within " if c["within_tolerance"] else "(OUTSIDE ") + f"the stated ±{memory.TOLERANCE:.0%})",
         ]
     lines.append("")
-    verdict = f"{format_bytes(r['per_device_bytes'])} of {format_bytes(r['device_memory_bytes'])} per device ({r['decided_by']})"
+    verdict = (f"{format_bytes(r['per_device_bytes'])} of {format_bytes(r['device_memory_bytes'])} per device "
+               f"({r['decided_by']})")
     if r["fits"]:
         lines.append(f"fits: {verdict}, {format_bytes(r['margin_bytes'])} to spare")
     else:

@@ -154,10 +154,11 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
     def accumulate(carry, xs):
         mb, mkey = xs
         with spmd.logical_axis_rules(_without(rules, "data")):
-            (l, t), g = jax.vmap(replica_grad, in_axes=(0, None if mkey is None else 0), spmd_axis_name="data")(mb, mkey)
+            in_axes = (0, None if mkey is None else 0)
+            (loss, tokens), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(mb, mkey)
         g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
         loss_acc, tok_acc, grad_acc = carry
-        return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
+        return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
 
     zeros = jax.tree.map(
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s), params, acc_specs
@@ -237,8 +238,8 @@ def make_train_step(
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (l, t), g = grad_fn(trainable, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
-                    return (loss_acc + l, tok_acc + t, jax.tree.map(jnp.add, grad_acc, g)), None
+                    (loss, tokens), g = grad_fn(trainable, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+                    return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, trainable)
                 init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)

@@ -395,7 +395,8 @@ def enable_compilation_cache(directory: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-EXIT_NONFINITE, EXIT_PREEMPTED = 3, 75  # user errors: errors.EXIT_USER_ERROR (2); 75: EX_TEMPFAIL, "try again": re-run resumes
+# user errors: errors.EXIT_USER_ERROR (2); 75: EX_TEMPFAIL, "try again": re-run resumes
+EXIT_NONFINITE, EXIT_PREEMPTED = 3, 75
 
 
 def main(argv: Sequence[str] | None = None) -> int:

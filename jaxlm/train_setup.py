@@ -61,7 +61,9 @@ class TrainSetup:
             return self.train_step.lower(state, self.batch_spec()).compile()
 
 
-def resolve_config(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], quiet: bool = True) -> ml_collections.ConfigDict:
+def resolve_config(
+    cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device], quiet: bool = True
+) -> ml_collections.ConfigDict:
     """The config with its automatic choices made for these devices: `optim.micro_batches=0` becomes
     the fewest micro-batches that the memory planner fits in a device (logged unless `quiet`)."""
     if cfg.optim.micro_batches:
@@ -109,7 +111,9 @@ def build(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
         shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
         train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.jit_eval_step(steps.make_eval_step(model_spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding),
+        eval_step=steps.jit_eval_step(
+            steps.make_eval_step(model_spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding
+        ),
     )
 
 

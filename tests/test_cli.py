@@ -114,7 +114,8 @@ def test_bad_data_is_one_line_before_any_run_directory_is_made(tmp_path):
         (str(tmp_path / "missing" / "*.jsonl"), "no input files match"),
         (str(bad), f"{bad}:2: not valid JSON"),
     ]:
-        result = run_cli("--config=configs/tiny.py", f"--config.data.corpus={corpus}", f"--config.run.output_dir={tmp_path}/runs")
+        result = run_cli("--config=configs/tiny.py", f"--config.data.corpus={corpus}",
+                         f"--config.run.output_dir={tmp_path}/runs")
         assert result.returncode == 2 and expected in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists()

@@ -124,7 +124,7 @@ def finish(procs, timeout=900):
 
 def train(argv, processes):
     results = finish(start_all(argv, processes))
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, err[-3000:]
     return results
 

@@ -204,7 +204,8 @@ def test_early_stopping_stops_a_bad_trial_from_its_logged_val_loss_and_a_resume_
     assert evals[0]["step"] == 2 and evals[0]["val_loss"] > statistics.median(others)
     assert train[-1]["step"] < 150 and not (sweep / bad / "summary.json").exists()
     rows = {r["run"]: r for r in experiment.load_results(sweep).rows}
-    assert rows[bad]["status"] == "stopped" and [rows[f"peak_lr={lr}-s0"]["status"] for lr in ("0.003", "0.002")] == ["done"] * 2
+    assert rows[bad]["status"] == "stopped"
+    assert [rows[f"peak_lr={lr}-s0"]["status"] for lr in ("0.003", "0.002")] == ["done"] * 2
     assert "Stopped early: peak_lr=1e-07-s0" in (sweep / "results.md").read_text()
 
     result = run_cli(*args)

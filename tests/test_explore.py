@@ -47,8 +47,9 @@ def test_the_parameter_table_says_what_the_rules_and_mesh_make_of_each_weight():
     assert f"{sum(p.count for p in params):,} parameters" in table.footer
     assert table.records()[0]["name"] == params[0].name and "| blocks.attn.wk.kernel |" in table.to_markdown()
     # The drawn 2-D view: the stacked layers axis dropped, head_dim merged into heads.
-    assert explore.sharding_view((2, 64, 4, 16), by_name["blocks.attn.wq.kernel"].spec)[:2] == ((64, 64), jax.P("fsdp", "tensor"))
-    assert explore.sharding_view((2, 4, 16, 64), by_name["blocks.attn.wo.kernel"].spec)[:2] == ((64, 64), jax.P("tensor", "fsdp"))
+    wq, wo = by_name["blocks.attn.wq.kernel"].spec, by_name["blocks.attn.wo.kernel"].spec
+    assert explore.sharding_view((2, 64, 4, 16), wq)[:2] == ((64, 64), jax.P("fsdp", "tensor"))
+    assert explore.sharding_view((2, 4, 16, 64), wo)[:2] == ((64, 64), jax.P("tensor", "fsdp"))
     with pytest.raises(UserError, match="no parameter 'blocks.mlp.w_in.kernel'"):
         explore.find_parameter(setup, "blocks.mlp.w_in.kernel")
 

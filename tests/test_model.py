@@ -65,7 +65,7 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     unrolled = build_model(small_config(n_kv_heads=4, scan_layers=False))
     params = nnx.to_pure_dict(nnx.state(scanned))
     as_list = dict(params)
-    as_list["blocks"] = {i: jax.tree.map(lambda x: x[i], params["blocks"]) for i in range(2)}
+    as_list["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(2)}
     nnx.update(unrolled, as_list)
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 96)
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5)

@@ -24,7 +24,8 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 targets.add(base)
                 targets.update(f"{base}.{alias.name}" for alias in node.names)  # `from jaxlm import plan`
         graph[name] = {t for t in targets if t in modules and t != name and t != "jaxlm"}

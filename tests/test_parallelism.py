@@ -51,7 +51,8 @@ def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_
     # The residual stream, between the regions: sequence over tensor.
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), "tensor", None)
     # Inside them, heads / MLP width / vocabulary hold tensor and the sequence is whole.
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_heads", None), rules) == P(("data", "fsdp"), None, "tensor", None)
+    spec = mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_heads", None), rules)
+    assert spec == P(("data", "fsdp"), None, "tensor", None)
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
     # The input batch stays whole rows, so each process supplies its rows whatever the rules.
@@ -59,7 +60,8 @@ def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_
 
 
 def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
-    cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)  # data/fsdp ignored
+    # data/fsdp ignored
+    cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)
     assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 8, 1)
     assert config.derive(config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2), 16, groups=2).mesh_shape == (2, 4, 2)
     with pytest.raises(UserError, match="every process needs the same device count"):

@@ -100,7 +100,8 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     assert compiled["alias_bytes"] <= compiled["output_bytes"] and compiled["temp_bytes"] > 0
     peak = compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
     assert compiled["per_device_bytes"] == peak
-    analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes  # compiled here
+    # compiled here
+    analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
     assert abs(peak / analytic - 1) <= memory.TOLERANCE, (peak, analytic)
     assert compiled["within_tolerance"]
     # planned for a GPU, so the CPU compile informs but the analytic figure decides

@@ -50,7 +50,8 @@ def test_loss_and_gradients_agree_across_meshes():
     ref_loss, ref_grads = results[(1, 1, 1)]
     for shape, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, ref_loss, rtol=2e-6, err_msg=str(shape))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(shape)), grads, ref_grads)
+        jax.tree.map(lambda a, b, shape=shape: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(shape)),
+                     grads, ref_grads)
 
 
 @pytest.mark.parametrize("mesh_shape, ks", [((2, 2, 2), (1, 4))])
@@ -170,7 +171,8 @@ def test_a_non_finite_loss_never_reaches_the_state():
             jax.tree.map(np.testing.assert_array_equal, jax.device_get((state.params, state.opt_state)), before)
     assert int(state.step) == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
-    assert not np.array_equal(jax.device_get(state.params)["unembed"]["kernel"], before[0]["unembed"]["kernel"])  # the finite step applied
+    # the finite step applied
+    assert not np.array_equal(jax.device_get(state.params)["unembed"]["kernel"], before[0]["unembed"]["kernel"])
 
 
 def test_the_optimizer_is_optax_adamw_and_keeps_its_state_unless_finite():
@@ -188,7 +190,7 @@ def test_the_optimizer_is_optax_adamw_and_keeps_its_state_unless_finite():
     update = jax.jit(ours.update)
     key = jax.random.key(0)
     for i in range(4):
-        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, i), p.shape), params)
+        grads = jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.fold_in(key, i), p.shape), params)
         u, state = update(grads, state, params, finite=jnp.bool_(True))
         ref_u, ref_state = jax.jit(ref.update)(grads, ref_state, params)
         jax.tree.map(np.testing.assert_array_equal, (u, state), (ref_u, ref_state))
@@ -219,7 +221,7 @@ def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
         np.testing.assert_allclose(np.sqrt(sum(v * v for v in norms[scan].values())), total, rtol=1e-5)
     stacked, _ = params[True]
     for i in range(3):
-        expected = float(optax.tree.norm(jax.tree.map(lambda x: x[i], stacked["blocks"])))
+        expected = float(optax.tree.norm(jax.tree.map(lambda x, i=i: x[i], stacked["blocks"])))
         np.testing.assert_allclose(norms[True][f"layer_{i:02d}"], expected, rtol=1e-5)
     assert len({round(norms[True][f"layer_{i:02d}"], 6) for i in range(3)}) == 3  # distinct layers
 
@@ -300,4 +302,5 @@ def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
     for key in (("pallas", (1, 1, 1)), ("pallas", (2, 2, 2))):
         loss, params = results[key]
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(key))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(key)), params, ref_params)
+        jax.tree.map(lambda a, b, key=key: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(key)),
+                     params, ref_params)

@@ -20,7 +20,8 @@ def _step(trainable: str, mesh_shape=(1, 2, 1), micro_batches=1):
     mesh = mesh_lib.make_mesh(mesh_shape)
     state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, model_spec=model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step = steps.jit_train_step(steps.make_train_step(model_spec, tx, schedule, rules=rules, micro_batches=micro_batches), shardings, batch_sharding)
+    step_fn = steps.make_train_step(model_spec, tx, schedule, rules=rules, micro_batches=micro_batches)
+    step = steps.jit_train_step(step_fn, shardings, batch_sharding)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in random_batch(8, 32, 96).items()}
     before = jax.device_get(state.params)
     with jax.set_mesh(mesh):

@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
     args = parser.parse_args(argv)
     try:
-        source = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator), args.max_bytes)
+        source = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator),
+                                    args.max_bytes)
         manifest = prepare(
             source, Tokenizer.load(args.tokenizer), args.output, val_fraction=args.val_fraction, seed=args.seed,
             shard_docs=args.shard_docs, workers=args.workers,
