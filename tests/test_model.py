@@ -202,3 +202,27 @@ def test_packed_segments_cover_each_document_causally(max_segments):
     else:  # rows 0 and 2 have 4 runs each
         assert not bool(fits)
         np.testing.assert_array_equal(offsets[1], [0, -1, -1, -1])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_every_weight_matmul_goes_through_a_projection_whose_contraction_can_be_replaced(scan_layers):
+    from jaxlm.models import layers
+
+    cfg = small_config(scan_layers=scan_layers, n_layers=2)
+    model = build_model(cfg)
+    found = {"/".join(map(str, path)): proj for path, proj in layers.projections(model)}
+    per_block = {"attn/wq", "attn/wk", "attn/wv", "attn/wo", "mlp/w_gate", "mlp/w_up", "mlp/w_down"}
+    blocks = [""] if scan_layers else ["0/", "1/"]
+    assert set(found) == {f"blocks/{b}{name}" for b in blocks for name in per_block} | {"unembed"}
+    wq, wo = found[f"blocks/{blocks[0]}attn/wq"], found[f"blocks/{blocks[0]}attn/wo"]
+    assert wq.in_axes == (0,) and wo.in_axes == (0, 1)  # [D, N, H] contracts D; [N, H, D] contracts N, H
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    before = model(tokens)
+    # A contraction that zeroes the residual branches (attention's and the MLP's output projections):
+    # every block becomes the identity, so the logits are the unembedded, normed embeddings.
+    for path, proj in found.items():
+        if path.endswith(("attn/wo", "mlp/w_down")):
+            proj.einsum_op = lambda eq, x, w: jnp.einsum(eq, x, w) * 0
+    skipped = model.logits(model.final_norm(model.embed(tokens)))
+    np.testing.assert_allclose(model(tokens), skipped, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(before, skipped, atol=1e-3)
