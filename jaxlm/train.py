@@ -35,6 +35,7 @@ from jaxlm.data.loader import Data, load_data
 from jaxlm.errors import UserError, report_error
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
+from jaxlm.run_lock import LOCK_NAME, RunLock
 from jaxlm.train_setup import TrainSetup, evaluate, resolve_config
 
 
@@ -188,10 +189,32 @@ class StopSignals:
 
 
 def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Train as the config says, resuming the run directory's latest checkpoint; returns the summary."""
+    """Train as the config says, resuming the run directory's latest checkpoint; returns the summary.
+
+    The run holds the directory's lock (`jaxlm.run_lock`, process 0) from before it reads or moves
+    anything there until it ends: a second run on the same directory stops at once, touching nothing.
+    """
     run_dir = run_dir_path(cfg)
-    if cfg.run.fresh and run_dir.exists() and jax.process_index() == 0:
-        console(f"jaxlm: run.fresh: moved the existing {run_dir} to {set_aside(run_dir)}")
+    lock, refusal = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except UserError as e:
+            refusal = str(e)
+    if not all(distributed.all_values(0 if refusal else 1)[:1]):
+        raise UserError(refusal or f"process 0 could not lock the run directory {run_dir} (its log says why)")
+    try:
+        if cfg.run.fresh and jax.process_index() == 0 and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
+            lock.release()
+            console(f"jaxlm: run.fresh: moved the existing {run_dir} to {set_aside(run_dir)}")
+            lock = RunLock(run_dir).acquire()
+        return _run(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any]:
     distributed.barrier("run_dir")  # every process looks for checkpoints only after that
     resume_step, saved = 0, {}
     if (run_dir / "checkpoints").exists():
