@@ -17,7 +17,8 @@ from jaxlm.errors import UserError
 from jaxlm.run_lock import LOCK_NAME, RunLock
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOLD = "import sys, time; from jaxlm.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
+HOLD = ("import sys, time; from jaxlm.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(120)")
 
 
 def _holder(run_dir: pathlib.Path) -> subprocess.Popen:
