@@ -84,14 +84,15 @@ def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
 
 
 def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], model_cfg):
-    """The train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`: the
-    per-device layout `train_setup.build` creates (same rules, same code), without any device."""
+    """(the train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`, its
+    ModelSpec): the per-device layout `train_setup.build` creates (same rules, same code), without any
+    device."""
     model_spec, tx, shapes = _model_and_shapes(model_cfg, tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)
     mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     train_state.check_divisible(model_spec, shapes.params, mesh, rules)
     shardings = train_state.state_shardings(shapes, model_spec, tx, mesh, rules)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings), model_spec
 
 
 # ----------------------------------------------------------------------------- activations
@@ -254,13 +255,11 @@ def estimate(
     derived = config_lib.derive(cfg, num_devices)
     m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False)
     a = act_bytes or _itemsize(m.dtype)
-    state = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
+    state, model_spec = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     sizes = axes.sizes_of(derived.mesh_shape)
     param_bytes = tree_bytes(state.params)
     # Gradients, the accumulator and the update exist for the trainable parameters only (optim.trainable).
-    model_spec = _model_and_shapes(dataclasses.replace(m, attention="xla", remat="none"),
-                                   tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)[0]
     trainable_bytes = tree_bytes(model_spec.split(state.params)[0])
     opt_bytes = tree_bytes(state.opt_state)
     scalars = [x + y for x, y in zip(tree_bytes(state.step), tree_bytes(state.rng))]

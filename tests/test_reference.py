@@ -5,6 +5,7 @@ device and on a (2, 2, 2) mesh, equal to the bit what commit a89b6fe computed
 a checkpoint that commit wrote (`tests/data/checkpoint_a89b6fe`) restores and trains on.
 """
 
+import importlib.util
 import pathlib
 import shutil
 
@@ -18,15 +19,17 @@ from jaxlm.errors import UserError
 from jaxlm.models import layout
 
 DATA = pathlib.Path(__file__).parent / "data"
-CASES = {  # as in make_reference.py
-    "llama": (dict(model__variant="llama", optim__micro_batches=2), (1, 1, 1)),
-    "llama_mesh": (dict(model__variant="llama", optim__micro_batches=2), (2, 2, 2)),
-    "gpt2": (dict(model__variant="gpt2", model__tie_embeddings=True), (1, 1, 1)),
-    "gpt2_mesh": (dict(model__variant="gpt2", model__tie_embeddings=True), (2, 2, 2)),
-}
-COMMON = dict(model__vocab_size=128, model__d_model=32, model__n_layers=2, model__n_heads=4, model__n_kv_heads=2,
-              model__mlp_dim=64, model__max_seq_len=16, data__seq_len=16, data__global_batch_size=8,
-              optim__peak_lr=1e-2, optim__warmup_steps=1, run__steps=10)
+
+
+def _load_maker():
+    spec = importlib.util.spec_from_file_location("make_reference", DATA / "make_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MAKER = _load_maker()  # the cases and the batch the reference was made with, from the script that made it
+CASES, COMMON = MAKER.CASES, MAKER.COMMON
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +37,9 @@ def reference():
     return dict(np.load(DATA / "reference_a89b6fe.npz"))
 
 
-def _batch(rows=8, seq=16, vocab=128):
-    rng = np.random.default_rng(0)
-    first, pad = 9, 2
-    seg = np.array([1] * first + [2] * (seq - first - pad) + [0] * pad, np.int32)
-    pos = np.array(list(range(first)) + list(range(seq - first - pad)) + [0] * pad, np.int32)
-    targets = np.where(seg[None] > 0, rng.integers(4, vocab, (rows, seq)), 0).astype(np.int32)
-    segment_ids = np.repeat(seg[None], rows, 0)
-    return {"inputs": rng.integers(4, vocab, (rows, seq)).astype(np.int32), "targets": targets,
-            "segment_ids": segment_ids, "positions": np.repeat(pos[None], rows, 0),
-            "weights": (segment_ids > 0).astype(np.float32)}
+def _batch():
+    batch = MAKER.batch()
+    return {**batch, "weights": (batch["segment_ids"] > 0).astype(np.float32)}
 
 
 def _flat(tree) -> dict[str, np.ndarray]:

@@ -10,11 +10,7 @@ uses that commit's API, so it runs only in a checkout of it:
 import os
 import sys
 
-import jax
 import numpy as np
-from flax import nnx
-
-from jaxlm import checkpoint, config, trainer
 
 CASES = {  # name: (recipe overrides, mesh)
     "llama": (dict(model__variant="llama", optim__micro_batches=2), (1, 1, 1)),
@@ -38,11 +34,18 @@ def batch(rows=8, seq=16, vocab=128):
 
 
 def flat(tree):
+    import jax
+
     return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
             for path, v in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]}
 
 
 def main(out):
+    import jax  # here, not at the top: tests/test_reference.py imports CASES, COMMON and batch from this file
+    from flax import nnx
+
+    from jaxlm import checkpoint, config, trainer
+
     b = batch()
     arrays = {}
     for name, (overrides, mesh) in CASES.items():
