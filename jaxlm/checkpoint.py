@@ -7,17 +7,30 @@ tokenizer, progress, versions) and the grain iterator's position (one small JSON
 A checkpoint counts only once complete. Orbax writes a step into `<step>.orbax-checkpoint-tmp`
 and renames it to `<step>` when every item is committed (on object stores, which cannot rename,
 it writes `commit_success.txt` last instead); `all_steps` lists only what Orbax itself accepts as
-finalized, so a save killed half-way is never picked. A complete checkpoint can still be damaged
-later (a truncated file): `restore` then falls back to the one before and deletes nothing, so the
-damaged files are there to inspect.
+finalized, so a save killed half-way is never picked.
+
+A complete checkpoint can still be damaged later (a truncated or overwritten file, a disk error).
+Once a save has committed, process 0 records every file's size and CRC-32 in
+`<step>/jaxlm_manifest.json` (in the background, while training goes on), and every reader
+(train, evaluate, generate, explore) checks them before restoring: a damaged checkpoint is
+reported in one warning line and the one before it is used; nothing is deleted, so the damaged
+files are there to inspect. A checkpoint without a manifest (written by an older jaxlm, or by a run
+killed in the moment between commit and manifest) is checked by restoring it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.metadata
 import json
 import logging
+import os
+import re
+import sys
+import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +40,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxlm.errors import UserError
+from jaxlm.errors import EnvironmentFailure, UserError
 from jaxlm.models import layout
 
 log = logging.getLogger(__name__)
@@ -96,6 +109,9 @@ class Checkpointer:
         registry.add("state", ocp.args.PyTreeSave, state_handler)
         registry.add("state", ocp.args.PyTreeRestore, state_handler)
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._unrecorded: int | None = None  # a saved step whose manifest is not written yet
+        self._recorder: threading.Thread | None = None
+        _quiet_background_failures()
 
     def should_save(self, step: int) -> bool:
         """Whether `step` is due: a multiple of `every_steps`, or `every_minutes` since the last save.
@@ -142,13 +158,78 @@ class Checkpointer:
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)  # its state is read before save returns
         metrics = {"val_loss": float(val_loss)} if val_loss is not None else None
-        started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+        with self._failed_save():  # Orbax's save first waits for the previous one, raising what it raised
+            started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+        # Orbax's save returns only once the previous save has committed: record that one's manifest.
+        self._record_manifest(background=True)
+        if started:
+            self._unrecorded = step
         self._last_save = self._clock()
         return started
 
     def wait(self) -> None:
-        """Block until the pending save is committed on disk (and old checkpoints are pruned)."""
-        self._manager.wait_until_finished()  # raises what the background write raised
+        """Block until the pending save is committed on disk (and old checkpoints are pruned), and
+        its manifest written."""
+        with self._failed_save():
+            self._manager.wait_until_finished()  # raises what the background write raised
+        self._record_manifest(background=False)
+
+    @contextlib.contextmanager
+    def _failed_save(self):
+        """A save that failed in the background (a disk full, a path no longer writable): one line
+        naming it and the newest complete checkpoint, which it left the newest."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 -- tensorstore reports OS errors as ValueError
+            step, self._unrecorded = self._unrecorded, None
+            newest = complete_steps(self.directory)
+            raise EnvironmentFailure(
+                f"saving checkpoint {self.directory / str(step if step is not None else '?')} failed "
+                f"({_os_reason(e)}); the newest complete checkpoint is "
+                f"{self.directory / str(newest[-1]) if newest else 'none'}; free space or fix the path, then run "
+                f"the same command to resume"
+            ) from None
+
+    def record_manifest(self, step: int) -> None:
+        """Write checkpoint `step`'s manifest now (one saved without, once restoring it succeeded)."""
+        if jax.process_index() == 0 and not (self.directory / str(step) / MANIFEST).exists():
+            write_manifest(self.directory / str(step))
+
+    def reload(self) -> None:
+        """Read the list of checkpoints on disk again (after `set_aside` on process 0)."""
+        self._manager.reload()
+
+    def _record_manifest(self, *, background: bool) -> None:
+        """Write the manifest of the last committed save (process 0; the files are on a filesystem
+        every process shares)."""
+        if self._recorder is not None:
+            self._recorder.join()
+            self._recorder = None
+        step, self._unrecorded = self._unrecorded, None
+        if step is None or jax.process_index() != 0:
+            return
+        if background:
+            self._recorder = threading.Thread(target=write_manifest, args=(self.directory / str(step),),
+                                              name=f"jaxlm-manifest-{step}", daemon=True)
+            self._recorder.start()
+        else:
+            write_manifest(self.directory / str(step))
+
+    def set_aside(self, steps: list[int], destination) -> list[epath.Path]:
+        """Move the checkpoints of `steps` into `destination` (renamed, never deleted), so that the
+        run can save those steps again; returns their new paths. Process 0 only; the others `reload`."""
+        destination = epath.Path(destination)
+        moved = []
+        for s in steps:
+            target = destination / str(s)
+            n = 1
+            while target.exists():
+                target, n = destination / f"{s}.{n}", n + 1
+            destination.mkdir(parents=True, exist_ok=True)
+            (self.directory / str(s)).rename(target)
+            moved.append(target)
+        self._manager.reload()
+        return moved
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending (never one still being written)."""
@@ -158,8 +239,9 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, target, *, step: int | None = None, data_iter=None) -> tuple[Any, dict, int]:
-        """(state, meta, step) from checkpoint `step`, or from the newest one that loads.
+    def restore(self, target, *, step: int | None = None, data_iter=None, verify: bool = True) -> tuple[Any, dict, int]:
+        """(state, meta, step) from checkpoint `step`, or from the newest one that loads (and, with
+        `verify`, matches its manifest).
 
         `target` is an abstract state (ShapeDtypeStructs with shardings): each process reads only
         the shards its devices hold, in the target's layout, whatever mesh saved them. `data_iter`,
@@ -179,7 +261,7 @@ class Checkpointer:
                 _restore_merged(data_dir, data_iter)
             return layout.from_layout(restored["state"], saved_layout), restored["meta"]
 
-        (state, meta), step = newest_loadable(self.directory, self.all_steps(), step, load)
+        (state, meta), step = newest_loadable(self.directory, self.all_steps(), step, load, verify=verify)
         return state, meta, step
 
     def read_meta(self, step: int | None = None) -> dict:
@@ -196,8 +278,12 @@ class Checkpointer:
         return saved
 
     def close(self) -> None:
-        """Finish the pending save and release Orbax's threads."""
-        self._manager.close()
+        """Finish the pending save (and its manifest) and release Orbax's threads."""
+        try:
+            with self._failed_save():
+                self._manager.close()
+        finally:
+            self._record_manifest(background=False)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -271,13 +357,16 @@ def complete_steps(directory) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
-def newest_loadable(directory, steps: list[int], step: int | None, load: Callable[[int], Any]) -> tuple[Any, int]:
+def newest_loadable(directory, steps: list[int], step: int | None, load: Callable[[int], Any], *,
+                    verify: bool = True) -> tuple[Any, int]:
     """(load(step), step), or, with no step asked for, that of the newest of `steps` that loads:
-    the one way a checkpoint (state, parameters or metadata) is chosen.
+    the one way a checkpoint (state, parameters or metadata) is chosen. With `verify`, a checkpoint
+    must also match its manifest (`verify_step`), checked before `load` reads it.
 
-    A checkpoint that fails to load is reported and skipped, never deleted; a UserError from `load`
-    (not damage, e.g. a layout this version cannot read) is raised at once.
+    A checkpoint that fails is reported in one warning line and skipped, never deleted; a UserError
+    from `load` (not damage, e.g. a layout this version cannot read) is raised at once.
     """
+    directory = epath.Path(directory)
     if step is not None and step not in steps:
         raise UserError(f"no complete checkpoint for step {step} in {directory} (complete: {steps or 'none'})")
     candidates = [step] if step is not None else steps[::-1]
@@ -286,12 +375,17 @@ def newest_loadable(directory, steps: list[int], step: int | None, load: Callabl
     errors = []
     for s in candidates:
         try:
-            loaded = load(s)
+            if verify:
+                verify_step(directory / str(s))
+            with _quiet_failures():
+                loaded = load(s)
         except UserError:  # not damage (a layout this version cannot read): falling back would hide it
             raise
         except Exception as e:  # noqa: BLE001 -- truncated files, bad JSON, tensorstore errors, ...
             errors.append(f"step {s}: {_one_line(e)}")
-            log.warning("checkpoint %s could not be restored (%s)", directory / str(s), _one_line(e))
+            older = [c for c in candidates if c < s]
+            log.warning("checkpoint %s could not be restored (%s)%s", directory / str(s), _one_line(e),
+                        f"; trying step {older[0]}" if older else "")
             continue
         return loaded, s
     raise UserError(f"no checkpoint in {directory} could be restored; {'; '.join(errors)}")
@@ -299,4 +393,135 @@ def newest_loadable(directory, steps: list[int], step: int | None, load: Callabl
 
 def _one_line(e: Exception) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    first = text[0].split(" See full TensorStore details")[0] if text else ""
+    return first if isinstance(e, DamagedCheckpoint) else f"{type(e).__name__}: {first}"[:300]
+
+
+def _os_reason(e: Exception) -> str:
+    """The operating system's words for the error code inside a tensorstore error
+    ("[os_error_code='28']": "No space left on device"), or the error's first line."""
+    found = re.search(r"\[os_error_code='?(\d+)'?\]", str(e))
+    return os.strerror(int(found.group(1))) if found else _one_line(e)
+
+
+class _DropOrbaxThreadFailures(logging.Filter):
+    """A save that fails in Orbax's background threads is raised by the next `save`/`wait` and
+    reported there in one line; the same failure logged from each thread would be pages."""
+
+    PATTERNS = ("_SignalingThread.run() raised an exception", "exception was never retrieved",
+                "Handler Commit operations", "Save Finalize thread")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p in record.getMessage() for p in self.PATTERNS)
+
+
+def _quiet_background_failures() -> None:
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropOrbaxThreadFailures) for f in logger.filters):
+            logger.addFilter(_DropOrbaxThreadFailures())
+    if not getattr(sys.unraisablehook, "jaxlm_quiet", False):
+        sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+
+
+def _quiet_closed_loops(hook):
+    """Tensorstore completes the reads and writes of a failed save on Orbax's event loops after
+    they closed, each reporting "Event loop is closed" as unraisable: drop exactly those."""
+
+    def unraisablehook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+
+    unraisablehook.jaxlm_quiet = True
+    return unraisablehook
+
+
+@contextlib.contextmanager
+def _quiet_failures():
+    """While a checkpoint is tried: Orbax's error logs and the exceptions its abandoned reads raise
+    in other threads would print pages of tracebacks for one damaged file; the caller reports it
+    in one line instead."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels, unraisable, thread_hook = [lg.level for lg in loggers], sys.unraisablehook, threading.excepthook
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda *_: None
+    threading.excepthook = lambda *_: None
+    try:
+        yield
+    finally:
+        gc.collect()  # the abandoned reads' tasks report their exceptions when collected: now, quietly
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        sys.unraisablehook, threading.excepthook = unraisable, thread_hook
+
+
+# ----------------------------------------------------------------------------- manifests
+
+MANIFEST = "jaxlm_manifest.json"
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint's files differ from what its manifest recorded when it was saved."""
+
+
+_REWRITTEN = {"_CHECKPOINT_METADATA"}  # Orbax's own step metadata, which it may update after the commit
+
+
+def _files(root: epath.Path) -> dict[str, epath.Path]:
+    """Every file under `root` by relative path, the manifest itself left out."""
+    found, stack = {}, [root]
+    while stack:
+        for path in stack.pop().iterdir():
+            if path.is_dir():
+                stack.append(path)
+            elif not path.name.startswith(MANIFEST) and path.name not in _REWRITTEN:
+                found[str(path.relative_to(root))] = path
+    return found
+
+
+def _crc32(path: epath.Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL: training goes on while a manifest is written
+    return crc
+
+
+def write_manifest(step_dir) -> bool:
+    """Record the size and CRC-32 of every file of the committed checkpoint `step_dir`; False when
+    it is gone (removed by retention meanwhile)."""
+    step_dir = epath.Path(step_dir)
+    try:
+        files = {rel: [path.stat().length, _crc32(path)] for rel, path in sorted(_files(step_dir).items())}
+        partial = step_dir / f"{MANIFEST}.partial"
+        partial.write_text(json.dumps({"version": 1, "files": files}, indent=1))
+        partial.rename(step_dir / MANIFEST)
+    except FileNotFoundError:
+        return False
+    except OSError as e:  # a disk full: the checkpoint is complete, only unverifiable (restoring it is the check)
+        log.warning("could not write the manifest of %s (%s)", step_dir, e.strerror)
+        return False
+    return True
+
+
+def verify_step(step_dir) -> bool:
+    """Check checkpoint `step_dir` against its manifest: True when it matches, False when it has
+    none (nothing to check against); raises DamagedCheckpoint naming the first file that differs."""
+    step_dir = epath.Path(step_dir)
+    manifest = step_dir / MANIFEST
+    if not manifest.exists():
+        return False
+    try:
+        recorded = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpoint(f"its manifest {MANIFEST} is unreadable ({type(e).__name__})") from None
+    for rel, (size, crc) in recorded.items():
+        path = step_dir / rel
+        if not path.exists():
+            raise DamagedCheckpoint(f"{rel} is missing")
+        if (now := path.stat().length) != size:
+            raise DamagedCheckpoint(f"{rel} has {now:,} bytes, {size:,} when saved")
+        if _crc32(path) != crc:
+            raise DamagedCheckpoint(f"{rel} has changed since it was saved (CRC-32)")
+    return True

@@ -27,12 +27,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, checkpoint, distributed, train_setup, xla_flags
+from jaxlm import axes, checkpoint, distributed, memory, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
 from jaxlm.run_lock import LOCK_NAME, RunLock
@@ -216,17 +216,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any]:
     distributed.barrier("run_dir")  # every process looks for checkpoints only after that
-    resume_step, saved = 0, {}
-    if (run_dir / "checkpoints").exists():
-        with checkpoint.Checkpointer(run_dir / "checkpoints") as peek:
-            if peek.all_steps():  # the newest whose metadata reads; restore re-checks the rest
-                saved, resume_step = checkpoint.newest_loadable(peek.directory, peek.all_steps(), None, peek.read_meta)
-    steps = distributed.all_values(resume_step)
-    if len(set(steps)) > 1:
-        raise UserError(
-            f"the processes see different newest checkpoints in {run_dir} (steps {steps}); put "
-            f"config.run.output_dir on a filesystem every process shares"
-        )
+    resume_step, saved, verified = _newest_checkpoint(run_dir)
     if saved:
         differences = config_differences(saved["config"], cfg)
         if differences:
@@ -234,12 +224,8 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
                 f"{run_dir} was trained with another config ({'; '.join(differences)}); use its values, "
                 f"another config.run.name, or config.run.fresh=true to start over"
             )
-    if resume_step >= cfg.run.steps:
-        console(
-            f"jaxlm: {run_dir} is already complete at step {resume_step}; raise config.run.steps to train on, "
-            f"or set config.run.fresh=true to start over"
-        )
-        return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    if resume_step >= cfg.run.steps and verified:
+        return _already_complete(run_dir, resume_step)
 
     t0 = time.time()
     data = load_data(cfg, saved.get("data_shards"))  # a bad path or corrupt file fails here, before any device work
@@ -250,6 +236,53 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
         compress=c.compress,
     ) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
+
+
+def _newest_checkpoint(run_dir: pathlib.Path) -> tuple[int, dict, bool]:
+    """(step, metadata, verified) of the newest checkpoint that matches its manifest, chosen by
+    process 0, which alone reads the files through; (0, {}, False) when there is none. `verified`
+    is False for one without a manifest: restoring it is the check."""
+    directory = run_dir / "checkpoints"
+    steps = checkpoint.complete_steps(directory)
+    resume_step, saved, verified = 0, {}, False
+    if steps and jax.process_index() == 0:
+        with checkpoint.Checkpointer(directory) as peek:
+            def read(s: int) -> tuple[dict, bool]:
+                matched = checkpoint.verify_step(peek.directory / str(s))  # raises when damaged
+                return peek.read_meta(s), matched
+
+            (saved, verified), resume_step = checkpoint.newest_loadable(directory, steps, None, read, verify=False)
+    chosen = distributed.all_values(resume_step)[0]
+    if jax.process_index() != 0 and chosen:
+        if chosen not in steps:
+            raise UserError(
+                f"process {jax.process_index()} does not see checkpoint {chosen}, which process 0 resumes from, in "
+                f"{directory}; put config.run.output_dir on a filesystem every process shares"
+            )
+        with checkpoint.Checkpointer(directory) as peek:
+            saved, resume_step = peek.read_meta(chosen), chosen
+    return resume_step, saved, verified
+
+
+def _already_complete(run_dir: pathlib.Path, step: int) -> dict[str, Any]:
+    console(
+        f"jaxlm: {run_dir} is already complete at step {step}; raise config.run.steps to train on, "
+        f"or set config.run.fresh=true to start over"
+    )
+    return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+
+
+def _set_aside_damaged(ckpt: checkpoint.Checkpointer, run_dir: pathlib.Path, resume_step: int) -> None:
+    """Checkpoints newer than the one resumed did not verify or restore: move them into
+    `<run dir>/damaged_checkpoints` (never deleted), so that their steps can be trained and saved again."""
+    damaged = [s for s in ckpt.all_steps() if s > resume_step]
+    if damaged and jax.process_index() == 0:
+        moved = ckpt.set_aside(damaged, run_dir / "damaged_checkpoints")
+        console(f"jaxlm: warning: damaged checkpoint(s) moved to {', '.join(map(str, moved))}; "
+                f"training again from step {resume_step}")
+    distributed.barrier("damaged_checkpoints")
+    if damaged:
+        ckpt.reload()
 
 
 def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data, resume_step: int, saved: dict,
@@ -266,7 +299,13 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     _check_process_rows(setup, data)
     state = setup.state
     if resume_step:
-        state, saved, resume_step = ckpt.restore(setup.state, data_iter=data.train)
+        _set_aside_damaged(ckpt, run_dir, resume_step)  # those that did not match their manifests
+        # (process 0 checked the manifests already, in _newest_checkpoint)
+        state, saved, resume_step = ckpt.restore(setup.state, data_iter=data.train, verify=False)
+        _set_aside_damaged(ckpt, run_dir, resume_step)  # one without a manifest that did not restore
+        if resume_step >= cfg.run.steps:  # it had no manifest: restoring it was the check
+            ckpt.record_manifest(resume_step)
+            return _already_complete(run_dir, resume_step)
     derived, model_cfg = setup.derived, setup.model_cfg
     make_run_dir(run_dir, cfg, resume_step)
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
@@ -419,12 +458,18 @@ def enable_compilation_cache(directory: str) -> None:
 
 
 # user errors: errors.EXIT_USER_ERROR (2); 75: EX_TEMPFAIL, "try again": re-run resumes
-EXIT_NONFINITE, EXIT_PREEMPTED = 3, 75
+EXIT_NONFINITE, EXIT_PREEMPTED = 3, EXIT_TERMINATED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_command(lambda: _main(argv), resume="every complete checkpoint is kept: run the same command to resume")
+
+
+def _main(argv: list[str]) -> int:
+    """Exit codes: errors.run_command's (2 a user error, 74 the environment, 75 SIGTERM and 130
+    Ctrl-C before the loop), 3 a non-finite step, 75 stopped by a signal in the loop after a save."""
     try:
         argv, layout_flags = distributed.pop_flags(list(argv))
         cfg = config_lib.parse_cli(argv)
@@ -434,11 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout = distributed.initialize_from(**layout_flags)  # a multi-process run: join it first
         if layout:
             console(f"jaxlm: {layout.describe()}")
-        config_lib.derive(resolve_config(cfg, jax.devices()), jax.device_count())  # the mesh and batch fit the devices
+        resolved = resolve_config(cfg, jax.devices())
+        config_lib.derive(resolved, jax.device_count())  # the mesh and batch fit the devices
+        memory.check_fits(resolved, jax.devices())  # and the memory, before anything is allocated
         enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)
-    except UserError as e:
-        return report_error(e)
     except NonFiniteError as e:
         print(f"jaxlm: stopped: {e}; last good state saved in {e.checkpoint_dir}", file=sys.stderr)
         return EXIT_NONFINITE

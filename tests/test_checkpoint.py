@@ -1,5 +1,6 @@
 """Checkpoints: real Orbax checkpoints on disk, restored onto other meshes, kept, skipped when broken."""
 
+import json
 import logging
 import os
 import pathlib
@@ -161,19 +162,68 @@ def test_should_save_every_steps_and_minutes(tmp_path):
     off.close()
 
 
-def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path, caplog):
+def _data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d")
+
+
+def test_manifest_catches_damage_that_orbax_reads_without_complaint(tmp_path, caplog, capfd):
+    """One byte changed in place: without the manifest Orbax restores the wrong values; with it,
+    the checkpoint is reported in one warning line and the one before is used; nothing is deleted."""
+    n = 4096  # large enough to be stored outside Orbax's index, which has checksums of its own
+    device = jax.devices()[0]
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": jax.device_put(jnp.full((n,), float(step)), device)}, meta={}, force=True)
+    for step in (1, 2):
+        assert checkpoint.verify_step(tmp_path / str(step))  # written for every save, the last one at close
+    recorded = json.loads((tmp_path / "2" / checkpoint.MANIFEST).read_text())["files"]
+    victim = max(_data_files(tmp_path / "2"), key=lambda f: f.stat().st_size)
+    assert str(victim.relative_to(tmp_path / "2")) in recorded and "meta/metadata" in recorded
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # inside the array's bytes (uncompressed checkpoints)
+    victim.write_bytes(bytes(raw))
+    target = {"w": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))}
+
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="changed since it was saved"):
+        checkpoint.verify_step(tmp_path / "2")
+    with checkpoint.Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jaxlm.checkpoint"):
+        state, _, step = ckpt.restore(target)
+        assert step == 1 and np.all(np.asarray(state["w"]) == 1.0)
+        unverified, _, step = ckpt.restore(target, verify=False)  # what Orbax alone gives: one value wrong
+    assert step == 2 and np.sum(np.asarray(unverified["w"]) != 2.0) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path / "2") in warnings[0] and "trying step 1" in warnings[0]
+    assert victim.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+    os.truncate(victim, 10)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="has 10 bytes"):
+        checkpoint.verify_step(tmp_path / "2")
+    victim.unlink()
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="is missing"):
+        checkpoint.verify_step(tmp_path / "2")
+    (tmp_path / "2" / checkpoint.MANIFEST).unlink()
+    assert checkpoint.verify_step(tmp_path / "2") is False  # nothing to check against
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_restore_falls_back_past_a_truncated_checkpoint_without_a_manifest(tmp_path, caplog, capfd):
+    """A checkpoint of an older jaxlm (no manifest): restoring it is the check, reported in one line."""
     with checkpoint.Checkpointer(tmp_path) as ckpt:
         for step in (1, 2):
             ckpt.save(step, _vector(float(step)), meta={}, force=True)
-    data_files = [f for f in (tmp_path / "2" / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    data_files = _data_files(tmp_path / "2")
     for f in data_files:
         os.truncate(f, f.stat().st_size // 2)
-    with checkpoint.Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "jaxlm.checkpoint"):
+    for step in (1, 2):
+        (tmp_path / str(step) / checkpoint.MANIFEST).unlink()
+    with checkpoint.Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING):
         assert ckpt.latest_step() == 2  # complete on disk, but damaged
         state, _, step = ckpt.restore(_vector_target())
     assert step == 1
     np.testing.assert_array_equal(np.asarray(state["w"]), np.full(8, 1.0))
-    assert str(tmp_path / "2") in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path / "2") in warnings[0], warnings
+    assert "Traceback" not in capfd.readouterr().err  # Orbax's abandoned reads stay quiet
     assert all(f.exists() for f in data_files) and sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
 
     (tmp_path / "1" / "meta" / "metadata").write_text("{")  # now none loads
@@ -181,6 +231,19 @@ def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path, caplog):
         ckpt.restore(_vector_target())
     assert "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_set_aside_moves_checkpoints_so_their_steps_can_be_saved_again(tmp_path):
+    with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _vector(float(step)), meta={}, force=True)
+        ckpt.wait()
+        moved = ckpt.set_aside([2], tmp_path / "aside")
+        assert [str(p) for p in moved] == [str(tmp_path / "aside" / "2")] and ckpt.all_steps() == [1]
+        assert ckpt.save(2, _vector(5.0), meta={}, force=True)  # saved again, not refused as existing
+        ckpt.wait()
+        assert ckpt.set_aside([2], tmp_path / "aside")[0].name == "2.1"  # never over an earlier one
+    assert checkpoint.verify_step(tmp_path / "aside" / "2") and checkpoint.verify_step(tmp_path / "aside" / "2.1")
 
 
 def test_restore_without_checkpoints_or_of_a_missing_step(tmp_path):

@@ -89,6 +89,74 @@ def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, pytest.approx(v)) for s, v in expected]
 
 
+def test_a_finished_run_whose_final_checkpoint_is_damaged_trains_the_lost_steps_again(uninterrupted):
+    """The final checkpoint no longer matches the sizes and checksums recorded when it was saved:
+    evaluate says so in one line and uses step 20; the same training command moves it aside (kept)
+    and trains steps 21-24 again, to the same losses."""
+    import shutil
+
+    tmp, expected = uninterrupted
+    run_dir = tmp / "damaged"
+    shutil.copytree(tmp / "full", run_dir)
+    final = run_dir / "checkpoints" / "24"
+    assert (final / "jaxlm_manifest.json").is_file()
+    victim = max((f for f in (final / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as f:  # same size, one byte changed: only the checksum can tell
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    text = tmp / "some.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    ev = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run_dir}", f"--corpus={text}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "step 20" in ev.stdout and "Traceback" not in ev.stderr
+    warnings = [line for line in ev.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and str(final) in warnings[0] and "CRC-32" in warnings[0], ev.stderr
+
+    code, out, err = run(args(tmp, "damaged"))
+    assert code == 0, err[-3000:]
+    assert "already complete" not in out and "resuming from step 20" in out
+    assert "Traceback" not in err and f"moved to {run_dir / 'damaged_checkpoints' / '24'}" in out
+    assert losses(run_dir) == expected
+    kept = run_dir / "damaged_checkpoints" / "24" / victim.relative_to(final)
+    assert kept.read_bytes()[:1] == bytes([first[0] ^ 0xFF])  # set aside, not deleted
+    from jaxlm import checkpoint
+
+    assert checkpoint.verify_step(final)  # saved again, with its manifest
+    code, out, _ = run(args(tmp, "damaged"))
+    assert code == 0 and "already complete at step 24" in out
+
+
+def test_a_full_disk_during_a_save_stops_in_one_line_and_the_run_resumes(uninterrupted):
+    """Files may not grow past 64 kB from step 7 on (RLIMIT_FSIZE, as a disk that filled up): the
+    save that fails is reported in one line, exit 74, naming the newest complete checkpoint, which
+    stays complete and verified; the same command, once there is room, resumes to the same losses."""
+    import resource
+
+    from jaxlm import checkpoint
+
+    tmp, expected = uninterrupted
+    argv = args(tmp, "full_disk")
+    proc = start(argv)
+    for line in proc.stdout:
+        if line.startswith("step      7/"):
+            resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64_000, 64_000))
+            break
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 74, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    complete = checkpoint.complete_steps(tmp / "full_disk" / "checkpoints")
+    newest = tmp / "full_disk" / "checkpoints" / str(complete[-1]) if complete else "none"
+    assert len(lines) == 1 and "File too large" in lines[0], err[-3000:]
+    assert f"the newest complete checkpoint is {newest};" in lines[0]
+    assert all(checkpoint.verify_step(tmp / "full_disk" / "checkpoints" / str(s)) for s in complete)
+    code, out, err = run(argv)
+    assert code == 0, err[-3000:]
+    assert (f"resuming from step {complete[-1]}" in out) if complete else "resuming" not in out
+    assert losses(tmp / "full_disk") == expected
+
+
 def test_a_finished_run_is_not_redone_and_changes_that_matter_are_refused(uninterrupted):
     tmp, _ = uninterrupted
     code, out, _ = run(args(tmp, "full"))
