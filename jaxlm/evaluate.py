@@ -35,7 +35,7 @@ from flax.core import spmd
 
 from jaxlm import inference, steps
 from jaxlm.data import loader, pipeline, prepare, sources
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_command
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,11 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
+    return run_command(lambda: _main(argv), resume="run the same command again to evaluate")
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.models import attention, transformer
 
 log = logging.getLogger(__name__)
@@ -312,6 +312,11 @@ def load(run_dir, *, step: int | None = None, dtype: str | None = None, param_dt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
+    return run_command(lambda: _main(argv), resume="run the same command again")
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxlm.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")

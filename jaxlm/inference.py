@@ -27,6 +27,7 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
+from jaxlm.run_dir import config_differences
 
 
 @dataclasses.dataclass
@@ -128,6 +129,27 @@ def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.M
     raise problem or UserError(f"no mesh of {n} devices fits this model")
 
 
+def _check_config_matches(run_dir: pathlib.Path, cfg, ckpt_dir: pathlib.Path, steps: list[int]) -> None:
+    """The model keys of `config.json` (edited by hand?) against the config the newest readable
+    checkpoint saved: a difference is named, rather than found as arrays of the wrong shape."""
+    for s in reversed(steps):
+        try:
+            with checkpoint.Checkpointer(ckpt_dir) as ckpt:
+                saved = ckpt.read_meta(s).get("config")
+        except Exception:  # noqa: BLE001 -- damaged metadata: restoring reports it, and falls back
+            continue
+        if not saved:
+            return
+        differences = [d for d in config_differences({"model": saved.get("model", {})}, cfg) if d.startswith("model.")]
+        if differences:
+            raise UserError(
+                f"{run_dir / 'config.json'} disagrees with checkpoint {s} ({'; '.join(differences)}, as "
+                f"checkpoint -> config.json); put the checkpoint's values back (its own copy of the config is in "
+                f"{ckpt_dir / str(s) / 'meta' / 'metadata'})"
+            )
+        return
+
+
 def load_run(
     run_dir: str | pathlib.Path,
     *,
@@ -151,6 +173,7 @@ def load_run(
     if step is not None and step not in steps:
         raise UserError(f"--step={step}: {run_dir} has no complete checkpoint for that step; "
                         f"its checkpoints: {', '.join(map(str, steps))}")
+    _check_config_matches(run_dir, cfg, ckpt_dir, [step] if step is not None else steps)
     tok_path = run_dir / "tokenizer.model"
     if not tok_path.is_file():
         raise UserError(f"{run_dir} has no tokenizer.model; it is written by python -m jaxlm.train at the start of a run")

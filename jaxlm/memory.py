@@ -380,6 +380,36 @@ def resolve_micro_batches(
     return trial, line
 
 
+REFUSE_OVER = 1.5  # check_fits refuses a run planned at more than this times a device's memory
+HOST_BATCH_BUFFERS = 4  # batches the input pipeline holds at once (prefetch, the one being read, the one on device)
+
+
+def check_fits(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> None:
+    """Refuse, before anything is allocated, a run that certainly cannot fit: planned at more than
+    `REFUSE_OVER` times a device's memory (the estimate is within 0.92-1.11 of XLA's compiled figure,
+    benchmarks/BENCHMARKS.md), or whose input batches alone exceed the host's memory."""
+    platform = devices[0].platform
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    batch_bytes = 20 * cfg.data.global_batch_size // jax.process_count() * cfg.data.seq_len  # 5 4-byte arrays
+    advice = ("lower data.seq_len or data.global_batch_size, raise optim.micro_batches (or 0: as few as fit), "
+              "set model.remat=full, or use more devices; python -m jaxlm.plan shows what fits")
+    if HOST_BATCH_BUFFERS * batch_bytes > host:
+        raise UserError(
+            f"the input batches alone need {format_bytes(HOST_BATCH_BUFFERS * batch_bytes)} of host memory "
+            f"(data.global_batch_size={cfg.data.global_batch_size} x data.seq_len={cfg.data.seq_len}, "
+            f"{HOST_BATCH_BUFFERS} batches in flight) and this host has {format_bytes(host)}; {advice}"
+        )
+    capacity = device_memory_bytes(local[0])
+    need = estimate(cfg, len(devices), platform=platform,
+                    act_bytes=cpu_act_bytes() if platform == "cpu" else None).per_device_bytes
+    if need > REFUSE_OVER * capacity:
+        raise UserError(
+            f"this run needs about {format_bytes(need)} per device (the planner's estimate) and a {platform} device "
+            f"here holds {format_bytes(capacity)}; {advice}"
+        )
+
+
 def for_gpus(cfg: ml_collections.ConfigDict, num_devices: int, memory_gib: float = 80.0) -> ml_collections.ConfigDict:
     """`cfg` with `optim.micro_batches=0` resolved as on `num_devices` GPUs of `memory_gib`: for
     compiling a GPU run's program on fake CPU devices (whose own choice would follow host memory)."""

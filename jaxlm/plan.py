@@ -37,7 +37,7 @@ import ml_collections
 
 from jaxlm import axes, memory, train_setup
 from jaxlm import config as config_lib
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
 
 REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
@@ -267,6 +267,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
+    return run_command(lambda: _main(argv, own_process=own_process), resume="run the same command again")
+
+
+def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """The command; `own_process`: nothing else runs in this process (`python -m jaxlm.plan`), so
     without --compile JAX is kept off the accelerators (the analytic figure needs no device)."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -24,10 +24,11 @@ def write_corpus(path: pathlib.Path, documents: int = 400, seed: int = 0) -> lis
     return docs
 
 
-def train_tiny_run(directory: pathlib.Path, steps: int = STEPS) -> pathlib.Path:
-    """Train a 2-layer model on the facts corpus (`directory/facts.txt`); returns the run directory."""
+def train_args(directory: pathlib.Path, steps: int = STEPS) -> list[str]:
+    """The `python -m jaxlm.train` arguments of the facts run in `directory` (its corpus written there)."""
     corpus = directory / "facts.txt"
-    write_corpus(corpus)
+    if not corpus.exists():
+        write_corpus(corpus)
     overrides = dict(
         model__vocab_size=300, model__d_model=64, model__n_layers=2, model__n_heads=4, model__n_kv_heads=2,
         model__mlp_dim=128, data__seq_len=SEQ_LEN, data__global_batch_size=16, data__corpus=corpus,
@@ -36,9 +37,16 @@ def train_tiny_run(directory: pathlib.Path, steps: int = STEPS) -> pathlib.Path:
         optim__warmup_steps=10, run__steps=steps, run__eval_every=0, run__log_every=steps,
         run__output_dir=directory, run__name="facts", run__compile_cache_dir="",
     )
-    args = [f"--config.{key.replace('__', '.')}={value}" for key, value in overrides.items()]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", "--config=configs/tiny.py", *args],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return ["--config=configs/tiny.py", *(f"--config.{key.replace('__', '.')}={value}" for key, value in overrides.items())]
+
+
+ONE_DEVICE = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+
+
+def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> pathlib.Path:
+    """Train a 2-layer model on the facts corpus (`directory/facts.txt`); returns the run directory.
+    `extra`: more `--config.key=value` flags."""
+    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(directory, steps), *extra],
+                            cwd=ROOT, env=ONE_DEVICE, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "facts"

@@ -230,7 +230,11 @@ class ShardedStream(grain.DatasetIterator):
     def __init__(self, open_shard: Callable[[int], Any], shards: int, rows: slice, global_batch: int):
         self.shards, self.rows, self.per_shard = shards, rows, global_batch // shards
         first, last = rows.start // self.per_shard, (rows.stop - 1) // self.per_shard
-        self.streams = {j: open_shard(j) for j in range(first, last + 1)}
+        try:
+            self.streams = {j: open_shard(j) for j in range(first, last + 1)}
+        except BaseException:
+            super().__init__([])  # a whole (empty) iterator: grain's __del__ closes what __init__ set up
+            raise
         self._offset = first * self.per_shard  # global row of the first row read
         super().__init__(list(self.streams.values()))
         self.tokens_seen = 0  # real target tokens in this process's rows so far

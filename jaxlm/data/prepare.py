@@ -46,7 +46,7 @@ import tqdm
 
 from jaxlm.data import sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_command
 
 if TYPE_CHECKING:
     from jaxlm.data.pipeline import FlatDocuments
@@ -395,6 +395,10 @@ def open_prepared(
             continue
         offsets, tokens = (np.memmap(path, dtype, "r", offset, (length,)) for dtype, length, offset in layout)
         shards.append((tokens, offsets))
+    listed = manifest["splits"][split]["shards"]
+    if listed and not shards:
+        raise UserError(f"every {split} shard of {out} is damaged ({len(listed)} skipped, warnings above); re-run "
+                        f"prepare with the same arguments to rewrite them")
     return FlatDocuments(shards)
 
 
@@ -402,6 +406,11 @@ def open_prepared(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
+    return run_command(lambda: _main(argv), resume="run the same command again to continue")
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxlm.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="'builtin', or files, directories and globs, comma-separated")
     parser.add_argument("--format", default="auto", choices=sources.FORMATS)

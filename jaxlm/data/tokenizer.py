@@ -18,7 +18,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_model
 
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_command
 
 MODEL_TYPES = ("bpe", "unigram", "char", "byte")
 BYTE_VOCAB_SIZE = 260  # 4 specials + 256 byte pieces: the whole vocabulary of a 'byte' tokenizer.
@@ -268,6 +268,11 @@ def _take_bytes(docs: Iterable[str], max_bytes: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
+    return run_command(lambda: _main(argv), resume="run the same command again")
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
     import argparse
 
