@@ -244,24 +244,33 @@ def _newest_checkpoint(run_dir: pathlib.Path) -> tuple[int, dict, bool]:
     is False for one without a manifest: restoring it is the check."""
     directory = run_dir / "checkpoints"
     steps = checkpoint.complete_steps(directory)
-    resume_step, saved, verified = 0, {}, False
-    if steps and jax.process_index() == 0:
-        with checkpoint.Checkpointer(directory) as peek:
-            def read(s: int) -> tuple[dict, bool]:
-                matched = checkpoint.verify_step(peek.directory / str(s))  # raises when damaged
-                return peek.read_meta(s), matched
+    seen = distributed.all_values(len(steps))
+    if len(set(seen)) > 1:
+        raise UserError(
+            f"the processes see different checkpoints in {directory} ({seen} complete); put "
+            f"config.run.output_dir on a filesystem every process shares"
+        )
+    if not steps:
+        return 0, {}, False
+    newest, verified, every_one_damaged = steps[-1], False, ""
+    if jax.process_index() == 0:  # reads every file of the newest checkpoints through: once, here
+        def check(s: int) -> bool:
+            return checkpoint.verify_step(directory / str(s))  # True, False without a manifest; raises when damaged
 
-            (saved, verified), resume_step = checkpoint.newest_loadable(directory, steps, None, read, verify=False)
-    chosen = distributed.all_values(resume_step)[0]
-    if jax.process_index() != 0 and chosen:
-        if chosen not in steps:
-            raise UserError(
-                f"process {jax.process_index()} does not see checkpoint {chosen}, which process 0 resumes from, in "
-                f"{directory}; put config.run.output_dir on a filesystem every process shares"
-            )
-        with checkpoint.Checkpointer(directory) as peek:
-            saved, resume_step = peek.read_meta(chosen), chosen
-    return resume_step, saved, verified
+        try:
+            verified, newest = checkpoint.newest_loadable(directory, steps, None, check, verify=False)
+        except UserError as e:
+            newest, every_one_damaged = -1, str(e)
+    newest, verified = distributed.all_values(newest)[0], bool(distributed.all_values(int(verified))[0])
+    if newest < 0:
+        raise UserError(
+            (every_one_damaged or f"every checkpoint in {directory} is damaged (process 0 says which)")
+            + "; restore them from a copy, or set config.run.fresh=true to start over (this run is moved aside)"
+        )
+    with checkpoint.Checkpointer(directory) as peek:  # (Orbax's reads synchronise the processes)
+        candidates = [s for s in steps if s <= newest]
+        saved, resume_step = checkpoint.newest_loadable(directory, candidates, None, peek.read_meta, verify=False)
+    return resume_step, saved, verified and resume_step == newest
 
 
 def _already_complete(run_dir: pathlib.Path, step: int) -> dict[str, Any]:
