@@ -1,0 +1,491 @@
+"""The catalogue of bad inputs: each case runs a real jaxlm command in a subprocess and checks the
+exit code, the one line it prints (`jaxlm: error: ...`, never a traceback) and, where a run
+directory or a prepared corpus is involved, that nothing in it changed.
+
+To add a case, add a row to CASES. Placeholders in the arguments: {case} (the case's own empty
+directory), {run} (a trained run with checkpoints at steps 20 and 40, shared: cases must not
+change it), {copy} (a copy of that run in the case's directory, for cases that damage it),
+{corpus} (the run's text corpus), {prepared} (that corpus prepared with the run's tokenizer),
+{tok} (the run's tokenizer). The cases selected run concurrently (three at a time) once, in a
+module fixture; each test then checks one. Cases that need seconds of training or a signal are
+marked slow (`make test-slow`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from jaxlm.run_lock import RunLock
+from tiny_run import ONE_DEVICE, ROOT, train_args, train_tiny_run
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    command: str  # the module after `jaxlm.`
+    args: tuple[str, ...]
+    code: int | tuple[int, ...]  # the exit code (or the codes allowed, for a signal whose moment varies)
+    words: tuple[str, ...]  # all in the one `jaxlm: error:` line (code 2, 74), in stderr (75, 130), or in a warning (0)
+    setup: Callable[[pathlib.Path, dict], None] | None = None
+    unchanged: str = ""  # a placeholder whose files must be byte-identical afterwards
+    signal_after: tuple[str, str] | None = None  # (signal, a stdout line prefix): sent when that line appears
+    file_size_limit: int = 0  # RLIMIT_FSIZE for the command: files cannot grow past it, as on a full disk
+    then: str = ""  # "resumes": the same command afterwards exits 0
+    env: tuple[tuple[str, str], ...] = ()
+    one_device: bool = False
+    slow: bool = False
+
+
+def T(*flags: str) -> tuple[str, ...]:
+    """`python -m jaxlm.train` with the tiny recipe, writing under the case's directory."""
+    return ("--config=configs/tiny.py", "--config.run.output_dir={case}/runs", "--config.data.cache_dir={case}/cache",
+            *flags)
+
+
+def FACTS(*flags: str) -> tuple[str, ...]:
+    """The arguments that trained {run}, pointed at {copy} (a copy of it), and more flags."""
+    return ("@facts", *flags)
+
+
+# ----------------------------------------------------------------------------- setups
+
+
+def _write(path: str, text: str) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        (case / path).parent.mkdir(parents=True, exist_ok=True)
+        (case / path).write_text(text)
+    return setup
+
+
+def _copy_run(case: pathlib.Path, world: dict) -> pathlib.Path:
+    shutil.copytree(world["run"], case / "facts")
+    return case / "facts"
+
+
+def _damage_checkpoints(*steps: int, how: str = "flip") -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        run = _copy_run(case, world)
+        for step in steps:
+            state = run / "checkpoints" / str(step) / "state"
+            victim = max((f for f in state.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+            if how == "truncate":
+                os.truncate(victim, victim.stat().st_size // 2)
+            else:
+                data = bytearray(victim.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                victim.write_bytes(bytes(data))
+    return setup
+
+
+def _edit_json(path: str, edit: Callable[[dict], None], *, copy_run: bool = True) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        root = _copy_run(case, world) if copy_run else case
+        target = root / path
+        data = json.loads(target.read_text())
+        edit(data)
+        target.write_text(json.dumps(data))
+    return setup
+
+
+def _remove(path: str) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        target = _copy_run(case, world) / path
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    return setup
+
+
+def _replace_run_file(path: str, text: str) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        (_copy_run(case, world) / path).write_text(text)
+    return setup
+
+
+def _copy_prepared(edit: Callable[[pathlib.Path], None]) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        shutil.copytree(world["prepared"], case / "prepared")
+        edit(case / "prepared")
+    return setup
+
+
+def _truncate_shards(prepared: pathlib.Path) -> None:
+    for shard in prepared.glob("train-*.tokens"):
+        os.truncate(shard, shard.stat().st_size // 2)
+
+
+def _unfinished(prepared: pathlib.Path) -> None:
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    manifest["complete"] = False
+    (prepared / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _layout(value: int) -> Callable[[dict], None]:
+    def edit(meta: dict) -> None:
+        meta["param_layout"] = value
+    return edit
+
+
+def _both(*setups: Callable[[pathlib.Path, dict], None]) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        for s in setups:
+            s(case, world)
+    return setup
+
+
+def _layout_everywhere(value: int) -> Callable[[pathlib.Path, dict], None]:
+    def setup(case: pathlib.Path, world: dict) -> None:
+        run = _copy_run(case, world)
+        for meta in run.glob("checkpoints/*/meta/metadata"):
+            data = json.loads(meta.read_text())
+            data["param_layout"] = value
+            meta.write_text(json.dumps(data))
+            (meta.parents[1] / "jaxlm_manifest.json").unlink()  # edited on purpose: not damage
+    return setup
+
+
+def _model_edit(key: str, value) -> Callable[[dict], None]:
+    def edit(cfg: dict) -> None:
+        cfg["model"][key] = value
+    return edit
+
+
+def _recipe(text: str) -> Callable[[pathlib.Path, dict], None]:
+    return _write("recipe.py", text)
+
+
+TASKS_SHAPE = '{"context": "alice likes", "choices": [" apples.", " figs."], "answer": 0}\n'
+
+# ----------------------------------------------------------------------------- the catalogue
+
+CASES = [
+    # --- config: keys, values, types (train)
+    Case("unknown-key", "train", T("--config.optim.peak_lrr=1e-3"), 2,
+         ("unknown config key 'optim.peak_lrr'", "did you mean 'optim.peak_lr'?")),
+    Case("unknown-key-alias", "train", T("--config.optim.lr=1e-3"), 2, ("did you mean 'optim.peak_lr'?",)),
+    Case("unknown-section", "train", T("--config.optimizer.lr=1e-3"), 2, ("unknown config key 'optimizer.lr'",
+                                                                         "did you mean 'optim'?")),
+    Case("not-an-integer", "train", T("--config.model.d_model=wide"), 2, ("--config.model.d_model=wide",
+                                                                        "expected an integer")),
+    Case("not-a-bool", "train", T("--config.model.scan_layers=maybe"), 2, ("expected a bool",)),
+    Case("float-for-integer", "train", T("--config.data.global_batch_size=1.5"), 2, ("global_batch_size",
+                                                                                   "expected an integer")),
+    Case("zero-lr", "train", T("--config.optim.peak_lr=0"), 2, ("config.optim.peak_lr=0.0 is not allowed",
+                                                              "a positive number")),
+    Case("negative-lr", "train", T("--config.optim.peak_lr=-3e-4"), 2, ("config.optim.peak_lr=-0.0003",)),
+    Case("unknown-variant", "train", T("--config.model.variant=mamba"), 2, ("'mamba' is not allowed", "'llama'")),
+    Case("kv-heads-not-divisor", "train", T("--config.model.n_kv_heads=3"), 2, ("n_kv_heads=3",
+                                                                              "a divisor of model.n_heads=4")),
+    Case("unknown-format", "train", T("--config.data.format=xml"), 2, ("config.data.format='xml' is not allowed",)),
+    Case("unknown-flag", "train", T("--steps=10"), 2, ("unrecognised argument '--steps=10'",)),
+    Case("bad-xla-flag", "train", T("--config.run.xla_flags=--xla_bogus_flag=1"), 2,
+         ("run.xla_flags", "refuses them", "--xla_bogus_flag=1")),
+    # --- config: the mesh and the batch against the devices (8 here)
+    Case("batch-not-divisible", "train", T("--config.mesh.fsdp=8", "--config.data.global_batch_size=12"), 2,
+         ("global_batch_size=12", "does not divide")),
+    Case("heads-over-tensor", "train", T("--config.mesh.fsdp=1", "--config.mesh.tensor=8"), 2,
+         ("divisible by the tensor axis mesh.tensor=8",)),
+    Case("mesh-needs-more-devices", "train", T("--config.mesh.fsdp=3"), 2, ("needs 3 devices but 8 are available",)),
+    Case("micro-batches-not-divisor", "train", T("--config.optim.micro_batches=5"), 2,
+         ("a divisor of data.global_batch_size=16",)),
+    # --- config: sizes that cannot fit, refused before anything is allocated
+    Case("batches-beyond-host-memory", "train", T("--config.data.seq_len=1000000000"), 2,
+         ("input batches alone need", "host memory", "data.seq_len")),
+    Case("model-beyond-device-memory", "train", T("--config.data.seq_len=100000", "--config.data.global_batch_size=8"),
+         2, ("per device (the planner's estimate)", "python -m jaxlm.plan")),
+    # --- recipe files
+    Case("missing-recipe", "train", ("--config=configs/nope.py",), 2, ("no recipe file 'configs/nope.py'", "tiny")),
+    # --- data (train)
+    Case("corpus-glob-matches-nothing", "train", T("--config.data.corpus={case}/missing/*.jsonl"), 2,
+         ("no input files match",), unchanged="{case}"),
+    Case("corpus-bad-jsonl", "train", T("--config.data.corpus={case}/bad.jsonl"), 2, ("bad.jsonl:2: not valid JSON",),
+         setup=_write("bad.jsonl", '{"text": "fine"}\n{"text": "broken\n')),
+    Case("corpus-no-text-field", "train", T("--config.data.corpus={case}/x.jsonl"), 2, ("x.jsonl:1", "'text'"),
+         setup=_write("x.jsonl", '{"body": "no text field here"}\n')),
+    Case("corpus-empty", "train", T("--config.data.corpus={case}/empty.txt"), 2, ("holds no training documents",),
+         setup=_write("empty.txt", "")),
+    Case("corpus-gzip-corrupt", "train", T("--config.data.corpus={case}/z.jsonl.gz"), 2, ("truncated or corrupt",),
+         setup=_write("z.jsonl.gz", "not gzip at all")),
+    Case("tokenizer-missing", "train", T("--config.data.tokenizer_path={case}/nope.model"), 2,
+         ("tokenizer model not found", "nope.model")),
+    Case("tokenizer-not-a-model", "train", T("--config.data.tokenizer_path={case}/junk.model"), 2,
+         ("not a SentencePiece model", "junk.model"), setup=_write("junk.model", "junk")),
+    Case("tokenizer-vocab-mismatch", "train", T("--config.data.tokenizer_path={tok}"), 2, ("300", "2048")),
+    Case("prepared-corpus-on-the-fly", "train",
+         T("--config.data.corpus={prepared}", "--config.data.tokenize_on_the_fly=true"), 2,
+         ("is a prepared (tokenized) corpus", "tokenize_on_the_fly=false"), unchanged="{prepared}"),
+    Case("prepared-shard-damaged", "train",
+         T("--config.data.corpus={case}/prepared", "--config.model.vocab_size=300"), 2,
+         ("train-00000.tokens is truncated", "re-run prepare"), setup=_copy_prepared(_truncate_shards)),
+    Case("prepared-every-shard-skipped", "train",
+         T("--config.data.corpus={case}/prepared", "--config.model.vocab_size=300",
+           "--config.data.on_damaged_shard=skip"), 2, ("every train shard", "is damaged"),
+         setup=_copy_prepared(_truncate_shards)),
+    Case("prepared-unfinished", "train", T("--config.data.corpus={case}/prepared", "--config.model.vocab_size=300"), 2,
+         ("prepare did not finish",), setup=_copy_prepared(_unfinished)),
+    Case("prepared-manifest-corrupt", "train",
+         T("--config.data.corpus={case}/prepared", "--config.model.vocab_size=300"), 2, ("is corrupt",),
+         setup=_copy_prepared(lambda p: (p / "manifest.json").write_text("{not json"))),
+    # --- the run directory (train)
+    Case("output-dir-is-a-file", "train", T("--config.run.output_dir={case}/afile"), 2,
+         ("cannot lock the run directory", "Not a directory", "config.run.output_dir"), setup=_write("afile", "x")),
+    Case("output-dir-uncreatable", "train", T("--config.run.output_dir=/proc/jaxlm-cannot-be-here"), 2,
+         ("cannot lock the run directory", "config.run.output_dir")),
+    Case("run-dir-in-use", "train", FACTS(), 2, ("is in use by another run", f"pid {os.getpid()}"),
+         setup=lambda case, world: RunLock(_copy_run(case, world)).acquire(),  # held by this process
+         unchanged="{copy}"),
+    Case("resume-with-another-model", "train", FACTS("--config.model.d_model=96"), 2,
+         ("was trained with another config", "model.d_model: 64 -> 96"), setup=lambda c, w: _copy_run(c, w),
+         unchanged="{copy}"),
+    Case("resume-with-another-lr", "train", FACTS("--config.optim.peak_lr=1e-4"), 2,
+         ("optim.peak_lr: 0.003 -> 0.0001",), setup=lambda c, w: _copy_run(c, w), unchanged="{copy}"),
+    Case("resume-newer-layout", "train", FACTS(), 2, ("layout 99", "this jaxlm"), setup=_layout_everywhere(99),
+         unchanged="{copy}"),
+    Case("resume-every-checkpoint-damaged", "train", FACTS("--config.run.steps=60"), 2,
+         ("could be restored", "step 40", "step 20", "config.run.fresh=true"), setup=_damage_checkpoints(20, 40),
+         unchanged="{copy}"),
+    # --- multi-process flags
+    Case("process-id-out-of-range", "train",
+         T("--coordinator=localhost:1234", "--num_processes=2", "--process_id=5"), 2, ("the id must be in 0..1",)),
+    Case("coordinator-not-host-port", "train", T("--coordinator=nohost", "--num_processes=2", "--process_id=0"), 2,
+         ("'nohost' is not host:port",)),
+    Case("num-processes-not-a-number", "train", T("--num_processes=two"), 2, ("--num_processes=two", "expected")),
+    Case("flag-without-value", "train", T("--coordinator"), 2, ("--coordinator needs a value",)),
+    Case("launcher-env-not-a-number", "train", T(), 2, ("SLURM_NTASKS", "not an integer"),
+         env=(("SLURM_NTASKS", "many"), ("SLURM_PROCID", "0"), ("SLURM_STEP_NODELIST", "node1"))),
+    # --- checkpoints, through evaluate and generate
+    Case("eval-run-dir-missing", "evaluate", ("--run_dir={case}/nope",), 2, ("does not exist", "--run_dir")),
+    Case("eval-not-a-run-dir", "evaluate", ("--run_dir={case}",), 2, ("is not a run directory (no config.json)",)),
+    Case("eval-config-not-json", "evaluate", ("--run_dir={copy}",), 2, ("config.json is not valid JSON",),
+         setup=_replace_run_file("config.json", "{"), unchanged="{copy}"),
+    Case("eval-config-edited", "evaluate", ("--run_dir={copy}",), 2,
+         ("config.json disagrees with checkpoint 40", "model.d_model: 64 -> 96"),
+         setup=_edit_json("config.json", _model_edit("d_model", 96)), unchanged="{copy}"),
+    Case("eval-no-checkpoints", "evaluate", ("--run_dir={copy}",), 2, ("has no checkpoints",),
+         setup=_remove("checkpoints"), unchanged="{copy}"),
+    Case("eval-no-tokenizer", "evaluate", ("--run_dir={copy}",), 2, ("has no tokenizer.model",),
+         setup=_remove("tokenizer.model"), unchanged="{copy}"),
+    Case("eval-step-missing", "evaluate", ("--run_dir={run}", "--step=999"), 2,
+         ("--step=999", "no complete checkpoint for that step", "20, 40"), unchanged="{run}"),
+    Case("eval-newest-damaged", "evaluate", ("--run_dir={copy}", "--corpus={corpus}", "--output={case}/e.json"), 0,
+         ("checkpoints/40 could not be restored", "CRC-32", "trying step 20"), setup=_damage_checkpoints(40)),
+    Case("eval-newest-truncated", "evaluate", ("--run_dir={copy}", "--corpus={corpus}", "--output={case}/e.json"), 0,
+         ("checkpoints/40 could not be restored", "bytes", "when saved"), setup=_damage_checkpoints(40, how="truncate")),
+    Case("eval-every-checkpoint-damaged", "evaluate", ("--run_dir={copy}",), 2,
+         ("could be restored", "step 40", "step 20"), setup=_damage_checkpoints(20, 40), unchanged="{copy}"),
+    Case("eval-newer-layout", "evaluate", ("--run_dir={copy}",), 2, ("layout 99",), setup=_layout_everywhere(99),
+         unchanged="{copy}"),
+    Case("eval-max-tokens-negative", "evaluate", ("--run_dir={run}", "--max_tokens=-1"), 2,
+         ("--max_tokens=-1", "0 (all) or more")),
+    Case("eval-unknown-split", "evaluate", ("--run_dir={run}", "--corpus={prepared}", "--split=test"), 2,
+         ("--split=test", "use one of")),
+    Case("eval-corpus-empty", "evaluate", ("--run_dir={run}", "--corpus={case}/empty.txt"), 2, ("no documents",),
+         setup=_write("empty.txt", "")),
+    Case("eval-seq-len-too-long", "evaluate", ("--run_dir={run}", "--corpus={corpus}", "--seq_len=100000"), 2,
+         ("--seq_len=100000", "longer than the model's context")),
+    Case("eval-tasks-missing", "evaluate", ("--run_dir={run}", "--corpus=none", "--tasks={case}/t.jsonl"), 2,
+         ("--tasks: no file",)),
+    Case("eval-tasks-not-json", "evaluate", ("--run_dir={run}", "--corpus=none", "--tasks={case}/t.jsonl"), 2,
+         ("t.jsonl:1", "not JSON"), setup=_write("t.jsonl", "{oops\n")),
+    Case("eval-tasks-no-choices", "evaluate", ("--run_dir={run}", "--corpus=none", "--tasks={case}/t.jsonl"), 2,
+         ("no 'choices'",), setup=_write("t.jsonl", '{"context": "x", "answer": 0}\n')),
+    Case("eval-tasks-answer-out-of-range", "evaluate", ("--run_dir={run}", "--corpus=none", "--tasks={case}/t.jsonl"),
+         2, ("'answer' must be the index",), setup=_write("t.jsonl", TASKS_SHAPE.replace('"answer": 0', '"answer": 5'))),
+    Case("eval-output-unwritable", "evaluate",
+         ("--run_dir={run}", "--corpus={corpus}", "--output={case}/afile/out.json"), 2,
+         ("cannot write the results", "--output"), setup=_write("afile", "x"), unchanged="{run}"),
+    Case("eval-dtype", "evaluate", ("--run_dir={run}", "--dtype=float64"), 2, ("--dtype=float64",)),
+    Case("eval-unknown-flag", "evaluate", ("--run_dir={run}", "--steps=3"), 2, ("unrecognized arguments: --steps=3",)),
+    Case("generate-no-prompt", "generate", ("--run_dir={run}",), 2, ("give at least one --prompt",)),
+    Case("generate-no-samples", "generate", ("--run_dir={run}", "--prompt=alice", "--num_samples=0"), 2,
+         ("--num_samples=0",)),
+    Case("generate-negative-temperature", "generate", ("--run_dir={run}", "--prompt=a", "--temperature=-1"), 2,
+         ("--temperature=-1.0",)),
+    Case("generate-top-p-zero", "generate", ("--run_dir={run}", "--prompt=a", "--top_p=0"), 2, ("--top_p=0.0",)),
+    Case("generate-top-k-negative", "generate", ("--run_dir={run}", "--prompt=a", "--top_k=-2"), 2, ("--top_k=-2",)),
+    Case("generate-no-new-tokens", "generate", ("--run_dir={run}", "--prompt=a", "--max_new_tokens=0"), 2,
+         ("--max_new_tokens=0",)),
+    Case("generate-prompts-file-missing", "generate", ("--run_dir={run}", "--prompts_file={case}/p.txt"), 2,
+         ("--prompts_file=", "No such file")),
+    Case("generate-param-dtype", "generate", ("--run_dir={run}", "--prompt=a", "--param_dtype=float64"), 2,
+         ("--param_dtype=float64", "use one of")),
+    Case("generate-newest-damaged", "generate",
+         ("--run_dir={copy}", "--prompt=alice likes", "--max_new_tokens=2", "--temperature=0"), 0,
+         ("checkpoints/40 could not be restored", "trying step 20"), setup=_damage_checkpoints(40)),
+    # --- prepare and the tokenizer command
+    Case("prepare-input-missing", "data.prepare", ("--input={case}/none.txt", "--tokenizer={tok}",
+                                                   "--output={case}/out"), 2, ("none.txt",)),
+    Case("prepare-tokenizer-missing", "data.prepare", ("--input={corpus}", "--tokenizer={case}/t.model",
+                                                       "--output={case}/out"), 2, ("tokenizer model not found",)),
+    Case("prepare-output-foreign", "data.prepare", ("--input={corpus}", "--tokenizer={tok}", "--output={case}/mine"),
+         2, ("is not an empty directory", "--output"), setup=_write("mine/notes.txt", "keep me"), unchanged="{case}"),
+    Case("prepare-val-fraction", "data.prepare", ("--input={corpus}", "--tokenizer={tok}", "--output={case}/o",
+                                                  "--val_fraction=1"), 2, ("val_fraction must be in [0, 1)",)),
+    Case("prepare-shard-docs", "data.prepare", ("--input={corpus}", "--tokenizer={tok}", "--output={case}/o",
+                                                "--shard_docs=0"), 2, ("must be at least 1",)),
+    Case("prepare-output-is-a-file", "data.prepare", ("--input={corpus}", "--tokenizer={tok}",
+                                                      "--output={case}/afile"), (2, 74), ("afile",),
+         setup=_write("afile", "x")),
+    Case("tokenizer-train-input-missing", "data.tokenizer", ("train", "--input={case}/none/*.txt",
+                                                             "--output={case}/t.model", "--vocab_size=300"), 2,
+         ("no input files match",)),
+    Case("tokenizer-vocab-too-small", "data.tokenizer", ("train", "--input={corpus}", "--output={case}/t.model",
+                                                         "--vocab_size=3"), 2, ("needs vocab_size >", "got 3")),
+    Case("tokenizer-encode-missing-model", "data.tokenizer", ("encode", "--model={case}/t.model", "hi"), 2,
+         ("tokenizer model not found",)),
+    Case("tokenizer-encode-junk-model", "data.tokenizer", ("encode", "--model={case}/a.txt", "hi"), 2,
+         ("not a SentencePiece model", "a.txt"), setup=_write("a.txt", "hello world")),
+    Case("tokenizer-decode-out-of-range", "data.tokenizer", ("decode", "--model={tok}", "99999"), 2,
+         ("token id 99999 is outside",)),
+    # --- the planner
+    Case("plan-no-devices", "plan", ("--config=configs/tiny.py", "--devices=0"), 2, ("--devices=0",)),
+    Case("plan-negative-memory", "plan", ("--config=configs/tiny.py", "--devices=8", "--device_memory_gib=-1"), 2,
+         ("--device_memory_gib=-1",)),
+    Case("plan-missing-recipe", "plan", ("--config=configs/nope.py", "--devices=8"), 2, ("no recipe file",)),
+    Case("plan-bad-value", "plan", ("--config=configs/tiny.py", "--devices=8", "--config.model.d_model=wide"), 2,
+         ("expected an integer",)),
+    # --- interrupts: one line, the right code, and the same command then finishes (slow: they train)
+    Case("interrupt-tokenizer-training", "train", T(), 130, ("interrupted", "run the same command"),
+         signal_after=("SIGINT", "jaxlm: training a"), then="resumes", one_device=True, slow=True),
+    Case("terminate-preparation", "train", T(), 75, ("stopped by SIGTERM", "run the same command"),
+         signal_after=("SIGTERM", "jaxlm: preparing"), then="resumes", one_device=True, slow=True),
+    Case("interrupt-at-start", "train", FACTS("--config.run.steps=60"), (75, 130), ("run the same command",),
+         setup=lambda c, w: _copy_run(c, w), signal_after=("SIGINT", "jaxlm: run directory"), then="resumes",
+         one_device=True, slow=True),
+    Case("prepare-interrupted", "data.prepare", ("--input=builtin", "--tokenizer={tok}", "--output={case}/o",
+                                                 "--shard_docs=64"), 130, ("interrupted",),
+         signal_after=("SIGINT", ""), then="resumes", slow=True),
+    Case("disk-full-at-the-first-save", "train", FACTS(), 74, ("saving checkpoint", "failed", "File too large",
+                                                               "newest complete checkpoint is none"),
+         file_size_limit=200_000, one_device=True, slow=True),
+    Case("resume-past-a-damaged-checkpoint", "train", FACTS("--config.run.steps=40"), 0,
+         ("checkpoints/40 could not be restored",), setup=_damage_checkpoints(40), one_device=True, slow=True),
+]
+
+
+# ----------------------------------------------------------------------------- running them
+
+
+def _fill(arg: str, case_dir: pathlib.Path, world: dict) -> str:
+    return arg.format(case=case_dir, run=world["run"], copy=case_dir / "facts", corpus=world["corpus"],
+                      prepared=world["prepared"], tok=world["run"] / "tokenizer.model")
+
+
+def _argv(case: Case, case_dir: pathlib.Path, world: dict) -> list[str]:
+    args = list(case.args)
+    if args[:1] == ["@facts"]:  # the facts run's own command, on the copy in the case's directory
+        args = [*train_args(case_dir, steps=40), "--config.checkpoint.every_steps=20", *args[1:]]
+        args = [a.replace(f"--config.data.corpus={case_dir / 'facts.txt'}", f"--config.data.corpus={world['corpus']}")
+                for a in args]
+    return [sys.executable, "-m", f"jaxlm.{case.command}", *(_fill(a, case_dir, world) for a in args)]
+
+
+def _snapshot(root: pathlib.Path) -> dict[str, str]:
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def _run_case(case: Case, case_dir: pathlib.Path, world: dict) -> dict:
+    case_dir.mkdir(parents=True)
+    held = case.setup(case_dir, world) if case.setup else None  # a lock, for the run-dir-in-use case
+    watched = pathlib.Path(_fill(case.unchanged, case_dir, world)) if case.unchanged else None
+    before = _snapshot(watched) if watched else {}
+    env = dict(ONE_DEVICE if case.one_device else os.environ, PYTHONUNBUFFERED="1", **dict(case.env))
+    argv = _argv(case, case_dir, world)
+
+    def limit() -> None:
+        if case.file_size_limit:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (case.file_size_limit, case.file_size_limit))
+
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=limit)
+    seen = []
+    if case.signal_after:
+        name, prefix = case.signal_after
+        if not prefix:
+            time.sleep(2.0)  # a moment into the work
+        else:
+            for line in proc.stdout:
+                seen.append(line)
+                if line.startswith(prefix):
+                    break
+        proc.send_signal(getattr(signal, name))
+    out, err = proc.communicate(timeout=600)
+    result = {"code": proc.returncode, "out": "".join(seen) + out, "err": err, "argv": argv,
+              "changed": watched is not None and _snapshot(watched) != before}
+    if isinstance(held, RunLock):
+        held.release()
+    if case.then == "resumes":
+        again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        result["then"] = (again.returncode, again.stderr[-2000:])
+    return result
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The shared inputs: a trained run (checkpoints 20 and 40), its corpus, the corpus prepared."""
+    root = tmp_path_factory.mktemp("world")
+    run = train_tiny_run(root, steps=40, extra=("--config.checkpoint.every_steps=20",))
+    prepared = root / "prepared"
+    subprocess.run([sys.executable, "-m", "jaxlm.data.prepare", f"--input={root / 'facts.txt'}", "--separator=\\n\\n",
+                    f"--tokenizer={run / 'tokenizer.model'}", f"--output={prepared}", "--workers=1"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=600)
+    return {"run": run, "corpus": root / "facts.txt", "prepared": prepared, "cases": tmp_path_factory.mktemp("cases")}
+
+
+@pytest.fixture(scope="module")
+def results(world, request):
+    """Every case selected in this session, run three at a time."""
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.module.__name__ == __name__ and hasattr(item, "callspec")]
+    run_before = _snapshot(world["run"])
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = {c.name: pool.submit(_run_case, c, world["cases"] / c.name, world) for c in selected}
+        done = {name: f.result() for name, f in futures.items()}
+    assert _snapshot(world["run"]) == run_before, "a case changed the shared run"
+    return done
+
+
+def test_the_catalogue_is_large_and_its_names_unique():
+    assert len(CASES) >= 70
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
+                                  for c in CASES])
+def test_bad_input(case: Case, results):
+    r = results[case.name]
+    where = f"{' '.join(r['argv'][2:])}\nstdout: {r['out'][-1500:]}\nstderr: {r['err'][-3000:]}"
+    codes = case.code if isinstance(case.code, tuple) else (case.code,)
+    assert r["code"] in codes, where
+    assert "Traceback" not in r["err"], where
+    if r["code"] in (2, 74):
+        # jaxlm's own line, or argparse's (after its usage) for a flag it does not know
+        lines = [line for line in r["err"].splitlines() if line.startswith("jaxlm: error:") or ": error: " in line]
+        assert len(lines) == 1, where
+        text = lines[0]
+    elif r["code"] == 0:
+        lines = [line for line in r["err"].splitlines() if "WARNING" in line or "warning" in line]
+        assert len(lines) == 1, where
+        text = lines[0]
+    else:
+        text = r["err"]
+    for word in case.words:
+        assert word in text, f"{word!r} not in: {text}\n{where}"
+    assert not r["changed"], f"{case.unchanged} changed\n{where}"
+    if case.then == "resumes":
+        assert r["then"][0] == 0, f"the same command afterwards: {r['then']}"
