@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
 ARGS ?=
 
-.PHONY: install train test lint test-slow test-all bench clean
+.PHONY: install train test check lint test-slow test-all bench clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
@@ -25,6 +25,10 @@ train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.
 test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices, under 10 minutes)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(ARGS)
+
+check: install  ## what CI runs (.ci/run): the lint, then every test, slow ones included (about 25 minutes on 2 cores)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
 lint: install  ## ruff alone
 	$(BIN)/ruff check .
