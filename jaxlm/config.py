@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import importlib.util
 import math
 import pathlib
 import re
@@ -25,7 +24,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, in_user_file, run_user_file
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -210,12 +209,17 @@ def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
             f"--config: no recipe file {str(path)!r}; give a path to a .py file "
             f"or one of: {', '.join(recipe_names())}"
         )
-    module_spec = importlib.util.spec_from_file_location(f"jaxlm_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = run_user_file(path, f"jaxlm_recipe_{path.stem}")
     if not hasattr(module, "get_config"):
         raise UserError(f"--config: {path} defines no get_config(); a recipe must return a ConfigDict from it")
-    cfg = module.get_config(arg) if arg else module.get_config()
+    try:
+        cfg = module.get_config(arg) if arg else module.get_config()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the recipe's own code failed
+        raise in_user_file(e, path) from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise UserError(f"--config: {path}: get_config() returned a {type(cfg).__name__}, not a ConfigDict")
     with cfg.unlocked():
         cfg.run.recipe = path.stem
     cfg.lock()

@@ -10,10 +10,14 @@ before it exits 75 or 130 (`jaxlm.train`).
 """
 
 import errno
+import importlib.util
+import pathlib
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
+from types import ModuleType
 
 EXIT_USER_ERROR = 2  # every jaxlm command: a mistake in the config, the flags, a path or the data
 EXIT_ENVIRONMENT = 74  # EX_IOERR
@@ -31,6 +35,34 @@ class EnvironmentFailure(Exception):
 
 class Terminated(Exception):
     """SIGTERM arrived outside the training loop (which handles it itself)."""
+
+
+def in_user_file(error: Exception, path: str | pathlib.Path) -> UserError:
+    """The error a user's Python file (a recipe, an experiment) raised, as one line naming the file
+    and line: a SyntaxError's own line, otherwise the innermost frame inside that file."""
+    resolved, line = pathlib.Path(path).resolve(), None
+    if isinstance(error, SyntaxError) and error.filename and pathlib.Path(error.filename).resolve() == resolved:
+        line, text = error.lineno, error.msg
+    else:
+        for frame in traceback.extract_tb(error.__traceback__):
+            if pathlib.Path(frame.filename).resolve() == resolved:
+                line = frame.lineno
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    where = f"{path}:{line}" if line else str(path)
+    return UserError(f"{where}: {type(error).__name__}: {text}" if text else f"{where}: {type(error).__name__}")
+
+
+def run_user_file(path: str | pathlib.Path, module_name: str) -> ModuleType:
+    """Execute a user's Python file as module `module_name`; an error in it is one line (`in_user_file`)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever the file does wrong, it is the user's file
+        raise in_user_file(e, path) from None
+    return module
 
 
 def report_error(error: BaseException | str) -> int:

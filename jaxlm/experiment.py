@@ -48,7 +48,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import importlib.util
 import itertools
 import json
 import math
@@ -68,7 +67,7 @@ import numpy as np
 
 from jaxlm import config as config_lib
 from jaxlm.console import duration
-from jaxlm.errors import UserError, report_error
+from jaxlm.errors import UserError, report_error, run_user_file
 from jaxlm.table import Table
 
 # Per-run columns of results.csv besides the identifiers; lower is better for all of them.
@@ -202,9 +201,7 @@ def load_experiment(path: str | os.PathLike) -> Experiment:
     path = pathlib.Path(path)
     if not path.is_file():
         raise UserError(f"no experiment file {str(path)!r}; give a .py file that defines EXPERIMENT = Experiment(...)")
-    spec = importlib.util.spec_from_file_location(f"jaxlm_experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = run_user_file(path, f"jaxlm_experiment_{path.stem}")
     exp = getattr(module, "EXPERIMENT", None)
     if not isinstance(exp, Experiment):
         raise UserError(f"{path} defines no EXPERIMENT = jaxlm.experiment.Experiment(...)")
