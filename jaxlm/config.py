@@ -276,7 +276,13 @@ def _unknown_key(key: str, leaf: str, parent: ml_collections.ConfigDict, prefix:
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]]) -> None:
-    """Apply (dotted key, value) pairs; values given as strings are parsed to the field's type."""
+    """Apply (dotted key, value) pairs; values given as strings are parsed to the field's type.
+
+    Keys linked to one value (`FieldReference`s: model.vocab_size and data.tokenizer_vocab_size,
+    data.seq_len and model.max_seq_len) may be set through either; set to different values by the
+    same overrides, they contradict each other, which is refused naming both.
+    """
+    applied = []
     for key, text in overrides:
         parts = key.split(".")
         node = cfg
@@ -291,7 +297,16 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
         current = node[parts[-1]]
         if isinstance(current, ml_collections.ConfigDict):
             raise UserError(f"--config.{key}: {key!r} is a group of keys, set one of: {', '.join(sorted(current))}")
-        node[parts[-1]] = _parse_value(key, text, current)
+        node[parts[-1]] = value = _parse_value(key, text, current)
+        applied.append((key, text, value, node, parts[-1]))
+    for i, (key, text, value, node, leaf) in enumerate(applied):
+        later = [a for a in applied[i + 1:] if a[0] == key]
+        if not later and node[leaf] != value:  # a later override of a linked key changed it
+            other = next(a for a in reversed(applied[i + 1:]) if a[2] == node[leaf])
+            raise UserError(
+                f"--config.{key}={text} and --config.{other[0]}={other[1]} contradict each other: the two keys are "
+                f"linked to one value; give only one of them"
+            )
 
 
 _FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)
