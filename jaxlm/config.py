@@ -131,8 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
         num_workers=0,  # grain worker processes (0 = in the main process)
         # The global batch is read as this many independent streams (each a slice of the documents and
         # global_batch_size / shards rows of every batch); each process reads the streams its rows come
-        # from. 0 = one per process when the run starts; a resumed run keeps its stream whatever its
-        # process count, so the same shards give the same batches on 1 process or many.
+        # from. 0 = one per process when the run starts (so the batches follow the process count); a
+        # resumed run keeps its count whatever its process count. The same count gives the same batches
+        # on 1 process or many: set a multiple of every process count you will use (e.g. 8).
         shards=0,
         # false: tokenize the corpus once into cached token shards (any size; the fastest reads).
         # true: keep the raw documents in host memory and tokenize them in the pipeline (in the
