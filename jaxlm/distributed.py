@@ -342,9 +342,7 @@ def rendezvous(layout: Layout, timeout_s: float) -> None:
 
 
 def is_initialized() -> bool:
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client is not None
+    return jax.distributed.is_initialized()
 
 
 def initialize(layout: Layout | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Layout | None:
@@ -365,17 +363,46 @@ def initialize(layout: Layout | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> L
 
 def initialize_from(coordinator: str | None = None, num_processes: int | None = None,
                     process_id: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Layout | None:
-    """`detect` then `initialize`: what `python -m jaxlm.train` and `python -m jaxlm.doctor` call."""
+    """`detect` then `initialize`."""
     return initialize(detect(coordinator, num_processes, process_id), timeout_s)
+
+
+# JAX's words when its own cluster detection finds no cluster (jax 0.10.2, jax/_src/distributed.py):
+# then this is a single process, as on a laptop.
+_NO_CLUSTER = "coordinator_address should be defined"
+
+
+def join(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
+    """Join a multi-process run, as `python -m jaxlm.train` and `python -m jaxlm.doctor` do: from the
+    flags or a launcher jaxlm knows (`detect`: SLURM, Open MPI, torchrun-style variables), else by
+    JAX's own cluster detection (TPU pods, GKE, ...); returns a line describing the layout, or None
+    for a single process. Call before anything asks JAX for its devices."""
+    layout = initialize_from(coordinator, num_processes, process_id, timeout_s)
+    if layout is not None:
+        return layout.describe()
+    if jax.distributed.is_initialized():
+        return f"process {jax.process_index()} of {jax.process_count()} (initialized before jaxlm)"
+    try:
+        jax.distributed.initialize(initialization_timeout=int(timeout_s))
+    except ValueError as e:
+        if _NO_CLUSTER in str(e):
+            return None
+        raise UserError(f"JAX's cluster detection found a cluster but could not join it: {e}") from None
+    except RuntimeError:  # JAX already computes in this process (a notebook, a test): it stays one process
+        return None
+    return f"process {jax.process_index()} of {jax.process_count()} (from JAX's cluster detection)"
 
 
 # ----------------------------------------------------------------------------- agreeing on a step
 
 
 def _client():
-    from jax._src import distributed as jax_distributed
+    """The coordination service's client (key-value store, barriers): JAX exposes none publicly,
+    Orbax does, and keeps it working across JAX versions."""
+    import orbax.checkpoint as ocp
 
-    return jax_distributed.global_state.client
+    return ocp.multihost.get_jax_distributed_client()
 
 
 class StepAgreement:
@@ -447,7 +474,7 @@ FLAGS = {"coordinator": str, "num_processes": int, "process_id": int, "distribut
 
 def pop_flags(argv: list[str]) -> tuple[list[str], dict]:
     """Split `--coordinator=host:port --num_processes=N --process_id=I --distributed_timeout_s=S`
-    off a command line: (the other arguments, keyword arguments for `initialize_from`)."""
+    off a command line: (the other arguments, keyword arguments for `join`)."""
     rest, values = [], {}
     for arg in argv:
         name, sep, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")

@@ -473,12 +473,9 @@ def _initialize_distributed(args) -> tuple[str | None, str | None]:
     """Join the run as the trainer does (flags, then the launcher's environment, then JAX's own
     detection): (this process's layout, or the error line if joining failed)."""
     try:
-        layout = distributed.initialize_from(args.coordinator, args.num_processes, args.process_id,
-                                             timeout_s=args.distributed_timeout_s)
-        if layout is None:
-            jax.distributed.initialize()  # JAX's own cluster detection (TPU pods, ...)
-            return f"process {jax.process_index()} of {jax.process_count()} (from JAX's detection)", None
-        return layout.describe(), None
+        joined = distributed.join(args.coordinator, args.num_processes, args.process_id,
+                                  timeout_s=args.distributed_timeout_s)
+        return joined or "one process (no launcher or cluster detected)", None
     except UserError as e:
         return None, str(e)
     except Exception as e:

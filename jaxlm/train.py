@@ -485,9 +485,9 @@ def _main(argv: list[str]) -> int:
         config_lib.validate(cfg)  # before any device work
         if cfg.run.xla_flags:
             console(f"jaxlm: XLA_FLAGS={xla_flags.apply(cfg.run.xla_flags)}")  # before JAX starts, checked
-        layout = distributed.initialize_from(**layout_flags)  # a multi-process run: join it first
-        if layout:
-            console(f"jaxlm: {layout.describe()}")
+        joined = distributed.join(**layout_flags)  # a multi-process run: join it first
+        if joined:
+            console(f"jaxlm: {joined}")
         resolved = resolve_config(cfg, jax.devices())
         config_lib.derive(resolved, jax.device_count())  # the mesh and batch fit the devices
         memory.check_fits(resolved, jax.devices())  # and the memory, before anything is allocated

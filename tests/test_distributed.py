@@ -293,3 +293,47 @@ def test_micro_batches_over_two_processes_train_like_one_process(tmp_path):
     train(args(tmp_path, "one", 4, *extra), 1)
     train(args(tmp_path, "two", 4, *extra), 2)
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
+
+
+JAX_DETECTS_A_CLUSTER = """
+import sys
+from jax._src import clusters  # only here: a cluster kind jaxlm does not know, as JAX registers its own
+
+
+class Pod(clusters.ClusterEnv):
+    name = "test-pod"
+    opt_in_only_method = False
+
+    @classmethod
+    def is_env_present(cls): return True
+    @classmethod
+    def get_coordinator_address(cls, timeout_secs, override_coordinator_port=None): return sys.argv[1]
+    @classmethod
+    def get_process_count(cls): return 1
+    @classmethod
+    def get_process_id(cls): return 0
+    @classmethod
+    def get_local_process_id(cls): return None
+
+
+import jax
+from jaxlm import distributed
+
+print(distributed.join())
+print(jax.distributed.is_initialized(), jax.process_count())
+"""
+
+
+def test_a_cluster_only_jax_detects_is_joined_through_jaxs_detection():
+    """jaxlm's own detection (flags, SLURM, Open MPI, torchrun variables) finds nothing: JAX's own
+    cluster detection (TPU pods, GKE, ...) is the last resort, for the trainer and the doctor alike;
+    with no cluster at all it is one process, quietly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    joined = subprocess.run([sys.executable, "-c", JAX_DETECTS_A_CLUSTER, f"127.0.0.1:{free_port()}"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert joined.stdout.splitlines() == ["process 0 of 1 (from JAX's cluster detection)", "True 1"]
+    alone = subprocess.run([sys.executable, "-c", "from jaxlm import distributed; import jax; "
+                            "print(distributed.join(), jax.distributed.is_initialized())"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and alone.stdout.strip() == "None False" and alone.stderr == "", alone.stderr
