@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
 import uuid
 from typing import Any
 
@@ -103,56 +102,38 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars and text in TensorBoard event files (readable by TensorBoard's own reader)."""
+    """Scalars, histograms and text in TensorBoard event files, written through tensorboardX's
+    public `SummaryWriter` (read back by TensorBoard's own reader in the tests).
 
-    def __init__(self, logdir: pathlib.Path):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    `purge_step`: a resumed run's first step. The writer marks it, and TensorBoard then drops the
+    points of earlier event files from that step on: the steps lost with the killed process are
+    trained again and each appears once.
+    """
 
-        self._writer = EventFileWriter(str(logdir))
+    def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
+        from tensorboardX import SummaryWriter
 
-    def _emit(self, step: int, value) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value]))
-        self._writer.add_event(event)
+        self._writer = SummaryWriter(str(logdir), purge_step=purge_step)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        from tensorboard.compat.proto import summary_pb2
-
         for tag, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._emit(step, summary_pb2.Summary.Value(tag=tag, simple_value=float(value)))
+                self._writer.add_scalar(tag, float(value), step)
         self._writer.flush()
 
     def histogram(self, step: int, tag: str, stats: dict[str, Any]) -> None:
         """One histogram from `param_histograms` statistics (host values)."""
-        from tensorboard.compat.proto import summary_pb2
-
         lo, hi, counts = float(stats["min"]), float(stats["max"]), np.asarray(stats["counts"], np.float64)
         limits = [lo + (hi - lo) * (i + 1) / len(counts) for i in range(len(counts))]
-        proto = summary_pb2.HistogramProto(
-            min=lo, max=hi, num=float(stats["num"]), sum=float(stats["sum"]), sum_squares=float(stats["sum_squares"]),
-            bucket_limit=limits, bucket=counts.tolist(),
+        self._writer.add_histogram_raw(
+            tag, min=lo, max=hi, num=float(stats["num"]), sum=float(stats["sum"]),
+            sum_squares=float(stats["sum_squares"]), bucket_limits=limits, bucket_counts=counts.tolist(),
+            global_step=step,
         )
-        self._emit(step, summary_pb2.Summary.Value(tag=tag, histo=proto))
-        self._writer.flush()
-
-    def restart(self, step: int) -> None:
-        """Mark a resumption at `step`: TensorBoard's reader discards earlier files' points from `step` on."""
-        from tensorboard.compat.proto import event_pb2
-
-        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, session_log=start))
         self._writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
-
-        tensor = tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_STRING, string_val=[text.encode()], tensor_shape=tensor_shape_pb2.TensorShapeProto()
-        )
-        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-        self._emit(step, summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata))
+        self._writer.add_text(tag, text, step)
         self._writer.flush()
 
     def close(self) -> None:

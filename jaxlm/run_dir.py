@@ -76,10 +76,10 @@ class Sinks:
     def __init__(self, run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int):
         self.sinks = []
         if jax.process_index() == 0:
-            tensorboard = metrics_lib.TensorBoardSink(run_dir / "tensorboard")
-            if resume_step:
-                tensorboard.restart(resume_step + 1)  # TensorBoard drops the lost steps' points
-            else:
+            # Resumed: TensorBoard drops the earlier files' points from the first step trained again.
+            purge = resume_step + 1 if resume_step else None
+            tensorboard = metrics_lib.TensorBoardSink(run_dir / "tensorboard", purge_step=purge)
+            if not resume_step:
                 tensorboard.text(0, "config", "```\n" + cfg.to_json(indent=2) + "\n```")
             self.sinks = [metrics_lib.JsonlSink(run_dir / "metrics.jsonl"), tensorboard]
             m = cfg.metrics

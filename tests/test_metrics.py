@@ -45,7 +45,7 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 10.0), (2, 5.0), (3, pytest.approx(10 / 3))]
     assert set(events.Tags()["scalars"]) == {"loss"}
-    assert events.Tensors("config")[0].tensor_proto.string_val == [b"lr = 3e-4"]
+    assert events.Tensors("config/text_summary")[0].tensor_proto.string_val == [b"lr = 3e-4"]
 
 
 def test_parameter_histograms_read_back_from_tensorboard(tmp_path):
