@@ -74,7 +74,8 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
 def test_dropout_is_active_only_with_a_key():
     model = build_model(small_config(dropout=0.3))
     tokens = jnp.ones((2, 8), jnp.int32)
-    np.testing.assert_array_equal(model(tokens), model(tokens))
+    without = build_model(small_config(dropout=0.0))  # the same parameters (dropout has none)
+    np.testing.assert_array_equal(model(tokens), without(tokens))  # no key: the model without dropout
     assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens))
     assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens, dropout_key=jax.random.key(1)))
 

@@ -2,6 +2,7 @@
 and the setup cell installs jaxlm into a kernel that lacks it (the Colab path)."""
 
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -102,7 +103,11 @@ def test_quickstart_notebook(execute, tmp_path):
 def test_sharding_notebook(execute):
     nb = execute("02_sharding.ipynb")
     text = outputs(nb)
-    assert "8 CPU devices" in text and "difference 0.0e+00" in text
+    assert "8 CPU devices" in text
+    # The same forward on every mesh, to the notebook's own tolerance: float32 sums in another order
+    # differ in the last bits on some CPUs (AVX-512), so no exact figure is asserted.
+    (difference,) = re.findall(r"difference ([0-9.e+-]+)", text)
+    assert float(difference) < 1e-4
     assert "fits: " in text and "does not fit: " in text and "--config.optim.micro_batches=8" in text
 
 

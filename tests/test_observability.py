@@ -57,16 +57,22 @@ def wandb_history(run_dir: pathlib.Path) -> list[dict[str, str]]:
     return rows
 
 
+def _has_wandb() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory):
-    pytest.importorskip("wandb")
+    """One run that reports everything; to W&B (offline) too where wandb is installed (the dev extra)."""
     tmp = tmp_path_factory.mktemp("obs")
     result = run_cli(
         "--config=configs/tiny.py", f"--config.run.output_dir={tmp}", f"--config.run.steps={STEPS}",
         "--config.run.log_every=4", "--config.data.builtin_max_bytes=400000", "--config.model.vocab_size=512",
         f"--config.data.cache_dir={tmp / 'cache'}", "--config.metrics.grad_norm_per_layer=true",
-        "--config.metrics.histograms_every=4", "--config.metrics.wandb=true", "--config.metrics.progress=bar",
-        "--config.profile.steps=3:4", tmp_path=tmp,
+        "--config.metrics.histograms_every=4", f"--config.metrics.wandb={str(_has_wandb()).lower()}",
+        "--config.metrics.progress=bar", "--config.profile.steps=3:4", tmp_path=tmp,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "tiny", result
@@ -109,6 +115,7 @@ def test_profile_trace_holds_the_requested_steps(observed_run):
     assert "profile of steps 3-4 written to" in result.stdout
 
 
+@pytest.mark.skipif(not _has_wandb(), reason="wandb is not installed (pip install -e '.[dev]' installs it)")
 def test_wandb_offline_run_has_the_same_values(observed_run):
     run_dir, _ = observed_run
     rows = wandb_history(run_dir)

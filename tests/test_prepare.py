@@ -7,8 +7,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -180,24 +182,37 @@ def test_two_workers_write_the_same_bytes_as_one(
     assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
 
 
-def test_prepare_killed_halfway_resumes_to_the_same_bytes(
-    prepared: str, corpus_dir: str, tok_path: str, tmp_path
-) -> None:
-    out = str(tmp_path / "out")
-    killed = run_cli(cli_args(corpus_dir, tok_path, out, workers=2), {prepare.KILL_AFTER_SHARDS_ENV: "2"})
-    assert killed.returncode == 137, killed.stderr
-    shards = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".tokens")}
-    num_shards = sum(len(prepare.read_manifest(prepared)["splits"][s]["shards"]) for s in prepare.SPLITS)
+def test_prepare_killed_halfway_resumes_to_the_same_bytes(tok: Tokenizer, tok_path: str, tmp_path) -> None:
+    """SIGKILL (as the OOM killer or a lost node would) once a few of many shards are written, with
+    two worker processes: they exit with it, and the same command completes the data, byte for byte
+    what an uninterrupted run writes, without writing the finished shards again."""
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n\n\n".join(sources.builtin_corpus(1_500_000)), encoding="utf-8")
+    out = tmp_path / "out"
+    args = ["--input", str(corpus), "--separator", "\\n\\n\\n", "--tokenizer", tok_path, "--output", str(out),
+            "--workers", "2", "--val_fraction=0.2", "--seed=0", "--shard_docs=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.data.prepare", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while len(list(out.glob("*.tokens"))) < 2 and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)  # returns once every process holding its pipes (the workers) exited
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    shards = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tokens")}
+    reference = tmp_path / "reference"
+    prepare.prepare(sources.SourceSpec(str(corpus), separator="\n\n\n"), tok, reference, workers=1, progress=False,
+                    val_fraction=0.2, seed=0, shard_docs=2)
+    num_shards = sum(len(prepare.read_manifest(reference)["splits"][s]["shards"]) for s in prepare.SPLITS)
     assert 2 <= len(shards) < num_shards
     assert not prepare.read_manifest(out)["complete"]
     with pytest.raises(UserError, match="did not finish"):
         prepare.open_prepared(out)
 
-    resumed = run_cli(cli_args(corpus_dir, tok_path, out, workers=2))
+    resumed = run_cli(args)
     assert resumed.returncode == 0, resumed.stderr
     assert "prepared" in resumed.stdout
-    assert file_bytes(out) == file_bytes(prepared)
-    assert all(os.stat(os.path.join(out, n)).st_mtime_ns == t for n, t in shards.items())  # not written again
+    assert file_bytes(str(out)) == file_bytes(str(reference))
+    assert all((out / n).stat().st_mtime_ns == t for n, t in shards.items())  # not written again
 
 
 # --- reading and refusing ---

@@ -57,8 +57,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
 SPLITS = ("train", "val")
-# Test hook: `os._exit(137)`, as if killed, once this many shards have been written by this run.
-KILL_AFTER_SHARDS_ENV = "JAXLM_PREPARE_KILL_AFTER_SHARDS"
 
 Manifest = dict[str, Any]  # the contents of manifest.json
 
@@ -286,7 +284,6 @@ def _write_shards(
             workers, multiprocessing.get_context("spawn"), _start_worker, (tokenizer_path, os.getpid())
         )
     splits = {split: {"documents": 0, "tokens": 0, "shards": []} for split in SPLITS}
-    kill_after = int(os.environ.get(KILL_AFTER_SHARDS_ENV, "0"))
     bar = tqdm.tqdm(desc="prepare", unit=" docs", file=sys.stderr, disable=not progress)
     start, written, new_tokens = time.perf_counter(), 0, 0
 
@@ -301,8 +298,6 @@ def _write_shards(
         if is_new:
             written, new_tokens = written + 1, new_tokens + entry["tokens"]
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s")
-            if written == kill_after:
-                os._exit(137)
 
     with executor, bar:
         pending: collections.deque = collections.deque()
