@@ -43,6 +43,7 @@ class Case:
     setup: Callable[[pathlib.Path, dict], None] | None = None
     unchanged: str = ""  # a placeholder whose files must be byte-identical afterwards
     signal_after: tuple[str, str] | None = None  # (signal, a stdout line prefix): sent when that line appears
+    signal_delay: float = 2.0  # with an empty prefix: sent this many seconds after the start
     file_size_limit: int = 0  # RLIMIT_FSIZE for the command: files cannot grow past it, as on a full disk
     then: str = ""  # "resumes": the same command afterwards exits 0
     env: tuple[tuple[str, str], ...] = ()
@@ -384,6 +385,9 @@ CASES = [
     Case("prepare-interrupted", "data.prepare", ("--input=builtin", "--tokenizer={tok}", "--output={case}/o",
                                                  "--shard_docs=64"), 130, ("interrupted",),
          signal_after=("SIGINT", ""), then="resumes", slow=True),
+    Case("evaluate-interrupted", "evaluate", ("--run_dir={run}", "--corpus=builtin", "--max_tokens=0"), 130,
+         ("interrupted", "run the same command again"), signal_after=("SIGINT", ""), signal_delay=4.0, unchanged="{run}",
+         slow=True),
     Case("disk-full-at-the-first-save", "train", FACTS(), 74, ("saving checkpoint", "failed", "File too large",
                                                                "newest complete checkpoint is none"),
          file_size_limit=200_000, one_device=True, slow=True),
@@ -434,7 +438,7 @@ def _run_case(case: Case, case_dir: pathlib.Path, world: dict) -> dict:
     if case.signal_after:
         name, prefix = case.signal_after
         if not prefix:
-            time.sleep(2.0)  # a moment into the work
+            time.sleep(case.signal_delay)  # a moment into the work, after the imports
         else:
             for line in proc.stdout:
                 seen.append(line)
