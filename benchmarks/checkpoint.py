@@ -8,7 +8,10 @@
 With `jaxlm.checkpoint.Checkpointer` (async, as in the train loop) on the recipe's sharded train
 state: how long `save` blocks the loop and how long until the files are committed (`wait`), for
 the first save (one-time setup and compilation included) and a later one, with the CPU time the
-later one took (all threads: the device-to-host copy, compression if on, tensorstore's writes); the
+later one took (all threads: the device-to-host copy, compression if on, tensorstore's writes, the
+manifest's checksums, which `wait` writes); the time to write a checkpoint's manifest (sizes and
+CRC-32 of every file; in training, in the background after each commit) and to verify it (what
+every restore checks first); the
 bytes one checkpoint takes on disk; the time to restore it onto the abstract state of a fresh `TrainSetup` (just
 written, so from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
 with a save every `--every` steps, saves included, the metrics synced once at the end of each
@@ -35,7 +38,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_throughput import CPU_OVERRIDES, random_batch, report  # noqa: E402
 
-from jaxlm import config, train_setup  # noqa: E402
+from jaxlm import checkpoint, config, train_setup  # noqa: E402
 from jaxlm.checkpoint import Checkpointer  # noqa: E402
 from jaxlm.models.transformer import param_count  # noqa: E402
 
@@ -94,8 +97,16 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             r["disk_gib"] = round(sum(f.stat().st_size for f in pathlib.Path(workdir, "a", "1").rglob("*")
                                       if f.is_file()) / 2**30, 3)
 
+            step_dir = pathlib.Path(workdir, "a", "1")  # its manifest: written at `wait`, timed again alone
             t0 = time.perf_counter()
-            restored, _, _ = ckpt.restore(target, step=1)
+            checkpoint.write_manifest(step_dir)
+            r["manifest_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            assert checkpoint.verify_step(step_dir)
+            r["verify_s"] = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            restored, _, _ = ckpt.restore(target, step=1, verify=False)
             jax.block_until_ready(restored)
             r["restore_s"] = time.perf_counter() - t0
             del restored
@@ -134,8 +145,8 @@ def main() -> None:
         results.append(result)
         print(json.dumps(result), file=sys.stderr)
     cols = ["recipe", "compress", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s",
-            "save_blocked_s",
-            "save_total_s", "save_cpu_s", "restore_s", "step_s_off", "step_s_on", "overhead_pct", "final_wait_s"]
+            "save_blocked_s", "save_total_s", "save_cpu_s", "manifest_s", "verify_s", "restore_s", "step_s_off",
+            "step_s_on", "overhead_pct", "final_wait_s"]
     report(results, cols, args.json)
 
 

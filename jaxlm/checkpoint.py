@@ -496,7 +496,7 @@ def write_manifest(step_dir) -> bool:
         files = {rel: [path.stat().length, _crc32(path)] for rel, path in sorted(_files(step_dir).items())}
         partial = step_dir / f"{MANIFEST}.partial"
         partial.write_text(json.dumps({"version": 1, "files": files}, indent=1))
-        partial.rename(step_dir / MANIFEST)
+        partial.replace(step_dir / MANIFEST)  # (rename refuses to overwrite)
     except FileNotFoundError:
         return False
     except OSError as e:  # a disk full: the checkpoint is complete, only unverifiable (restoring it is the check)

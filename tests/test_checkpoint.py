@@ -176,6 +176,7 @@ def test_manifest_catches_damage_that_orbax_reads_without_complaint(tmp_path, ca
             ckpt.save(step, {"w": jax.device_put(jnp.full((n,), float(step)), device)}, meta={}, force=True)
     for step in (1, 2):
         assert checkpoint.verify_step(tmp_path / str(step))  # written for every save, the last one at close
+    assert checkpoint.write_manifest(tmp_path / "1") and checkpoint.verify_step(tmp_path / "1")  # rewritten in place
     recorded = json.loads((tmp_path / "2" / checkpoint.MANIFEST).read_text())["files"]
     victim = max(_data_files(tmp_path / "2"), key=lambda f: f.stat().st_size)
     assert str(victim.relative_to(tmp_path / "2")) in recorded and "meta/metadata" in recorded
