@@ -9,11 +9,13 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import experiment
 from jaxlm.experiment import Choice, Experiment, IntUniform, LogUniform, Uniform
+from tiny_run import write_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,8 +27,8 @@ SMALL_BASE = {
 }
 
 
-def write_experiment(path: pathlib.Path, cache: pathlib.Path, body: str) -> pathlib.Path:
-    base = {**SMALL_BASE, "data.cache_dir": str(cache)}
+def write_experiment(path: pathlib.Path, cache: pathlib.Path, body: str, base: dict | None = None) -> pathlib.Path:
+    base = {**(SMALL_BASE if base is None else base), "data.cache_dir": str(cache)}
     path.write_text(
         "from jaxlm.experiment import Experiment, Choice, LogUniform, IntUniform\n"
         f"BASE = {base!r}\n"
@@ -75,27 +77,6 @@ def test_the_example_experiments_resolve_to_valid_runs(tmp_path):
             assert all(cfg[k.split(".")[0]][k.split(".")[1]] == v for k, v in run.overrides.items())
 
 
-def test_the_committed_reports_are_what_the_code_makes_of_their_runs(tmp_path):
-    """The committed results.md and loss.png are regenerated here from the committed per-run rows and
-    curves (what the sweeps logged) by the code that wrote them, and each variant's mean and
-    standard deviation over seeds is computed here independently. (That each row is its run's own
-    logged metrics is tested on fresh runs: test_an_experiment_runs_resumes_only_what_is_missing...)"""
-    for name in ("lr_warmup", "norm_mlp"):
-        directory = ROOT / "experiments" / "results" / name
-        results = experiment.load_results(directory)
-        assert all(r["status"] == "done" for r in results.rows) and len(results.rows) >= 4
-        committed = (directory / "results.md").read_text()
-        experiment.write_results(results, tmp_path / name, title="t", echo=lambda _: None)
-        table = results.table().to_markdown()
-        assert table in committed and table in (tmp_path / name / "results.md").read_text()
-        for variant in {r["variant"] for r in results.rows}:
-            values = [r["final_val_loss"] for r in results.rows if r["variant"] == variant]
-            mean = sum(values) / len(values)
-            std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-            assert f"{mean:.4f} ± {std:.4f}" in table
-        assert (tmp_path / name / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_a_bad_override_is_one_line_before_anything_runs(tmp_path, capsys):
     path = write_experiment(tmp_path / "bad.py", tmp_path / "cache",
                             "variants={'ok': {}, 'typo': {'optim.peak_lrr': 1e-3}}")
@@ -130,6 +111,70 @@ def metrics_of(run_dir: pathlib.Path):
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
+def mean_and_std(values: list[float]) -> tuple[float, float]:
+    """Computed here, not by the code under test: numpy's mean and sample standard deviation."""
+    return float(np.mean(values)), float(np.std(values, ddof=1))
+
+
+def assert_reports_hold_each_runs_own_metrics(sweep: pathlib.Path, variants, seeds, steps: int, eval_steps):
+    """results.csv, curves.csv, results.md and loss.png of a finished sweep against each run's own
+    metrics.jsonl and summary.json, the per-variant statistics computed here."""
+    names = [f"{v}-s{s}" for v in variants for s in seeds]
+    results = experiment.load_results(sweep)  # read back from results.csv and curves.csv
+    assert [r["run"] for r in results.rows] == names
+    for row in results.rows:
+        train, evals = metrics_of(sweep / row["run"])
+        assert [r["step"] for r in train] == list(range(1, steps + 1)) and [r["step"] for r in evals] == eval_steps
+        assert row["status"] == "done" and row["steps"] == steps
+        assert row["final_loss"] == train[-1]["loss"] and row["best_loss"] == min(r["loss"] for r in train)
+        assert row["final_val_loss"] == evals[-1]["val_loss"] and row["best_val_loss"] == min(r["val_loss"] for r in evals)
+        assert row["final_val_bits_per_byte"] == evals[-1]["val_bits_per_byte"]
+        assert row["tokens_per_s"] == json.loads((sweep / row["run"] / "summary.json").read_text())["tokens_per_s"]
+        curve = [c for c in results.curves if c["run"] == row["run"]]
+        assert [(c["step"], c["loss"]) for c in curve] == [(r["step"], r["loss"]) for r in train]
+        assert [(c["step"], c["val_loss"]) for c in curve if c["val_loss"] is not None] == [
+            (r["step"], r["val_loss"]) for r in evals]
+    markdown = (sweep / "results.md").read_text()
+    lines = {line.get_gid(): line for ax in results.plot().axes for line in ax.get_lines()}
+    final_val = {}
+    for variant in variants:
+        runs = [metrics_of(sweep / f"{variant}-s{seed}") for seed in seeds]
+        columns = (  # the table's: final val loss, best val loss, final train loss, val bits/byte
+            [evals[-1]["val_loss"] for _, evals in runs], [min(r["val_loss"] for r in evals) for _, evals in runs],
+            [train[-1]["loss"] for train, _ in runs], [evals[-1]["val_bits_per_byte"] for _, evals in runs])
+        cells = ["{:.4f} ± {:.4f}".format(*mean_and_std(values)) for values in columns]
+        final_val[variant] = mean_and_std([evals[-1]["val_loss"] for _, evals in runs])[0]
+        row = rf"\| (\*\*)?{variant}(\*\*)? \|[^\n]*\| {len(seeds)} \| " + r" \| ".join(map(re.escape, cells)) + r" \|"
+        assert re.search(row, markdown), (row, markdown)
+        mean_loss = [float(np.mean([train[i]["loss"] for train, _ in runs])) for i in range(steps)]
+        mean_val = [float(np.mean([evals[i]["val_loss"] for _, evals in runs])) for i in range(len(eval_steps))]
+        assert list(lines[f"train:{variant}"].get_xdata()) == list(range(1, steps + 1))
+        assert list(lines[f"train:{variant}"].get_ydata()) == pytest.approx(mean_loss, rel=1e-12)
+        assert list(lines[f"val:{variant}"].get_xdata()) == eval_steps
+        assert list(lines[f"val:{variant}"].get_ydata()) == pytest.approx(mean_val, rel=1e-12)
+    best = min(variants, key=final_val.__getitem__)
+    assert f"| **{best}** |" in markdown and markdown.count("| **") == 1
+    assert (sweep / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_reports_each_runs_own_metrics(tmp_path):
+    """A real sweep small enough for the default suite (2 variants x 2 seeds of 4 steps of a tiny
+    model, one after the other in one process), its reports checked against what each run logged.
+    (Runs side by side in their own processes, and a resumed sweep: the slow test below.)"""
+    write_corpus(tmp_path / "facts.txt")
+    base = {"run.steps": 4, "run.eval_every": 2, "run.log_every": 1, "model.vocab_size": 300, "model.d_model": 32,
+            "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 2, "model.mlp_dim": 64, "data.seq_len": 32,
+            "data.global_batch_size": 4, "data.corpus": str(tmp_path / "facts.txt"), "data.separator": "\n\n",
+            "data.val_fraction": 0.2, "data.val_tokens": 256, "data.tokenize_on_the_fly": True,
+            "optim.warmup_steps": 0}
+    path = write_experiment(tmp_path / "lr.py", tmp_path / "cache", "variants={'lr_low': {'optim.peak_lr': 1e-3}, "
+                            "'lr_high': {'optim.peak_lr': 1e-2}}, seeds=[0, 1]", base=base)
+    result = run_cli(path, "--parallel", 0, "--output_dir", tmp_path / "runs")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_reports_hold_each_runs_own_metrics(tmp_path / "runs" / "lr", ("lr_low", "lr_high"), seeds=(0, 1), steps=4,
+                                              eval_steps=[2, 4])
+
+
 @pytest.mark.slow
 def test_an_experiment_runs_resumes_only_what_is_missing_and_reports_each_runs_own_metrics(tmp_path):
     path = write_experiment(tmp_path / "lr.py", tmp_path / "cache",
@@ -159,34 +204,7 @@ def test_an_experiment_runs_resumes_only_what_is_missing_and_reports_each_runs_o
     assert (sweep / "lr_high-s1" / "summary.json").is_file()
 
     # The CSV, the table and the plot hold exactly what each run logged.
-    results = experiment.load_results(sweep)
-    assert [r["run"] for r in results.rows] == names
-    for row in results.rows:
-        train, evals = metrics_of(sweep / row["run"])
-        assert row["status"] == "done" and row["steps"] == 6
-        assert row["final_loss"] == train[-1]["loss"] and row["best_loss"] == min(r["loss"] for r in train)
-        assert row["final_val_loss"] == evals[-1]["val_loss"] and [r["step"] for r in evals] == [3, 6]
-        assert row["best_val_loss"] == min(r["val_loss"] for r in evals)
-        assert row["final_val_bits_per_byte"] == evals[-1]["val_bits_per_byte"]
-        assert row["tokens_per_s"] == json.loads((sweep / row["run"] / "summary.json").read_text())["tokens_per_s"]
-    markdown = (sweep / "results.md").read_text()
-    figure = results.plot()
-    lines = {line.get_gid(): line for ax in figure.axes for line in ax.get_lines()}
-    for variant in ("lr_low", "lr_high"):
-        runs = [metrics_of(sweep / f"{variant}-s{seed}") for seed in (0, 1)]
-        finals = [evals[-1]["val_loss"] for _, evals in runs]
-        cell = f"{statistics.fmean(finals):.4f} ± {statistics.stdev(finals):.4f}"
-        assert re.search(rf"\| (\*\*)?{variant}(\*\*)? \|[^\n]*\| 2 \| {re.escape(cell)} \|", markdown), markdown
-        mean_loss = [statistics.fmean(r[0][i]["loss"] for r in runs) for i in range(6)]
-        mean_val = [statistics.fmean(r[1][i]["val_loss"] for r in runs) for i in range(2)]
-        assert list(lines[f"train:{variant}"].get_xdata()) == list(range(1, 7))
-        assert list(lines[f"train:{variant}"].get_ydata()) == pytest.approx(mean_loss, rel=1e-12)
-        assert list(lines[f"val:{variant}"].get_xdata()) == [3, 6]
-        assert list(lines[f"val:{variant}"].get_ydata()) == pytest.approx(mean_val, rel=1e-12)
-    best = min(("lr_low", "lr_high"), key=lambda v: statistics.fmean(
-        metrics_of(sweep / f"{v}-s{s}")[1][-1]["val_loss"] for s in (0, 1)))
-    assert f"| **{best}** |" in markdown
-    assert (sweep / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_reports_hold_each_runs_own_metrics(sweep, ("lr_low", "lr_high"), seeds=(0, 1), steps=6, eval_steps=[3, 6])
 
 
 @pytest.mark.slow

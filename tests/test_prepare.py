@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import pickle
 import shutil
 import signal
@@ -182,28 +183,72 @@ def test_two_workers_write_the_same_bytes_as_one(
     assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
 
 
-def test_prepare_killed_halfway_resumes_to_the_same_bytes(tok: Tokenizer, tok_path: str, tmp_path) -> None:
-    """SIGKILL (as the OOM killer or a lost node would) once a few of many shards are written, with
-    two worker processes: they exit with it, and the same command completes the data, byte for byte
-    what an uninterrupted run writes, without writing the finished shards again."""
-    corpus = tmp_path / "big.txt"
-    corpus.write_text("\n\n\n".join(sources.builtin_corpus(1_500_000)), encoding="utf-8")
-    out = tmp_path / "out"
-    args = ["--input", str(corpus), "--separator", "\\n\\n\\n", "--tokenizer", tok_path, "--output", str(out),
-            "--workers", "2", "--val_fraction=0.2", "--seed=0", "--shard_docs=2"]
+KILL_OPTIONS = dict(val_fraction=0.2, seed=0, shard_docs=2)  # many small shards: a signal lands half way
+
+
+@pytest.fixture(scope="module")
+def many_shards(tok: Tokenizer, tmp_path_factory):
+    """corpus size -> (a corpus of hundreds of 2-document shards, its uninterrupted prepare), once per size."""
+    root, made = tmp_path_factory.mktemp("many"), {}
+
+    def make(max_bytes: int) -> tuple[pathlib.Path, pathlib.Path]:
+        if max_bytes not in made:
+            corpus, reference = root / f"corpus-{max_bytes}.txt", root / f"reference-{max_bytes}"
+            corpus.write_text("\n\n\n".join(sources.builtin_corpus(max_bytes)), encoding="utf-8")
+            prepare.prepare(sources.SourceSpec(str(corpus), separator="\n\n\n"), tok, reference, workers=1,
+                            progress=False, **KILL_OPTIONS)
+            made[max_bytes] = corpus, reference
+        return made[max_bytes]
+
+    return make
+
+
+def signal_when_shards_appear(args: list[str], out: pathlib.Path, sig: signal.Signals) -> tuple[int, str]:
+    """Run the prepare command and send it `sig` once 2 shards are on disk (unless it finished
+    first); its exit code and stderr, once it and its workers have exited (they hold its pipes)."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxlm.data.prepare", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     while len(list(out.glob("*.tokens"))) < 2 and proc.poll() is None:
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)  # returns once every process holding its pipes (the workers) exited
-    assert proc.returncode == -signal.SIGKILL, err[-2000:]
-    shards = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tokens")}
-    reference = tmp_path / "reference"
-    prepare.prepare(sources.SourceSpec(str(corpus), separator="\n\n\n"), tok, reference, workers=1, progress=False,
-                    val_fraction=0.2, seed=0, shard_docs=2)
-    num_shards = sum(len(prepare.read_manifest(reference)["splits"][s]["shards"]) for s in prepare.SPLITS)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize(
+    "sig, code, last_line",
+    [
+        (signal.SIGKILL, -signal.SIGKILL, None),  # the OOM killer, a lost node: no chance to clean up
+        (signal.SIGTERM, 75, "jaxlm: stopped by SIGTERM; run the same command again to continue"),  # a scheduler
+        (signal.SIGINT, 130, "jaxlm: interrupted (run the same command again to continue)"),  # Ctrl-C
+    ],
+    ids=["SIGKILL", "SIGTERM", "SIGINT"],
+)
+def test_prepare_stopped_halfway_resumes_to_the_same_bytes(
+    sig: signal.Signals, code: int, last_line: str | None, many_shards, tok_path: str, tmp_path
+) -> None:
+    """A real signal to the command, with two worker processes, once a few of many shards are on
+    disk: the workers exit with it, and the same command completes the data, byte for byte what an
+    uninterrupted run writes, without writing the finished shards again."""
+    for max_bytes in (1_500_000, 4_000_000, 12_000_000):  # more to do if the last try finished before the signal
+        corpus, reference = many_shards(max_bytes)
+        num_shards = len(list(reference.glob("*.tokens")))
+        out = tmp_path / f"out-{max_bytes}"
+        args = ["--input", str(corpus), "--separator", "\\n\\n\\n", "--tokenizer", tok_path, "--output", str(out),
+                "--workers", "2", *(f"--{k}={v}" for k, v in KILL_OPTIONS.items())]
+        returncode, err = signal_when_shards_appear(args, out, sig)
+        shards = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tokens")}
+        if returncode != 0 and len(shards) < num_shards:
+            break
+    else:
+        pytest.fail(f"prepare wrote all its shards before {sig.name} landed, even with {max_bytes:,} bytes of input")
+    assert returncode == code, err[-2000:]
+    if last_line is not None:
+        assert err.strip().splitlines()[-1] == last_line
     assert 2 <= len(shards) < num_shards
+    if sig != signal.SIGKILL:  # a graceful stop lets the running shards finish: no partial write is left
+        assert not list(out.glob("*.tmp"))
     assert not prepare.read_manifest(out)["complete"]
     with pytest.raises(UserError, match="did not finish"):
         prepare.open_prepared(out)
