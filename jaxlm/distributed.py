@@ -15,9 +15,11 @@ the coordinator (host:port of process 0), the number of processes and its own id
   Kubernetes          an Indexed Job or JobSet pod: JOB_COMPLETION_INDEX (set by Kubernetes) as
                       the id, with JAX_NUM_PROCESSES and JAX_COORDINATOR_ADDRESS from the manifest
 
-Explicit values override the environment; with none of these (or one process) nothing is
-initialized. When several processes share a node and the launcher did not already give each its
-own GPU (CUDA_VISIBLE_DEVICES with one entry), each process takes the GPU of its local rank.
+Explicit values override the environment. Where none of these flags and variables is set at
+all, JAX's own cluster detection is the last resort (a Cloud TPU slice, GKE, Kubernetes with
+`jax[k8s]`); where they say one process, or nothing is detected, nothing is initialized. When
+several processes share a node and the launcher did not already give each its own GPU
+(CUDA_VISIBLE_DEVICES with one entry), each process takes the GPU of its local rank.
 
 Before `jax.distributed.initialize` (which aborts the process, with a C++ stack trace, when it cannot
 connect), the processes meet at the coordinator's port in a small rendezvous: a process that cannot
@@ -37,6 +39,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -367,30 +370,53 @@ def initialize_from(coordinator: str | None = None, num_processes: int | None = 
     return initialize(detect(coordinator, num_processes, process_id), timeout_s)
 
 
-# JAX's words when its own cluster detection finds no cluster (jax 0.10.2, jax/_src/distributed.py):
-# then this is a single process, as on a laptop.
+# Variables of the launchers `detect` reads. Where any is set (or a flag is given), jaxlm's reading is
+# final and JAX's detection is not asked: it reads SLURM and Open MPI differently (SLURM_NTASKS in an
+# sbatch script run without srun, say) and would wait for processes that never start.
+_LAUNCHER_VARIABLES = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_MCA_orte_hnp_uri", "WORLD_SIZE", "JOB_COMPLETION_INDEX")
+# `jax.distributed.initialize()`'s words (jax 0.10.2, jax/_src/distributed.py), the only public way to
+# ask JAX's cluster detection: no cluster detected (one process, as on a laptop), and JAX has already
+# started its backends in this process (a notebook, a test: it stays one process).
 _NO_CLUSTER = "coordinator_address should be defined"
+_TOO_LATE = "must be called before any JAX"
 
 
 def join(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
+         timeout_s: float = DEFAULT_TIMEOUT_S, environ: Mapping[str, str] | None = None) -> str | None:
     """Join a multi-process run, as `python -m jaxlm.train` and `python -m jaxlm.doctor` do: from the
-    flags or a launcher jaxlm knows (`detect`: SLURM, Open MPI, torchrun-style variables), else by
-    JAX's own cluster detection (TPU pods, GKE, ...); returns a line describing the layout, or None
-    for a single process. Call before anything asks JAX for its devices."""
-    layout = initialize_from(coordinator, num_processes, process_id, timeout_s)
+    flags or a launcher jaxlm knows (`detect`: SLURM, Open MPI, torchrun-style variables, ...), else,
+    where no launcher is seen at all, by JAX's own cluster detection (Cloud TPU slices, GKE, ...).
+    Returns a line describing the layout, or None for a single process. Call before anything asks
+    JAX for its devices."""
+    env = os.environ if environ is None else environ
+    layout = initialize(detect(coordinator, num_processes, process_id, env), timeout_s)
     if layout is not None:
         return layout.describe()
     if jax.distributed.is_initialized():
         return f"process {jax.process_index()} of {jax.process_count()} (initialized before jaxlm)"
+    if any(v is not None for v in (coordinator, num_processes, process_id)) or any(v in env for v in _LAUNCHER_VARIABLES):
+        return None  # a launcher jaxlm knows, or the flags, say one process
+    return _join_by_jax_detection(timeout_s)
+
+
+def _join_by_jax_detection(timeout_s: float) -> str | None:
+    """`jax.distributed.initialize()` with no arguments: JAX's own cluster detection. None (quietly,
+    at no cost) where it detects no cluster; one line where it cannot join what it detected."""
     try:
-        jax.distributed.initialize(initialization_timeout=int(timeout_s))
-    except ValueError as e:
-        if _NO_CLUSTER in str(e):
+        with warnings.catch_warnings():  # its Kubernetes detection warns, without the `kubernetes`
+            warnings.simplefilter("ignore")  # package, about a bootstrap jaxlm does not need
+            jax.distributed.initialize(initialization_timeout=int(timeout_s))
+    except Exception as e:  # noqa: BLE001 -- whatever the detected cluster's bootstrap raised
+        text = str(e).strip()
+        if (isinstance(e, ValueError) and _NO_CLUSTER in text) or (isinstance(e, RuntimeError) and _TOO_LATE in text):
             return None
-        raise UserError(f"JAX's cluster detection found a cluster but could not join it: {e}") from None
-    except RuntimeError:  # JAX already computes in this process (a notebook, a test): it stays one process
-        return None
+        first = text.splitlines()[0] if text else type(e).__name__
+        raise UserError(
+            f"JAX's own cluster detection (tried as no launcher jaxlm knows was found) could not join a run "
+            f"({first}); give the layout with --coordinator, --num_processes and --process_id, or "
+            f"--num_processes=1 to run as one process"
+        ) from None
     return f"process {jax.process_index()} of {jax.process_count()} (from JAX's cluster detection)"
 
 

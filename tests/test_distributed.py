@@ -299,6 +299,8 @@ JAX_DETECTS_A_CLUSTER = """
 import sys
 from jax._src import clusters  # only here: a cluster kind jaxlm does not know, as JAX registers its own
 
+MODE = "broken"
+
 
 class Pod(clusters.ClusterEnv):
     name = "test-pod"
@@ -307,7 +309,10 @@ class Pod(clusters.ClusterEnv):
     @classmethod
     def is_env_present(cls): return True
     @classmethod
-    def get_coordinator_address(cls, timeout_secs, override_coordinator_port=None): return sys.argv[1]
+    def get_coordinator_address(cls, timeout_secs, override_coordinator_port=None):
+        if MODE == "broken":
+            raise RuntimeError("the pod's API said no\\nsecond line")
+        return sys.argv[1]
     @classmethod
     def get_process_count(cls): return 1
     @classmethod
@@ -318,22 +323,55 @@ class Pod(clusters.ClusterEnv):
 
 import jax
 from jaxlm import distributed
+from jaxlm.errors import UserError
 
-print(distributed.join())
+try:  # a cluster JAX detects but cannot join: one line, and a way out
+    distributed.join()
+except UserError as e:
+    print(e)
+MODE = "ok"
+# A launcher jaxlm knows that says one process (an sbatch script without srun), or the flags: JAX is not asked.
+print(distributed.join(environ={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}),
+      distributed.join(num_processes=1, environ={}), jax.distributed.is_initialized())
+print(distributed.join(environ={}))
 print(jax.distributed.is_initialized(), jax.process_count())
+
+# The coordination service's client, as StepAgreement and barrier use it (through Orbax's public accessor).
+client = distributed._client()
+agreement = distributed.StepAgreement(prefix="jaxlm/test")
+agreement.client = client
+agreement.propose("stop", 5)
+agreement.propose("stop", 9)  # a later proposal does not move the agreed step
+print([agreement.due("stop", step) for step in (6, 7)], sorted(client.key_value_dir_get("jaxlm/test")))
+client.wait_at_barrier("jaxlm/test-barrier", 10_000)
+print("barrier passed")
 """
 
 
 def test_a_cluster_only_jax_detects_is_joined_through_jaxs_detection():
     """jaxlm's own detection (flags, SLURM, Open MPI, torchrun variables) finds nothing: JAX's own
-    cluster detection (TPU pods, GKE, ...) is the last resort, for the trainer and the doctor alike;
-    with no cluster at all it is one process, quietly."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    cluster detection (TPU slices, GKE, ...) is the last resort, for the trainer and the doctor alike;
+    a cluster it detects but cannot join is one line; a launcher jaxlm knows that says one process is
+    not second-guessed; with no cluster at all it is one process, quietly. Then the coordination
+    service's key-value store and barrier, which StepAgreement and barrier use, work through the client."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "JAX_")) and k not in distributed._LAUNCHER_VARIABLES}
     joined = subprocess.run([sys.executable, "-c", JAX_DETECTS_A_CLUSTER, f"127.0.0.1:{free_port()}"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert joined.returncode == 0, joined.stderr[-2000:]
-    assert joined.stdout.splitlines() == ["process 0 of 1 (from JAX's cluster detection)", "True 1"]
+    assert joined.stdout.splitlines() == [
+        "JAX's own cluster detection (tried as no launcher jaxlm knows was found) could not join a run (the pod's "
+        "API said no); give the layout with --coordinator, --num_processes and --process_id, or --num_processes=1 "
+        "to run as one process",
+        "None None False",
+        "process 0 of 1 (from JAX's cluster detection)",
+        "True 1",
+        "[False, True] [('jaxlm/test/stop/0', '7')]",
+        "barrier passed",
+    ]
     alone = subprocess.run([sys.executable, "-c", "from jaxlm import distributed; import jax; "
-                            "print(distributed.join(), jax.distributed.is_initialized())"],
+                            "print(distributed.join(), jax.distributed.is_initialized()); "
+                            "jax.numpy.ones(2).block_until_ready(); print(distributed.join())"],  # too late: alone
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0 and alone.stdout.strip() == "None False" and alone.stderr == "", alone.stderr
+    assert alone.returncode == 0 and alone.stdout.split() == ["None", "False", "None"] and alone.stderr == "", (
+        alone.stdout + alone.stderr)
