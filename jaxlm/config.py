@@ -132,8 +132,9 @@ def base_config() -> ml_collections.ConfigDict:
         # The global batch is read as this many independent streams (each a slice of the documents and
         # global_batch_size / shards rows of every batch); each process reads the streams its rows come
         # from. 0 = one per process when the run starts (so the batches follow the process count); a
-        # resumed run keeps its count whatever its process count. The same count gives the same batches
-        # on 1 process or many: set a multiple of every process count you will use (e.g. 8).
+        # resumed run keeps its count whatever its process count. Any fixed count gives the same batches
+        # on 1 process or many; a multiple of every process count you will use (e.g. 8) also spares
+        # each process reading rows it drops.
         shards=0,
         # false: tokenize the corpus once into cached token shards (any size; the fastest reads).
         # true: keep the raw documents in host memory and tokenize them in the pipeline (in the
@@ -306,7 +307,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
             other = next(a for a in reversed(applied[i + 1:]) if a[2] == node[leaf])
             raise UserError(
                 f"--config.{key}={text} and --config.{other[0]}={other[1]} contradict each other: the two keys are "
-                f"linked to one value; give only one of them"
+                f"linked to one value, which either sets; give only one of them (drop --config.{other[0]}={other[1]} "
+                f"to set both to {value!r})"
             )
 
 
