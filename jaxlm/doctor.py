@@ -79,6 +79,8 @@ def _cudnn_number(version: int | None) -> str:
 def cuda_versions() -> dict[str, str]:
     """CUDA runtime, driver and cuDNN versions as loaded by JAX's CUDA plugin; 'unknown' where absent."""
     out = {"cuda_runtime": "unknown", "cuda_driver": "unknown", "cudnn": "unknown"}
+    # JAX has no public API for the versions its CUDA plugin loaded (checked on jax 0.10.2): this one
+    # internal read is guarded, and a JAX that moves it makes these lines 'unknown', never an error.
     try:
         from jax._src.lib import cuda_versions as cv  # a module of the CUDA plugin, None without one
     except Exception:
@@ -305,6 +307,8 @@ def platform_findings(
 
 
 def _backend_error() -> str:
+    """Why the CUDA backend did not start, as JAX recorded it; "" when unknown. JAX has no public API
+    for it (checked on jax 0.10.2): an internal read, guarded, that only adds detail to a finding."""
     try:
         from jax._src import xla_bridge
 
