@@ -30,6 +30,13 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
+# The model keys that change only how the model computes (precision, memory, kernels) or how it is
+# initialised, never its parameters' shapes or the function they compute. Every OTHER model key is the
+# architecture, which a run started from another's parameters (run.init_from) takes from that run;
+# a new model key is architecture unless it is listed here. max_seq_len is architecture only with
+# learned positions (a [max_seq_len, d_model] table); scan_layers is (it stacks the layers' parameters).
+COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "loss_chunk_len", "init_std",
+                      "max_seq_len")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +55,7 @@ def default_rules() -> ml_collections.ConfigDict:
             "head_dim": "",
             "norm": "",
             "layers": "",
+            "lora_rank": "",  # the rank dimension of LoRA adapters: small, never sharded
             # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
             "opt_state": "",
             # activations
@@ -80,6 +88,11 @@ def base_config() -> ml_collections.ConfigDict:
         compile_cache_dir=".cache/jaxlm/xla",  # XLA's persistent compilation cache: restarts skip compiling; "" = off
         # "--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA's defaults
         xla_flags="",
+        # Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run
+        # starts from (step 0, fresh optimizer and data; a resumed run ignores it). Its architecture (every
+        # model key but COMPUTE_MODEL_KEYS) and tokenizer replace the recipe's. "" = random init
+        init_from="",
+        init_step=-1,  # run.init_from's checkpoint to read; -1 = the newest that loads (verified)
     )
     c.model = dict(
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
@@ -88,6 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
         mlp="",  # swiglu | gelu
         position="",  # rope | learned
         use_bias=-1,  # -1 = the variant's choice, 0 = no biases, 1 = biases
+        qkv_bias=-1,  # biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1
         vocab_size=vocab_size,
         d_model=256,
         n_layers=4,
@@ -99,6 +113,13 @@ def base_config() -> ml_collections.ConfigDict:
         tie_embeddings=False,
         norm_eps=1e-5,
         rope_theta=10000.0,
+        # Context extension of RoPE: none | linear (frequencies / rope_factor) | llama3 (Llama 3.1's: long
+        # wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)
+        rope_scaling="none",
+        rope_factor=1.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=0,
         init_std=0.02,
         dropout=0.0,
         dtype="bfloat16",  # compute dtype of matmuls and activations
@@ -163,6 +184,17 @@ def base_config() -> ml_collections.ConfigDict:
         micro_batches=1,
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
+    )
+    # LoRA adapters (jaxlm.lora): y = x W + (alpha / rank) (x A) B on the targeted projections, A random and
+    # B zero at the start. With adapters, an empty optim.trainable trains the adapters alone (type:LoRAParam).
+    c.lora = dict(
+        rank=0,  # the adapters' rank; 0 = no adapters
+        alpha=16.0,  # the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)
+        # comma-separated projection names (wq wk wv wo, w_gate w_up w_down or w_in w_out, unembed);
+        # "all" = every projection but the unembedding
+        targets="wq,wk,wv,wo",
+        ranks="",  # ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all
+        dropout=0.0,  # dropout on the adapters' input in training (not on the unembedding's)
     )
     c.checkpoint = dict(
         every_steps=1000,  # save every N steps (0 = off) ...
@@ -231,9 +263,20 @@ def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
 def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
     """Load a recipe and apply `a__b=value` overrides, validated: the library entry for notebooks."""
     cfg = load_recipe(name)
-    apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
+    pairs = [(k.replace("__", "."), v) for k, v in overrides.items()]
+    apply_overrides(cfg, pairs)
+    resolve_init_from(cfg, pairs)
     validate(cfg)
     return cfg
+
+
+def resolve_init_from(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]] = ()) -> None:
+    """With `run.init_from`: the source run's architecture and tokenizer, in place (`jaxlm.init_from`);
+    `overrides` (the command line's) may repeat the source's values but never contradict them."""
+    if cfg.run.init_from:
+        from jaxlm import init_from
+
+        init_from.resolve_config(cfg, overrides)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -333,6 +376,7 @@ def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_coll
         raise UserError(f"--config is required: --config=configs/<recipe>.py, recipes: {', '.join(recipe_names())}")
     cfg = load_recipe(recipe_arg)
     apply_overrides(cfg, overrides)
+    resolve_init_from(cfg, overrides)
     return cfg
 
 
@@ -367,7 +411,7 @@ def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
     from jaxlm.data import sources, tokenizer
-    from jaxlm.models import transformer  # registries of variants and components
+    from jaxlm.models import layers, transformer  # registries of variants and components
 
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
     _check_choice(cfg, "model.variant", sorted(transformer.VARIANTS))
@@ -375,6 +419,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "model.mlp", sorted(transformer.MLPS), allow_empty=True)
     _check_choice(cfg, "model.position", sorted(transformer.POSITIONS), allow_empty=True)
     _check(m.use_bias in (-1, 0, 1), "model.use_bias", m.use_bias, "-1 (variant's choice), 0 or 1")
+    _check(m.qkv_bias in (-1, 0, 1), "model.qkv_bias", m.qkv_bias, "-1 (variant's choice), 0 or 1")
+    _check_choice(cfg, "model.rope_scaling", layers.ROPE_SCALINGS)
+    if m.rope_scaling != "none":
+        _check(m.rope_factor > 0, "model.rope_factor", m.rope_factor, "a positive number")
+    if m.rope_scaling == "llama3":
+        _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len,
+               "the context length the model was trained with, a positive integer (rope_scaling=llama3 needs it)")
+        _check(m.rope_high_freq_factor > m.rope_low_freq_factor > 0, "model.rope_high_freq_factor",
+               m.rope_high_freq_factor, f"a number above model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
         _check(m[key] > 0, f"model.{key}", m[key], "a positive integer")
     for key in ("n_kv_heads", "head_dim", "mlp_dim"):
@@ -425,9 +478,18 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
            "a positive integer, or 0 for as few as fit in device memory")
     _check(o.micro_batches == 0 or d.global_batch_size % o.micro_batches == 0, "optim.micro_batches",
            o.micro_batches, f"a divisor of data.global_batch_size={d.global_batch_size}")
+    lo = cfg.lora
+    _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (no adapters) or a positive integer")
+    _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a positive number")
+    _check(0.0 <= lo.dropout < 1.0, "lora.dropout", lo.dropout, "a number in [0, 1)")
+    if lo.rank > 0 or lo.ranks.strip():  # target names against the model's projections (an abstract build)
+        transformer.ModelConfig.from_config(m, "cpu", attention="xla", log_choice=False, lora=lo)
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
     _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")
+    _check(r.init_step >= -1, "run.init_step", r.init_step, "-1 (the newest checkpoint that loads) or a step")
+    _check(r.init_step == -1 or bool(r.init_from), "run.init_step", r.init_step,
+           "-1 while run.init_from is empty (set run.init_from to the run directory to read that step of)")
     ck = cfg.checkpoint
     _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "0 (off) or more")
     _check(ck.every_minutes >= 0, "checkpoint.every_minutes", ck.every_minutes, "0 (off) or more")

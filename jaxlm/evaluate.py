@@ -161,10 +161,10 @@ def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
 def _check_same_tokenizer(run: inference.LoadedRun, directory: pathlib.Path) -> None:
     from jaxlm.data.tokenizer import Tokenizer
 
-    theirs = Tokenizer.load(directory / prepare.TOKENIZER)
+    theirs = Tokenizer.load(prepare.tokenizer_file(directory))
     if theirs.sha256 != run.tokenizer.sha256:
         raise UserError(f"{directory} was prepared with another tokenizer than {run.run_dir}'s; prepare the corpus "
-                        f"with {run.run_dir / 'tokenizer.model'}, or give the raw files as --corpus")
+                        f"with {run.run_dir / run.tokenizer.file_name}, or give the raw files as --corpus")
 
 
 def _take_prepared(directory: pathlib.Path, split: str, max_tokens: int) -> list[np.ndarray]:

@@ -69,7 +69,9 @@ def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
             raise UserError(f"mesh={tuple(mesh)}: give {len(MESH_AXES)} sizes ({', '.join(MESH_AXES)}); "
                             f"-1 takes the devices left over")
         overrides = {**{f"mesh__{a}": size for a, size in zip(MESH_AXES, mesh)}, **overrides}
-    config_lib.apply_overrides(cfg, [(k.replace("__", "."), v) for k, v in overrides.items()])
+    pairs = [(k.replace("__", "."), v) for k, v in overrides.items()]
+    config_lib.apply_overrides(cfg, pairs)
+    config_lib.resolve_init_from(cfg, pairs)  # run.init_from: that run's architecture and tokenizer
     config_lib.validate(cfg)
     return cfg
 
@@ -345,7 +347,7 @@ def evaluate(setup: train_setup.TrainSetup, data: loader.Data) -> dict[str, floa
 
 
 def save(setup: train_setup.TrainSetup, data: loader.Data, run_dir: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Write a run directory like the CLI's (config.json, tokenizer.model, checkpoints/<step>/ with
+    """Write a run directory like the CLI's (config.json, the tokenizer, checkpoints/<step>/ with
     the train state and the data position): `load` reads it, and `python -m jaxlm.train` with the
     same config and `run.name` continues training it. Default: `run.output_dir/run.name`."""
     cfg = setup.cfg
@@ -355,7 +357,7 @@ def save(setup: train_setup.TrainSetup, data: loader.Data, run_dir: str | pathli
         cfg.run.output_dir, cfg.run.name = str(run_dir.parent), run_dir.name
     step = int(jax.device_get(setup.state.step))
     make_run_dir(run_dir, cfg, step)
-    data.tokenizer.save(run_dir / "tokenizer.model")
+    data.tokenizer.save(run_dir / data.tokenizer.file_name)
     meta = {"config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * setup.derived.tokens_per_step, "wall_s": 0.0}
     with checkpoint.Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlm import axes, checkpoint, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
 from jaxlm.run_dir import config_differences
@@ -92,14 +92,15 @@ def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:
 
 
 def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | None = None) -> transformer.ModelConfig:
-    """The run's model for inference: no dropout or remat; the attention kernel chosen for `platform`
-    (a run trained with cuDNN attention is evaluated on a CPU with XLA's); `dtype` overrides the compute dtype."""
-    overrides: dict[str, Any] = dict(dropout=0.0, remat="none")
+    """The run's model for inference: no dropout or remat; its LoRA adapters (config.lora), if any; the
+    attention kernel chosen for `platform` (a run trained with cuDNN attention is evaluated on a CPU with
+    XLA's); `dtype` overrides the compute dtype."""
+    overrides: dict[str, Any] = dict(dropout=0.0, lora_dropout=0.0, remat="none")
     if dtype:
         if dtype not in transformer.DTYPES:
             raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
         overrides["dtype"] = transformer.DTYPES[dtype]
-    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", **overrides)
+    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", lora=cfg.lora, **overrides)
 
 
 def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, model_spec, devices,
@@ -174,11 +175,12 @@ def load_run(
         raise UserError(f"--step={step}: {run_dir} has no complete checkpoint for that step; "
                         f"its checkpoints: {', '.join(map(str, steps))}")
     _check_config_matches(run_dir, cfg, ckpt_dir, [step] if step is not None else steps)
-    tok_path = run_dir / "tokenizer.model"
-    if not tok_path.is_file():
-        raise UserError(f"{run_dir} has no tokenizer.model; it is written by python -m jaxlm.train at the start of a run")
+    tok_path = find_in(run_dir)
+    if tok_path is None:
+        raise UserError(f"{run_dir} has no tokenizer ({' or '.join(FILE_NAMES)}); it is written by python -m "
+                        f"jaxlm.train at the start of a run")
     tokenizer = Tokenizer.load(tok_path)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
+    if tokenizer.vocab_size > cfg.model.vocab_size:  # more model rows than tokens is fine (a padded vocabulary)
         raise UserError(f"{tok_path} has {tokenizer.vocab_size} tokens but the run's model.vocab_size is "
                         f"{cfg.model.vocab_size}; the run directory is inconsistent")
     devices = list(devices) if devices is not None else jax.devices()

@@ -253,7 +253,7 @@ def estimate(
     if not cfg.optim.micro_batches:  # as few as fit: planned for 80 GB devices (plan() uses its budget)
         cfg = resolve_micro_batches(cfg, num_devices, 80 * GIB, platform)[0]
     derived = config_lib.derive(cfg, num_devices)
-    m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False)
+    m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora)
     a = act_bytes or _itemsize(m.dtype)
     state, model_spec = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
@@ -294,7 +294,8 @@ def estimate(
 
     saved, layer, logits = activations(sizes, 0)
     saved_total, layer_total, logits_total = activations({axis: 1 for axis in sizes}, 1)
-    trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={cfg.optim.trainable!r})"
+    selection = cfg.optim.trainable or (train_state.LORA_TRAINABLE if m.lora_targets else "")  # build_model_spec's
+    trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={selection!r})"
     rows = [
         Row("parameters", *param_bytes, _dtype_name(m.param_dtype)),
         Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note),

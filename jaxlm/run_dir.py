@@ -1,7 +1,7 @@
 """A run directory: where it is, whether a resume may continue it, and the metric sinks in it.
 
-`output_dir/name` holds config.json, metrics.jsonl, tensorboard/, tokenizer.model, summary.json
-and checkpoints/<step>/.
+`output_dir/name` holds config.json, metrics.jsonl, tensorboard/, the tokenizer (tokenizer.model, or
+a Hugging Face tokenizer.json with its tokenizer_config.json), summary.json and checkpoints/<step>/.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ RESUMABLE_CHANGES = (
     "run.recipe", "mesh.", "model.remat", "model.attention", "model.loss_chunk_len", "data.cache_dir", "checkpoint.",
     "optim.on_nonfinite", "optim.micro_batches", "metrics.", "profile.", "run.compile_cache_dir", "run.xla_flags",
     "data.shards",  # the data stream's count is checked against the checkpoint's when its position is restored
+    "data.tokenizer_path",  # the tokenizer itself (its sha256) is checked on resume, wherever its file now is
 )
 
 
@@ -49,8 +50,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
-    """'key: old -> new' for every difference that matters to a resumed run."""
-    old, new = _flatten(saved), _flatten(json.loads(cfg.to_json()))
+    """'key: old -> new' for every difference that matters to a resumed run. A key the saved config
+    lacks (it was written before the key existed, e.g. the lora section) had its default."""
+    from jaxlm.config import base_config
+
+    old = {**_flatten(json.loads(base_config().to_json())), **_flatten(saved)}
+    new = _flatten(json.loads(cfg.to_json()))
     return [
         f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
         for key in sorted(set(old) | set(new))

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, checkpoint, distributed, memory, train_setup, xla_flags
+from jaxlm import axes, checkpoint, distributed, init_from, memory, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
@@ -217,6 +217,11 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any]:
     distributed.barrier("run_dir")  # every process looks for checkpoints only after that
     resume_step, saved, verified = _newest_checkpoint(run_dir)
+    if saved.get("params_only"):  # `python -m jaxlm.hf import` wrote it: no optimizer state, no data position
+        raise UserError(
+            f"{run_dir} holds an imported model (parameters only), not a run to continue; train from it in a new "
+            f"run directory with --config.run.init_from={run_dir} (and another config.run.name)"
+        )
     if saved:
         differences = config_differences(saved["config"], cfg)
         if differences:
@@ -304,9 +309,10 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
             f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
         )
-    setup = train_setup.build(cfg, abstract=bool(resume_step))  # a resumed state is restored, never initialised
+    # A resumed state is restored, never initialised; a new one with run.init_from holds that run's parameters.
+    setup = train_setup.build(cfg, abstract=bool(resume_step))
     _check_process_rows(setup, data)
-    state = setup.state
+    state, origin = setup.state, setup.init_from  # origin: {"run_dir", "step"} its step-0 parameters came from
     if resume_step:
         _set_aside_damaged(ckpt, run_dir, resume_step)  # those that did not match their manifests
         # (process 0 checked the manifests already, in _newest_checkpoint)
@@ -315,6 +321,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         if resume_step >= cfg.run.steps:  # it had no manifest: restoring it was the check
             ckpt.record_manifest(resume_step)
             return _already_complete(run_dir, resume_step)
+        origin = saved.get("init_from")
     derived, model_cfg = setup.derived, setup.model_cfg
     make_run_dir(run_dir, cfg, resume_step)
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
@@ -328,8 +335,10 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
            if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
+    if setup.init_from:
+        console(f"jaxlm: {init_from.describe(setup.init_from, state.params)}")
     if jax.process_index() == 0:
-        data.tokenizer.save(run_dir / "tokenizer.model")
+        data.tokenizer.save(run_dir / data.tokenizer.file_name)
     if jax.process_count() > 1:
         console(f"jaxlm: {jax.process_count()} processes, {jax.local_device_count()} devices each; "
                 f"{data.shards} data shard(s), each process reads {len(data.train.streams)}")
@@ -347,6 +356,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
             "data_shards": data.shards, "process_count": jax.process_count(),
         }
+        if origin:
+            meta["init_from"] = origin
         ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
 
     eval_target_bytes = data.eval_target_bytes
@@ -418,6 +429,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     summary = {
         "steps": total_steps,
         "resumed_from": resume_step,
+        "init_from": origin,  # where the parameters at step 0 came from (run.init_from), or None
         "first_loss": log.losses[0],
         "final_loss": log.losses[-1],
         "val_loss": val_loss,

@@ -17,9 +17,9 @@ import ml_collections
 import numpy as np
 
 from jaxlm import config as config_lib
+from jaxlm import init_from, optim, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm import optim, steps, train_state
 from jaxlm.models import transformer
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class TrainSetup:
     schedule: Any
     train_step: Any  # compiled (state, batch) -> (state, metrics); donates the state
     eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
+    tx: Any = None  # the optimizer (optax), for a state built around given parameters (`train_state.from_params`)
+    init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
@@ -86,7 +88,8 @@ def build(
     """Validate, make the mesh, create the sharded state and the steps (compiled on first call).
 
     With `abstract=True` the state holds only shapes and shardings (nothing is allocated), for
-    `compile_train_step` on recipes larger than this machine.
+    `compile_train_step` on recipes larger than this machine. Otherwise it is the state a new run
+    starts from: random parameters, or with `run.init_from` another run's (`init_from.load_state`).
     """
     config_lib.validate(cfg)
     devices = list(devices) if devices is not None else jax.devices()
@@ -94,27 +97,31 @@ def build(
     derived = config_lib.derive(cfg, len(devices))
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora)
     model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask)
-    if abstract:
+    if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
     else:
         state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
         model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
-        dropout=cfg.model.dropout > 0, rules=rules, grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
+        dropout=model_cfg.dropout > 0 or model_cfg.lora_dropout > 0, rules=rules,
+        grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
         loss_chunk_len=cfg.model.loss_chunk_len,
     )
-    return TrainSetup(
+    setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
-        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule,
+        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule, tx=tx,
         train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
         eval_step=steps.jit_eval_step(
             steps.make_eval_step(model_spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding
         ),
     )
+    if cfg.run.init_from and not abstract:
+        setup.state, setup.init_from = init_from.load_state(setup)
+    return setup
 
 
 def evaluate(setup: TrainSetup, params, batches: list[dict[str, np.ndarray]],

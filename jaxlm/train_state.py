@@ -80,6 +80,10 @@ def _union(a: dict, b: dict) -> dict:
     return out
 
 
+# What trains in a model with LoRA adapters when optim.trainable is empty: the adapters (nnx.LoRAParam).
+LORA_TRAINABLE = "type:LoRAParam"
+
+
 def trainable_filter(selection: str):
     """`optim.trainable` -> a predicate (path, variable type) -> bool. "" = everything trains.
 
@@ -112,7 +116,9 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 
 def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     """Structure and metadata of the model, from an abstract build (no arrays allocated);
-    `trainable` is `optim.trainable` (`trainable_filter`)."""
+    `trainable` is `optim.trainable` (`trainable_filter`): empty, every parameter trains, or with LoRA
+    adapters (`cfg.lora_targets`) the adapters alone (`LORA_TRAINABLE`)."""
+    trainable = trainable or (LORA_TRAINABLE if cfg.lora_targets else "")
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
@@ -144,20 +150,35 @@ def param_shardings(model_spec: ModelSpec, mesh: Mesh, rules: Rules):
     )
 
 
+def _fresh_state(params, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """Step 0 and a new optimizer state around `params`."""
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(model_spec.split(params)[0]),
+        rng=jax.random.PRNGKey(seed + 1),
+    )
+
+
 def init_fn(cfg: ModelConfig, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int):
     """A function () -> TrainState: what `create` compiles with sharded outputs."""
 
     def init() -> TrainState:
         model = build_model(cfg, seed)
-        params = nnx.to_pure_dict(nnx.state(model))
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=tx.init(model_spec.split(params)[0]),
-            rng=jax.random.PRNGKey(seed + 1),
-        )
+        return _fresh_state(nnx.to_pure_dict(nnx.state(model)), model_spec, tx, seed)
 
     return init
+
+
+def from_params(params, model_spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState, mesh: Mesh,
+                seed: int = 0) -> TrainState:
+    """A new run's state around given parameters (sharded as `shardings.params`, e.g. read from
+    another run's checkpoint): step 0, a fresh optimizer state, the RNG `create` would give. The
+    parameters are donated: they become the state's, not copied."""
+    with jax.set_mesh(mesh):
+        make = jax.jit(lambda p: _fresh_state(p, model_spec, tx, seed), in_shardings=(shardings.params,),
+                       out_shardings=shardings, donate_argnums=0)
+        return make(params)
 
 
 def state_shardings(abstract: TrainState, model_spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:

@@ -167,6 +167,24 @@ def _recipe(text: str) -> Callable[[pathlib.Path, dict], None]:
     return _write("recipe.py", text)
 
 
+def _untrained_source(case: pathlib.Path, world: dict) -> None:
+    """A run directory with its config but no checkpoint yet."""
+    (case / "src" / "checkpoints").mkdir(parents=True)
+    shutil.copy(world["run"] / "config.json", case / "src" / "config.json")
+
+
+def _byte_tokenizer(case: pathlib.Path, world: dict) -> None:
+    from jaxlm.data.tokenizer import SentencePieceTokenizer
+
+    SentencePieceTokenizer.train(["x"], 260, "byte").save(case / "bytes.model")  # 260 tokens, the run has 300
+
+
+def FINETUNE(*flags: str) -> tuple[str, ...]:
+    """`T` started from {copy} (run.init_from), training 2 steps on the facts corpus, tokenized on the fly."""
+    return T("--config.run.init_from={copy}", "--config.data.corpus={corpus}", "--config.data.separator=\n\n",
+             "--config.data.tokenize_on_the_fly=true", "--config.run.steps=2", *flags)
+
+
 TASKS_SHAPE = '{"context": "alice likes", "choices": [" apples.", " figs."], "answer": 0}\n'
 
 # ----------------------------------------------------------------------------- the catalogue
@@ -240,6 +258,9 @@ CASES = [
          ("tokenizer model not found", "nope.model")),
     Case("tokenizer-not-a-model", "train", T("--config.data.tokenizer_path={case}/junk.model"), 2,
          ("not a SentencePiece model", "junk.model"), setup=_write("junk.model", "junk")),
+    Case("tokenizer-json-not-a-tokenizer", "train", T("--config.data.tokenizer_path={case}/hf"), 2,
+         ("hf/tokenizer.json is JSON but not a Hugging Face tokenizer.json",),
+         setup=_write("hf/tokenizer.json", '{"model_type": "llama", "vocab_size": 32000}')),
     Case("tokenizer-vocab-mismatch", "train", T("--config.data.tokenizer_path={tok}"), 2, ("300", "2048")),
     Case("prepared-corpus-on-the-fly", "train",
          T("--config.data.corpus={prepared}", "--config.data.tokenize_on_the_fly=true"), 2,
@@ -274,6 +295,28 @@ CASES = [
     Case("resume-every-checkpoint-damaged", "train", FACTS("--config.run.steps=60"), 2,
          ("could be restored", "step 40", "step 20", "config.run.fresh=true"), setup=_damage_checkpoints(20, 40),
          unchanged="{copy}"),
+    # --- fine-tuning: a new run from another run's parameters (run.init_from), the shared run as the source
+    Case("init-from-not-a-directory", "train", T("--config.run.init_from={case}/nope"), 2,
+         ("config.run.init_from=", "nope is not a directory", "give a run directory")),
+    Case("init-from-not-a-run", "train", T("--config.run.init_from={case}"), 2,
+         ("is not a run directory (no config.json)",)),
+    Case("init-from-no-checkpoint", "train", T("--config.run.init_from={case}/src"), 2,
+         ("has no complete checkpoint", "train it first"), setup=_untrained_source),
+    Case("init-from-step-missing", "train", T("--config.run.init_from={run}", "--config.run.init_step=30"), 2,
+         ("config.run.init_step=30", "no complete checkpoint for that step", "20, 40"), unchanged="{run}"),
+    Case("init-from-own-directory", "train", FACTS("--config.run.init_from={copy}"), 2,
+         ("is this run's own directory", "config.run.name"), setup=lambda c, w: _copy_run(c, w), unchanged="{copy}"),
+    Case("init-from-contradicting-flag", "train", T("--config.run.init_from={run}", "--config.model.n_layers=6"), 2,
+         ("--config.model.n_layers=6 contradicts", "model.n_layers is 2", "drop --config.model.n_layers"),
+         unchanged="{run}"),
+    Case("init-from-tokenizer-vocab", "train",
+         T("--config.run.init_from={run}", "--config.data.tokenizer_path={case}/bytes.model"), 2,
+         ("has 260 tokens", "vocab_size=300", "leave data.tokenizer_path empty"), setup=_byte_tokenizer),
+    Case("init-from-every-checkpoint-damaged", "train", FINETUNE(), 2,
+         ("config.run.init_from=", "could be restored", "step 40", "step 20"), setup=_damage_checkpoints(20, 40),
+         unchanged="{copy}"),
+    Case("init-from-newest-damaged", "train", FINETUNE(), 0, ("checkpoints/40 could not be restored", "trying step 20"),
+         setup=_damage_checkpoints(40), unchanged="{copy}", one_device=True, slow=True),
     # --- multi-process flags
     Case("process-id-out-of-range", "train",
          T("--coordinator=localhost:1234", "--num_processes=2", "--process_id=5"), 2, ("the id must be in 0..1",)),
@@ -293,8 +336,8 @@ CASES = [
          setup=_edit_json("config.json", _model_edit("d_model", 96)), unchanged="{copy}"),
     Case("eval-no-checkpoints", "evaluate", ("--run_dir={copy}",), 2, ("has no checkpoints",),
          setup=_remove("checkpoints"), unchanged="{copy}"),
-    Case("eval-no-tokenizer", "evaluate", ("--run_dir={copy}",), 2, ("has no tokenizer.model",),
-         setup=_remove("tokenizer.model"), unchanged="{copy}"),
+    Case("eval-no-tokenizer", "evaluate", ("--run_dir={copy}",), 2,
+         ("has no tokenizer (tokenizer.json or tokenizer.model)",), setup=_remove("tokenizer.model"), unchanged="{copy}"),
     Case("eval-step-missing", "evaluate", ("--run_dir={run}", "--step=999"), 2,
          ("--step=999", "no complete checkpoint for that step", "20, 40"), unchanged="{run}"),
     Case("eval-newest-damaged", "evaluate", ("--run_dir={copy}", "--corpus={corpus}", "--output={case}/e.json"), 0,
@@ -365,6 +408,9 @@ CASES = [
          ("tokenizer model not found",)),
     Case("tokenizer-encode-junk-model", "data.tokenizer", ("encode", "--model={case}/a.txt", "hi"), 2,
          ("not a SentencePiece model", "a.txt"), setup=_write("a.txt", "hello world")),
+    Case("tokenizer-encode-truncated-json", "data.tokenizer", ("encode", "--model={case}/t.json", "hi"), 2,
+         ("t.json is not a Hugging Face tokenizer.json: invalid JSON at line 1",),
+         setup=_write("t.json", '{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0')),
     Case("tokenizer-decode-out-of-range", "data.tokenizer", ("decode", "--model={tok}", "99999"), 2,
          ("token id 99999 is outside",)),
     # --- the planner

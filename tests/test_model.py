@@ -87,12 +87,21 @@ def test_dropout_is_active_only_with_a_key():
         dict(tie_embeddings=True, n_kv_heads=2),
         dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
         dict(scan_layers=False, use_bias=True),
+        dict(qkv_bias=True, n_kv_heads=2),  # Qwen2: q/k/v biases alone
+        # LoRA adapters (a `lora` entry): per-module ranks, the unembedding's, unscanned, GELU's projections
+        dict(lora_rank=4, lora_targets=("wq", "wk", "wv", "wo", "w_down", "unembed"), lora_ranks=(("wq", 8),),
+             n_kv_heads=2),
+        dict(lora_rank=2, lora_targets=("w_in", "w_out", "wo"), mlp="gelu", norm="layernorm", use_bias=True,
+             scan_layers=False),
     ],
 )
 def test_param_count_from_config_equals_the_built_model(kw):
     cfg = small_config(**kw)
-    built = sum(x.size for x in jax.tree.leaves(nnx.state(build_model(cfg))))
+    state = nnx.state(build_model(cfg))
+    built = sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["total"] == built
+    adapters = sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
+    assert param_count(cfg)["lora"] == adapters and (adapters > 0) == bool(cfg.lora_targets)
 
 
 def test_flops_per_token_matches_a_hand_count():
@@ -227,3 +236,22 @@ def test_every_weight_matmul_goes_through_a_projection_whose_contraction_can_be_
     skipped = model.logits(model.final_norm(model.embed(tokens)))
     np.testing.assert_allclose(model(tokens), skipped, rtol=1e-6, atol=1e-6)
     assert not np.allclose(before, skipped, atol=1e-3)
+
+
+def test_rope_scaling_changes_only_the_long_wavelengths():
+    """Llama 3.1's scaling: wavelengths below original_max_len / high_freq_factor are kept, those
+    above original_max_len / low_freq_factor divided by the factor, those between blended; linear
+    divides them all. (Equality with transformers' RoPE: tests/test_hf.py.)"""
+    from jaxlm.models.layers import rope_frequencies
+
+    plain = np.asarray(rope_frequencies(64, 500000.0))
+    scaled = np.asarray(rope_frequencies(64, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192))
+    wavelen = 2 * np.pi / plain
+    short, long = wavelen < 8192 / 4, wavelen > 8192
+    assert short.any() and long.any() and (~short & ~long).any()
+    np.testing.assert_array_equal(scaled[short], plain[short])
+    np.testing.assert_allclose(scaled[long], plain[long] / 8, rtol=1e-6)
+    between = ~short & ~long
+    assert np.all((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 8))
+    np.testing.assert_allclose(np.asarray(rope_frequencies(64, 1e4, "linear", 4.0)),
+                               np.asarray(rope_frequencies(64, 1e4)) / 4, rtol=1e-6)

@@ -83,7 +83,8 @@ def _cache_lock(cfg: ml_collections.ConfigDict):
 
 
 def load_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
-    """The configured .model file, or one trained on the corpus's training documents (cached)."""
+    """The configured tokenizer file (.model or tokenizer.json), or one trained on the corpus's
+    training documents (cached)."""
     d = cfg.data
     if d.tokenizer_path:
         return tokenizer.Tokenizer.load(d.tokenizer_path)
@@ -141,7 +142,7 @@ def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data
     if d.tokenize_on_the_fly:
         return _load_on_the_fly(cfg, shards)
     directory = prepared_dir(cfg)
-    tok = tokenizer.Tokenizer.load(directory / prepare.TOKENIZER)
+    tok = tokenizer.Tokenizer.load(prepare.tokenizer_file(directory))
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
         raise UserError(
             f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "
@@ -184,7 +185,9 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
 
 
 def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where: str) -> None:
-    if tok.vocab_size != cfg.model.vocab_size:
+    """The model must have a row for every token id; more rows are allowed (a vocabulary padded to a
+    round size, as Qwen2's 151,936 rows for 151,665 tokens), never fewer."""
+    if tok.vocab_size > cfg.model.vocab_size:
         raise UserError(
             f"the tokenizer of {where} has {tok.vocab_size} tokens but config.model.vocab_size="
             f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"

@@ -2,10 +2,13 @@
 
     python -m jaxlm.data.prepare --input 'data/*.jsonl' --tokenizer tok.model --output data/prepared
 
+(`--tokenizer` may also be a Hugging Face tokenizer.json, or the checkpoint directory holding it.)
+
 The output directory holds:
   manifest.json       what went in (tokenizer, source files with size and sha256, options) and, once
                       complete, each split's documents and tokens and each shard's bytes and sha256
-  tokenizer.model     the tokenizer the shards were made with
+  tokenizer.model     the tokenizer the shards were made with (a Hugging Face one: tokenizer.json
+                      and tokenizer_config.json; `tokenizer_file` finds either)
   train-00000.tokens  the shards: two .npy arrays back to back, int64 document offsets [D + 1],
   val-00000.tokens    then the tokens [offsets[-1]] (uint16, or uint32 for vocabularies over 65536)
 
@@ -45,7 +48,7 @@ import numpy as np
 import tqdm
 
 from jaxlm.data import sources
-from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
+from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
 
 if TYPE_CHECKING:
@@ -55,7 +58,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"  # the tokenizer file where it is a SentencePiece model; in general see tokenizer_file
 SPLITS = ("train", "val")
 
 Manifest = dict[str, Any]  # the contents of manifest.json
@@ -105,7 +108,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     _remove_partial_writes(out)
     _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
-    tokenizer.save(out / TOKENIZER)
+    tokenizer.save(out / tokenizer.file_name)
     manifest["splits"] = _write_shards(source, out, manifest, workers, progress)
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
@@ -173,6 +176,15 @@ def is_prepared(directory: str | os.PathLike, *, complete: bool = False) -> bool
     if not (pathlib.Path(directory) / MANIFEST).is_file():
         return False
     return not complete or read_manifest(directory)["complete"]
+
+
+def tokenizer_file(directory: str | os.PathLike) -> pathlib.Path:
+    """The tokenizer file a prepared directory was made with: its tokenizer.model or tokenizer.json."""
+    path = find_in(directory)
+    if path is None:
+        raise UserError(f"{directory} holds no tokenizer ({' or '.join(FILE_NAMES)}); run jaxlm.data.prepare again "
+                        f"into a new directory")
+    return path
 
 
 def read_manifest(output_dir: str | os.PathLike) -> Manifest:
@@ -275,7 +287,7 @@ def _write_shards(
     source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool
 ) -> dict[str, dict[str, Any]]:
     """Write every planned shard not already on disk, `workers` at a time; the manifest's splits."""
-    tokenizer_path = str(out / TOKENIZER)
+    tokenizer_path = str(tokenizer_file(out))
     if workers == 1:
         _load_tokenizer(tokenizer_path)
         executor: concurrent.futures.Executor = _InProcess()
@@ -414,7 +426,8 @@ def _main(argv: list[str] | None = None) -> int:
                         help="text files: split documents on this string (escapes such as \\n\\n are decoded);"
                         " empty: one document per file")
     parser.add_argument("--max_bytes", type=int, default=0, help="builtin only: stop after this many bytes")
-    parser.add_argument("--tokenizer", required=True, help="a SentencePiece .model file")
+    parser.add_argument("--tokenizer", required=True,
+                        help="a SentencePiece .model file or a Hugging Face tokenizer.json (or its directory)")
     parser.add_argument("--output", required=True, help="the directory to write (or to continue)")
     parser.add_argument("--shard_docs", type=int, default=4096, help="documents per shard")
     parser.add_argument("--val_fraction", type=float, default=0.01)

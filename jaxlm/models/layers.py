@@ -60,6 +60,22 @@ def recomputed(fn: Callable) -> Callable:
 
 
 EinsumOp = Callable[..., jax.Array]  # (equation, x, kernel) -> y, like jnp.einsum
+# The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
+LORA_RANK_AXIS = "lora_rank"
+
+
+def lora_equations(equation: str) -> tuple[str, str]:
+    """The two contractions of a LoRA adapter beside `einsum(equation, x, kernel)`: (x, A) -> h and
+    (h, B) -> y, where A holds the kernel's input (contracted) dimensions then a rank dimension and B
+    the rank dimension then the kernel's output dimensions. wq's "btd,dnh->btnh" gives
+    ("btd,dr->btr", "btr,rnh->btnh"); wo's "btnh,nhd->btd" gives ("btnh,nhr->btr", "btr,rd->btd")."""
+    lhs, out = equation.split("->")
+    x, kernel = lhs.split(",")
+    r = next(c for c in "rzyxwqponmlkjigfeca" if c not in equation)
+    a = "".join(c for c in kernel if c in x) + r
+    b = r + "".join(c for c in kernel if c not in x)
+    h = "".join(c for c in x if c not in kernel) + r
+    return f"{x},{a}->{h}", f"{h},{b}->{out}"
 
 
 class Projection(nnx.Module):
@@ -69,14 +85,16 @@ class Projection(nnx.Module):
     the compute `dtype` (`weight()`) and the contraction (`einsum_op`, `jnp.einsum` by default, as
     `flax.nnx.Einsum` takes one). What comes next plugs in here: a quantized kernel overrides
     `weight()` (dequantize, fake-quantize, apply a sparsity mask), a different contraction replaces
-    `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel`. `projections`
-    finds every one in a model by path.
+    `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel` (LoRA:
+    `add_adapter`). `projections` finds every one in a model by path.
     """
 
     def __init__(self, equation: str, shape: tuple[int, ...], names: tuple, *, init: Initializer, dtype,
                  param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum):
         self.equation, self.dtype, self.einsum_op = equation, dtype, einsum_op
         self.kernel = make_param(rngs, init, shape, names, param_dtype)
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # LoRA's A and B, once `add_adapter` ran
+        self.lora_scale, self.lora_dropout = 0.0, 0.0
 
     @property
     def in_axes(self) -> tuple[int, ...]:
@@ -88,8 +106,41 @@ class Projection(nnx.Module):
         """The kernel as the contraction uses it: cast to the compute dtype."""
         return self.kernel[...].astype(self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.einsum_op(self.equation, x, self.weight())
+    def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
+        """A LoRA adapter (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B; nothing at rank 0.
+
+        A [the kernel's input dims..., rank] starts as PEFT's (kaiming-uniform, U(-1, 1) / sqrt(fan_in)),
+        B [rank, the kernel's output dims...] at zero, so a new adapter changes nothing. Both are
+        `nnx.LoRAParam`s (an `nnx.Param` subclass: `optim.trainable=type:LoRAParam` selects them), in
+        float32 and cast to the compute dtype like the kernel, decayed like any matrix (PEFT's
+        convention under Hugging Face's Trainer). Their logical names are the kernel's input names +
+        `lora_rank` and `lora_rank` + its output names, so they shard like the kernel under any rules.
+        """
+        if rank <= 0:
+            return
+        shape, names = self.kernel.shape, tuple(self.kernel.get_metadata()["out_sharding"])
+        ins, outs = self.in_axes, tuple(i for i in range(len(shape)) if i not in self.in_axes)
+        bound = 1.0 / math.sqrt(math.prod(shape[i] for i in ins))
+        a_shape = (*(shape[i] for i in ins), rank)
+        b_shape = (rank, *(shape[i] for i in outs))
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound),
+                                    out_sharding=(*(names[i] for i in ins), LORA_RANK_AXIS), decay=True,
+                                    eager_sharding=False)
+        self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32),
+                                    out_sharding=(LORA_RANK_AXIS, *(names[i] for i in outs)), decay=True,
+                                    eager_sharding=False)
+        self.lora_scale, self.lora_dropout = alpha / rank, dropout
+
+    def adapter(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The adapter's term, (alpha / rank) (dropout(x) A) B, in the compute dtype, shaped like the output."""
+        to_h, to_y = lora_equations(self.equation)
+        h = jnp.einsum(to_h, dropout(x, self.lora_dropout, dropout_key), self.lora_a[...].astype(self.dtype))
+        return jnp.einsum(to_y, h * jnp.asarray(self.lora_scale, self.dtype), self.lora_b[...].astype(self.dtype))
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`dropout_key`: the adapter's dropout (training only); the kernel's contraction has none."""
+        y = self.einsum_op(self.equation, x, self.weight())
+        return y if self.lora_a is None else y + self.adapter(x, dropout_key)
 
 
 def projections(module: nnx.Module) -> Iterator[tuple[tuple, Projection]]:
@@ -97,6 +148,11 @@ def projections(module: nnx.Module) -> Iterator[tuple[tuple, Projection]]:
     for path, node in nnx.iter_graph(module):
         if isinstance(node, Projection):
             yield path, node
+
+
+def split_keys(key: jax.Array | None, n: int) -> tuple:
+    """`n` keys from `key`, or `n` Nones without one (no dropout)."""
+    return (None,) * n if key is None else tuple(jax.random.split(key, n))
 
 
 class RMSNorm(nnx.Module):
@@ -135,10 +191,38 @@ class LayerNorm(nnx.Module):
         return norm(x, self.scale[...], None if self.bias is None else self.bias[...])
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (half-split convention) of x [B, T, N, H] at integer positions [B, T]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                     original_max_len: int = 0) -> jax.Array:
+    """The rotary embedding's inverse frequencies [head_dim / 2], float32, with context-extension scaling:
+
+    none    theta^(-2i / head_dim)
+    linear  all of them divided by `factor` (position interpolation)
+    llama3  Llama 3.1's: wavelengths longer than original_max_len / low_freq_factor divided by
+            `factor`, shorter than original_max_len / high_freq_factor kept, a smooth blend between
+    """
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling == "linear":
+        return inv_freq / factor
+    if scaling == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = original_max_len / low_freq_factor, original_max_len / high_freq_factor
+        smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, scaled)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array | float) -> jax.Array:
+    """Rotary embedding (half-split convention, Hugging Face's `rotate_half`) of x [B, T, N, H] at
+    integer positions [B, T], with inverse frequencies [H/2] (`rope_frequencies`; a number is theta)."""
+    if not hasattr(inv_freq, "shape"):
+        inv_freq = rope_frequencies(x.shape[-1], inv_freq)
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -179,24 +263,31 @@ class Attention(nnx.Module):
         # Residual projections start smaller so the residual stream's variance does not grow with depth.
         self.wo = Projection("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"),
                              init=normal(cfg.residual_init_std), **kw)
-        if cfg.use_bias:
+        self.qkv_bias = cfg.use_bias or cfg.qkv_bias  # Qwen2: biases on q, k and v only
+        if self.qkv_bias:
             self.bq = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pd, decay=False)
             self.bk = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
             self.bv = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
+        if cfg.use_bias:
             self.bo = make_param(rngs, zeros, (d,), ("norm",), pd)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache | None = None
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache | None = None,
+        dropout_key: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
-        """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys."""
+        """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys.
+        `dropout_key`: the projections' adapters' dropout (LoRA), training only."""
         cfg, dt = self.cfg, self.cfg.dtype
         x = tensor_parallel_entry(x)
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if cfg.use_bias:
+        key_q, key_k, key_v, key_o = split_keys(dropout_key, 4)
+        q, k, v = self.wq(x, key_q), self.wk(x, key_k), self.wv(x, key_v)
+        if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if cfg.position == "rope":
-            q = apply_rope(q, positions, cfg.rope_theta)
-            k = apply_rope(k, positions, cfg.rope_theta)
+            inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
+                                        cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -207,7 +298,7 @@ class Attention(nnx.Module):
         # Heads stay split into the output projection, and (the constraint's transpose) its
         # gradient arrives head-split in the backward pass instead of being resharded from sequence.
         out = constrain(out, ("act_batch", "act_seq", "act_heads", None))
-        y = self.wo(out)
+        y = self.wo(out, key_o)
         if cfg.use_bias:
             y = y + self.bo[...].astype(dt)
         y = constrain(y, ("act_batch", "act_seq", "act_embed"))
@@ -224,11 +315,12 @@ class GatedMLP(nnx.Module):
         self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
         self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         x = tensor_parallel_entry(x)
-        gate, up = self.w_gate(x), self.w_up(x)
+        key_gate, key_up, key_down = split_keys(dropout_key, 3)  # the adapters' dropout (LoRA)
+        gate, up = self.w_gate(x, key_gate), self.w_up(x, key_up)
         h = constrain(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), ("act_batch", "act_seq", "act_mlp"))
-        return constrain(self.w_down(h), ("act_batch", "act_seq", "act_embed"))
+        return constrain(self.w_down(h, key_down), ("act_batch", "act_seq", "act_embed"))
 
 
 class GeluMLP(nnx.Module):
@@ -244,14 +336,15 @@ class GeluMLP(nnx.Module):
             self.b_in = make_param(rngs, zeros, (f,), ("mlp",), pd)
             self.b_out = make_param(rngs, zeros, (d,), ("norm",), pd)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         dt = self.dtype
         x = tensor_parallel_entry(x)
-        h = self.w_in(x)
+        key_in, key_out = split_keys(dropout_key, 2)  # the adapters' dropout (LoRA)
+        h = self.w_in(x, key_in)
         if self.use_bias:
             h = h + self.b_in[...].astype(dt)
         h = constrain(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), ("act_batch", "act_seq", "act_mlp"))
-        y = self.w_out(h)
+        y = self.w_out(h, key_out)
         if self.use_bias:
             y = y + self.b_out[...].astype(dt)
         return constrain(y, ("act_batch", "act_seq", "act_embed"))

@@ -9,6 +9,7 @@ computed here from the config alone, next to the model that defines them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import layers
 from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, select_implementation
@@ -26,11 +28,13 @@ class Variant:
     norm: str
     mlp: str
     position: str
-    use_bias: bool
+    use_bias: bool  # biases everywhere: q, k, v, o, the MLP, the norms
+    qkv_bias: bool = False  # biases on q, k and v only
 
 
 VARIANTS: dict[str, Variant] = {
     "llama": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False),
+    "qwen2": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qkv_bias=True),
     "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
 }
 NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
@@ -42,6 +46,8 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_len")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -61,9 +67,15 @@ class ModelConfig:
     mlp: str = "swiglu"
     position: str = "rope"
     use_bias: bool = False
+    qkv_bias: bool = False
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | linear | llama3 (layers.rope_frequencies)
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 0
     init_std: float = 0.02
     dropout: float = 0.0
     dtype: Any = jnp.bfloat16
@@ -71,15 +83,28 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
+    # LoRA adapters (config.lora, `with_lora`): the projections that get one, by attribute name ("all"
+    # resolved), their rank (lora_ranks overrides it per name), alpha (the update is scaled by alpha / rank)
+    # and the dropout on their input. No targets = no adapters.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
+    lora_ranks: tuple[tuple[str, int], ...] = ()
+    lora_dropout: float = 0.0
 
     @property
     def residual_init_std(self) -> float:
         return layers.residual_init_std(self.init_std, self.n_layers)
 
+    def lora_rank_of(self, name: str) -> int:
+        """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
+        return dict(self.lora_ranks).get(name, self.lora_rank) if name in self.lora_targets else 0
+
     @classmethod
     def from_config(cls, m, platform: str | None = None, *, attention: str | None = None, log_choice: bool = True,
-                    **overrides) -> ModelConfig:
-        """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices.
+                    lora=None, **overrides) -> ModelConfig:
+        """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices;
+        with `lora` (the `config.lora` section), its adapters (`with_lora`; without it, none).
 
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
         (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
@@ -100,9 +125,11 @@ class ModelConfig:
             mlp=mlp,
             position=m["position"] or variant.position,
             use_bias=variant.use_bias if m["use_bias"] == -1 else bool(m["use_bias"]),
+            qkv_bias=variant.qkv_bias if m.get("qkv_bias", -1) == -1 else bool(m["qkv_bias"]),
             tie_embeddings=m["tie_embeddings"],
             norm_eps=m["norm_eps"],
             rope_theta=m["rope_theta"],
+            **{key: m[key] for key in ROPE_SCALING_KEYS if key in m},
             init_std=m["init_std"],
             dropout=m["dropout"],
             dtype=DTYPES[m["dtype"]],
@@ -113,7 +140,69 @@ class ModelConfig:
         fields.update(overrides)
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
-        return cls(**fields)
+        cfg = cls(**fields)
+        if lora is None:
+            return cfg
+        return dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
+
+
+def _lora_ranks(text: str) -> dict[str, int]:
+    """`config.lora.ranks` ("wq:16,w_down:4") -> {"wq": 16, "w_down": 4}."""
+    out = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, _, rank = entry.partition(":")
+        try:
+            out[name.strip()] = int(rank)
+        except ValueError:
+            out[name.strip()] = 0
+        if out[name.strip()] <= 0:
+            raise UserError(f"config.lora.ranks={text!r}: {entry!r} is not name:rank with a positive rank "
+                            f"(e.g. 'wq:16,w_down:4')")
+    return out
+
+
+def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
+    """`cfg` with the adapters a `config.lora` section asks for (rank, alpha, targets, ranks, dropout;
+    a ConfigDict or dict). Target names are the projections' attribute names (`projection_names`);
+    "all" is every one but the unembedding. A name the model has no projection of is a UserError
+    listing those it has."""
+    rank, ranks = int(lora["rank"]), _lora_ranks(lora["ranks"])
+    off = dict(lora_rank=0, lora_targets=(), lora_ranks=(), lora_alpha=float(lora["alpha"]),
+               lora_dropout=float(lora["dropout"]))
+    if rank <= 0:
+        if ranks:
+            raise UserError(f"config.lora.ranks={lora['ranks']!r} needs config.lora.rank > 0 (the rank of the "
+                            f"other targets); set lora.rank")
+        return dataclasses.replace(cfg, **off)
+    names = projection_names(cfg)
+    requested = [t.strip() for t in lora["targets"].split(",") if t.strip()]
+    targets = []
+    for name in requested:
+        targets += [n for n in names if n != "unembed"] if name == "all" else [name]
+    unknown = [t for t in dict.fromkeys(targets) if t not in names]
+    if unknown or not targets:
+        raise UserError(f"config.lora.targets={lora['targets']!r}: "
+                        f"{repr(unknown[0]) + ' is not a projection of this model' if unknown else 'names nothing'}; "
+                        f"its projections: {', '.join(names)}, or 'all' (every one but unembed)")
+    outside = [n for n in ranks if n not in targets]
+    if outside:
+        raise UserError(f"config.lora.ranks={lora['ranks']!r}: {outside[0]!r} is not among config.lora.targets="
+                        f"{lora['targets']!r}; add it to the targets, or drop its rank")
+    return dataclasses.replace(cfg, **{**off, "lora_rank": rank, "lora_targets": tuple(dict.fromkeys(targets)),
+                                       "lora_ranks": tuple(sorted(ranks.items()))})
+
+
+@functools.lru_cache(maxsize=32)
+def _projection_names(cfg: ModelConfig) -> tuple[str, ...]:
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return tuple(sorted({path[-1] for path, _ in layers.projections(model)}))
+
+
+def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The attribute names of the model's projections (`layers.Projection`: wq, ..., w_down, unembed),
+    sorted, from an abstract build (nothing allocated, no device touched)."""
+    return _projection_names(dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), attention="xla"))
 
 
 def default_mlp_dim(d_model: int, mlp: str) -> int:
@@ -137,13 +226,21 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, dropout_key, cache: KVCache | None = None):
         k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        attn = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+        # The adapters' dropout keys (LoRA), apart from the residual dropout's.
+        adapter_keys = layers.split_keys(None if dropout_key is None else jax.random.fold_in(dropout_key, 1), 2)
+        attn = self.attn(self.attn_norm(x), positions, segment_ids, cache, dropout_key=adapter_keys[0])
         if cache is not None:
             attn, cache = attn
         x = x + layers.dropout(attn, self.dropout_rate, k1)
-        x = x + layers.dropout(self.mlp(self.mlp_norm(x)), self.dropout_rate, k2)
+        x = x + layers.dropout(self.mlp(self.mlp_norm(x), adapter_keys[1]), self.dropout_rate, k2)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         return x if cache is None else (x, cache)
+
+
+def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    """LoRA adapters on the block's projections that `cfg.lora_targets` names (`Projection.add_adapter`)."""
+    for path, projection in list(layers.projections(block)):
+        projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
 
 
 def _remat(fn, policy: str):
@@ -169,7 +266,9 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs):
-                return Block(cfg, rngs=rngs)
+                block = Block(cfg, rngs=rngs)
+                add_adapters(block, cfg, rngs)  # each layer's stream: its base weights first, then adapters
+                return block
 
             self.blocks = make_blocks(rngs)
         else:
@@ -182,6 +281,13 @@ class Transformer(nnx.Module):
                 "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init=layers.normal(cfg.init_std),
                 dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
             )
+        # LoRA adapters, drawn after every base weight, so that these are the same with or without
+        # adapters (one seed, one base model). The unembedding's (when lora.targets names it) has no dropout.
+        if not cfg.scan_layers:
+            for block in self.blocks:
+                add_adapters(block, cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.unembed.add_adapter(cfg.lora_rank_of("unembed"), cfg.lora_alpha, rngs=rngs)
 
     def __call__(
         self,
@@ -207,7 +313,7 @@ class Transformer(nnx.Module):
             x = x + jnp.take(layers.gathered(self.pos_embed[...].astype(cfg.dtype)), positions, axis=0)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
         keys = None
-        if dropout_key is not None and cfg.dropout > 0:
+        if dropout_key is not None and (cfg.dropout > 0 or cfg.lora_dropout > 0):
             dropout_key, embed_key = jax.random.split(dropout_key)
             x = layers.dropout(x, cfg.dropout, embed_key)
             keys = jax.random.split(dropout_key, cfg.n_layers)
@@ -283,8 +389,10 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     norm = d * (2 if cfg.norm == "layernorm" and cfg.use_bias else 1)
     attn = d * h * (n + 2 * k) + n * h * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    if cfg.use_bias or cfg.qkv_bias:
+        attn += h * (n + 2 * k)
     if cfg.use_bias:
-        attn += h * (n + 2 * k) + d
+        attn += d
         mlp += (f + d) if cfg.mlp == "gelu" else 0
     per_layer = attn + mlp + 2 * norm
     counts = {
@@ -293,9 +401,19 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         "layers": cfg.n_layers * per_layer,
         "final_norm": norm,
         "unembedding": 0 if cfg.tie_embeddings else d * v,
+        "lora": lora_param_count(cfg),
     }
     counts["total"] = sum(counts.values())
     return counts
+
+
+def lora_param_count(cfg: ModelConfig) -> int:
+    """The LoRA adapters' parameters: rank x (inputs + outputs) of each adapted projection."""
+    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    sizes = {"wq": (d, n * h), "wk": (d, k * h), "wv": (d, k * h), "wo": (n * h, d), "w_gate": (d, f), "w_up": (d, f),
+             "w_down": (f, d), "w_in": (d, f), "w_out": (f, d)}  # (inputs, outputs) of each layer's projections
+    per_layer = sum(cfg.lora_rank_of(name) * (i + o) for name, (i, o) in sizes.items())
+    return cfg.n_layers * per_layer + cfg.lora_rank_of("unembed") * (d + v) * (not cfg.tie_embeddings)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

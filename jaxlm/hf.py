@@ -1,0 +1,366 @@
+"""Hugging Face checkpoints in and out.
+
+    python -m jaxlm.hf import --hf_dir=DIR --output=RUN_DIR [--param_dtype=float32]
+    python -m jaxlm.hf export --run_dir=RUN_DIR --output=DIR [--step=N] [--dtype=bfloat16]
+
+`import` turns a Hugging Face model directory (config.json, model.safetensors or shards with
+model.safetensors.index.json, in float32, bfloat16 or float16, and its tokenizer) into a jaxlm run
+directory: config.json, the tokenizer, and checkpoint 0 holding the parameters alone. evaluate,
+generate and explore read it like any run; training starts from it with `--config.run.init_from`.
+Each parameter is created in its shards on the devices here, each device reading only its slice of
+the safetensors files, so no host ever holds the whole model.
+
+`export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, GPT-2) as a directory
+`transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
+safetensors (sharded past `--max_shard_gb`) and the tokenizer.
+
+Name maps and config translation: `jaxlm.models.hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxlm import checkpoint, inference, train_state
+from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
+from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
+from jaxlm.errors import UserError, run_command
+from jaxlm.models import hf as hf_map
+from jaxlm.models import transformer
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+EVAL_SEQ_LEN = 2048  # the imported run's data.seq_len, where the model takes that many positions
+
+
+class SafetensorsFiles:
+    """The tensors of a Hugging Face model directory, opened lazily: `slice(name)` reads nothing
+    until indexed, and then only the bytes of the block asked for."""
+
+    def __init__(self, directory: pathlib.Path):
+        from safetensors import safe_open
+
+        self.directory = directory
+        if (directory / INDEX).is_file():
+            index = hf_map.read_json(directory / INDEX, "import")
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UserError(f"{directory / INDEX} has no weight_map; it is not a safetensors index")
+            files = sorted(set(weight_map.values()))
+        elif (directory / SINGLE).is_file():
+            weight_map, files = None, [SINGLE]
+        else:
+            pickles = sorted(p.name for pattern in _PICKLES for p in directory.glob(pattern))
+            if pickles:
+                raise UserError(
+                    f"{directory} holds only PyTorch pickle files ({', '.join(pickles[:3])}), which can run code when "
+                    "loaded; jaxlm reads safetensors only: convert them where you trust the files, with transformers: "
+                    "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT) (writes safetensors)")
+            raise UserError(f"{directory} has no {SINGLE} or {INDEX}; give a Hugging Face model directory")
+        self._files: dict[str, Any] = {}
+        for name in files:
+            path = directory / name
+            if pathlib.PurePath(name).name != name:
+                raise UserError(f"{directory / INDEX} names {name!r}, which is not a file in {directory}")
+            if not path.is_file():
+                raise UserError(f"{path} is missing (named in {INDEX}); the checkpoint is incomplete: download it again")
+            try:
+                self._files[name] = safe_open(str(path), framework="numpy")
+            except Exception as e:  # noqa: BLE001 -- safetensors' own words for a bad header or size
+                raise UserError(f"{path} is not a complete safetensors file ({str(e).strip().splitlines()[0]}); "
+                                "download or save it again") from None
+        located = {key: name for name, f in self._files.items() for key in f.keys()}
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if located.get(key) != name:
+                    raise UserError(f"{directory / INDEX} says tensor {key!r} is in {name}, which does not hold it; "
+                                    "the checkpoint is incomplete or mixed: download it again")
+        self.location = located
+
+    def names(self) -> list[str]:
+        return sorted(self.location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self.location[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._files[self.location[name]].get_slice(name).get_dtype()
+
+    def slice(self, name: str):
+        return self._files[self.location[name]].get_slice(name)
+
+
+def _resolve_names(files: SafetensorsFiles, wanted: list[str]) -> dict[str, str]:
+    """Our name -> the checkpoint's: GPT-2 checkpoints saved from `GPT2Model` lack the `transformer.` prefix."""
+    out = {}
+    for name in wanted:
+        if name in files.location:
+            out[name] = name
+        elif name.startswith("transformer.") and name[len("transformer."):] in files.location:
+            out[name] = name[len("transformer."):]
+        else:
+            raise UserError(f"{files.directory} has no tensor {name!r}, which its config.json implies; the checkpoint "
+                            "does not match its config (or is incomplete)")
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, param_dtype: str = "float32",
+                      tokenizer: str | os.PathLike | None = None, devices: Sequence[jax.Device] | None = None,
+                      ) -> pathlib.Path:
+    """Write the Hugging Face model in `hf_dir` as a jaxlm run directory `output`; returns it."""
+    hf_dir, output = pathlib.Path(hf_dir), pathlib.Path(output)
+    if not hf_dir.is_dir():
+        raise UserError(f"--hf_dir={hf_dir} is not a directory; give a Hugging Face model directory")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    if param_dtype not in transformer.DTYPES:
+        raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
+    hf = hf_map.read_json(hf_dir / "config.json", "import")
+    arch, keys = hf_map.model_keys(hf)
+    files = SafetensorsFiles(hf_dir)
+    tok = _load_tokenizer(pathlib.Path(tokenizer) if tokenizer else hf_dir)
+    if tok.vocab_size > keys["vocab_size"]:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but config.json's vocab_size is "
+                        f"{keys['vocab_size']}; give the model's own tokenizer")
+    cfg = _run_config(keys, param_dtype, output)
+    devices = list(devices) if devices is not None else jax.devices()
+    model_cfg = inference.model_config(cfg, devices[0].platform)
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, train_state.build_model_spec(model_cfg), devices,
+                                                   rules)
+    started = time.time()
+    params = _read_params(files, abstract, model_cfg, arch)
+    output.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        write_bytes_atomically(output / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
+        tok.save(output / tok.file_name)
+    meta = {"config": cfg.to_dict(), "tokenizer_sha256": tok.sha256, "params_only": True,
+            "imported_from": {"hf_dir": str(hf_dir.resolve()), "model_type": arch,
+                              "dtypes": sorted({files.dtype(n) for n in files.names()})}}
+    with checkpoint.Checkpointer(output / "checkpoints", async_save=False) as ckpt:
+        ckpt.save(0, {"params": params}, meta=meta, force=True)
+        ckpt.wait()
+        ckpt.record_manifest(0)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    log.info("imported %s (%s, %.1fM parameters) in %.1f s", hf_dir, arch, count / 1e6, time.time() - started)
+    del mesh
+    return output
+
+
+def _load_tokenizer(path: pathlib.Path) -> Tokenizer:
+    try:
+        return Tokenizer.load(path)
+    except UserError as e:
+        raise UserError(f"no usable tokenizer in {path} ({e}); give --tokenizer=PATH (a tokenizer.json or "
+                        "SentencePiece .model)") from None
+
+
+def _run_config(keys: dict, param_dtype: str, output: pathlib.Path) -> ml_collections.ConfigDict:
+    """The imported run's config: the defaults, with the model from config.json."""
+    values = config_lib.base_config().to_dict()  # plain values: max_seq_len and seq_len unlinked
+    values["model"].update(keys, param_dtype=param_dtype)
+    values["data"].update(seq_len=min(keys["max_seq_len"], EVAL_SEQ_LEN), tokenizer_vocab_size=keys["vocab_size"])
+    values["run"].update(name=output.name, output_dir=str(output.parent))
+    cfg = ml_collections.ConfigDict(values)
+    config_lib.validate(cfg)
+    return cfg
+
+
+def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) -> dict:
+    """Every parameter, created in its shards: each device's block read from the files alone."""
+    parts = list(hf_map.param_parts(abstract, model_cfg, arch))
+    wanted = sorted({n for _, part, layer, stacked in parts
+                     for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)})
+    names = _resolve_names(files, wanted)
+    for _, part, layer, stacked in parts:  # every shape checked before anything is read
+        for name in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked):
+            shape, dtype = files.shape(names[name]), files.dtype(names[name])
+            if shape != part.hf_shape:
+                raise UserError(f"tensor {names[name]} has shape {list(shape)} but config.json implies "
+                                f"{list(part.hf_shape)}; the weights do not match the config")
+            if dtype not in hf_map.DTYPES:
+                raise UserError(f"tensor {names[name]} is {dtype}; jaxlm imports F32, BF16 and F16 weights")
+    used = set(names.values())
+    tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()
+    extra = [n for n in files.names() if n not in used and n not in tied and not n.endswith(hf_map._BUFFERS)]
+    if extra:
+        raise UserError(f"{files.directory} holds tensors this {arch} config does not use ({', '.join(extra[:3])}"
+                        f"{', ...' if len(extra) > 3 else ''}); the config does not describe these weights")
+    flat = {}
+    leaves = dict(hf_map._leaves(abstract))
+    for path, part, layer, stacked in parts:
+        target = leaves[path]
+        sources = [files.slice(names[n]) for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)]
+
+        def block(index, part=part, sources=sources, stacked=stacked, dtype=target.dtype):
+            if stacked:
+                layers = range(len(sources))[index[0]]
+                return np.stack([hf_map.read_slice(sources[i], part, index[1:]) for i in layers]).astype(dtype)
+            return hf_map.read_slice(sources[0], part, index).astype(dtype)
+
+        flat[path] = jax.make_array_from_callback(target.shape, target.sharding, block)
+    return _unflatten(flat)
+
+
+def _unflatten(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: int | None = None,
+               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
+    """Write checkpoint `step` (default: the newest that loads) of a jaxlm run as a Hugging Face
+    model directory `output`, its weights in `dtype` (default: the run's `model.param_dtype`)."""
+    output = pathlib.Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    run = inference.load_run(run_dir, step=step)
+    dtype = dtype or run.cfg.model.param_dtype
+    if dtype not in transformer.DTYPES:
+        raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
+    np_dtype = np.dtype(transformer.DTYPES[dtype])
+    model_cfg = run.model_cfg
+    arch = hf_map.architecture_of(model_cfg)
+    writer = _ShardWriter(output, max_shard_bytes) if jax.process_index() == 0 else None
+    by_tensor: dict[str, list] = {}
+    for path, part, layer, stacked in hf_map.param_parts(run.params, model_cfg, arch):
+        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
+    leaves = dict(hf_map._leaves(run.params))
+    for entries in by_tensor.values():  # one Hugging Face tensor (of every layer) at a time
+        host = {path: _to_host(leaves[path]) for path, *_ in entries}
+        _, part0, layer0, stacked0 = entries[0]
+        for i, name in enumerate(hf_map.hf_names(part0, model_cfg.n_layers, layer0, stacked0)):
+            values = {part: host[path][i] if stacked else host[path] for path, part, _, stacked in entries}
+            if writer:
+                writer.add(name, hf_map.hf_tensor(values, np_dtype))
+        del host
+    if writer:
+        tok = run.tokenizer
+        writer.close()
+        # A pad id that is only the eos stand-in (`Tokenizer.pad_id`) is no pad token of the model's.
+        pad_id = None if tok.pad_id == tok.eos_id else tok.pad_id
+        hf = hf_map.hf_config(model_cfg, arch, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad_id, dtype=dtype)
+        _write_json(output / "config.json", hf)
+        generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"], "do_sample": False}
+        if hf["pad_token_id"] is not None:
+            generation["pad_token_id"] = hf["pad_token_id"]
+        _write_json(output / "generation_config.json", generation)
+        tok.save(output / tok.file_name)
+    return output
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+    write_bytes_atomically(path, (json.dumps(value, indent=2) + "\n").encode())
+
+
+class _ShardWriter:
+    """Safetensors files of at most `max_bytes` each (one tensor may exceed it), named as
+    `save_pretrained` names them, with the index when there is more than one."""
+
+    def __init__(self, output: pathlib.Path, max_bytes: int):
+        self.output, self.max_bytes = output, max_bytes
+        output.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes, self.written, self.total_bytes = 0, [], 0
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        if self.pending and self.pending_bytes + tensor.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = np.ascontiguousarray(tensor)
+        self.pending_bytes += tensor.nbytes
+        self.total_bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save_file
+
+        path = self.output / f".shard-{len(self.written)}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            os.replace(self.written[0][0], self.output / SINGLE)
+            return
+        weight_map = {}
+        for i, (path, names) in enumerate(self.written):
+            final = f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            os.replace(path, self.output / final)
+            weight_map.update(dict.fromkeys(names, final))
+        _write_json(self.output / INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(lambda: _main(argv), resume="run the same command again with a new --output")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxlm.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="a Hugging Face model directory -> a jaxlm run directory")
+    imp.add_argument("--hf_dir", required=True, help="config.json, safetensors, tokenizer")
+    imp.add_argument("--output", required=True, help="the run directory to write (new)")
+    imp.add_argument("--param_dtype", default="float32", help="float32 (default: for training) | bfloat16 | float16")
+    imp.add_argument("--tokenizer", default="", help="a tokenizer file, where the directory has none")
+    exp = commands.add_parser("export", help="a jaxlm run -> a Hugging Face model directory")
+    exp.add_argument("--run_dir", required=True)
+    exp.add_argument("--output", required=True, help="the directory to write (new)")
+    exp.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest that loads)")
+    exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
+    exp.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors files of at most this size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
+    if args.command == "import":
+        out = import_checkpoint(args.hf_dir, args.output, param_dtype=args.param_dtype,
+                                tokenizer=args.tokenizer or None)
+        print(f"jaxlm: wrote run directory {out}: evaluate, generate or explore it, or train from it with "
+              f"--config.run.init_from={out}")
+    else:
+        out = export_run(args.run_dir, args.output, step=args.step, dtype=args.dtype or None,
+                         max_shard_bytes=int(args.max_shard_gb * 1e9))
+        print(f"jaxlm: wrote Hugging Face model directory {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""`run.init_from`: a new run that starts from another run's parameters (fine-tuning).
+
+The source is a run directory as `python -m jaxlm.train` writes it: config.json, its tokenizer file,
+checkpoints/<step>/. For a NEW run (no checkpoint of its own yet):
+
+- `resolve_config` (run by `config.parse_cli` and `config.recipe`, so `jaxlm.plan` plans the model
+  that will train) takes the architecture from the source's config.json: every model key but
+  `config.COMPUTE_MODEL_KEYS` (and max_seq_len with learned positions), replacing the recipe's; a
+  command-line value that contradicts the source is refused in one line. The source's tokenizer
+  file becomes `data.tokenizer_path`, unless one is given, which must then have the source's
+  vocabulary size.
+- `load_state` reads the parameters of checkpoint `run.init_step` (default: the newest that loads
+  and matches its manifest; a damaged one is skipped with a warning) onto the new run's mesh, in
+  its `model.param_dtype`: step 0, a fresh optimizer state, the data from the start. Only the
+  parameters are read, never the source's optimizer state.
+
+A RESUMED run (its own checkpoints exist) ignores the source: its architecture is its own
+config.json's and its tokenizer its own, so it resumes even after the source has moved or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+
+from jaxlm import config as config_lib
+from jaxlm.errors import UserError
+
+
+def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _read_config(run_dir: pathlib.Path, flag: str) -> dict:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"{flag} is not a run directory (no config.json); give the directory python -m jaxlm.train "
+                        f"wrote (<run.output_dir>/<run.name>)")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: {path} is not valid JSON ({e}); it is written by python -m jaxlm.train") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UserError(f"{flag}: {path} has no 'model' section; give the directory python -m jaxlm.train wrote")
+    return saved
+
+
+def architecture(model: dict) -> dict[str, Any]:
+    """The architecture keys of a saved `model` section and their values (a key the saved config
+    lacks, from before it existed, has its default): every key this jaxlm's schema has but
+    COMPUTE_MODEL_KEYS, and max_seq_len where the positions are learned."""
+    from jaxlm.models import transformer
+
+    defaults = config_lib.base_config().model
+    values = {key: model.get(key, defaults[key]) for key in defaults
+              if key not in config_lib.COMPUTE_MODEL_KEYS and not isinstance(defaults[key], ml_collections.ConfigDict)}
+    variant = transformer.VARIANTS.get(values["variant"])
+    if (values["position"] or (variant.position if variant else "")) == "learned":
+        values["max_seq_len"] = model.get("max_seq_len", defaults["max_seq_len"])
+    return values
+
+
+def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]] = ()) -> None:
+    """Give `cfg` (with run.init_from set) the source's architecture and tokenizer, in place; see the
+    module's docstring. `overrides`: the (key, value) pairs given on the command line."""
+    from jaxlm import checkpoint, lora
+    from jaxlm.run_dir import run_dir_path
+
+    flag = f"config.run.init_from={cfg.run.init_from}"
+    source, run_dir = pathlib.Path(cfg.run.init_from), run_dir_path(cfg)
+    if os.path.realpath(source) == os.path.realpath(run_dir):
+        raise UserError(f"{flag} is this run's own directory; a fine-tuned run needs a directory of its own: set "
+                        f"another config.run.name (or run.output_dir)")
+    resumed = (not cfg.run.fresh and bool(checkpoint.complete_steps(run_dir / "checkpoints"))
+               and (run_dir / "config.json").is_file())
+    if resumed:  # its own checkpoints decide: the source is not read (it may have moved or changed since)
+        origin, saved = f"{run_dir}'s own config.json (a resumed run)", _read_config(run_dir, str(run_dir))
+    else:
+        if not source.is_dir():
+            raise UserError(f"{flag} is not a directory; give a run directory that python -m jaxlm.train wrote")
+        saved = _read_config(source, flag)
+        lora.check_source(saved, flag)  # its adapters would not be read: merge them first
+        steps = checkpoint.complete_steps(source / "checkpoints")
+        if not steps:
+            raise UserError(f"{flag} has no complete checkpoint (nothing in {source / 'checkpoints'}); train it "
+                            f"first (or wait for its first save), or give another run directory")
+        if cfg.run.init_step >= 0 and cfg.run.init_step not in steps:
+            raise UserError(f"config.run.init_step={cfg.run.init_step}: {source} has no complete checkpoint for that "
+                            f"step; its checkpoints: {', '.join(map(str, steps))} (or -1 for the newest)")
+        origin = flag
+    given = [(key, text, _get(cfg, key)) for key, text in overrides]
+    explicit_tokenizer = cfg.data.tokenizer_path
+    for key, value in architecture(saved["model"]).items():
+        try:
+            if key == "max_seq_len" and cfg.model[key] != value:
+                # A table of learned positions: the model's length is the source's, the data's need not
+                # be; the recipe links the two (one FieldReference), so the model's gets its own field.
+                with cfg.unlocked():
+                    del cfg.model[key]
+                    cfg.model[key] = value
+            else:
+                cfg.model[key] = value
+        except TypeError:
+            raise UserError(f"{origin}: its model.{key}={value!r} does not fit this jaxlm's model.{key} "
+                            f"(a {type(cfg.model[key]).__name__}); give a run directory this jaxlm wrote") from None
+    for key, text, value in given:
+        if _get(cfg, key) != value:
+            raise UserError(
+                f"--config.{key}={text} contradicts the architecture of {origin}, whose {key} is {_get(cfg, key)!r}: "
+                f"a run started from another's parameters takes the source's architecture; drop --config.{key}, "
+                f"or train from scratch without run.init_from"
+            )
+    if explicit_tokenizer:
+        if not resumed:
+            _check_vocab(cfg, explicit_tokenizer, flag)
+        return
+    from jaxlm.data import tokenizer
+
+    found = tokenizer.find_in(run_dir if resumed else source)
+    if resumed:  # the path its config recorded while it is there, else its own copy (the same tokenizer:
+        recorded = saved.get("data", {}).get("tokenizer_path", "")  # its sha256 is checked on resume)
+        found = pathlib.Path(recorded) if recorded and pathlib.Path(recorded).is_file() else found
+    if found is None:
+        where = run_dir if resumed else source
+        raise UserError(f"{origin}: {where} has no tokenizer file ({' or '.join(tokenizer.FILE_NAMES)}); copy the run's "
+                        f"tokenizer there, or give config.data.tokenizer_path")
+    cfg.data.tokenizer_path = str(found)
+
+
+def _check_vocab(cfg: ml_collections.ConfigDict, path: str, flag: str) -> None:
+    from jaxlm.data.tokenizer import Tokenizer
+
+    size = Tokenizer.load(path).vocab_size
+    if size != cfg.model.vocab_size:
+        raise UserError(
+            f"config.data.tokenizer_path={path} has {size} tokens but the model of {flag} has "
+            f"vocab_size={cfg.model.vocab_size}; give a tokenizer of {cfg.model.vocab_size} tokens, or leave "
+            f"data.tokenizer_path empty to use that run's own tokenizer"
+        )
+
+
+def load_state(setup) -> tuple[Any, dict[str, Any]]:
+    """(the first train state of a new run started from run.init_from, the record of where it came
+    from: {"run_dir", "step"}). `setup` is a `train_setup.TrainSetup` built with `abstract=True`."""
+    from jaxlm import checkpoint, lora, train_state
+
+    cfg = setup.cfg
+    source = pathlib.Path(cfg.run.init_from)
+    flag = f"config.run.init_from={cfg.run.init_from}"
+    differences = [f"model.{key}: {value!r} there, {cfg.model[key]!r} here"
+                   for key, value in architecture(_read_config(source, flag)["model"]).items() if cfg.model[key] != value]
+    if differences:  # a config put together without config.parse_cli / recipe / explore.make_config
+        raise UserError(f"{flag}: the config's architecture is not that run's ({'; '.join(differences)}); resolve the "
+                        f"config with jaxlm.config.resolve_init_from(cfg) first (the CLI, config.recipe and "
+                        f"explore.make_config do)")
+    step = cfg.run.init_step if cfg.run.init_step >= 0 else None
+    # LoRA: the base weights alone are read (the source has no adapters: lora.check_source); the adapters
+    # are initialised as a new run's would be.
+    target = lora.base_params(setup.state.params)
+    try:  # onto the abstract params: the new run's shardings and param_dtype
+        params, step = checkpoint.load_params_and_step(source / "checkpoints", target, step=step)
+    except UserError as e:
+        raise UserError(f"{flag}: {e}; restore its checkpoints from a copy, or give another run.init_from (or "
+                        f"run.init_step)") from None
+    if setup.model_cfg.lora_targets:
+        fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
+        params = lora.fill_missing(params, fresh)
+    state = train_state.from_params(params, setup.model_spec, setup.tx, setup.shardings, setup.mesh, cfg.run.seed)
+    return state, {"run_dir": str(source.resolve()), "step": int(step)}
+
+
+def describe(record: dict[str, Any], params) -> str:
+    """The start-up line of a run started from another's parameters."""
+    import jax
+
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    return f"initialized from {record['run_dir']} step {record['step']} ({count / 1e6:.2f}M parameters)"

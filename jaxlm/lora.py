@@ -1,0 +1,217 @@
+"""LoRA: low-rank adapters on the projections, and what to do with them after training.
+
+The adapters themselves live in the model: `layers.Projection.add_adapter` gives a projection
+`lora_a` [the kernel's input dims..., rank] and `lora_b` [rank, its output dims...], `nnx.LoRAParam`s,
+and computes y = x W + (alpha / rank) (x A) B. `config.lora` says which projections get one (by
+attribute name), with what rank and alpha (`transformer.with_lora`, carried by the ModelConfig); with
+adapters, an empty `optim.trainable` trains them alone (`train_state.LORA_TRAINABLE`), so gradients,
+optimizer state and the checkpoint's optimizer moments exist for them only, and the frozen base is
+stored once, in `params`.
+
+This module works on the parameters as the train state and checkpoints hold them (nested dicts, the
+scanned layers stacked on a leading axis):
+
+- `merge` folds every adapter into its kernel, W + (alpha / rank) A B: the parameters of the same
+  model without adapters (`without_lora`), for export or for a run that starts from them.
+- `adapter_params` / `base_params` split the adapters from the rest; `fill_missing` completes
+  parameters read from a checkpoint without adapters with freshly initialised ones (`init_adapters`),
+  which is how a LoRA run starts from a base run (`run.init_from`).
+- `adapters` and `peft_settings` give, per adapted projection and layer, A and B shaped like the
+  kernel's input and output dimensions, and the rank, alpha and targets: what an exporter to PEFT's
+  format (adapter_config.json, adapter_model.safetensors) needs. PEFT's lora_A.weight is [rank, inputs]
+  and lora_B.weight [outputs, rank] with its scaling lora_alpha / r per module, the same as here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.models import layers
+from jaxlm.models.transformer import ModelConfig, Transformer
+
+ADAPTER_KEYS = ("lora_a", "lora_b")
+
+
+def without_lora(cfg: ModelConfig) -> ModelConfig:
+    """The same model without adapters (what `merge` returns the parameters of)."""
+    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), lora_dropout=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One adapted projection of the model, as its parameters are laid out."""
+
+    path: tuple  # of its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 0, 'attn', 'wq'), ('unembed',)
+    name: str  # its attribute name: wq, w_down, unembed
+    equation: str  # the kernel's contraction, e.g. "btd,dnh->btnh"
+    rank: int
+    scale: float  # alpha / rank
+    stacked: bool  # its parameters carry a leading layers axis (scanned blocks)
+    input_names: tuple  # logical names of the kernel's input (contracted) dimensions
+    output_names: tuple  # and of its output dimensions
+
+    @property
+    def layer(self) -> int | None:
+        """The decoder layer of an unscanned block's projection (None: stacked, or not in a block)."""
+        return next((p for p in self.path if isinstance(p, int)), None)
+
+
+@functools.lru_cache(maxsize=16)
+def sites(cfg: ModelConfig) -> tuple[Site, ...]:
+    """Every adapted projection of the model `cfg` describes, from an abstract build."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    out = []
+    for path, projection in layers.projections(model):
+        if projection.lora_a is None:
+            continue
+        names = tuple(projection.kernel.get_metadata()["out_sharding"])
+        stacked = names[0] == "layers" and len(names) == len(projection.equation.split("->")[0].split(",")[1]) + 1
+        names = names[1:] if stacked else names
+        ins = projection.in_axes
+        out.append(Site(path=tuple(path), name=path[-1], equation=projection.equation,
+                        rank=cfg.lora_rank_of(path[-1]), scale=projection.lora_scale, stacked=stacked,
+                        input_names=tuple(names[i] for i in ins),
+                        output_names=tuple(n for i, n in enumerate(names) if i not in ins)))
+    return tuple(out)
+
+
+def _get(tree: dict, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _filter(tree: dict, keep) -> dict:
+    """The leaves of a nested dict whose key `keep(key)` accepts, with the dicts leading to them."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            part = _filter(value, keep)
+            if part:
+                out[key] = part
+        elif keep(key):
+            out[key] = value
+    return out
+
+
+def adapter_params(params: dict) -> dict:
+    """The adapters' leaves alone (`lora_a`, `lora_b`), nested as in `params`."""
+    return _filter(params, lambda key: key in ADAPTER_KEYS)
+
+
+def base_params(params: dict) -> dict:
+    """Everything but the adapters: the parameters a model without them has."""
+    return _filter(params, lambda key: key not in ADAPTER_KEYS)
+
+
+def fill_missing(loaded: dict, fresh: dict) -> dict:
+    """`loaded` with every leaf it lacks taken from `fresh` (same nesting): parameters read from a
+    checkpoint without adapters, completed with freshly initialised adapters."""
+    out = dict(loaded)
+    for key, value in fresh.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = fill_missing(out[key], value)
+    return out
+
+
+def delta(site: Site, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The adapter's update of the kernel, (alpha / rank) A B, shaped like the kernel, in float32."""
+    to_h, to_y = layers.lora_equations(site.equation)
+    a_sub, b_sub = to_h.split("->")[0].split(",")[1], to_y.split("->")[0].split(",")[1]
+    kernel_sub = site.equation.split("->")[0].split(",")[1]
+    if site.stacked:  # a leading layers axis on A, B and the kernel
+        layer = next(c for c in "LSZYXW" if c not in site.equation + a_sub + b_sub)
+        a_sub, b_sub, kernel_sub = layer + a_sub, layer + b_sub, layer + kernel_sub
+    product = jnp.einsum(f"{a_sub},{b_sub}->{kernel_sub}", jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+    return site.scale * product
+
+
+def merge(params: dict, cfg: ModelConfig) -> dict:
+    """`params` of the model `cfg` (with adapters) -> the parameters of `without_lora(cfg)`: each
+    adapted kernel becomes W + (alpha / rank) A B (computed in float32, stored in the kernel's dtype),
+    the adapters are dropped. Stacked (scanned) and unscanned layers alike; params without adapters
+    (cfg without LoRA) come back unchanged."""
+    merged = base_params(params)
+    for site in sites(cfg):
+        node = _get(params, site.path)
+        module = _get(merged, site.path)
+        kernel = node["kernel"]
+        module["kernel"] = (jnp.asarray(kernel, jnp.float32) + delta(site, node["lora_a"], node["lora_b"])).astype(
+            kernel.dtype)
+    return merged
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One projection's adapter in one layer, for export (PEFT: lora_A.weight = A reshaped to
+    [rank, prod(input dims)], lora_B.weight = B reshaped to [prod(output dims), rank] and transposed)."""
+
+    name: str  # the projection's attribute name: wq, wk, wv, wo, w_gate, w_up, w_down, w_in, w_out, unembed
+    layer: int | None  # the decoder layer; None for the unembedding
+    a: jax.Array  # [the kernel's input dims..., rank], e.g. wq: [d_model, rank]; wo: [n_heads, head_dim, rank]
+    b: jax.Array  # [rank, the kernel's output dims...], e.g. wq: [rank, n_heads, head_dim]; wo: [rank, d_model]
+    rank: int
+    alpha: float  # the update is (alpha / rank) A B
+    input_names: tuple  # the logical names of A's leading dims (the kernel's input dims): ('embed',), ('heads', 'head_dim')
+    output_names: tuple  # and of B's trailing dims (the kernel's output dims)
+
+
+def adapters(params: dict, cfg: ModelConfig) -> list[Adapter]:
+    """Every adapter of `params` (of the model `cfg`), one per projection and layer, in layer order."""
+    out = []
+    for site in sites(cfg):
+        node = _get(params, site.path)
+        a, b = node["lora_a"], node["lora_b"]
+        per_layer = [(i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
+        out += [Adapter(name=site.name, layer=layer, a=la, b=lb, rank=site.rank, alpha=cfg.lora_alpha,
+                        input_names=site.input_names, output_names=site.output_names) for layer, la, lb in per_layer]
+    return sorted(out, key=lambda x: (x.layer is None, x.layer or 0, x.name))
+
+
+def peft_settings(cfg: ModelConfig) -> dict[str, Any]:
+    """PEFT's LoraConfig fields for these adapters, with jaxlm's projection names in `target_modules`
+    and `rank_pattern` (an exporter maps them to the checkpoint's, e.g. wq -> q_proj)."""
+    return {
+        "r": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "target_modules": list(cfg.lora_targets),
+        "rank_pattern": {name: rank for name, rank in cfg.lora_ranks if rank != cfg.lora_rank},
+        "lora_dropout": cfg.lora_dropout,
+        "bias": "none",
+        "use_rslora": False,  # the scale is alpha / rank, not alpha / sqrt(rank)
+    }
+
+
+def init_adapters(cfg: ModelConfig, param_shardings: dict, mesh: jax.sharding.Mesh, seed: int = 0) -> dict:
+    """The adapters of a new model of `cfg` initialised with `seed` (the values `train_state.create`
+    gives them), directly into their shardings (`param_shardings`: the whole model's); the base
+    weights' initialisation is dead code that XLA drops."""
+    from jaxlm.train_state import build_model
+
+    def init():
+        return adapter_params(nnx.to_pure_dict(nnx.state(build_model(cfg, seed))))
+
+    with jax.set_mesh(mesh):
+        return jax.jit(init, out_shardings=adapter_params(param_shardings))()
+
+
+def check_source(saved_config: dict, where: str) -> None:
+    """Refuse to start a run from parameters with adapters (`run.init_from` reads the base weights
+    alone, so the source's adapters would be silently lost): merge them into the base first."""
+    from jaxlm.errors import UserError
+
+    lora = saved_config.get("lora") or {}
+    if int(lora.get("rank", 0) or 0) > 0:
+        raise UserError(f"{where} was trained with LoRA adapters (lora.rank={lora['rank']}), which a run started "
+                        f"from it would not read; merge them into its weights first (jaxlm.lora.merge), and "
+                        f"start from the merged run")

@@ -1,0 +1,376 @@
+"""Hugging Face checkpoints: their config.json as jaxlm model keys and back, and one name map per
+architecture between Hugging Face tensors and jaxlm parameters.
+
+A Hugging Face tensor maps onto a jaxlm parameter by a `Part`: the tensor seen as a `view` (each of
+its dimensions split into several, e.g. q_proj's [N*H, D] as [N, H, D]), optionally one view
+dimension fixed (GPT-2's fused c_attn holds q, k and v side by side), and the remaining dimensions
+transposed into jaxlm's order. Layers are stacked on a leading axis when the model scans them. The
+same table serves import (`read_slice`: only the rows and columns one device holds are read, through
+safetensors' lazy slices) and export (`hf_tensor`). Llama's q and k need no permutation: Hugging
+Face's `rotate_half` is jaxlm's half-split RoPE.
+
+Nothing here executes code from a checkpoint: the config is JSON read as data, the weights are
+safetensors (pickled PyTorch files are refused), `auto_map` and custom modeling code are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxlm.errors import UserError
+
+MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")  # model_type values jaxlm imports
+_CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "gpt2": "GPT2LMHeadModel"}
+DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+# Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
+_BUFFERS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
+def read_json(path: pathlib.Path, what: str) -> dict:
+    """A JSON object from `path`, read as data with a size limit; one line if it is not that."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise UserError(f"{path} not found: {what} needs it") from None
+    if size > MAX_JSON_BYTES:
+        raise UserError(f"{path} is {size} bytes, more than the {MAX_JSON_BYTES} a {path.name} can be; "
+                        "is it the right file?")
+    try:
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); {what} needs Hugging Face's {path.name}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; {what} needs Hugging Face's "
+                        f"{path.name}")
+    return value
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _get(hf: dict, key: str, kind=int, default: Any = ...) -> Any:
+    value = hf.get(key, default)
+    if value is ... or value is None and default is ...:
+        raise UserError(f"config.json has no {key!r}; a {hf.get('model_type')} config.json needs it")
+    if value is not None and kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if value is not None and not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise UserError(f"config.json: {key}={value!r} is not a{'n' if kind is int else ''} {kind.__name__}")
+    return value
+
+
+def _refuse(field: str, value: Any, why: str) -> UserError:
+    return UserError(f"config.json: {field}={json.dumps(value)}: {why}")
+
+
+def _rope_keys(hf: dict) -> dict:
+    """RoPE theta and scaling from either layout: transformers 5's `rope_parameters`, or the older
+    top-level `rope_theta` with `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        field = "rope_scaling"
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise _refuse(field, params, "expected an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return {**keys, "rope_scaling": "none"}
+    if kind == "linear":
+        return {**keys, "rope_scaling": "linear", "rope_factor": float(params["factor"])}
+    if kind == "llama3":
+        return {**keys, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_len": int(params["original_max_position_embeddings"])}
+    raise _refuse(f"{field}.rope_type", kind, "jaxlm has RoPE scaling 'default', 'linear' and 'llama3' only")
+
+
+def model_keys(hf: dict) -> tuple[str, dict]:
+    """(architecture, jaxlm `model` keys) of a Hugging Face config.json; one line naming the field
+    for anything jaxlm cannot represent exactly."""
+    arch = hf.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise _refuse("model_type", arch, f"jaxlm imports {', '.join(ARCHITECTURES)}")
+    if hf.get("quantization_config"):
+        raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
+                      "the weights are quantized; import the full-precision checkpoint")
+    if arch == "gpt2":
+        return arch, _gpt2_keys(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "jaxlm's SwiGLU uses silu")
+    if hf.get("mlp_bias"):
+        raise _refuse("mlp_bias", True, "jaxlm's SwiGLU has no biases")
+    if arch == "mistral" and hf.get("sliding_window") is not None:
+        raise _refuse("sliding_window", hf["sliding_window"], "jaxlm has no sliding-window attention")
+    if arch == "qwen2" and hf.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", True, "jaxlm has no sliding-window attention")
+    d, n = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+    keys = dict(
+        variant="qwen2" if arch == "qwen2" else "llama",
+        vocab_size=_get(hf, "vocab_size"),
+        d_model=d,
+        n_layers=_get(hf, "num_hidden_layers"),
+        n_heads=n,
+        n_kv_heads=_get(hf, "num_key_value_heads", int, None) or n,
+        head_dim=_get(hf, "head_dim", int, None) or d // n,
+        mlp_dim=_get(hf, "intermediate_size"),
+        max_seq_len=_get(hf, "max_position_embeddings"),
+        norm_eps=_get(hf, "rms_norm_eps", float, 1e-6),
+        tie_embeddings=_get(hf, "tie_word_embeddings", bool, False),
+        use_bias=1 if arch == "llama" and hf.get("attention_bias") else -1,
+        **_rope_keys(hf),
+    )
+    return arch, keys
+
+
+def _gpt2_keys(hf: dict) -> dict:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise _refuse("activation_function", act, "jaxlm's GPT-2 MLP uses the tanh GELU (gelu_new)")
+    for field, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False)):
+        if hf.get(field, wanted) != wanted:
+            raise _refuse(field, hf[field], f"jaxlm's GPT-2 needs {json.dumps(wanted)}")
+    if not hf.get("tie_word_embeddings", True):
+        raise _refuse("tie_word_embeddings", False, "GPT-2's output layer is its embedding")
+    d = _get(hf, "n_embd")
+    return dict(
+        variant="gpt2",
+        vocab_size=_get(hf, "vocab_size"),
+        d_model=d,
+        n_layers=_get(hf, "n_layer"),
+        n_heads=_get(hf, "n_head"),
+        n_kv_heads=0,
+        head_dim=0,
+        mlp_dim=_get(hf, "n_inner", int, None) or 4 * d,
+        max_seq_len=_get(hf, "n_positions"),
+        norm_eps=_get(hf, "layer_norm_epsilon", float, 1e-5),
+        tie_embeddings=True,
+        use_bias=-1,
+    )
+
+
+def architecture_of(cfg) -> str:
+    """The Hugging Face model_type a jaxlm model exports as; one line if it has no counterpart."""
+    if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.position == "learned" and cfg.use_bias \
+            and cfg.tie_embeddings:
+        return "gpt2"
+    if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.position == "rope" and not cfg.use_bias:
+        return "qwen2" if cfg.qkv_bias else "llama"
+    raise UserError(f"this model (norm={cfg.norm}, mlp={cfg.mlp}, position={cfg.position}, use_bias={cfg.use_bias}, "
+                    f"tie_embeddings={cfg.tie_embeddings}) has no Hugging Face architecture: Llama, Qwen2 and GPT-2 "
+                    "(with tied embeddings) are exported")
+
+
+def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, dtype: str) -> dict:
+    """The config.json `transformers` builds this model from (`cfg`: a ModelConfig)."""
+    ids = {"bos_token_id": None if bos_id < 0 else bos_id, "eos_token_id": None if eos_id < 0 else eos_id,
+           "pad_token_id": pad_id}
+    common = {"architectures": [_CLASS_NAMES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+              "torch_dtype": dtype, "dtype": dtype, "use_cache": True, **ids}
+    if arch == "gpt2":
+        return {**common, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+                "n_inner": cfg.mlp_dim, "n_positions": cfg.max_seq_len, "activation_function": "gelu_new",
+                "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": True, "scale_attn_weights": True,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=cfg.rope_factor)
+    elif cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+           "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+           "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
+           # Both layouts of the RoPE settings: transformers 5 reads rope_parameters, older ones the rest.
+           "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+           "rope_scaling": None if rope["rope_type"] == "default" else rope}
+    if arch == "llama":
+        out.update(attention_bias=cfg.use_bias, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out
+
+
+# ----------------------------------------------------------------------------- the name map
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One jaxlm parameter (of one layer) as (a part of) one Hugging Face tensor.
+
+    `groups[i]` splits the tensor's dimension i into view dimensions; `select` fixes view
+    dimensions (by their index in the view) to one index; `perm` gives jaxlm's dimensions as
+    indices into the view dimensions that remain."""
+
+    hf: str  # the tensor's name; "{layer}" where it is per layer
+    groups: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    select: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(g) for g in self.groups)
+
+    @property
+    def view(self) -> tuple[int, ...]:
+        return tuple(size for g in self.groups for size in g)
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The view dimensions left once `select` has fixed its own."""
+        fixed = dict(self.select)
+        return tuple(i for i in range(len(self.view)) if i not in fixed)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """jaxlm's shape of the parameter (of one layer)."""
+        kept = self.kept
+        return tuple(self.view[kept[p]] for p in self.perm)
+
+
+def _same(name: str, *shape: int) -> Part:
+    return Part(name, tuple((s,) for s in shape), tuple(range(len(shape))))
+
+
+def _transposed(name: str, rows: int, cols: int) -> Part:
+    """A PyTorch Linear's [out, in] weight as jaxlm's [in, out] kernel."""
+    return Part(name, ((rows,), (cols,)), (1, 0))
+
+
+def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
+    """(parts of one layer keyed by the path inside a block, parts outside the blocks keyed by path)."""
+    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    if arch == "gpt2":
+        p = "transformer.h.{layer}."
+        layer = {
+            ("attn_norm", "scale"): _same(p + "ln_1.weight", d), ("attn_norm", "bias"): _same(p + "ln_1.bias", d),
+            ("mlp_norm", "scale"): _same(p + "ln_2.weight", d), ("mlp_norm", "bias"): _same(p + "ln_2.bias", d),
+            ("attn", "wo", "kernel"): Part(p + "attn.c_proj.weight", ((n, h), (d,)), (0, 1, 2)),
+            ("attn", "bo"): _same(p + "attn.c_proj.bias", d),
+            ("mlp", "w_in", "kernel"): _same(p + "mlp.c_fc.weight", d, f), ("mlp", "b_in"): _same(p + "mlp.c_fc.bias", f),
+            ("mlp", "w_out", "kernel"): _same(p + "mlp.c_proj.weight", f, d),
+            ("mlp", "b_out"): _same(p + "mlp.c_proj.bias", d),
+        }
+        for i, name in enumerate(("q", "k", "v")):  # Conv1D's c_attn: [D, 3D], x @ W, q | k | v along columns
+            layer[("attn", f"w{name}", "kernel")] = Part(p + "attn.c_attn.weight", ((d,), (3, n, h)), (0, 1, 2),
+                                                         select=((1, i),))
+            layer[("attn", f"b{name}")] = Part(p + "attn.c_attn.bias", ((3, n, h),), (0, 1), select=((0, i),))
+        outside = {("embed", "embedding"): _same("transformer.wte.weight", v, d),
+                   ("pos_embed",): _same("transformer.wpe.weight", cfg.max_seq_len, d),
+                   ("final_norm", "scale"): _same("transformer.ln_f.weight", d),
+                   ("final_norm", "bias"): _same("transformer.ln_f.bias", d)}
+        return layer, outside
+    p = "model.layers.{layer}."
+    layer = {
+        ("attn_norm", "scale"): _same(p + "input_layernorm.weight", d),
+        ("mlp_norm", "scale"): _same(p + "post_attention_layernorm.weight", d),
+        ("attn", "wq", "kernel"): Part(p + "self_attn.q_proj.weight", ((n, h), (d,)), (2, 0, 1)),
+        ("attn", "wk", "kernel"): Part(p + "self_attn.k_proj.weight", ((k, h), (d,)), (2, 0, 1)),
+        ("attn", "wv", "kernel"): Part(p + "self_attn.v_proj.weight", ((k, h), (d,)), (2, 0, 1)),
+        ("attn", "wo", "kernel"): Part(p + "self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0)),
+        ("mlp", "w_gate", "kernel"): _transposed(p + "mlp.gate_proj.weight", f, d),
+        ("mlp", "w_up", "kernel"): _transposed(p + "mlp.up_proj.weight", f, d),
+        ("mlp", "w_down", "kernel"): _transposed(p + "mlp.down_proj.weight", d, f),
+    }
+    if cfg.use_bias or cfg.qkv_bias:
+        layer[("attn", "bq")] = Part(p + "self_attn.q_proj.bias", ((n, h),), (0, 1))
+        layer[("attn", "bk")] = Part(p + "self_attn.k_proj.bias", ((k, h),), (0, 1))
+        layer[("attn", "bv")] = Part(p + "self_attn.v_proj.bias", ((k, h),), (0, 1))
+    if cfg.use_bias:
+        layer[("attn", "bo")] = _same(p + "self_attn.o_proj.bias", d)
+    outside = {("embed", "embedding"): _same("model.embed_tokens.weight", v, d),
+               ("final_norm", "scale"): _same("model.norm.weight", d)}
+    if not cfg.tie_embeddings:
+        outside[("unembed", "kernel")] = _transposed("lm_head.weight", v, d)
+    return layer, outside
+
+
+def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, int | None, bool]]:
+    """(path, part, layer, stacked) for every leaf of `params` (a nested dict of the model's
+    parameters, arrays or abstract): `layer` is the layer of an unscanned block (None otherwise),
+    `stacked` whether the leaf holds every layer on its first axis. A leaf the map lacks is an error
+    in the map, never skipped."""
+    layer_parts, outside = name_map(cfg, arch)
+    for path, _ in _leaves(params):
+        if path[0] == "blocks":
+            if cfg.scan_layers:
+                yield path, layer_parts[path[1:]], None, True
+            else:
+                yield path, layer_parts[path[2:]], int(path[1]), False
+        else:
+            yield path, outside[path], None, False
+
+
+def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def hf_names(part: Part, n_layers: int, layer: int | None, stacked: bool) -> list[str]:
+    if "{layer}" not in part.hf:
+        return [part.hf]
+    layers = range(n_layers) if stacked else [layer]
+    return [part.hf.format(layer=i) for i in layers]
+
+
+def read_slice(tensor, part: Part, index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` (slices of jaxlm's dimensions of one layer) of `part`, read from `tensor`
+    (anything sliceable like a safetensors slice or an array, shaped `part.hf_shape`): only the rows
+    and columns that hold it are read."""
+    view, kept = part.view, part.kept
+    wanted = [slice(None)] * len(view)
+    for dim, i in part.select:
+        wanted[dim] = slice(i, i + 1)
+    for target_dim, view_dim in enumerate(part.perm):
+        wanted[kept[view_dim]] = index[target_dim]
+    wanted = [s if isinstance(s, slice) else slice(s, s + 1) for s in wanted]
+    wanted = [slice(*s.indices(size)) for s, size in zip(wanted, view)]
+    reads, inner_slices, first = [], [], 0
+    for group in part.groups:
+        outer = wanted[first]
+        inner = math.prod(group[1:])
+        reads.append(slice(outer.start * inner, outer.stop * inner))
+        inner_slices += [slice(None)] + wanted[first + 1:first + len(group)]
+        first += len(group)
+    block = np.asarray(tensor[tuple(reads)])
+    shape = []
+    for group, read in zip(part.groups, reads):
+        shape += [(read.stop - read.start) // math.prod(group[1:]), *group[1:]]
+    block = block.reshape(shape)[tuple(inner_slices)]
+    block = block.reshape(tuple(size for i, size in enumerate(block.shape) if i in kept))
+    return block.transpose(part.perm)
+
+
+def hf_tensor(values: dict[Part, np.ndarray], dtype) -> np.ndarray:
+    """The Hugging Face tensor made of `values` (each part's jaxlm-shaped array of one layer; all
+    parts of the tensor, e.g. q, k and v of GPT-2's c_attn), in `dtype`."""
+    parts = list(values)
+    view = np.zeros(parts[0].view, dtype)
+    for part, value in values.items():
+        inverse = np.argsort(part.perm)
+        block = np.asarray(value).transpose(inverse)  # the kept view dimensions, in view order
+        index = [slice(None)] * len(part.view)
+        for dim, i in part.select:
+            index[dim] = i
+        view[tuple(index)] = block.astype(dtype)
+    return view.reshape(parts[0].hf_shape)

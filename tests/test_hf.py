@@ -1,0 +1,345 @@
+"""Hugging Face checkpoints in and out (`jaxlm.hf`), checked against `transformers` itself.
+
+No checkpoint can be downloaded here: each test model is a small random one made by `transformers`
+(PyTorch CPU) and saved with `save_pretrained`, its norms and biases perturbed so that none is the
+identity. jaxlm's logits must equal transformers' within 1e-4 (relative to the largest logit,
+float32); an export must load in transformers with the same logits, and re-import bit-identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.core import spmd
+
+from jaxlm import hf, inference, train_state
+from jaxlm import mesh as mesh_lib
+from jaxlm.data.tokenizer import SentencePieceTokenizer
+from jaxlm.models import hf as hf_map
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+ARCHS = ("llama", "llama3_scaled", "mistral", "qwen2", "gpt2")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def make_model(arch: str):
+    """A small random transformers model of `arch`, norms and biases perturbed away from 1 and 0."""
+    torch.manual_seed(0)
+    llama_like = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=2, eos_token_id=3))
+    elif arch == "llama3_scaled":  # Llama 3.1's RoPE scaling, active at these positions
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **llama_like, rope_theta=500000.0, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16}))
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**llama_like, sliding_window=None))
+    else:  # Qwen2: q/k/v biases, tied embeddings
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like, tie_word_embeddings=True))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save(model, directory: pathlib.Path, dtype=None) -> pathlib.Path:
+    """`save_pretrained`, with a tokenizer of fewer tokens than the model has rows (a padded vocabulary)."""
+    (model.to(dtype) if dtype is not None else model).save_pretrained(directory)
+    if dtype is not None:
+        model.to(torch.float32)
+    SentencePieceTokenizer.train([], VOCAB - 20, "byte").save(directory / "tokenizer.model")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> (transformers model, its saved directory)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: (model, save(model, root / arch)) for arch in ARCHS for model in [make_model(arch)]}
+
+
+IDS = np.random.default_rng(0).integers(0, VOCAB, (8, 40))
+
+
+def reference_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.float().numpy()
+
+
+def jaxlm_logits(run: inference.LoadedRun, params=None) -> np.ndarray:
+    with spmd.logical_axis_rules(run.rules), jax.set_mesh(run.mesh):
+        model = nnx.merge(run.model_spec.graphdef, run.params if params is None else params)
+        return np.asarray(jax.jit(lambda m, ids: m(ids))(model, jnp.asarray(IDS)), np.float32)
+
+
+def close(got: np.ndarray, want: np.ndarray, tol: float = 1e-4) -> float:
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err < tol, err
+    return err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_imported_model_gives_transformers_logits_and_exports_back(models, arch, tmp_path):
+    model, hf_dir = models[arch]
+    run_dir = hf.import_checkpoint(hf_dir, tmp_path / "run")
+    run = inference.load_run(run_dir, dtype="float32")
+    assert run.step == 0 and run.cfg.model.variant == {"qwen2": "qwen2", "gpt2": "gpt2"}.get(arch, "llama")
+    want = reference_logits(model)
+    close(jaxlm_logits(run), want)
+
+    # Export (sharded: small files), load in transformers: the same logits as the original.
+    out = hf.export_run(run_dir, tmp_path / "exported", dtype="float32", max_shard_bytes=100_000)
+    index = json.loads((out / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(model) or arch == "mistral"  # Mistral is a Llama: exported as one
+    np.testing.assert_array_equal(reference_logits(reloaded), want)
+    # Re-imported from the sharded export: bit-identical parameters.
+    again = inference.load_run(hf.import_checkpoint(out, tmp_path / "again"), dtype="float32")
+    for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unscanned_layers_read_and_write_the_same_tensors(models):
+    """The same name map serves a model whose blocks are a list (model.scan_layers=False)."""
+    model, hf_dir = models["qwen2"]
+    arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
+    cfg = hf._run_config(keys, "float32", hf_dir / "unused")
+    cfg.model.scan_layers = False
+    model_cfg = inference.model_config(cfg, "cpu", "float32")
+    spec = train_state.build_model_spec(model_cfg)
+    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+    mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, spec, jax.devices(), rules)
+    params = hf._read_params(hf.SafetensorsFiles(hf_dir), abstract, model_cfg, arch)
+    assert set(params["blocks"]) == {0, 1}
+    with spmd.logical_axis_rules(rules), jax.set_mesh(mesh):
+        logits = np.asarray(jax.jit(lambda m, ids: m(ids))(nnx.merge(spec.graphdef, params), jnp.asarray(IDS)))
+    close(logits, reference_logits(model))
+    # Export's direction on the unscanned tree: each tensor equals the file's.
+    files = hf.SafetensorsFiles(hf_dir)
+    for path, part, layer, stacked in hf_map.param_parts(params, model_cfg, arch):
+        assert not stacked
+        value = params
+        for key in path:
+            value = value[key]
+        (name,) = hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)
+        np.testing.assert_array_equal(hf_map.hf_tensor({part: np.asarray(value)}, np.float32),
+                                      np.asarray(files.slice(name)[:]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoints_import_exactly(models, dtype, tmp_path):
+    model, _ = models["llama"]
+    hf_dir = save(model, tmp_path / "half", getattr(torch, dtype))
+    run = inference.load_run(hf.import_checkpoint(hf_dir, tmp_path / "run"), dtype="float32")
+    embedding = model.model.embed_tokens.weight.detach().to(getattr(torch, dtype)).float().numpy()
+    np.testing.assert_array_equal(np.asarray(run.params["embed"]["embedding"]), embedding)
+    kept = inference.load_run(hf.import_checkpoint(hf_dir, tmp_path / "kept", param_dtype=dtype))
+    assert {x.dtype.name for x in jax.tree.leaves(kept.params)} == {dtype}
+
+
+def test_a_run_trained_here_exports_to_transformers(facts_run, tmp_path):
+    """A jaxlm run trained from scratch (the facts run: Llama variant, grouped-query heads) loads in
+    transformers with the logits jaxlm computes."""
+    run = inference.load_run(facts_run, dtype="float32")
+    out = hf.export_run(facts_run, tmp_path / "facts-hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
+    assert (out / run.tokenizer.file_name).is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = IDS % run.model_cfg.vocab_size
+    with torch.no_grad():
+        want = reloaded(torch.tensor(ids)).logits.numpy()
+    with spmd.logical_axis_rules(run.rules), jax.set_mesh(run.mesh):
+        model = nnx.merge(run.model_spec.graphdef, run.params)
+        got = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+    close(got, want)
+
+
+# ----------------------------------------------------------------------------- bad inputs: one line, exit 2
+
+
+def error_of(capsys, *argv: str) -> str:
+    capsys.readouterr()  # what making the test's files printed
+    code = hf.main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("jaxlm: error: "), err
+    return err
+
+
+def copy_of(models, arch: str, tmp_path: pathlib.Path, sharded: bool = False) -> pathlib.Path:
+    model, _ = models[arch]
+    directory = tmp_path / f"{arch}-copy"
+    if sharded:
+        model.save_pretrained(directory, max_shard_size="100KB")
+        SentencePieceTokenizer.train([], VOCAB - 20, "byte").save(directory / "tokenizer.model")
+    else:
+        shutil.copytree(models[arch][1], directory)
+    return directory
+
+
+def edit_config(directory: pathlib.Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_broken_checkpoints_are_one_line_each(models, tmp_path, capsys):
+    def attempt(directory: pathlib.Path) -> str:
+        return error_of(capsys, "import", f"--hf_dir={directory}", f"--output={tmp_path / 'out' / directory.name}")
+
+    sharded = copy_of(models, "llama", tmp_path / "a", sharded=True)
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    assert f"{shard} is missing" in attempt(sharded)
+
+    truncated = copy_of(models, "llama", tmp_path / "b")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    assert "is not a complete safetensors file" in attempt(truncated)
+
+    named = copy_of(models, "llama", tmp_path / "c", sharded=True)
+    index = json.loads((named / hf.INDEX).read_text())
+    index["weight_map"]["model.layers.0.self_attn.q_norm.weight"] = sorted(set(index["weight_map"].values()))[0]
+    (named / hf.INDEX).write_text(json.dumps(index))
+    assert "does not hold it" in attempt(named)
+
+    wrong_shape = copy_of(models, "llama", tmp_path / "e")
+    edit_config(wrong_shape, intermediate_size=192)
+    assert "down_proj.weight has shape [64, 160] but config.json implies [64, 192]" in attempt(wrong_shape)
+
+    more_layers = copy_of(models, "gpt2", tmp_path / "f")
+    edit_config(more_layers, n_layer=3)
+    assert "has no tensor 'transformer.h.2." in attempt(more_layers)
+
+    fewer_layers = copy_of(models, "qwen2", tmp_path / "g")
+    edit_config(fewer_layers, num_hidden_layers=1)
+    assert "holds tensors this qwen2 config does not use (model.layers.1." in attempt(fewer_layers)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(models["llama"][1] / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    assert "holds only PyTorch pickle files (pytorch_model.bin)" in attempt(pickled)
+
+
+@pytest.mark.parametrize("arch, changes, words", [
+    ("llama", {"model_type": "mamba"}, 'model_type="mamba": jaxlm imports llama, mistral, qwen2, gpt2'),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     'rope_parameters.rope_type="yarn"'),
+    ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     'rope_scaling.rope_type="dynamic"'),
+    ("mistral", {"sliding_window": 4096}, "sliding_window=4096: jaxlm has no sliding-window attention"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true"),
+    ("llama", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=true"),
+    ("llama", {"quantization_config": {"quant_method": "gptq"}}, 'quantization_config="gptq"'),
+    ("llama", {"hidden_size": None}, "config.json has no 'hidden_size'"),
+])
+def test_configs_jaxlm_cannot_represent_are_refused_naming_the_field(models, tmp_path, capsys, arch, changes, words):
+    directory = copy_of(models, arch, tmp_path)
+    edit_config(directory, **changes)
+    err = error_of(capsys, "import", f"--hf_dir={directory}", f"--output={tmp_path / 'out'}")
+    assert words in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_config_and_occupied_output_are_one_line(models, tmp_path, capsys):
+    directory = copy_of(models, "llama", tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    assert "exists and is not empty" in error_of(capsys, "import", f"--hf_dir={directory}",
+                                                 f"--output={tmp_path / 'taken'}")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    (directory / "config.json").write_text("{not json")
+    assert "config.json is not valid JSON" in error_of(capsys, "import", f"--hf_dir={directory}",
+                                                       f"--output={tmp_path / 'o'}")
+    with open(directory / "config.json", "wb") as f:  # far past any real config's size
+        f.truncate(hf_map.MAX_JSON_BYTES + 1)
+    assert "more than the" in error_of(capsys, "import", f"--hf_dir={directory}", f"--output={tmp_path / 'o'}")
+    os.remove(directory / "config.json")
+    assert "config.json not found" in error_of(capsys, "import", f"--hf_dir={directory}", f"--output={tmp_path / 'o'}")
+
+
+def test_a_checkpoint_with_a_tokenizer_json_keeps_its_tokenizer_both_ways(tmp_path):
+    """A Qwen2-style checkpoint with its byte-level tokenizer.json and chat template: the run
+    directory holds that tokenizer, and the export's tokenizer encodes as the original's does."""
+    from test_hf_tokenizer import TEXTS, make_qwen2
+
+    hf_dir = tmp_path / "qwen"
+    make_qwen2(hf_dir)
+    original = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=768, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=original.eos_token_id, pad_token_id=original.pad_token_id))
+    model.save_pretrained(hf_dir)
+    run = inference.load_run(hf.import_checkpoint(hf_dir, tmp_path / "run"))
+    assert (run.run_dir / "tokenizer.json").is_file() and run.tokenizer.chat_template == original.chat_template
+    ids = original(TEXTS, add_special_tokens=False)["input_ids"]
+    assert run.tokenizer.encode(TEXTS, add_bos=False, add_eos=False) == ids
+    out = hf.export_run(run.run_dir, tmp_path / "exported")
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported(TEXTS)["input_ids"] == original(TEXTS)["input_ids"]
+    assert exported.chat_template == original.chat_template
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (original.eos_token_id, original.pad_token_id)
+
+
+def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_path):
+    """`--config.run.init_from` trains a new run from an imported checkpoint (architecture and
+    tokenizer from it); training into the imported directory itself is refused in one line."""
+    import subprocess
+    import sys
+
+    from tiny_run import ONE_DEVICE, ROOT, write_corpus
+
+    imported = hf.import_checkpoint(models["gpt2"][1], tmp_path / "imported")
+    write_corpus(tmp_path / "facts.txt", documents=100)
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        args = ["--config=configs/tiny.py", f"--config.data.corpus={tmp_path / 'facts.txt'}",
+                "--config.data.separator=\\n\\n", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
+                "--config.data.tokenize_on_the_fly=true", f"--config.data.cache_dir={tmp_path / 'cache'}",
+                "--config.data.val_fraction=0.2", "--config.run.steps=3", "--config.optim.warmup_steps=1",
+                "--config.run.compile_cache_dir=", f"--config.run.output_dir={tmp_path}", *extra]
+        return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
+                              capture_output=True, text=True, timeout=600)
+
+    tuned = train(f"--config.run.init_from={imported}", "--config.run.name=tuned")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert f"initialized from {imported} step 0" in tuned.stdout + tuned.stderr
+    summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
+    assert summary["init_from"]["run_dir"] == str(imported) and summary["init_from"]["step"] == 0
+    config = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert (config["model"]["variant"], config["model"]["d_model"]) == ("gpt2", 64)
+
+    into = train("--config.run.name=imported")
+    assert into.returncode == 2
+    assert into.stderr.strip().splitlines()[-1] == (
+        f"jaxlm: error: {imported} holds an imported model (parameters only), not a run to continue; train from it "
+        f"in a new run directory with --config.run.init_from={imported} (and another config.run.name)")
+    assert sorted(p.name for p in (imported / "checkpoints").iterdir()) == ["0"]
