@@ -32,7 +32,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxlm import checkpoint, inference, train_state
+from jaxlm import checkpoint, inference, lora, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
@@ -233,25 +233,44 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
 # ----------------------------------------------------------------------------- export
 
 
+ADAPTER_CHOICES = ("merge", "peft")
+
+
 def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: int | None = None,
-               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
+               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, adapters: str = "merge",
+               adapter_output: str | os.PathLike | None = None) -> pathlib.Path:
     """Write checkpoint `step` (default: the newest that loads) of a jaxlm run as a Hugging Face
-    model directory `output`, its weights in `dtype` (default: the run's `model.param_dtype`)."""
+    model directory `output`, its weights in `dtype` (default: the run's `model.param_dtype`).
+
+    A LoRA run's adapters are merged into the weights (`adapters="merge"`), or (`"peft"`) `output`
+    gets the frozen base and `adapter_output` (default `<output>/adapter`) the adapters in PEFT's
+    format, which `peft.PeftModel.from_pretrained(base, adapter_output)` loads."""
     output = pathlib.Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    if adapters not in ADAPTER_CHOICES:
+        raise UserError(f"--adapters={adapters}: use one of {', '.join(ADAPTER_CHOICES)}")
     run = inference.load_run(run_dir, step=step)
     dtype = dtype or run.cfg.model.param_dtype
     if dtype not in transformer.DTYPES:
         raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
     np_dtype = np.dtype(transformer.DTYPES[dtype])
-    model_cfg = run.model_cfg
+    params, model_cfg, adapted = run.params, run.model_cfg, None
+    if lora.sites(model_cfg):
+        if adapters == "peft":
+            adapted, params = (params, model_cfg), lora.base_params(params)
+        else:
+            params = lora.merge(params, model_cfg)
+        model_cfg = lora.without_lora(model_cfg)
+    elif adapters == "peft":
+        raise UserError(f"{run_dir} has no LoRA adapters (lora.rank=0); --adapters=peft exports a run trained with them")
     arch = hf_map.architecture_of(model_cfg)
+    peft_tensors = _peft_tensors(*adapted, model_cfg, arch, np_dtype) if adapted else None  # checked before writing
     writer = _ShardWriter(output, max_shard_bytes) if jax.process_index() == 0 else None
     by_tensor: dict[str, list] = {}
-    for path, part, layer, stacked in hf_map.param_parts(run.params, model_cfg, arch):
+    for path, part, layer, stacked in hf_map.param_parts(params, model_cfg, arch):
         by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
-    leaves = dict(hf_map._leaves(run.params))
+    leaves = dict(hf_map._leaves(params))
     for entries in by_tensor.values():  # one Hugging Face tensor (of every layer) at a time
         host = {path: _to_host(leaves[path]) for path, *_ in entries}
         _, part0, layer0, stacked0 = entries[0]
@@ -272,7 +291,52 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
             generation["pad_token_id"] = hf["pad_token_id"]
         _write_json(output / "generation_config.json", generation)
         tok.save(output / tok.file_name)
+        if peft_tensors is not None:
+            _write_peft(pathlib.Path(adapter_output) if adapter_output else output / "adapter", output,
+                        *peft_tensors, adapted[1])
     return output
+
+
+def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The adapters as PEFT's tensors (`base_model.model.<module>.lora_A.weight` [r, in] and
+    `lora_B.weight` [out, r]), and jaxlm's projection name -> the checkpoint's module name."""
+    layer_parts, outside = hf_map.name_map(base_cfg, arch)
+    tensors, modules = {}, {}
+    for site in lora.sites(cfg):
+        in_block = site.path[0] == "blocks"
+        key = (*(p for p in site.path[1:] if not isinstance(p, int)), "kernel") if in_block else (*site.path, "kernel")
+        part = (layer_parts if in_block else outside)[key]
+        x, kernel = site.equation.split("->")[0].split(",")
+        in_axes = tuple(i for i, c in enumerate(kernel) if c in x)
+        node = params
+        for k in site.path:
+            node = node[k]
+        a, b = _to_host(node["lora_a"]), _to_host(node["lora_b"])
+        per_layer = [(i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
+        for layer, la, lb in per_layer:
+            lora_a, lora_b = hf_map.peft_matrices(part, in_axes, la, lb)
+            module = (part.hf.format(layer=layer) if layer is not None else part.hf).removesuffix(".weight")
+            # C order: safetensors writes an array's buffer as it lies, and a transpose is a strided view
+            tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(lora_a, dtype)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(lora_b, dtype)
+            modules[site.name] = module.rsplit(".", 1)[-1]
+    return tensors, modules
+
+
+def _write_peft(directory: pathlib.Path, base: pathlib.Path, tensors: dict[str, np.ndarray], modules: dict[str, str],
+                cfg) -> None:
+    """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter."""
+    from safetensors.numpy import save_file
+
+    settings = lora.peft_settings(cfg)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _write_json(directory / "adapter_config.json", {
+        **settings, "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base.resolve()),
+        "target_modules": sorted({modules[n] for n in settings["target_modules"]}),
+        "rank_pattern": {modules[n]: r for n, r in settings["rank_pattern"].items()}, "alpha_pattern": {},
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None})
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -348,6 +412,10 @@ def _main(argv: Sequence[str] | None) -> int:
     exp.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest that loads)")
     exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
     exp.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors files of at most this size")
+    exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
+                     help="a LoRA run: merge the adapters into the weights, or write them in PEFT's format beside "
+                          "the base (--adapter_output)")
+    exp.add_argument("--adapter_output", default="", help="--adapters=peft: where (default <output>/adapter)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
     if args.command == "import":
@@ -357,7 +425,8 @@ def _main(argv: Sequence[str] | None) -> int:
               f"--config.run.init_from={out}")
     else:
         out = export_run(args.run_dir, args.output, step=args.step, dtype=args.dtype or None,
-                         max_shard_bytes=int(args.max_shard_gb * 1e9))
+                         max_shard_bytes=int(args.max_shard_gb * 1e9), adapters=args.adapters,
+                         adapter_output=args.adapter_output or None)
         print(f"jaxlm: wrote Hugging Face model directory {out}")
     return 0
 

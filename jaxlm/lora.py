@@ -213,5 +213,5 @@ def check_source(saved_config: dict, where: str) -> None:
     lora = saved_config.get("lora") or {}
     if int(lora.get("rank", 0) or 0) > 0:
         raise UserError(f"{where} was trained with LoRA adapters (lora.rank={lora['rank']}), which a run started "
-                        f"from it would not read; merge them into its weights first (jaxlm.lora.merge), and "
-                        f"start from the merged run")
+                        f"from it would not read; merge them into its weights first (python -m jaxlm.hf export "
+                        f"--adapters=merge, then python -m jaxlm.hf import of that) and start from the merged run")

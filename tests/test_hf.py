@@ -309,27 +309,29 @@ def test_a_checkpoint_with_a_tokenizer_json_keeps_its_tokenizer_both_ways(tmp_pa
     assert (config["eos_token_id"], config["pad_token_id"]) == (original.eos_token_id, original.pad_token_id)
 
 
-def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_path):
-    """`--config.run.init_from` trains a new run from an imported checkpoint (architecture and
-    tokenizer from it); training into the imported directory itself is refused in one line."""
+def train_cli(tmp_path: pathlib.Path, *extra: str):
+    """`python -m jaxlm.train` for 3 steps on a small facts corpus in `tmp_path`, on one device."""
     import subprocess
     import sys
 
     from tiny_run import ONE_DEVICE, ROOT, write_corpus
 
+    if not (tmp_path / "facts.txt").exists():
+        write_corpus(tmp_path / "facts.txt", documents=100)
+    args = ["--config=configs/tiny.py", f"--config.data.corpus={tmp_path / 'facts.txt'}",
+            "--config.data.separator=\\n\\n", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
+            "--config.data.tokenize_on_the_fly=true", f"--config.data.cache_dir={tmp_path / 'cache'}",
+            "--config.data.val_fraction=0.2", "--config.run.steps=3", "--config.optim.warmup_steps=1",
+            "--config.run.compile_cache_dir=", f"--config.run.output_dir={tmp_path}", *extra]
+    return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_path):
+    """`--config.run.init_from` trains a new run from an imported checkpoint (architecture and
+    tokenizer from it); training into the imported directory itself is refused in one line."""
     imported = hf.import_checkpoint(models["gpt2"][1], tmp_path / "imported")
-    write_corpus(tmp_path / "facts.txt", documents=100)
-
-    def train(*extra: str) -> subprocess.CompletedProcess:
-        args = ["--config=configs/tiny.py", f"--config.data.corpus={tmp_path / 'facts.txt'}",
-                "--config.data.separator=\\n\\n", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
-                "--config.data.tokenize_on_the_fly=true", f"--config.data.cache_dir={tmp_path / 'cache'}",
-                "--config.data.val_fraction=0.2", "--config.run.steps=3", "--config.optim.warmup_steps=1",
-                "--config.run.compile_cache_dir=", f"--config.run.output_dir={tmp_path}", *extra]
-        return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
-                              capture_output=True, text=True, timeout=600)
-
-    tuned = train(f"--config.run.init_from={imported}", "--config.run.name=tuned")
+    tuned = train_cli(tmp_path, f"--config.run.init_from={imported}", "--config.run.name=tuned")
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert f"initialized from {imported} step 0" in tuned.stdout + tuned.stderr
     summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
@@ -337,9 +339,39 @@ def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_pa
     config = json.loads((tmp_path / "tuned" / "config.json").read_text())
     assert (config["model"]["variant"], config["model"]["d_model"]) == ("gpt2", 64)
 
-    into = train("--config.run.name=imported")
+    into = train_cli(tmp_path, "--config.run.name=imported")
     assert into.returncode == 2
     assert into.stderr.strip().splitlines()[-1] == (
         f"jaxlm: error: {imported} holds an imported model (parameters only), not a run to continue; train from it "
         f"in a new run directory with --config.run.init_from={imported} (and another config.run.name)")
     assert sorted(p.name for p in (imported / "checkpoints").iterdir()) == ["0"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_lora_run_exports_merged_and_as_a_peft_adapter(models, arch, tmp_path):
+    """LoRA on every projection (one with its own rank) of an imported model, trained a few steps:
+    merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter, `peft` on the
+    exported (unchanged) base computes them too."""
+    peft = pytest.importorskip("peft")
+    original, hf_dir = models[arch]
+    imported = hf.import_checkpoint(hf_dir, tmp_path / "imported")
+    tuned = train_cli(tmp_path, f"--config.run.init_from={imported}", "--config.run.name=lora", "--config.lora.rank=4",
+                      "--config.lora.targets=all", "--config.lora.ranks=w_down:2", "--config.optim.peak_lr=0.01")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    run = inference.load_run(tmp_path / "lora", dtype="float32")
+    want = jaxlm_logits(run)
+    base = reference_logits(original)
+    assert np.abs(want - base).max() / np.abs(base).max() > 1e-3  # the adapters changed the model
+
+    merged = hf.export_run(run.run_dir, tmp_path / "merged", dtype="float32")
+    assert not (merged / "adapter").exists()
+    close(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want)
+
+    out = hf.export_run(run.run_dir, tmp_path / "base", dtype="float32", adapters="peft")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["rank_pattern"]) == (4, 16.0, {"down_proj": 2})
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    exported_base = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_array_equal(reference_logits(exported_base), base)  # the frozen base, unchanged
+    adapted = peft.PeftModel.from_pretrained(exported_base, out / "adapter").eval()
+    close(reference_logits(adapted), want)

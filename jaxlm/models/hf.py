@@ -374,3 +374,27 @@ def hf_tensor(values: dict[Part, np.ndarray], dtype) -> np.ndarray:
             index[dim] = i
         view[tuple(index)] = block.astype(dtype)
     return view.reshape(parts[0].hf_shape)
+
+
+def peft_matrices(part: Part, in_axes: tuple[int, ...], a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A LoRA adapter of the kernel `part` maps (jaxlm: A [the kernel's input dims..., r], B [r, its
+    output dims...]) as PEFT stores it for the Hugging Face Linear: lora_A.weight [r, in_features] and
+    lora_B.weight [out_features, r], each side's dimensions flattened in the Hugging Face tensor's
+    order. `in_axes`: the kernel's input dimensions (jaxlm order). A Linear weight is [out, in]."""
+    if part.select or len(part.groups) != 2:
+        raise UserError(f"{part.hf} is not one Linear weight (a fused or 1-D tensor): its adapters have no PEFT "
+                        "form; export the run with --adapters=merge")
+    kept = part.kept
+    view_dim = [kept[p] for p in part.perm]  # jaxlm kernel dim t -> its view dimension
+    out_group = set(range(len(part.groups[0])))  # view dims of the tensor's first dim: the outputs
+    ins = sorted(in_axes, key=lambda t: view_dim[t])
+    outs = sorted((t for t in range(len(view_dim)) if t not in in_axes), key=lambda t: view_dim[t])
+    if any(view_dim[t] in out_group for t in ins) or any(view_dim[t] not in out_group for t in outs):
+        raise UserError(f"{part.hf} is stored [in, out] (a Conv1D): its adapters are exported merged; "
+                        "use --adapters=merge")
+    a_in = [sorted(in_axes).index(t) for t in ins]  # A's leading dims, reordered as the tensor orders them
+    a = np.asarray(a).transpose(*a_in, a.ndim - 1).reshape(-1, a.shape[-1])
+    outs_sorted = sorted(t for t in range(len(view_dim)) if t not in in_axes)
+    b_out = [1 + outs_sorted.index(t) for t in outs]
+    b = np.asarray(b).transpose(0, *b_out).reshape(b.shape[0], -1)
+    return a.T, b.T
