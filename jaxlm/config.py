@@ -30,13 +30,6 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
-# The model keys that change only how the model computes (precision, memory, kernels) or how it is
-# initialised, never its parameters' shapes or the function they compute. Every OTHER model key is the
-# architecture, which a run started from another's parameters (run.init_from) takes from that run;
-# a new model key is architecture unless it is listed here. max_seq_len is architecture only with
-# learned positions (a [max_seq_len, d_model] table); scan_layers is (it stacks the layers' parameters).
-COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "loss_chunk_len", "init_std",
-                      "max_seq_len")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -90,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
         xla_flags="",
         # Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run
         # starts from (step 0, fresh optimizer and data; a resumed run ignores it). Its architecture (every
-        # model key but COMPUTE_MODEL_KEYS) and tokenizer replace the recipe's. "" = random init
+        # model key but init_from.COMPUTE_MODEL_KEYS) and tokenizer replace the recipe's. "" = random init
         init_from="",
         init_step=-1,  # run.init_from's checkpoint to read; -1 = the newest that loads (verified)
     )
@@ -134,9 +127,17 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.data = dict(
         # 'builtin' (the Python standard library's source files, read at run time, never downloaded),
+        # 'builtin_chat' (600 short conversations shipped in the package, for SFT: jaxlm/data/builtin_chat.py),
         # or files, directories and globs, comma-separated: .txt/.md (text), .jsonl[.gz], .parquet.
         corpus="builtin",
-        format="auto",  # auto (by extension) | text | jsonl | parquet
+        # auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning
+        # rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, loss on the assistant's
+        # turns) | prompt_completion ({"prompt", "completion"}, loss on the completion and EOS)
+        format="auto",
+        # data.format=chat: the Jinja template conversations are rendered with. "" = the tokenizer's own
+        # (a Hugging Face tokenizer_config.json's), chatml, simple ("### User:" headers, EOS after each
+        # answer: for tokenizers without chat tokens, such as one trained here), or a .jinja file
+        chat_template="",
         text_field="text",  # jsonl field / parquet column with the text
         separator="",  # text files: "" = one document per file, else split on it (e.g. "\n\n")
         builtin_max_bytes=8_000_000,
@@ -195,6 +196,14 @@ def base_config() -> ml_collections.ConfigDict:
         targets="wq,wk,wv,wo",
         ranks="",  # ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all
         dropout=0.0,  # dropout on the adapters' input in training (not on the unembedding's)
+        # QLoRA (needs lora.rank > 0): every block projection's frozen kernel (all but the unembedding, adapted
+        # or not) stored in 4 bits and dequantized in the step: "" (off) | nf4 (QLoRA's NormalFloat4) | int4
+        # (symmetric, levels -7..7 of absmax / 7). jaxlm.quant states the error bounds.
+        quantize_base="",
+        # values per scale (their absmax), along each kernel's last input axis: an axis shorter than this is
+        # one group; a longer one must be a multiple of it (else an error naming the projection). Even.
+        quant_group=64,
+        double_quant=False,  # the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less
     )
     c.checkpoint = dict(
         every_steps=1000,  # save every N steps (0 = off) ...
@@ -270,13 +279,18 @@ def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
     return cfg
 
 
+def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
+    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
+
+
 def resolve_init_from(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]] = ()) -> None:
     """With `run.init_from`: the source run's architecture and tokenizer, in place (`jaxlm.init_from`);
     `overrides` (the command line's) may repeat the source's values but never contradict them."""
     if cfg.run.init_from:
         from jaxlm import init_from
 
-        init_from.resolve_config(cfg, overrides)
+        init_from.resolve_config(cfg, overrides, base_config().model, run_dir_path(cfg))
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -410,7 +424,8 @@ def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
-    from jaxlm.data import sources, tokenizer
+    from jaxlm import quant
+    from jaxlm.data import sft, sources, tokenizer
     from jaxlm.models import layers, transformer  # registries of variants and components
 
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
@@ -453,7 +468,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "0 or more")
     _check(d.shards >= 0 and (d.shards == 0 or d.global_batch_size % d.shards == 0), "data.shards", d.shards,
            f"0 (one per process) or a divisor of data.global_batch_size={d.global_batch_size}")
-    _check(d.format in sources.FORMATS, "data.format", d.format, "one of " + ", ".join(sources.FORMATS))
+    formats = sources.FORMATS + sft.FORMATS
+    _check(d.format in formats, "data.format", d.format, "one of " + ", ".join(formats))
+    if d.format in sft.FORMATS or d.corpus == sources.BUILTIN_CHAT:
+        _check(d.corpus != "builtin", "data.corpus", d.corpus,
+               f"SFT rows (data.format={d.format}): builtin_chat, or JSONL / Parquet files")
+        _check(d.format in sft.FORMATS + ("auto",), "data.format", d.format,
+               f"chat (or auto) for data.corpus={sources.BUILTIN_CHAT}")
+    _check(d.chat_template in ("", *sft.TEMPLATES) or d.chat_template.endswith(".jinja"), "data.chat_template",
+           d.chat_template, "'' (the tokenizer's own), " + ", ".join(sft.TEMPLATES) + " or a .jinja file")
     _check(d.tokenizer_type in tokenizer.MODEL_TYPES, "data.tokenizer_type", d.tokenizer_type,
            "one of " + ", ".join(tokenizer.MODEL_TYPES))
     _check(d.tokenizer_train_bytes > 0, "data.tokenizer_train_bytes", d.tokenizer_train_bytes, "a positive integer")
@@ -482,7 +505,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (no adapters) or a positive integer")
     _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a positive number")
     _check(0.0 <= lo.dropout < 1.0, "lora.dropout", lo.dropout, "a number in [0, 1)")
-    if lo.rank > 0 or lo.ranks.strip():  # target names against the model's projections (an abstract build)
+    _check(lo.quantize_base in ("", *quant.FORMATS), "lora.quantize_base", lo.quantize_base,
+           "'' (off) or one of " + ", ".join(quant.FORMATS))
+    _check(lo.quant_group >= 2 and lo.quant_group % 2 == 0, "lora.quant_group", lo.quant_group,
+           "an even number of values per scale (64 as in QLoRA)")
+    if lo.rank > 0 or lo.ranks.strip() or lo.quantize_base:  # targets against the projections (an abstract build)
         transformer.ModelConfig.from_config(m, "cpu", attention="xla", log_choice=False, lora=lo)
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")

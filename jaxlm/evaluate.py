@@ -4,7 +4,10 @@ Language modelling: the mean token loss, perplexity (exp of it) and bits per byt
 bits over the UTF-8 bytes of the text the targets stand for) on the run's validation split, on
 text files (`--corpus=a.txt,docs/*.jsonl`) or on a prepared corpus directory. Documents are
 packed into rows of `seq_len` tokens with segment ids, as in training, so a document longer than
-that is scored in consecutive windows, each from a fresh context.
+that is scored in consecutive windows, each from a fresh context. A run trained on SFT data
+(data.format=chat or prompt_completion) is scored the same way on its own kind of rows: the loss of
+the assistant's (the completion's) tokens alone, each example its first seq_len + 1 tokens, as its
+training's val_loss (`jaxlm.data.sft`).
 
 Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
 `{"context": str, "choices": [str, ...], "answer": int}`; each choice is scored by the summed
@@ -34,7 +37,7 @@ from flax import nnx
 from flax.core import spmd
 
 from jaxlm import inference, steps
-from jaxlm.data import loader, pipeline, prepare, sources
+from jaxlm.data import loader, pipeline, prepare, sft, sources
 from jaxlm.errors import UserError, report_error, run_command
 
 log = logging.getLogger(__name__)
@@ -112,13 +115,23 @@ def perplexity(run: inference.LoadedRun, doc_tokens: Sequence[np.ndarray], *, se
 
 
 def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val", max_tokens: int = 0,
-                     format: str = "auto", text_field: str = "text", separator: str = "") -> tuple[list[np.ndarray], str]:
+                     format: str = "auto", text_field: str = "text", separator: str = "",
+                     chat_template: str | None = None) -> tuple[Sequence[np.ndarray], str]:
     """Tokenized documents to evaluate on, and a description of where they came from.
 
     `corpus`: 'val' (the run's own validation split), a prepared directory (its `split`), or text
     files, directories and globs (every document). At most about `max_tokens` tokens (0 = all).
+    SFT rows (`format` chat or prompt_completion; `auto`: the run's data.format) come as weighted
+    `FlatDocuments`, rendered with `chat_template` (None: the run's data.chat_template).
     """
     tok = run.tokenizer
+    spec = loader.sft_spec(run.cfg) if format == "auto" else None
+    if format in sft.FORMATS:
+        spec = sft.Spec(format, run.cfg.data.chat_template)
+    if spec and chat_template is not None:
+        spec = sft.Spec(spec.format, chat_template)
+    if spec:
+        return _sft_documents(run, spec, corpus, split, max_tokens)
     if corpus == "val":
         d = run.cfg.data
         directory = _prepared_val_dir(run)
@@ -140,6 +153,44 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
     if not docs:
         raise UserError(f"--corpus={corpus}: no documents (every file is empty); give non-empty text")
     return docs, corpus
+
+
+def _sft_documents(run: inference.LoadedRun, spec: sft.Spec, corpus: str, split: str,
+                   max_tokens: int) -> tuple[pipeline.FlatDocuments, str]:
+    """SFT examples with their weights: the run's validation split, a prepared directory's `split`, or
+    every row of JSONL / Parquet files."""
+    if corpus == "val":
+        directory = _prepared_val_dir(run)
+        if directory is not None:
+            return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
+        _, docs = loader.sft_documents(run.cfg, run.tokenizer, spec, train=False)
+        if not len(docs):
+            raise UserError(f"the run's validation split is empty (data.corpus={run.cfg.data.corpus!r}, "
+                            f"data.val_fraction={run.cfg.data.val_fraction}); give --corpus=<files or prepared directory>")
+        return _first_tokens(docs, max_tokens), f"validation split of {run.cfg.data.corpus}"
+    directory = pathlib.Path(corpus)
+    if prepare.is_prepared(directory):
+        _check_same_tokenizer(run, directory)
+        return _take_prepared(directory, split, max_tokens), f"{split} split of {directory}"
+    encoder = sft.Encoder.make(spec, run.tokenizer)
+    examples = list(sft.iter_examples(sources.SourceSpec(corpus), spec.format))
+    if not examples:
+        raise UserError(f"--corpus={corpus}: no rows (every file is empty); give {spec.format} rows")
+    docs = pipeline.FlatDocuments.from_arrays(*sft.encode_examples(encoder, run.tokenizer, examples))
+    return _first_tokens(docs, max_tokens), corpus
+
+
+def _first_tokens(docs: pipeline.FlatDocuments, max_tokens: int) -> pipeline.FlatDocuments:
+    """The first documents of weighted `docs` up to about `max_tokens` targets (0 = all), the last cut to fit."""
+    ids, weights, total = [], [], 0
+    for i in range(len(docs)):
+        if max_tokens and total >= max_tokens:
+            break
+        keep = max_tokens - total + 1 if max_tokens else len(docs[i])  # + 1: n tokens have n - 1 targets
+        ids.append(np.asarray(docs[i][:keep], np.int32))
+        weights.append(np.asarray(docs.weights(i)[:keep], np.uint8))
+        total += max(len(ids[-1]) - 1, 0)
+    return pipeline.FlatDocuments.from_arrays(ids, weights)
 
 
 def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
@@ -167,10 +218,14 @@ def _check_same_tokenizer(run: inference.LoadedRun, directory: pathlib.Path) -> 
                         f"with {run.run_dir / run.tokenizer.file_name}, or give the raw files as --corpus")
 
 
-def _take_prepared(directory: pathlib.Path, split: str, max_tokens: int) -> list[np.ndarray]:
+def _take_prepared(directory: pathlib.Path, split: str, max_tokens: int) -> Sequence[np.ndarray]:
     if split not in prepare.SPLITS:
         raise UserError(f"--split={split}: use one of {', '.join(prepare.SPLITS)}")
     docs = prepare.open_prepared(directory, split)
+    if docs.has_weights:  # SFT examples
+        if not len(docs):
+            raise UserError(f"{directory} has no {split} documents; give another --corpus or --split")
+        return _first_tokens(docs, max_tokens)
     out, total = [], 0
     for i in range(len(docs)):
         if max_tokens and total >= max_tokens:
@@ -350,7 +405,8 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
                                "dtype": jnp.dtype(run.model_cfg.dtype).name}
     if args.corpus != "none":
         docs, name = corpus_documents(run, args.corpus, split=args.split, max_tokens=args.max_tokens,
-                                      format=args.format, text_field=args.text_field, separator=args.separator)
+                                      format=args.format, text_field=args.text_field, separator=args.separator,
+                                      chat_template=args.chat_template)
         results["corpus"] = {"name": name, "documents": len(docs),
                              **perplexity(run, docs, seq_len=args.seq_len, batch_size=args.batch_size, scorer=scorer)}
     results["tasks"] = {}
@@ -371,7 +427,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--corpus", default="val",
                         help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
     parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
-    parser.add_argument("--format", default="auto", choices=sources.FORMATS, help="of raw corpus files")
+    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
+                        help="of raw corpus files (auto: by extension, or the run's data.format for an SFT run)")
+    parser.add_argument("--chat_template", default=None,
+                        help="chat rows: '' (the tokenizer's own), chatml, simple or a .jinja file (default: the run's)")
     parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field with the text")
     parser.add_argument("--separator", default="", help="text files: split documents on this string")
     parser.add_argument("--max_tokens", type=int, default=1_000_000, help="evaluate on about this many tokens; 0 = all")

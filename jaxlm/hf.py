@@ -244,7 +244,8 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
 
     A LoRA run's adapters are merged into the weights (`adapters="merge"`), or (`"peft"`) `output`
     gets the frozen base and `adapter_output` (default `<output>/adapter`) the adapters in PEFT's
-    format, which `peft.PeftModel.from_pretrained(base, adapter_output)` loads."""
+    format, which `peft.PeftModel.from_pretrained(base, adapter_output)` loads. A QLoRA run's 4-bit
+    base is exported dequantized (the weights the run trained over), merged or as PEFT's base."""
     output = pathlib.Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output={output} exists and is not empty; give a new directory")
@@ -256,9 +257,9 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
         raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
     np_dtype = np.dtype(transformer.DTYPES[dtype])
     params, model_cfg, adapted = run.params, run.model_cfg, None
-    if lora.sites(model_cfg):
+    if lora.sites(model_cfg):  # a QLoRA run's base is dequantized (`lora.base_weights`, `lora.merge`)
         if adapters == "peft":
-            adapted, params = (params, model_cfg), lora.base_params(params)
+            adapted, params = (params, model_cfg), lora.base_weights(params, model_cfg)
         else:
             params = lora.merge(params, model_cfg)
         model_cfg = lora.without_lora(model_cfg)

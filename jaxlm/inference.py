@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm import axes, checkpoint, train_state
+from jaxlm import axes, checkpoint, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in
@@ -162,7 +162,8 @@ def load_run(
     """Load checkpoint `step` (default: the newest that loads) of a run for inference.
 
     `dtype` overrides the compute dtype (e.g. float32 for exact comparisons); `param_dtype` casts the
-    parameters as they are read (bfloat16 halves their memory; the model computes in `dtype` anyway).
+    parameters as they are read (bfloat16 halves their memory; the model computes in `dtype` anyway),
+    all but a QLoRA run's 4-bit base, which loads as it was saved (uint8 codes, scales).
     """
     run_dir = pathlib.Path(run_dir)
     cfg = read_config(run_dir)
@@ -193,7 +194,10 @@ def load_run(
         if param_dtype not in transformer.DTYPES:
             raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
         cast = transformer.DTYPES[param_dtype]
-    params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step, dtype=cast)
+        abstract_params = jax.tree_util.tree_map_with_path(  # a 4-bit base's codes and scales stay as they are
+            lambda path, x: x if quant.is_quantized_leaf(getattr(path[-1], "key", None))
+            else jax.ShapeDtypeStruct(x.shape, cast, sharding=x.sharding), abstract_params)
+    params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step)
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
     return LoadedRun(run_dir=run_dir, cfg=cfg, step=step, model_cfg=model_cfg, tokenizer=tokenizer,
                      mesh=mesh, rules=rules, model_spec=model_spec, params=params, param_shardings=shardings)

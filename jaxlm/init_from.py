@@ -5,14 +5,15 @@ checkpoints/<step>/. For a NEW run (no checkpoint of its own yet):
 
 - `resolve_config` (run by `config.parse_cli` and `config.recipe`, so `jaxlm.plan` plans the model
   that will train) takes the architecture from the source's config.json: every model key but
-  `config.COMPUTE_MODEL_KEYS` (and max_seq_len with learned positions), replacing the recipe's; a
+  `COMPUTE_MODEL_KEYS` (and max_seq_len with learned positions), replacing the recipe's; a
   command-line value that contradicts the source is refused in one line. The source's tokenizer
   file becomes `data.tokenizer_path`, unless one is given, which must then have the source's
   vocabulary size.
 - `load_state` reads the parameters of checkpoint `run.init_step` (default: the newest that loads
   and matches its manifest; a damaged one is skipped with a warning) onto the new run's mesh, in
   its `model.param_dtype`: step 0, a fresh optimizer state, the data from the start. Only the
-  parameters are read, never the source's optimizer state.
+  parameters are read, never the source's optimizer state. A QLoRA run (`lora.quantize_base`) reads
+  the float kernels onto the same model unquantized, then quantizes them once (`quantize_base`).
 
 A RESUMED run (its own checkpoints exist) ignores the source: its architecture is its own
 config.json's and its tokenizer its own, so it resumes even after the source has moved or changed.
@@ -20,8 +21,8 @@ config.json's and its tokenizer its own, so it resumes even after the source has
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -29,8 +30,15 @@ from typing import Any
 
 import ml_collections
 
-from jaxlm import config as config_lib
 from jaxlm.errors import UserError
+
+# The model keys that change only how the model computes (precision, memory, kernels) or how it is
+# initialised, never its parameters' shapes or the function they compute. Every OTHER model key is the
+# architecture, which a run started from another's parameters (run.init_from) takes from that run;
+# a new model key is architecture unless it is listed here. max_seq_len is architecture only with
+# learned positions (a [max_seq_len, d_model] table); scan_layers is (it stacks the layers' parameters).
+COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "loss_chunk_len", "init_std",
+                      "max_seq_len")
 
 
 def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
@@ -54,29 +62,30 @@ def _read_config(run_dir: pathlib.Path, flag: str) -> dict:
     return saved
 
 
-def architecture(model: dict) -> dict[str, Any]:
-    """The architecture keys of a saved `model` section and their values (a key the saved config
-    lacks, from before it existed, has its default): every key this jaxlm's schema has but
-    COMPUTE_MODEL_KEYS, and max_seq_len where the positions are learned."""
+def architecture(model: dict, defaults) -> dict[str, Any]:
+    """The architecture keys of a saved `model` section and their values: every key of `defaults`
+    (the schema's model section, `config.base_config().model`, whose value a key the saved config
+    lacks takes) but COMPUTE_MODEL_KEYS, and max_seq_len where the positions are learned."""
     from jaxlm.models import transformer
 
-    defaults = config_lib.base_config().model
     values = {key: model.get(key, defaults[key]) for key in defaults
-              if key not in config_lib.COMPUTE_MODEL_KEYS and not isinstance(defaults[key], ml_collections.ConfigDict)}
+              if key not in COMPUTE_MODEL_KEYS and not isinstance(defaults[key], ml_collections.ConfigDict)}
     variant = transformer.VARIANTS.get(values["variant"])
     if (values["position"] or (variant.position if variant else "")) == "learned":
         values["max_seq_len"] = model.get("max_seq_len", defaults["max_seq_len"])
     return values
 
 
-def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]] = ()) -> None:
+def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]], defaults,
+                   run_dir: pathlib.Path) -> None:
     """Give `cfg` (with run.init_from set) the source's architecture and tokenizer, in place; see the
-    module's docstring. `overrides`: the (key, value) pairs given on the command line."""
+    module's docstring. `overrides`: the (key, value) pairs given on the command line; `defaults`: the
+    schema's model section (`config.base_config().model`) and `run_dir` the new run's directory (both
+    passed in: config.py calls this, so this module cannot import it)."""
     from jaxlm import checkpoint, lora
-    from jaxlm.run_dir import run_dir_path
 
     flag = f"config.run.init_from={cfg.run.init_from}"
-    source, run_dir = pathlib.Path(cfg.run.init_from), run_dir_path(cfg)
+    source = pathlib.Path(cfg.run.init_from)
     if os.path.realpath(source) == os.path.realpath(run_dir):
         raise UserError(f"{flag} is this run's own directory; a fine-tuned run needs a directory of its own: set "
                         f"another config.run.name (or run.output_dir)")
@@ -99,7 +108,7 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         origin = flag
     given = [(key, text, _get(cfg, key)) for key, text in overrides]
     explicit_tokenizer = cfg.data.tokenizer_path
-    for key, value in architecture(saved["model"]).items():
+    for key, value in architecture(saved["model"], defaults).items():
         try:
             if key == "max_seq_len" and cfg.model[key] != value:
                 # A table of learned positions: the model's length is the source's, the data's need not
@@ -151,26 +160,37 @@ def _check_vocab(cfg: ml_collections.ConfigDict, path: str, flag: str) -> None:
 def load_state(setup) -> tuple[Any, dict[str, Any]]:
     """(the first train state of a new run started from run.init_from, the record of where it came
     from: {"run_dir", "step"}). `setup` is a `train_setup.TrainSetup` built with `abstract=True`."""
+    import optax
+
     from jaxlm import checkpoint, lora, train_state
 
     cfg = setup.cfg
     source = pathlib.Path(cfg.run.init_from)
     flag = f"config.run.init_from={cfg.run.init_from}"
     differences = [f"model.{key}: {value!r} there, {cfg.model[key]!r} here"
-                   for key, value in architecture(_read_config(source, flag)["model"]).items() if cfg.model[key] != value]
+                   for key, value in architecture(_read_config(source, flag)["model"], cfg.model).items()
+                   if cfg.model[key] != value]
     if differences:  # a config put together without config.parse_cli / recipe / explore.make_config
         raise UserError(f"{flag}: the config's architecture is not that run's ({'; '.join(differences)}); resolve the "
                         f"config with jaxlm.config.resolve_init_from(cfg) first (the CLI, config.recipe and "
                         f"explore.make_config do)")
     step = cfg.run.init_step if cfg.run.init_step >= 0 else None
     # LoRA: the base weights alone are read (the source has no adapters: lora.check_source); the adapters
-    # are initialised as a new run's would be.
+    # are initialised as a new run's would be. QLoRA: the source's float kernels are read onto the same
+    # model unquantized (same mesh and rules), then quantized once, shard by shard, into the 4-bit base.
     target = lora.base_params(setup.state.params)
+    quantized = setup.model_cfg.quant is not None
+    if quantized:
+        float_cfg = dataclasses.replace(setup.model_cfg, quantize="")
+        abstract, *_ = train_state.abstract_state(float_cfg, optax.identity(), setup.mesh, setup.rules)
+        target = lora.base_params(abstract.params)
     try:  # onto the abstract params: the new run's shardings and param_dtype
         params, step = checkpoint.load_params_and_step(source / "checkpoints", target, step=step)
     except UserError as e:
         raise UserError(f"{flag}: {e}; restore its checkpoints from a copy, or give another run.init_from (or "
                         f"run.init_step)") from None
+    if quantized:
+        params = quantize_base(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if setup.model_cfg.lora_targets:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)
@@ -178,9 +198,20 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     return state, {"run_dir": str(source.resolve()), "step": int(step)}
 
 
-def describe(record: dict[str, Any], params) -> str:
-    """The start-up line of a run started from another's parameters."""
+def quantize_base(params: dict, cfg, shardings: dict, mesh) -> dict:
+    """Float base parameters (adapters aside) -> those of the quantized model `cfg` (QLoRA), in one
+    compiled function whose outputs are born in `shardings`: each device quantizes its own shards."""
     import jax
 
-    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    from jaxlm.models import quantized
+
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda p: quantized.quantize_params(p, cfg), out_shardings=shardings)(params)
+
+
+def describe(record: dict[str, Any], params) -> str:
+    """The start-up line of a run started from another's parameters (a 4-bit weight counted as one)."""
+    from jaxlm import quant
+
+    count = quant.count(params)
     return f"initialized from {record['run_dir']} step {record['step']} ({count / 1e6:.2f}M parameters)"

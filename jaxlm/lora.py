@@ -8,6 +8,9 @@ adapters, an empty `optim.trainable` trains them alone (`train_state.LORA_TRAINA
 optimizer state and the checkpoint's optimizer moments exist for them only, and the frozen base is
 stored once, in `params`.
 
+QLoRA (`config.lora.quantize_base`) stores the frozen base's block kernels in 4 bits (`jaxlm.quant`,
+`Projection`'s `kernel_q` and `kernel_scale`); `merge` and `base_weights` dequantize it.
+
 This module works on the parameters as the train state and checkpoints hold them (nested dicts, the
 scanned layers stacked on a leading axis):
 
@@ -32,15 +35,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlm.models import layers
-from jaxlm.models.transformer import ModelConfig, Transformer
+from jaxlm.models import layers, quantized
+from jaxlm.models.transformer import ModelConfig, abstract_model
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 
 
 def without_lora(cfg: ModelConfig) -> ModelConfig:
-    """The same model without adapters (what `merge` returns the parameters of)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), lora_dropout=0.0)
+    """The same model without adapters, and without QLoRA's quantization of the base: what `merge`
+    returns the parameters of (float kernels)."""
+    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), lora_dropout=0.0, quantize="")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +69,11 @@ class Site:
 @functools.lru_cache(maxsize=16)
 def sites(cfg: ModelConfig) -> tuple[Site, ...]:
     """Every adapted projection of the model `cfg` describes, from an abstract build."""
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     out = []
-    for path, projection in layers.projections(model):
+    for path, projection in layers.projections(abstract_model(cfg)):
         if projection.lora_a is None:
             continue
-        names = tuple(projection.kernel.get_metadata()["out_sharding"])
+        names = tuple(projection.base.get_metadata()["out_sharding"])
         stacked = names[0] == "layers" and len(names) == len(projection.equation.split("->")[0].split(",")[1]) + 1
         names = names[1:] if stacked else names
         ins = projection.in_axes
@@ -136,11 +138,19 @@ def delta(site: Site, a: jax.Array, b: jax.Array) -> jax.Array:
     return site.scale * product
 
 
+def base_weights(params: dict, cfg: ModelConfig) -> dict:
+    """The frozen base of `params` (of the model `cfg`) as float parameters of `without_lora(cfg)`:
+    the adapters dropped, a QLoRA base dequantized (`quantized.dequantize_params`, in param_dtype)."""
+    return base_params(quantized.dequantize_params(params, cfg))
+
+
 def merge(params: dict, cfg: ModelConfig) -> dict:
     """`params` of the model `cfg` (with adapters) -> the parameters of `without_lora(cfg)`: each
     adapted kernel becomes W + (alpha / rank) A B (computed in float32, stored in the kernel's dtype),
-    the adapters are dropped. Stacked (scanned) and unscanned layers alike; params without adapters
-    (cfg without LoRA) come back unchanged."""
+    the adapters are dropped; a QLoRA base is dequantized first (the merged kernels are float).
+    Stacked (scanned) and unscanned layers alike; params without adapters (cfg without LoRA) come
+    back unchanged."""
+    params = quantized.dequantize_params(params, cfg)
     merged = base_params(params)
     for site in sites(cfg):
         node = _get(params, site.path)

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxlm import axes, optim, train_state
+from jaxlm import axes, optim, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -61,6 +61,17 @@ def _itemsize(dtype) -> int:
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
+
+
+def tree_weights(tree) -> tuple[float, float]:
+    """(weights on one device, all of them) of a params tree of ShapeDtypeStructs that carry shardings,
+    a 4-bit base's counted as the weights it stands for (`quant.weights_per_element`)."""
+    per_device = total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        n = quant.weights_per_element(getattr(path[-1], "key", None))
+        total += n * math.prod(leaf.shape)
+        per_device += n * math.prod(leaf.sharding.shard_shape(leaf.shape))
+    return per_device, total
 
 
 def tree_bytes(tree) -> tuple[int, int]:
@@ -270,8 +281,7 @@ def estimate(
     # Weights that one layer's backward (and the loss) holds at full size over fsdp and data (still
     # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
     tensor = sizes["tensor"]
-    blocks_bytes = tree_bytes(state.params["blocks"])
-    layer_params = [b / _itemsize(m.param_dtype) / m.n_layers for b in blocks_bytes]  # (per device, all)
+    layer_params = [n / m.n_layers for n in tree_weights(state.params["blocks"])]  # (per device, all)
     full_weights = [2 * F32 * layer_params[1] / tensor, 2 * F32 * layer_params[1]]
     # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
     # gradient of one micro-batch at full size, before it is added to the accumulator.
@@ -297,7 +307,9 @@ def estimate(
     selection = cfg.optim.trainable or (train_state.LORA_TRAINABLE if m.lora_targets else "")  # build_model_spec's
     trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={selection!r})"
     rows = [
-        Row("parameters", *param_bytes, _dtype_name(m.param_dtype)),
+        Row("parameters", *param_bytes, _dtype_name(m.param_dtype) + (
+            f", the blocks' kernels in {m.quantize} (group {m.quant_group}{', double quant' if m.double_quant else ''})"
+            if m.quantize else "")),
         Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note),
         Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
         *([Row("grad accumulator", *trainable_bytes, f"{cfg.optim.micro_batches} micro-batches")] if accumulate else []),

@@ -15,11 +15,7 @@ import jax
 import ml_collections
 
 from jaxlm import metrics as metrics_lib
-
-
-def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
-    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
-    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
+from jaxlm.config import base_config, run_dir_path  # noqa: F401 -- run_dir_path: where callers find it
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
@@ -52,8 +48,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
     """'key: old -> new' for every difference that matters to a resumed run. A key the saved config
     lacks (it was written before the key existed, e.g. the lora section) had its default."""
-    from jaxlm.config import base_config
-
     old = {**_flatten(json.loads(base_config().to_json())), **_flatten(saved)}
     new = _flatten(json.loads(cfg.to_json()))
     return [

@@ -186,6 +186,13 @@ def FINETUNE(*flags: str) -> tuple[str, ...]:
 
 
 TASKS_SHAPE = '{"context": "alice likes", "choices": [" apples.", " figs."], "answer": 0}\n'
+CHAT_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+
+
+def SFT(file: str, *flags: str) -> tuple[str, ...]:
+    """`T` on a chat file in the case's directory, rendered with the simple template, no row held out."""
+    return T(f"--config.data.corpus={{case}}/{file}", "--config.data.format=chat", "--config.data.chat_template=simple",
+             "--config.data.val_fraction=0", *flags)
 
 # ----------------------------------------------------------------------------- the catalogue
 
@@ -278,6 +285,28 @@ CASES = [
     Case("prepared-manifest-corrupt", "train",
          T("--config.data.corpus={case}/prepared", "--config.model.vocab_size=300"), 2, ("is corrupt",),
          setup=_copy_prepared(lambda p: (p / "manifest.json").write_text("{not json"))),
+    # --- SFT data (train, prepare, evaluate): each stops before a tokenizer is trained or a model loaded
+    Case("sft-new-tokenizer-no-template", "train", T("--config.data.corpus=builtin_chat"), 2,
+         ("a tokenizer trained here has no chat template", "set data.chat_template")),
+    Case("sft-row-without-messages", "train", SFT("chat.jsonl"), 2, ("chat.jsonl:2", "no field 'messages'"),
+         setup=_write("chat.jsonl", CHAT_ROW + '{"text": "a text row"}\n')),
+    Case("sft-role-the-template-rejects", "train", SFT("chat.jsonl"), 2,
+         ("chat.jsonl:1", "chat template 'simple' refuses it", "not tool"),
+         setup=_write("chat.jsonl", CHAT_ROW.replace('"user"', '"tool"'))),
+    Case("sft-empty-assistant-turn", "train", SFT("chat.jsonl"), 2, ("chat.jsonl:1", "message 2 (assistant) is empty"),
+         setup=_write("chat.jsonl", CHAT_ROW.replace('"hello"', '""'))),
+    Case("sft-template-file-missing", "train", SFT("chat.jsonl", "--config.data.chat_template={case}/none.jinja"), 2,
+         ("none.jinja", "neither a built-in template"), setup=_write("chat.jsonl", CHAT_ROW)),
+    Case("sft-template-unknown", "train", T("--config.data.corpus=builtin_chat", "--config.data.chat_template=llama"),
+         2, ("config.data.chat_template='llama' is not allowed", "chatml, simple or a .jinja file")),
+    Case("sft-format-on-the-builtin-corpus", "train", T("--config.data.format=chat"), 2,
+         ("config.data.corpus='builtin' is not allowed", "builtin_chat")),
+    Case("prepare-chat-tokenizer-without-template", "data.prepare",
+         ("--input=builtin_chat", "--format=chat", "--tokenizer={tok}", "--output={case}/o"), 2,
+         ("this tokenizer has no chat template", "--chat_template")),
+    Case("eval-chat-file-bad-row", "evaluate",
+         ("--run_dir={run}", "--corpus={case}/chat.jsonl", "--format=chat", "--chat_template=simple"), 2,
+         ("chat.jsonl:2", "not valid JSON"), setup=_write("chat.jsonl", CHAT_ROW + '{"messages": [\n')),
     # --- the run directory (train)
     Case("output-dir-is-a-file", "train", T("--config.run.output_dir={case}/afile"), 2,
          ("cannot lock the run directory", "Not a directory", "config.run.output_dir"), setup=_write("afile", "x")),

@@ -8,6 +8,7 @@ float32); an export must load in transformers with the same logits, and re-impor
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -66,9 +67,8 @@ def make_model(arch: str):
 
 def save(model, directory: pathlib.Path, dtype=None) -> pathlib.Path:
     """`save_pretrained`, with a tokenizer of fewer tokens than the model has rows (a padded vocabulary)."""
-    (model.to(dtype) if dtype is not None else model).save_pretrained(directory)
-    if dtype is not None:
-        model.to(torch.float32)
+    # A copy in `dtype`: the fixture's model itself must keep its float32 weights for the other tests.
+    (copy.deepcopy(model).to(dtype) if dtype is not None else model).save_pretrained(directory)
     SentencePieceTokenizer.train([], VOCAB - 20, "byte").save(directory / "tokenizer.model")
     return directory
 

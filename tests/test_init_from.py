@@ -176,14 +176,19 @@ def test_the_architecture_keys_follow_a_rule_not_a_list():
     *_bias, ...) come from the source without being named anywhere; max_seq_len only where the
     positions are a learned table."""
     model = config.base_config().model.to_dict()
-    keys = set(init_from.architecture(model))
-    assert keys == set(model) - set(config.COMPUTE_MODEL_KEYS)
+    schema = config.base_config().model
+
+    def architecture(m):
+        return init_from.architecture(m, schema)
+
+    keys = set(architecture(model))
+    assert keys == set(model) - set(init_from.COMPUTE_MODEL_KEYS)
     assert {k for k in model if k.startswith("rope_") or k.endswith("_bias")} <= keys
     assert {"variant", "vocab_size", "d_model", "n_kv_heads", "tie_embeddings", "norm_eps", "scan_layers"} <= keys
-    assert "max_seq_len" in init_from.architecture({**model, "variant": "gpt2"})
-    assert "max_seq_len" in init_from.architecture({**model, "position": "learned"})
+    assert "max_seq_len" in architecture({**model, "variant": "gpt2"})
+    assert "max_seq_len" in architecture({**model, "position": "learned"})
     older = {k: v for k, v in model.items() if k != "rope_theta"}  # a run from before the key existed
-    assert init_from.architecture({**older, "d_model": 96}) == {**init_from.architecture(model), "d_model": 96}
+    assert architecture({**older, "d_model": 96}) == {**architecture(model), "d_model": 96}
 
 
 def test_a_learned_position_table_keeps_the_sources_length_and_the_data_its_own(source, tmp_path):

@@ -3,6 +3,12 @@
 The corpus is read, its tokenizer trained (or loaded) and the corpus tokenized into prepared
 shards on first use; both are cached in `data.cache_dir` keyed by their inputs, so the next run
 starts at once. Then the grain pipeline packs, shuffles and shards them for this process.
+
+SFT data (data.format=chat or prompt_completion, `jaxlm.data.sft`) takes the same path with a loss
+weight per token. It is rendered and tokenized before the first step either way: into the cached
+prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's workers),
+so that a bad row stops the run before any device work and the start-of-run line can count every
+token trained on.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import ml_collections
 import numpy as np
 
 from jaxlm.console import console
-from jaxlm.data import pipeline, prepare, sources, tokenizer
+from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
 from jaxlm.errors import UserError
 
 
@@ -37,6 +43,7 @@ class Data:
     train_tokens: int | None  # None when tokenized on the fly (unknown until read)
     train_documents: int | None = None
     shards: int = 1  # the streams the global batch is read as (data.shards, resolved)
+    sft_report: str | None = None  # SFT data: the start-of-run line (examples, tokens, trained on, truncated)
 
     @property
     def eval_target_bytes(self) -> int:
@@ -52,7 +59,15 @@ class Data:
 
 def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
     d = cfg.data
-    return sources.SourceSpec(d.corpus, d.format, d.text_field, sources.unescape(d.separator), max_bytes=d.builtin_max_bytes)
+    fmt = "auto" if sft_spec(cfg) else d.format  # SFT rows: JSONL or Parquet, told by the extension
+    return sources.SourceSpec(d.corpus, fmt, d.text_field, sources.unescape(d.separator), max_bytes=d.builtin_max_bytes)
+
+
+def sft_spec(cfg: ml_collections.ConfigDict) -> sft.Spec | None:
+    """The SFT format and chat template of the data section (data.corpus=builtin_chat is chat), or None for text."""
+    d = cfg.data
+    fmt = "chat" if d.format == "auto" and d.corpus == sources.BUILTIN_CHAT else d.format
+    return sft.Spec(fmt, d.chat_template) if fmt in sft.FORMATS else None
 
 
 def inputs_key(cfg: ml_collections.ConfigDict) -> str:
@@ -65,6 +80,9 @@ def inputs_key(cfg: ml_collections.ConfigDict) -> str:
         files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(source)]
     identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": cfg.data.val_fraction,
                 "seed": cfg.data.seed}
+    spec = sft_spec(cfg)
+    if spec:  # (text corpora keep the keys they had before SFT existed)
+        identity["sft"] = {**dataclasses.asdict(spec), "template": sft.template_identity(spec.chat_template)}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -99,12 +117,20 @@ def _cached_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tok
         return tokenizer.Tokenizer.load(path)
     console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
     docs, total = [], 0
-    for doc in sources.iter_documents(source_spec(cfg)):
-        if not sources.is_validation(doc, d.val_fraction, d.seed):
-            docs.append(doc)
-            total += len(doc.encode("utf-8"))
-            if total >= d.tokenizer_train_bytes:
-                break
+    spec = sft_spec(cfg)
+    if spec:  # the training examples as rendered (the template must be named: a new tokenizer has none)
+        encoder = sft.Encoder.make(spec, None)
+        examples = sft.iter_examples(source_spec(cfg), spec.format)
+        texts = sft.tokenizer_texts((e for e in examples if not sources.is_validation(e.key, d.val_fraction, d.seed)),
+                                    encoder)
+    else:
+        texts = (doc for doc in sources.iter_documents(source_spec(cfg))
+                 if not sources.is_validation(doc, d.val_fraction, d.seed))
+    for doc in texts:
+        docs.append(doc)
+        total += len(doc.encode("utf-8"))
+        if total >= d.tokenizer_train_bytes:
+            break
     if not docs:
         raise UserError(f"the corpus {d.corpus!r} holds no training documents; give non-empty text")
     tok = tokenizer.SentencePieceTokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
@@ -118,6 +144,9 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
     d = cfg.data
     given = pathlib.Path(d.corpus)
     if prepare.is_prepared(given):
+        if sft_spec(cfg) and not prepare.read_manifest(given).get("sft"):
+            raise UserError(f"{given} holds prepared text, not SFT data; prepare the rows with "
+                            f"`python -m jaxlm.data.prepare --format {sft_spec(cfg).format} ...`, or set data.format=auto")
         return given
     key = inputs_key(cfg)
     with _cache_lock(cfg):
@@ -126,7 +155,7 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
         if not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
             prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0)
+                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(cfg))
     return out
 
 
@@ -152,11 +181,25 @@ def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data
     skip = d.on_damaged_shard == "skip"
     train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
     val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
+    recorded = prepare.read_manifest(directory).get("sft")
+    spec = sft.Spec(recorded["format"], recorded["chat_template"]) if recorded else None
+    return _data(cfg, tok, train_docs, val_docs, str(directory), shards, spec)
+
+
+def _data(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, train_docs: pipeline.FlatDocuments, val_docs,
+          where: str, shards: int | None, spec: sft.Spec | None) -> Data:
+    """Tokenized documents (prepared shards, or SFT examples encoded in memory) -> `Data`; prints the
+    SFT line for weighted ones."""
+    d = cfg.data
+    report = None
+    if spec:
+        report = sft.report(spec, train_docs, val_docs, d.seq_len)
+        console(f"jaxlm: {report}")
     count = resolve_shards(cfg, shards)
     train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(cfg, j, count))),
                           count, process_rows(cfg), d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, str(directory)), tokenizer=tok,
-                train_tokens=train_docs.num_tokens, shards=count)
+    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, where), tokenizer=tok,
+                train_tokens=train_docs.num_tokens, train_documents=len(train_docs), shards=count, sft_report=report)
 
 
 def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
@@ -167,6 +210,13 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
         raise UserError(f"{d.corpus} is a prepared (tokenized) corpus; set config.data.tokenize_on_the_fly=false")
     tok = load_tokenizer(cfg, inputs_key(cfg))
     _check_vocab(cfg, tok, "data.tokenizer_path" if d.tokenizer_path else "the corpus")
+    spec = sft_spec(cfg)
+    if spec:
+        train_docs, val_docs = sft_documents(cfg, tok, spec)
+        if not len(train_docs):
+            raise UserError(f"all {len(val_docs)} rows of {d.corpus} fell in the validation split; lower "
+                            f"data.val_fraction={d.val_fraction}")
+        return _data(cfg, tok, train_docs, val_docs, d.corpus, shards, spec)
     train_texts, val_texts = [], []
     for doc in sources.iter_documents(source_spec(cfg)):
         (val_texts if sources.is_validation(doc, d.val_fraction, d.seed) else train_texts).append(doc)
@@ -182,6 +232,25 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
         count, process_rows(cfg), d.global_batch_size)
     return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, d.corpus), tokenizer=tok,
                 train_tokens=None, train_documents=len(train_texts), shards=count)
+
+
+def sft_documents(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, spec: sft.Spec,
+                  train: bool = True) -> tuple[pipeline.FlatDocuments, pipeline.FlatDocuments]:
+    """The corpus's rows as weighted train and validation documents, split as prepare splits them,
+    encoded here (`train=False`: the validation ones alone; the train ones come back empty)."""
+    d = cfg.data
+    encoder = sft.Encoder.make(spec, tok)
+    split: dict[bool, list[sft.Example]] = {False: [], True: []}
+    rows = 0
+    for example in sft.iter_examples(source_spec(cfg), spec.format):
+        rows += 1
+        held_out = sources.is_validation(example.key, d.val_fraction, d.seed)
+        if train or held_out:
+            split[held_out].append(example)
+    if not rows:
+        raise UserError(f"the corpus {d.corpus!r} holds no rows; give non-empty files")
+    return tuple(pipeline.FlatDocuments.from_arrays(*sft.encode_examples(encoder, tok, split[held_out]))
+                 for held_out in (False, True))
 
 
 def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where: str) -> None:

@@ -5,13 +5,17 @@ Every batch is a dict of numpy arrays of shape [batch_size, seq_len]:
   targets      int32, the next token of each input (0 on padding)
   segment_ids  int32, 1, 2, ... for the documents packed in a row, 0 on padding
   positions    int32, position within the document's chunk, restarting at 0 for each segment
-  weights      float32, each target's weight in the loss: 1 for text, 0 on padding
+  weights      float32, each target's weight in the loss: 1 for text, 0 on padding; for weighted
+               documents (SFT examples) the weight of the target token itself, 0 on padding
 A model masks attention across segments; the loss is the weighted mean over targets. The weights
 are added last (`_with_weights`), outside the stages whose state a checkpoint holds.
 
 Documents come as a list of token arrays or as `FlatDocuments` (memory-mapped prepared shards from
-`jaxlm.data.prepare.open_prepared`); the two give the same batches. A training iterator
-(`TrainIterator`) also says how far it has read: the epoch and the real tokens seen.
+`jaxlm.data.prepare.open_prepared`); the two give the same batches. `FlatDocuments` may also hold a
+0/1 weight per token (`jaxlm.data.sft`: 1 on the assistant's tokens): such a document is one
+example, trained on as one chunk (its first seq_len + 1 tokens; the rest is cut), and target t of a
+chunk weighs what its token, t + 1 of the chunk, weighs. A training iterator (`TrainIterator`) also
+says how far it has read: the epoch and the real tokens seen.
 """
 
 import functools
@@ -33,38 +37,62 @@ def tokenize_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
 
 
 class FlatDocuments(Sequence[np.ndarray]):
-    """Tokenized documents stored flat, in shards of tokens [N] plus document offsets [D + 1].
+    """Tokenized documents stored flat, in shards of tokens [N] plus document offsets [D + 1], and
+    optionally a weight per token [N] (uint8 0/1: SFT examples, see the module's docstring).
 
     A document is a view into its shard, so memory-mapped (prepared) shards are read only where
     used and never copied. Memory maps pickle as their file, offset and shape, so grain workers
     map the files again instead of receiving a copy of the corpus.
     """
 
-    def __init__(self, shards: Sequence[tuple[np.ndarray, np.ndarray]]):
-        self.shards = list(shards)
-        self._first_doc = np.cumsum([0] + [len(offsets) - 1 for _, offsets in self.shards])
+    def __init__(self, shards: Sequence[tuple[np.ndarray, ...]]):
+        """`shards`: (tokens, offsets) each, or (tokens, offsets, weights) each for weighted documents."""
+        self.shards = [tuple(shard) for shard in shards]
+        if len({len(shard) for shard in self.shards}) > 1:
+            raise ValueError("either every shard of FlatDocuments has weights or none has")
+        self.has_weights = bool(self.shards) and len(self.shards[0]) == 3
+        self._first_doc = np.cumsum([0] + [len(shard[1]) - 1 for shard in self.shards])
 
     @classmethod
-    def from_arrays(cls, doc_tokens: Sequence[np.ndarray]) -> "FlatDocuments":
-        """One in-memory int32 shard holding `doc_tokens` back to back."""
+    def from_arrays(
+        cls, doc_tokens: Sequence[np.ndarray], doc_weights: Sequence[np.ndarray] | None = None
+    ) -> "FlatDocuments":
+        """One in-memory int32 shard holding `doc_tokens` back to back (and their uint8 weights)."""
         tokens = np.concatenate(doc_tokens).astype(np.int32) if len(doc_tokens) else np.zeros(0, np.int32)
-        return cls([(tokens, np.cumsum([0] + [len(d) for d in doc_tokens], dtype=np.int64))])
+        shard: tuple[np.ndarray, ...] = (tokens, np.cumsum([0] + [len(d) for d in doc_tokens], dtype=np.int64))
+        if doc_weights is not None:
+            if [len(w) for w in doc_weights] != [len(d) for d in doc_tokens]:
+                raise ValueError("each document needs one weight per token")
+            weights = np.concatenate(doc_weights).astype(np.uint8) if len(doc_weights) else np.zeros(0, np.uint8)
+            shard += (weights,)
+        return cls([shard])
 
     def __len__(self) -> int:
         return int(self._first_doc[-1])
 
     def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        shard, doc = self._locate(index)
+        tokens, offsets = self.shards[shard][:2]
+        return tokens[offsets[doc] : offsets[doc + 1]]
+
+    def weights(self, index: int) -> np.ndarray:
+        """The weight of each token of document `index` (weighted documents only)."""
+        if not self.has_weights:
+            raise ValueError("these documents have no weights")
+        shard, doc = self._locate(index)
+        _, offsets, weights = self.shards[shard]
+        return weights[offsets[doc] : offsets[doc + 1]]
+
+    def _locate(self, index: int) -> tuple[int, int]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"document {index} of {len(self)}")
         index %= len(self)
         shard = int(np.searchsorted(self._first_doc, index, side="right")) - 1
-        tokens, offsets = self.shards[shard]
-        doc = index - self._first_doc[shard]
-        return tokens[offsets[doc] : offsets[doc + 1]]
+        return shard, int(index - self._first_doc[shard])
 
     @property
     def num_tokens(self) -> int:
-        return int(sum(int(offsets[-1]) for _, offsets in self.shards))
+        return int(sum(int(shard[1][-1]) for shard in self.shards))
 
     def __getstate__(self) -> dict:
         return {"shards": [tuple(map(_picklable_array, shard)) for shard in self.shards]}
@@ -91,8 +119,10 @@ class _Chunks:
 
     A document of n tokens yields chunks of at most seq_len + 1 tokens starting every seq_len
     tokens, so consecutive chunks share one token and each of the n - 1 next-token pairs of the
-    document appears in exactly one chunk. The chunk table is rebuilt rather than pickled, so
-    grain workers receive only the documents (and those as file references when memory-mapped).
+    document appears in exactly one chunk. Weighted documents (SFT examples) yield their first
+    chunk only, with the `weights` of its targets: a continuation would train on an answer without
+    its prompt. The chunk table is rebuilt rather than pickled, so grain workers receive only the
+    documents (and those as file references when memory-mapped).
     """
 
     def __init__(self, docs: Sequence[np.ndarray], seq_len: int):
@@ -101,10 +131,12 @@ class _Chunks:
         self._docs = docs if isinstance(docs, FlatDocuments) else FlatDocuments.from_arrays(docs)
         self._seq_len = seq_len
         shard_of_chunk, starts, ends = [], [], []
-        for shard, (_, offsets) in enumerate(self._docs.shards):
+        for shard, (_, offsets, *_) in enumerate(self._docs.shards):
             offsets = np.asarray(offsets, dtype=np.int64)
             lengths = np.diff(offsets)
             num_chunks = np.maximum(lengths - 2, -1) // seq_len + 1  # ceil((n - 1) / seq_len); 0 when n < 2
+            if self._docs.has_weights:
+                num_chunks = np.minimum(num_chunks, 1)  # an example is truncated to its first chunk
             doc_of_chunk = np.repeat(np.arange(len(lengths)), num_chunks)
             first_chunk_of_doc = np.cumsum(num_chunks) - num_chunks
             offsets_in_doc = (np.arange(len(doc_of_chunk)) - first_chunk_of_doc[doc_of_chunk]) * seq_len
@@ -118,9 +150,16 @@ class _Chunks:
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def has_weights(self) -> bool:
+        return self._docs.has_weights
+
     def __getitem__(self, index: int) -> Batch:
-        tokens = self._docs.shards[self._shard_of_chunk[index]][0]
-        chunk = tokens[self._starts[index] : self._ends[index]].astype(np.int32, copy=False)
+        shard = self._docs.shards[self._shard_of_chunk[index]]
+        start, end = self._starts[index], self._ends[index]
+        chunk = shard[0][start:end].astype(np.int32, copy=False)
+        if len(shard) == 3:  # target t is token t + 1 of the chunk: it weighs what that token weighs
+            return {"inputs": chunk[:-1], "targets": chunk[1:], "weights": shard[2][start + 1 : end].astype(np.float32)}
         return {"inputs": chunk[:-1], "targets": chunk[1:]}
 
     def __getstate__(self) -> tuple[FlatDocuments, int]:
@@ -131,14 +170,16 @@ class _Chunks:
 
 
 def _pack_and_batch(
-    ds: grain.IterDataset, seq_len: int, batch_size: int, drop_remainder: bool, with_epoch: bool = False
+    ds: grain.IterDataset, seq_len: int, batch_size: int, drop_remainder: bool, with_epoch: bool = False,
+    with_weights: bool = False,
 ) -> grain.IterDataset:
     """Pack chunks first-fit into rows of seq_len, then stack rows into batches.
 
     The optional `epoch` feature holds one entry per chunk; a row holds at most seq_len chunks
-    (each has an input token), so it never changes how chunks are packed.
+    (each has an input token), so it never changes how chunks are packed. `weights` (of weighted
+    documents) are packed like the targets, zero on padding.
     """
-    features = ("inputs", "targets", "epoch") if with_epoch else ("inputs", "targets")
+    features = ("inputs", "targets") + (("weights",) if with_weights else ()) + (("epoch",) if with_epoch else ())
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct={k: seq_len for k in features}, num_packing_bins=batch_size, shuffle_bins=False
     )
@@ -153,14 +194,19 @@ def _to_batch_row(packed: Batch) -> Batch:
         "segment_ids": packed["inputs_segment_ids"],
         "positions": packed["inputs_positions"],
     }
+    if "weights" in packed:
+        row["weights"] = packed["weights"]
     if "epoch" in packed:
         row["epoch"] = packed["epoch"].max()  # the latest pass over the data this row draws from
     return row
 
 
 def _with_weights(batch: Batch) -> Batch:
-    """The batch with its loss weights: packing padding (segment 0) weighs 0, every real target 1."""
-    return {**batch, "weights": (batch["segment_ids"] > 0).astype(np.float32)}
+    """The batch with its loss weights: packing padding (segment 0) weighs 0, every real target 1,
+    or, for weighted documents, its own weight. Always last in the batch's keys."""
+    real = (batch["segment_ids"] > 0).astype(np.float32)
+    weights = real * batch["weights"] if "weights" in batch else real
+    return {**{k: v for k, v in batch.items() if k != "weights"}, "weights": weights}
 
 
 def _with_epoch(num_chunks: int, index: int, chunk: Batch) -> Batch:
@@ -232,7 +278,7 @@ def make_train_dataset(
         raise UserError("no training examples: every document has fewer than 2 tokens; give more text")
     ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_epoch, len(chunks)))[shard_index::shard_count]
-    return _packed_stream(ds.to_iter_dataset(), seq_len, batch_size, num_workers)
+    return _packed_stream(ds.to_iter_dataset(), seq_len, batch_size, num_workers, chunks.has_weights)
 
 
 class _TokenizeAndChunk(grain.experimental.FlatMapTransform):
@@ -281,9 +327,10 @@ def make_text_train_dataset(
     return _packed_stream(chunks, seq_len, batch_size, num_workers)
 
 
-def _packed_stream(chunks: grain.IterDataset, seq_len: int, batch_size: int, num_workers: int) -> grain.IterDataset:
+def _packed_stream(chunks: grain.IterDataset, seq_len: int, batch_size: int, num_workers: int,
+                   with_weights: bool = False) -> grain.IterDataset:
     """Epoch-tagged chunks -> packed batches, prefetched by `num_workers` processes -> `TrainIterator`s."""
-    ds = _pack_and_batch(chunks, seq_len, batch_size, drop_remainder=True, with_epoch=True)
+    ds = _pack_and_batch(chunks, seq_len, batch_size, drop_remainder=True, with_epoch=True, with_weights=with_weights)
     if num_workers > 0:
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which raise when unparsed
@@ -300,7 +347,8 @@ def make_eval_batches(
     the same shape and no evaluation token is dropped.
     """
     chunks = _Chunks(doc_tokens, seq_len)
-    ds = _pack_and_batch(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len, batch_size, drop_remainder=False)
+    ds = _pack_and_batch(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len, batch_size, drop_remainder=False,
+                         with_weights=chunks.has_weights)
     batches = []
     for batch in ds:
         if len(batches) == max_batches:

@@ -10,14 +10,22 @@ The output directory holds:
   tokenizer.model     the tokenizer the shards were made with (a Hugging Face one: tokenizer.json
                       and tokenizer_config.json; `tokenizer_file` finds either)
   train-00000.tokens  the shards: two .npy arrays back to back, int64 document offsets [D + 1],
-  val-00000.tokens    then the tokens [offsets[-1]] (uint16, or uint32 for vocabularies over 65536)
+  val-00000.tokens    then the tokens [offsets[-1]] (uint16, or uint32 for vocabularies over 65536);
+                      SFT data (`--format chat|prompt_completion`) adds a third, the uint8 0/1 loss
+                      weight of each token (`jaxlm.data.sft`)
+
+Format versions: 1 is the two-array shard; 2 adds the manifest's "sft" section and the weights
+array. A text corpus is still written as version 1 (the same bytes as before, readable by older
+jaxlm), SFT data as version 2 (which older jaxlm refuses in one line rather than train on every
+token); this jaxlm reads both.
 
 A flat token file per shard, not array_record with a record per document: a random chunk read from a
 memory map was measured 5x faster than from an uncompressed record (15x than a zstd one), it writes
 faster, is read without a copy, and leaves seq_len a training choice (benchmarks/BENCHMARKS.md).
 
 Each document is BOS + text + EOS, as in `pipeline.tokenize_documents`, and goes to validation by a hash
-of its text (`sources.is_validation`). Shard k of a split holds that split's documents
+of its text (`sources.is_validation`); an SFT example is its rendered tokens (`sft.Encoder`) and goes
+by a hash of its row's content. Shard k of a split holds that split's documents
 [k * shard_docs, (k + 1) * shard_docs) in input order, so the plan depends on the inputs alone: a
 re-run after a kill re-reads the inputs, skips the shards already on disk (each written
 atomically) and ends with the same bytes as a run that was never interrupted.
@@ -47,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tqdm
 
-from jaxlm.data import sources
+from jaxlm.data import sft, sources
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
 
@@ -56,7 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what a text corpus is written as
+SFT_FORMAT_VERSION = 2  # SFT data: the weights array and the manifest's "sft" section (see the docstring)
+READABLE_VERSIONS = (FORMAT_VERSION, SFT_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"  # the tokenizer file where it is a SentencePiece model; in general see tokenizer_file
 SPLITS = ("train", "val")
@@ -78,8 +88,10 @@ def prepare(
     shard_docs: int = 4096,
     workers: int = 1,
     progress: bool = True,
+    sft_spec: sft.Spec | None = None,
 ) -> Manifest:
-    """Tokenize every document of `source` into train and val shards under `output_dir`.
+    """Tokenize every document of `source` into train and val shards under `output_dir`; with
+    `sft_spec`, its rows as SFT examples (tokens and weights).
 
     Continues an interrupted run of the same inputs and tokenizer (and rewrites shards that no
     longer match a complete manifest); refuses a directory prepared from anything else.
@@ -89,8 +101,9 @@ def prepare(
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1); got {val_fraction}")
     out = pathlib.Path(output_dir)
+    encoder = sft.Encoder.make(sft_spec, tokenizer) if sft_spec else None  # a missing template fails here
     manifest: Manifest = {
-        "format_version": FORMAT_VERSION,
+        "format_version": SFT_FORMAT_VERSION if encoder else FORMAT_VERSION,
         "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size},
         "token_dtype": token_dtype(tokenizer.vocab_size).name,
         "input": dataclasses.asdict(source),
@@ -98,6 +111,8 @@ def prepare(
         "sources": _describe_sources(source),
         "complete": False,
     }
+    if encoder:
+        manifest["sft"] = {**dataclasses.asdict(sft_spec), "template_sha256": encoder.template_sha256}
     if is_prepared(out):
         previous = read_manifest(out)
         _check_same_inputs(out, previous, manifest)
@@ -109,7 +124,7 @@ def prepare(
     _remove_partial_writes(out)
     _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
     tokenizer.save(out / tokenizer.file_name)
-    manifest["splits"] = _write_shards(source, out, manifest, workers, progress)
+    manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder)
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
     _write_manifest(out, manifest)
@@ -149,6 +164,7 @@ def _identity(manifest: Manifest) -> dict[str, Any]:
         "sources": [[s["bytes"], s["sha256"]] for s in manifest["sources"]],
         "input": {k: v for k, v in manifest["input"].items() if k != "paths"},
         "options": manifest["options"],
+        "sft": manifest.get("sft"),
     }
 
 
@@ -161,6 +177,7 @@ def _check_same_inputs(out: pathlib.Path, previous: Manifest, current: Manifest)
         "sources": "other input files",
         "input": "other input options",
         "options": "other options",
+        "sft": "other SFT settings (data format or chat template)",
     }
     for key in old:
         if old[key] != new[key]:
@@ -195,10 +212,10 @@ def read_manifest(output_dir: str | os.PathLike) -> Manifest:
         raise UserError(f"{output_dir} holds no prepared data ({MANIFEST} not found); run jaxlm.data.prepare") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{path} is corrupt; run jaxlm.data.prepare again into a new directory") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise UserError(
             f"{output_dir} was prepared in format version {manifest.get('format_version')}; this jaxlm reads"
-            f" version {FORMAT_VERSION}; prepare it again into a new directory"
+            f" versions {', '.join(map(str, READABLE_VERSIONS))}; prepare it again into a new directory"
         )
     return manifest
 
@@ -206,18 +223,23 @@ def read_manifest(output_dir: str | os.PathLike) -> Manifest:
 # ----------------------------------------------------------------------------- writing shards
 
 
-def _plan(source: sources.SourceSpec, options: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]]:
-    """(split, shard file name, documents) in a fixed order, from the inputs alone."""
-    groups: dict[str, list[str]] = {split: [] for split in SPLITS}
+def _plan(
+    source: sources.SourceSpec, options: dict[str, Any], sft_format: str | None = None
+) -> Iterator[tuple[str, str, list]]:
+    """(split, shard file name, documents) in a fixed order, from the inputs alone; with
+    `sft_format`, the documents are `sft.Example`s."""
+    groups: dict[str, list] = {split: [] for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
 
-    def shard(split: str) -> tuple[str, str, list[str]]:
+    def shard(split: str) -> tuple[str, str, list]:
         docs, groups[split] = groups[split], []
         counts[split] += 1
         return split, f"{split}-{counts[split] - 1:05d}.tokens", docs
 
-    for doc in sources.iter_documents(source):
-        split = "val" if sources.is_validation(doc, options["val_fraction"], options["seed"]) else "train"
+    documents = sft.iter_examples(source, sft_format) if sft_format else sources.iter_documents(source)
+    for doc in documents:
+        key = doc.key if sft_format else doc
+        split = "val" if sources.is_validation(key, options["val_fraction"], options["seed"]) else "train"
         groups[split].append(doc)
         if len(groups[split]) == options["shard_docs"]:
             yield shard(split)
@@ -248,30 +270,45 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _write_shard(path: str, docs: list[str], dtype: str) -> dict[str, Any]:
-    """Tokenize one shard's documents (on one core) and write it atomically; its manifest entry."""
-    encoded = _worker_tokenizer.encode(docs, add_bos=True, add_eos=True, num_threads=1)
+def _write_shard(path: str, docs: list, dtype: str, encoder: sft.Encoder | None = None) -> dict[str, Any]:
+    """Tokenize one shard's documents (on one core) and write it atomically; its manifest entry.
+    With `encoder`, the documents are SFT examples and their weights are the third array."""
+    if encoder is None:
+        encoded, weights = _worker_tokenizer.encode(docs, add_bos=True, add_eos=True, num_threads=1), None
+    else:
+        encoded, weights = sft.encode_examples(encoder, _worker_tokenizer, docs)
     offsets = np.cumsum([0] + [len(ids) for ids in encoded], dtype=np.int64)
+    arrays = [offsets, np.concatenate([np.asarray(ids, dtype) for ids in encoded])]
+    if weights is not None:
+        arrays.append(np.concatenate(weights).astype(np.uint8))
     buffer = io.BytesIO()
-    for array in (offsets, np.concatenate([np.asarray(ids, dtype) for ids in encoded])):
+    for array in arrays:
         np.lib.format.write_array(buffer, array, version=(1, 0))
     data = buffer.getvalue()
     write_bytes_atomically(path, data)
-    return _shard_entry(path, len(docs), int(offsets[-1]), data)
+    return _shard_entry(path, len(docs), int(offsets[-1]), data, arrays[2] if weights is not None else None)
 
 
-def _shard_entry(path: str | os.PathLike, documents: int, tokens: int, data: bytes) -> dict[str, Any]:
+def _shard_entry(path: str | os.PathLike, documents: int, tokens: int, data: bytes,
+                 weights: np.ndarray | None = None) -> dict[str, Any]:
     name = os.path.basename(path)
-    return {"file": name, "documents": documents, "tokens": tokens, "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    entry = {"file": name, "documents": documents, "tokens": tokens, "bytes": len(data),
+             "sha256": hashlib.sha256(data).hexdigest()}
+    if weights is not None:
+        entry["weighted_tokens"] = int(weights.sum(dtype=np.int64))  # tokens of weight 1, before any truncation
+    return entry
 
 
-def _existing_shard(path: pathlib.Path, num_docs: int) -> dict[str, Any] | None:
+def _existing_shard(path: pathlib.Path, num_docs: int, arrays: int = 2) -> dict[str, Any] | None:
     """The manifest entry of a shard a previous run completed, or None if it must be written."""
-    layout = _shard_layout(path)
+    layout = _shard_layout(path, arrays)
     if layout is None or layout[0][1] != num_docs + 1:
         return None
-    return _shard_entry(path, num_docs, layout[1][1], path.read_bytes())
+    weights = None
+    if arrays == 3:
+        dtype, length, offset = layout[2]
+        weights = np.memmap(path, dtype, "r", offset, (length,))
+    return _shard_entry(path, num_docs, layout[1][1], path.read_bytes(), weights)
 
 
 class _InProcess(concurrent.futures.Executor):
@@ -284,7 +321,8 @@ class _InProcess(concurrent.futures.Executor):
 
 
 def _write_shards(
-    source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool
+    source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool,
+    encoder: sft.Encoder | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write every planned shard not already on disk, `workers` at a time; the manifest's splits."""
     tokenizer_path = str(tokenizer_file(out))
@@ -295,7 +333,10 @@ def _write_shards(
         executor = concurrent.futures.ProcessPoolExecutor(
             workers, multiprocessing.get_context("spawn"), _start_worker, (tokenizer_path, os.getpid())
         )
-    splits = {split: {"documents": 0, "tokens": 0, "shards": []} for split in SPLITS}
+    splits: dict[str, dict[str, Any]] = {split: {"documents": 0, "tokens": 0, "shards": []} for split in SPLITS}
+    if encoder:
+        for split in SPLITS:
+            splits[split]["weighted_tokens"] = 0
     bar = tqdm.tqdm(desc="prepare", unit=" docs", file=sys.stderr, disable=not progress)
     start, written, new_tokens = time.perf_counter(), 0, 0
 
@@ -306,6 +347,8 @@ def _write_shards(
         splits[split]["shards"].append(entry)
         splits[split]["documents"] += entry["documents"]
         splits[split]["tokens"] += entry["tokens"]
+        if encoder:
+            splits[split]["weighted_tokens"] += entry["weighted_tokens"]
         bar.update(entry["documents"])
         if is_new:
             written, new_tokens = written + 1, new_tokens + entry["tokens"]
@@ -313,10 +356,10 @@ def _write_shards(
 
     with executor, bar:
         pending: collections.deque = collections.deque()
-        for split, name, docs in _plan(source, manifest["options"]):
-            task = _existing_shard(out / name, len(docs))
+        for split, name, docs in _plan(source, manifest["options"], encoder.format if encoder else None):
+            task = _existing_shard(out / name, len(docs), 3 if encoder else 2)
             if task is None:
-                task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"])
+                task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"], encoder)
             pending.append((split, task))
             while len(pending) > 2 * workers:  # bound the documents held in memory
                 collect(*pending.popleft())
@@ -332,12 +375,13 @@ def _write_shards(
 # ----------------------------------------------------------------------------- reading shards
 
 
-def _shard_layout(path: str | os.PathLike) -> list[tuple[np.dtype, int, int]] | None:
-    """(dtype, length, byte offset) of a shard's offsets and tokens, or None if not a whole shard."""
+def _shard_layout(path: str | os.PathLike, arrays: int = 2) -> list[tuple[np.dtype, int, int]] | None:
+    """(dtype, length, byte offset) of a shard's offsets and tokens (and weights: `arrays=3`), or None
+    if not a whole shard."""
     layout = []
     try:
         with open(path, "rb") as f:
-            for _ in range(2):
+            for _ in range(arrays):
                 np.lib.format.read_magic(f)
                 (length,), _, dtype = np.lib.format.read_array_header_1_0(f)
                 layout.append((dtype, length, f.tell()))
@@ -390,22 +434,25 @@ def open_prepared(
     if not manifest["complete"]:
         raise UserError(f"{out}: prepare did not finish; re-run it with the same arguments to complete the data")
     shards = []
+    arrays = 3 if manifest.get("sft") else 2  # SFT data: the weights too
     for entry in manifest["splits"][split]["shards"]:
         path = out / entry["file"]
         damage = _shard_damage(path, entry, verify)
-        layout = _shard_layout(path) if damage is None else None
+        layout = _shard_layout(path, arrays) if damage is None else None
         if layout is None:
             problem = f"shard {path} {damage or 'is corrupt'}; re-run prepare with the same arguments to rewrite it"
             if not skip_damaged:
                 raise UserError(problem)
             log.warning("skipping %s (%d documents)", problem, entry["documents"])
             continue
-        offsets, tokens = (np.memmap(path, dtype, "r", offset, (length,)) for dtype, length, offset in layout)
-        shards.append((tokens, offsets))
+        offsets, tokens, *weights = (np.memmap(path, dtype, "r", offset, (length,)) for dtype, length, offset in layout)
+        shards.append((tokens, offsets, *weights))
     listed = manifest["splits"][split]["shards"]
     if listed and not shards:
         raise UserError(f"every {split} shard of {out} is damaged ({len(listed)} skipped, warnings above); re-run "
                         f"prepare with the same arguments to rewrite them")
+    if arrays == 3 and not shards:  # an empty split still says it is weighted
+        shards.append((np.zeros(0, np.uint16), np.zeros(1, np.int64), np.zeros(0, np.uint8)))
     return FlatDocuments(shards)
 
 
@@ -419,8 +466,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxlm.data.prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", required=True, help="'builtin', or files, directories and globs, comma-separated")
-    parser.add_argument("--format", default="auto", choices=sources.FORMATS)
+    parser.add_argument("--input", required=True,
+                        help="'builtin', 'builtin_chat', or files, directories and globs, comma-separated")
+    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
+                        help="of the files; chat or prompt_completion: SFT rows of JSONL / Parquet files")
+    parser.add_argument("--chat_template", default="",
+                        help="--format chat: '' (the tokenizer's own), chatml, simple, or a .jinja file")
     parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field holding the text")
     parser.add_argument("--separator", default="",
                         help="text files: split documents on this string (escapes such as \\n\\n are decoded);"
@@ -435,11 +486,12 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
     args = parser.parse_args(argv)
     try:
-        source = sources.SourceSpec(args.input, args.format, args.text_field, sources.unescape(args.separator),
-                                    args.max_bytes)
+        sft_spec = sft.Spec(args.format, args.chat_template) if args.format in sft.FORMATS else None
+        source = sources.SourceSpec(args.input, "auto" if sft_spec else args.format, args.text_field,
+                                    sources.unescape(args.separator), args.max_bytes)
         manifest = prepare(
             source, Tokenizer.load(args.tokenizer), args.output, val_fraction=args.val_fraction, seed=args.seed,
-            shard_docs=args.shard_docs, workers=args.workers,
+            shard_docs=args.shard_docs, workers=args.workers, sft_spec=sft_spec,
         )
     except UserError as e:
         return report_error(e)
@@ -447,8 +499,9 @@ def _main(argv: list[str] | None = None) -> int:
         print("jaxlm: interrupted (run the same command again to continue)", file=sys.stderr)
         return 130
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    print(f"prepared {train['documents']:,} train documents ({train['tokens']:,} tokens) and {val['documents']:,}"
-          f" validation documents ({val['tokens']:,} tokens) in {args.output}")
+    trained = (lambda split: f", {split['weighted_tokens']:,} trained on") if manifest.get("sft") else (lambda split: "")
+    print(f"prepared {train['documents']:,} train documents ({train['tokens']:,} tokens{trained(train)}) and "
+          f"{val['documents']:,} validation documents ({val['tokens']:,} tokens{trained(val)}) in {args.output}")
     return 0
 
 

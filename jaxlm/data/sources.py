@@ -2,7 +2,9 @@
 
 A `SourceSpec` names the inputs (files, directories, globs) and how to read them. Every reader is a
 generator of documents in a fixed order, and every bad input is a `UserError` naming the file (and
-the line, where there is one) and what to do.
+the line, where there is one) and what to do. `read_file_records` gives the rows of a JSONL or
+Parquet file whole, for the SFT formats (`jaxlm.data.sft`); `builtin_chat` names the small chat
+set shipped in the package (`jaxlm/data/builtin_chat.jsonl`, written by `builtin_chat.py`).
 """
 
 import dataclasses
@@ -23,6 +25,8 @@ _EXTENSIONS = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
     ".parquet": "parquet",
 }
+BUILTIN_CHAT = "builtin_chat"  # data.corpus: the chat set shipped in the package (jaxlm/data/builtin_chat.py)
+BUILTIN_CHAT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_chat.jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +55,7 @@ def resolve_files(source: SourceSpec) -> list[str]:
     for pattern in (p.strip() for p in source.paths.split(",")):
         if not pattern:
             continue
-        expanded = os.path.expanduser(pattern)
+        expanded = BUILTIN_CHAT_FILE if pattern == BUILTIN_CHAT else os.path.expanduser(pattern)
         if source.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
             matches = [expanded] if os.path.isdir(expanded) else []
         elif os.path.isdir(expanded):
@@ -98,6 +102,38 @@ def read_file_documents(path: str, source: SourceSpec) -> Iterator[str]:
             yield from _read_hf(path, source.text_field)
         else:
             raise UserError(f"data format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    except FileNotFoundError:
+        raise UserError(f"input file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+    except (EOFError, gzip.BadGzipFile, OSError) as e:
+        raise UserError(f"{path}: cannot be read ({e}); the file may be truncated or corrupt") from None
+
+
+def read_file_records(path: str) -> Iterator[tuple[str, object]]:
+    """(where, row) for every row of a JSONL or Parquet file (told by its extension), in order: where
+    is 'path:line' (JSONL; blank lines skipped) or 'path: row N' (Parquet, from 1)."""
+    fmt = _format_of(path)
+    if fmt not in ("jsonl", "parquet"):
+        raise UserError(f"{path}: SFT data must be JSONL (.jsonl, .json, .jsonl.gz) or Parquet, not {fmt}")
+    try:
+        if fmt == "jsonl":
+            with _open_text(path) as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield f"{path}:{line_no}", json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the line") from None
+        else:
+            import pyarrow.parquet as pq
+
+            try:
+                table = pq.read_table(path)
+            except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt files
+                raise UserError(f"{path}: not a readable Parquet file ({e}); the file may be truncated or corrupt") from None
+            for row_no, row in enumerate(table.to_pylist(), 1):
+                yield f"{path}: row {row_no}", row
     except FileNotFoundError:
         raise UserError(f"input file not found: {path}") from None
     except UnicodeDecodeError as e:

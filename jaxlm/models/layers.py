@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import quant as quant_lib
 from jaxlm.mesh import constrain
 from jaxlm.models.attention import KVCache, attend, attend_cached
 
@@ -59,6 +60,11 @@ def recomputed(fn: Callable) -> Callable:
     return jax.checkpoint(fn, prevent_cse=False)
 
 
+class QuantizedParam(nnx.Variable):
+    """A quantized weight's leaf (4-bit codes, scales): frozen, not an `nnx.Param`, so no `optim.trainable`
+    selects it (`train_state.build_model_spec`) and no gradient is taken of an integer."""
+
+
 EinsumOp = Callable[..., jax.Array]  # (equation, x, kernel) -> y, like jnp.einsum
 # The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
 LORA_RANK_AXIS = "lora_rank"
@@ -87,14 +93,37 @@ class Projection(nnx.Module):
     `weight()` (dequantize, fake-quantize, apply a sparsity mask), a different contraction replaces
     `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel` (LoRA:
     `add_adapter`). `projections` finds every one in a model by path.
+
+    With `quant` (QLoRA's frozen base, `config.lora.quantize_base`), the kernel is stored in 4 bits:
+    `kernel_q` (uint8, two codes per byte along the last input axis, the kernel's logical names),
+    `kernel_scale` (its groups' scales, the grouped axis unsharded) and, with double quantization,
+    `kernel_scale_absmax` and `kernel_scale_offset`: `QuantizedParam`s, never trained. `weight()`
+    dequantizes them inside the compiled step (`jaxlm.quant`), so the device holds the 4-bit base.
     """
 
     def __init__(self, equation: str, shape: tuple[int, ...], names: tuple, *, init: Initializer, dtype,
-                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum):
+                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum, quant: quant_lib.QuantSpec | None = None):
         self.equation, self.dtype, self.einsum_op = equation, dtype, einsum_op
-        self.kernel = make_param(rngs, init, shape, names, param_dtype)
+        # One layer's kernel: its shape and logical names, whether stored as `kernel` or quantized.
+        self.kernel_shape, self.kernel_names = tuple(shape), tuple(names)
+        self.quant, self.quant_axis = quant, max(self.in_axes)  # 4-bit storage, grouped along the last input axis
+        kernel = make_param(rngs, init, shape, names, param_dtype)
+        if quant is None:
+            self.kernel = kernel
+        else:  # `kernel` quantized (a fresh model's random init; `quantized.quantize_params` does it for loaded ones)
+            leaves = quant_lib.quantize(kernel[...], quant, self.quant_axis)
+            scale_names = tuple(None if i == self.quant_axis else n for i, n in enumerate(names))
+            for key, value in leaves.items():
+                leaf_names = {"q": names, "scale": scale_names}.get(key, (None,))
+                setattr(self, f"kernel_{key}", QuantizedParam(value, out_sharding=leaf_names, decay=False,
+                                                              eager_sharding=False))
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # LoRA's A and B, once `add_adapter` ran
         self.lora_scale, self.lora_dropout = 0.0, 0.0
+
+    @property
+    def base(self) -> nnx.Variable:
+        """The stored base weight: `kernel`, or its packed 4-bit codes `kernel_q` (same logical names)."""
+        return self.kernel if self.quant is None else self.kernel_q
 
     @property
     def in_axes(self) -> tuple[int, ...]:
@@ -103,8 +132,12 @@ class Projection(nnx.Module):
         return tuple(i for i, c in enumerate(kernel) if c in x)
 
     def weight(self) -> jax.Array:
-        """The kernel as the contraction uses it: cast to the compute dtype."""
-        return self.kernel[...].astype(self.dtype)
+        """The kernel as the contraction uses it, in the compute dtype: cast, or dequantized from its
+        4-bit codes and scales (in float32, then cast: the same weight as `quantized.dequantize_params` gives)."""
+        if self.quant is None:
+            return self.kernel[...].astype(self.dtype)
+        leaves = {key: getattr(self, f"kernel_{key}")[...] for key in self.quant.keys}
+        return quant_lib.dequantize(leaves, self.quant, self.quant_axis, self.dtype)
 
     def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A LoRA adapter (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B; nothing at rank 0.
@@ -118,7 +151,7 @@ class Projection(nnx.Module):
         """
         if rank <= 0:
             return
-        shape, names = self.kernel.shape, tuple(self.kernel.get_metadata()["out_sharding"])
+        shape, names = self.kernel_shape, self.kernel_names
         ins, outs = self.in_axes, tuple(i for i in range(len(shape)) if i not in self.in_axes)
         bound = 1.0 / math.sqrt(math.prod(shape[i] for i in ins))
         a_shape = (*(shape[i] for i in ins), rank)
@@ -256,7 +289,7 @@ class Attention(nnx.Module):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pd, std = cfg.param_dtype, cfg.init_std
         self.cfg = cfg
-        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs, quant=cfg.quant)
         self.wq = Projection("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std), **kw)
         self.wk = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
         self.wv = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
@@ -310,7 +343,7 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs, quant=cfg.quant)
         self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
         self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
         self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
@@ -329,7 +362,7 @@ class GeluMLP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
         self.dtype, self.use_bias = cfg.dtype, cfg.use_bias
-        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs, quant=cfg.quant)
         self.w_in = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
         self.w_out = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
         if cfg.use_bias:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import layers
@@ -91,10 +92,20 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ()
     lora_ranks: tuple[tuple[str, int], ...] = ()
     lora_dropout: float = 0.0
+    # The blocks' projection kernels stored in 4 bits (config.lora.quantize_base: QLoRA's frozen base;
+    # `quant`): "" (off) | nf4 | int4, with `quant_group` values per scale, the scales double-quantized.
+    quantize: str = ""
+    quant_group: int = 64
+    double_quant: bool = False
 
     @property
     def residual_init_std(self) -> float:
         return layers.residual_init_std(self.init_std, self.n_layers)
+
+    @property
+    def quant(self) -> quant_lib.QuantSpec | None:
+        """How the blocks' projection kernels are stored (None: in param_dtype); never the unembedding's."""
+        return quant_lib.QuantSpec(self.quantize, self.quant_group, self.double_quant) if self.quantize else None
 
     def lora_rank_of(self, name: str) -> int:
         """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
@@ -167,13 +178,20 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     "all" is every one but the unembedding. A name the model has no projection of is a UserError
     listing those it has."""
     rank, ranks = int(lora["rank"]), _lora_ranks(lora["ranks"])
+    quantize = lora.get("quantize_base", "") or ""
     off = dict(lora_rank=0, lora_targets=(), lora_ranks=(), lora_alpha=float(lora["alpha"]),
-               lora_dropout=float(lora["dropout"]))
+               lora_dropout=float(lora["dropout"]), quantize=quantize,
+               quant_group=int(lora.get("quant_group", 64)), double_quant=bool(lora.get("double_quant", False)))
     if rank <= 0:
         if ranks:
             raise UserError(f"config.lora.ranks={lora['ranks']!r} needs config.lora.rank > 0 (the rank of the "
                             f"other targets); set lora.rank")
+        if quantize:
+            raise UserError(f"config.lora.quantize_base={quantize!r} needs config.lora.rank > 0 (QLoRA: adapters "
+                            f"train over the frozen 4-bit base); set lora.rank, or lora.quantize_base=''")
         return dataclasses.replace(cfg, **off)
+    if quantize:
+        check_quant_groups(dataclasses.replace(cfg, **off))
     names = projection_names(cfg)
     requested = [t.strip() for t in lora["targets"].split(",") if t.strip()]
     targets = []
@@ -193,16 +211,38 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=32)
-def _projection_names(cfg: ModelConfig) -> tuple[str, ...]:
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model `cfg` describes, built abstractly (shapes only: nothing allocated, no device touched)."""
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
-    return tuple(sorted({path[-1] for path, _ in layers.projections(model)}))
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+
+
+def _plain(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without adapters or quantization (the projections' names and kernels are the same)."""
+    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), quantize="", attention="xla")
 
 
 def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
     """The attribute names of the model's projections (`layers.Projection`: wq, ..., w_down, unembed),
     sorted, from an abstract build (nothing allocated, no device touched)."""
-    return _projection_names(dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), attention="xla"))
+    return tuple(sorted({path[-1] for path, _ in layers.projections(abstract_model(_plain(cfg)))}))
+
+
+def check_quant_groups(cfg: ModelConfig) -> None:
+    """Each quantized projection's grouped axis (its kernel's last input axis) takes `cfg.quant_group`
+    values per scale: a shorter axis is one group, a longer one must be a multiple of it (UserError
+    naming the projection)."""
+    for path, projection in layers.projections(abstract_model(_plain(cfg))):
+        if path[-1] == "unembed":  # never quantized
+            continue
+        axis = projection.quant_axis
+        size, name = projection.kernel_shape[axis], projection.kernel_names[axis]
+        try:
+            quant_lib.group_size(cfg.quant_group, size)
+        except ValueError as e:
+            raise UserError(f"config.lora.quant_group={cfg.quant_group}: projection {path[-1]} is grouped along its "
+                            f"{name!r} axis and {e}; use a group that divides {size} (or is larger than it: "
+                            f"one group per row)") from None
 
 
 def default_mlp_dim(d_model: int, mlp: str) -> int:
@@ -384,7 +424,9 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, start: jax.Array) -> K
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by group, from the config alone (equal to the built model's count; tested)."""
+    """Parameters by group, from the config alone (equal to the built model's count; tested). A
+    quantized kernel counts as the weights it stands for, its scales not at all (`quant.count`), so
+    QLoRA's model has the count of the same model unquantized."""
     d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
     norm = d * (2 if cfg.norm == "layernorm" and cfg.use_bias else 1)
     attn = d * h * (n + 2 * k) + n * h * d

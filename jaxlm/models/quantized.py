@@ -1,0 +1,82 @@
+"""A model's parameters quantized and back: which projections hold a 4-bit kernel (`sites`), and the
+tree conversions between float kernels and their quantized leaves (`quantize_params`,
+`dequantize_params`). The formats themselves (codes, packing, scales) are `jaxlm.quant`'s, which
+knows nothing of models; this module knows the model's layout (`layers.Projection.quant`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jaxlm.models import layers, transformer
+from jaxlm.quant import dequantize, quantize
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One quantized projection of a model, as its parameters are laid out."""
+
+    path: tuple  # of its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 0, 'mlp', 'w_down')
+    axis: int  # the grouped axis of one layer's kernel
+    stacked: bool  # its leaves carry a leading layers axis (scanned blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def sites(cfg) -> tuple[Site, ...]:
+    """Every quantized projection of the model `cfg` (a `transformer.ModelConfig`) describes."""
+    out = []
+    for path, projection in layers.projections(transformer.abstract_model(cfg)):
+        if projection.quant is not None:
+            stacked = len(projection.base.shape) == len(projection.kernel_shape) + 1
+            out.append(Site(path=tuple(path), axis=projection.quant_axis, stacked=stacked))
+    return tuple(out)
+
+
+def _node(tree: dict, path: tuple) -> dict:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _copy_to(tree: dict, path: tuple) -> dict:
+    """`tree` with fresh dicts along `path` (the leaves shared), and the node at its end."""
+    out = dict(tree)
+    node = out
+    for key in path:
+        node[key] = dict(node[key])
+        node = node[key]
+    return out
+
+
+def quantize_params(params: dict, cfg) -> dict:
+    """The float parameters of the model `cfg` without quantization (`kernel` in each projection) ->
+    those of `cfg`: each quantized projection's kernel replaced by its leaves (`kernel_q`,
+    `kernel_scale`, ...), each layer of a stacked kernel quantized on its own. Jit it with the
+    quantized model's shardings as `out_shardings` (as `init_from` does) to quantize in place, shard by shard."""
+    spec = cfg.quant
+    for site in sites(cfg):
+        params = _copy_to(params, site.path)
+        node = _node(params, site.path)
+        fn = lambda w, axis=site.axis: quantize(w, spec, axis)  # noqa: E731
+        leaves = (jax.vmap(fn) if site.stacked else fn)(node.pop("kernel"))
+        node.update({f"kernel_{key}": value for key, value in leaves.items()})
+    return params
+
+
+def dequantize_params(params: dict, cfg, dtype=None) -> dict:
+    """The inverse of `quantize_params` (up to the quantization error): each quantized projection's
+    leaves replaced by the `kernel` they stand for, in `dtype` (default the model's param_dtype).
+    Unchanged when `cfg` quantizes nothing."""
+    spec = cfg.quant
+    if spec is None:
+        return params
+    dtype = dtype or cfg.param_dtype
+    for site in sites(cfg):
+        params = _copy_to(params, site.path)
+        node = _node(params, site.path)
+        leaves = {key: node.pop(f"kernel_{key}") for key in spec.keys}
+        fn = lambda x, axis=site.axis: dequantize(x, spec, axis, dtype)  # noqa: E731
+        node["kernel"] = (jax.vmap(fn) if site.stacked else fn)(leaves)
+    return params
