@@ -206,6 +206,7 @@ def test_a_learned_position_table_keeps_the_sources_length_and_the_data_its_own(
         config.parse_cli([*finetune_args(tmp_path, fake, "learned"), "--config.model.max_seq_len=64"])
 
 
+@pytest.mark.slow  # ~10 s of CLI training; resuming itself is covered by tests/test_resume.py
 def test_resuming_a_finetuned_run_ignores_init_from_and_continues_exactly(source, finetuned, tmp_path):
     """Stopped at step 4 and resumed to 8 with its source moved away: the same losses, bit for bit,
     as the run trained in one go (the fixture's), and no second initialization."""

@@ -378,6 +378,7 @@ def test_a_qlora_run_from_a_base_run_trains_its_adapters_resumes_exactly_and_eva
     assert tuned < 1.0 and base_only < 1.0 and abs(tuned - base_only) > 1e-3, (tuned, base_only)
 
 
+@pytest.mark.slow  # ~15 s: trains through the CLI; the PEFT path itself is in tests/test_hf.py's default LoRA test
 def test_a_qlora_run_exports_merged_and_as_a_peft_adapter_that_transformers_and_peft_run(tmp_path, monkeypatch):
     """QLoRA (int4, double quantization) on every projection of an imported Llama, trained a few steps:
     merged, transformers computes jaxlm's logits; as PEFT, peft on the exported (dequantized) base too."""
