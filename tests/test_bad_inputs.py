@@ -65,6 +65,10 @@ def FACTS(*flags: str) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- setups
 
 
+HF_LLAMA = ('{"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
+            '"num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128}')
+
+
 def _write(path: str, text: str) -> Callable[[pathlib.Path, dict], None]:
     def setup(case: pathlib.Path, world: dict) -> None:
         (case / path).parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +329,29 @@ CASES = [
     Case("resume-every-checkpoint-damaged", "train", FACTS("--config.run.steps=60"), 2,
          ("could be restored", "step 40", "step 20", "config.run.fresh=true"), setup=_damage_checkpoints(20, 40),
          unchanged="{copy}"),
+    # --- Hugging Face checkpoints in and out (jaxlm.hf); tests/test_hf.py has the cases that need real weights
+    Case("hf-import-not-a-directory", "hf", ("import", "--hf_dir={case}/nope", "--output={case}/out"), 2,
+         ("--hf_dir=", "nope is not a directory", "Hugging Face model directory")),
+    Case("hf-import-unknown-architecture", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
+         ('config.json: model_type="mamba"', "jaxlm imports llama, mistral, qwen2, gpt2"),
+         setup=_write("hf/config.json", '{"model_type": "mamba", "vocab_size": 300}')),
+    Case("hf-import-pickles-only", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
+         ("holds only PyTorch pickle files (pytorch_model.bin)", "safetensors only", "save_pretrained"),
+         setup=lambda c, w: (_write("hf/config.json", HF_LLAMA)(c, w), _write("hf/pytorch_model.bin", "not read")(c, w))),
+    Case("hf-import-missing-shard", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
+         ("model-00001-of-00002.safetensors is missing", "download it again"),
+         setup=lambda c, w: (_write("hf/config.json", HF_LLAMA)(c, w), _write(
+             "hf/model.safetensors.index.json",
+             '{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}')(c, w))),
+    Case("hf-import-not-json", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
+         ("config.json is not valid JSON",), setup=_write("hf/config.json", "model_type: llama")),
+    Case("hf-export-peft-without-adapters", "hf", ("export", "--run_dir={copy}", "--output={case}/out",
+                                                   "--adapters=peft"), 2,
+         ("has no LoRA adapters (lora.rank=0)", "--adapters=peft exports a run trained with them"),
+         setup=lambda c, w: _copy_run(c, w), unchanged="{copy}"),
+    Case("hf-export-output-taken", "hf", ("export", "--run_dir={run}", "--output={case}/taken"), 2,
+         ("--output=", "taken exists and is not empty", "give a new directory"), setup=_write("taken/mine.txt", "kept"),
+         unchanged="{case}/taken"),
     # --- fine-tuning: a new run from another run's parameters (run.init_from), the shared run as the source
     Case("init-from-not-a-directory", "train", T("--config.run.init_from={case}/nope"), 2,
          ("config.run.init_from=", "nope is not a directory", "give a run directory")),
