@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -375,3 +376,37 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(models, arch, tmp_path)
     np.testing.assert_array_equal(reference_logits(exported_base), base)  # the frozen base, unchanged
     adapted = peft.PeftModel.from_pretrained(exported_base, out / "adapter").eval()
     close(reference_logits(adapted), want)
+
+
+def test_each_device_reads_only_its_block_of_every_tensor(models):
+    """Importing onto fsdp=8, the safetensors files are read block by block: every read of a matrix
+    asks for one eighth of it (the rows or columns one device holds), and the reads of each matrix add
+    up to it exactly once; nothing is read whole and then sliced."""
+    _, hf_dir = models["llama"]
+    arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
+    cfg = hf._run_config(keys, "float32", hf_dir / "unused")
+    model_cfg = inference.model_config(cfg, "cpu", "float32")
+    spec = train_state.build_model_spec(model_cfg)
+    mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, spec, jax.devices(), mesh_lib.rules_from_config(
+        cfg.mesh.rules))
+    assert dict(mesh.shape)["fsdp"] == 8
+    files, reads = hf.SafetensorsFiles(hf_dir), []
+
+    class Recorded:
+        def __init__(self, name, inner):
+            self.name, self.inner = name, inner
+
+        def __getitem__(self, index):
+            block = self.inner[index]
+            reads.append((self.name, block.size))
+            return block
+
+    opened = files.slice
+    files.slice = lambda name: Recorded(name, opened(name))
+    jax.block_until_ready(hf._read_params(files, abstract, model_cfg, arch))
+    matrices = {name for name in files.names() if len(files.shape(name)) == 2}
+    assert matrices and {name for name, _ in reads} == set(files.names())
+    for name in matrices:
+        sizes = [size for n, size in reads if n == name]
+        total = math.prod(files.shape(name))
+        assert sizes == [total // 8] * 8, (name, sizes, total)
