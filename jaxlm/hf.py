@@ -292,6 +292,11 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
             generation["pad_token_id"] = hf["pad_token_id"]
         _write_json(output / "generation_config.json", generation)
         tok.save(output / tok.file_name)
+        if tok.file_name == "tokenizer.model":  # SentencePiece: say which pieces are special, and that BOS starts a text
+            _write_json(output / "tokenizer_config.json", {
+                **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None for kind in ("bos", "eos", "unk")},
+                "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
+                "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
         if peft_tensors is not None:
             _write_peft(pathlib.Path(adapter_output) if adapter_output else output / "adapter", output,
                         *peft_tensors, adapted[1])

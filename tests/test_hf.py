@@ -170,6 +170,12 @@ def test_a_run_trained_here_exports_to_transformers(facts_run, tmp_path):
     assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
     assert (out / run.tokenizer.file_name).is_file()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    # Its SentencePiece tokenizer, loaded by transformers, encodes as jaxlm does (BOS first, as in training).
+    from test_hf_tokenizer import TEXTS
+
+    exported_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported_tokenizer(TEXTS)["input_ids"] == run.tokenizer.encode(TEXTS, add_bos=True, add_eos=False)
+    assert exported_tokenizer.pad_token_id == run.tokenizer.pad_id
     ids = IDS % run.model_cfg.vocab_size
     with torch.no_grad():
         want = reloaded(torch.tensor(ids)).logits.numpy()
