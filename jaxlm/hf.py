@@ -3,6 +3,9 @@
     python -m jaxlm.hf import --hf_dir=DIR --output=RUN_DIR [--param_dtype=float32]
     python -m jaxlm.hf export --run_dir=RUN_DIR --output=DIR [--step=N] [--dtype=bfloat16]
 
+Several processes (a model larger than one host): the same command on each, with `--coordinator`,
+`--num_processes`, `--process_id` or a launcher's environment, as for `jaxlm.train`.
+
 `import` turns a Hugging Face model directory (config.json, model.safetensors or shards with
 model.safetensors.index.json, in float32, bfloat16 or float16, and its tokenizer) into a jaxlm run
 directory: config.json, the tokenizer, and checkpoint 0 holding the parameters alone. evaluate,
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +36,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxlm import checkpoint, inference, lora, train_state
+from jaxlm import checkpoint, distributed, inference, lora, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
@@ -422,8 +426,12 @@ def _main(argv: Sequence[str] | None) -> int:
                      help="a LoRA run: merge the adapters into the weights, or write them in PEFT's format beside "
                           "the base (--adapter_output)")
     exp.add_argument("--adapter_output", default="", help="--adapters=peft: where (default <output>/adapter)")
+    argv, layout_flags = distributed.pop_flags(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
+    joined = distributed.join(**layout_flags)  # several processes: each reads (or gathers) its devices' shards
+    if joined:
+        print(f"jaxlm: {joined}")
     if args.command == "import":
         out = import_checkpoint(args.hf_dir, args.output, param_dtype=args.param_dtype,
                                 tokenizer=args.tokenizer or None)

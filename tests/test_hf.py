@@ -416,3 +416,46 @@ def test_each_device_reads_only_its_block_of_every_tensor(models):
         sizes = [size for n, size in reads if n == name]
         total = math.prod(files.shape(name))
         assert sizes == [total // 8] * 8, (name, sizes, total)
+
+
+@pytest.mark.slow  # ~40 s: two pairs of processes start JAX and join
+def test_two_processes_import_and_export_exactly_what_one_process_does(models, tmp_path):
+    """A model larger than one host: the same command on two processes (4 CPU devices each), each
+    creating its devices' shards from the files; the run directory it writes holds the parameters a
+    single process imports, bit for bit, and exporting it from two processes writes the same tensors."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+    from test_distributed import free_port
+
+    from tiny_run import ROOT
+
+    _, hf_dir = models["qwen2"]
+
+    def on_two_processes(*args: str) -> None:
+        port, procs = free_port(), []
+        for i in range(2):
+            env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+                       XLA_FLAGS="--xla_force_host_platform_device_count=4")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxlm.hf", *args, f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                 f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+
+    on_two_processes("import", f"--hf_dir={hf_dir}", f"--output={tmp_path / 'two'}")
+    one = inference.load_run(hf.import_checkpoint(hf_dir, tmp_path / "one"), dtype="float32")
+    two = inference.load_run(tmp_path / "two", dtype="float32")
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    on_two_processes("export", f"--run_dir={tmp_path / 'two'}", f"--output={tmp_path / 'two-hf'}", "--dtype=float32")
+    hf.export_run(tmp_path / "one", tmp_path / "one-hf", dtype="float32")
+    single = load_file(tmp_path / "one-hf" / "model.safetensors")
+    double = load_file(tmp_path / "two-hf" / "model.safetensors")
+    assert sorted(single) == sorted(double)
+    for name in single:
+        np.testing.assert_array_equal(single[name], double[name])
+    assert (tmp_path / "one-hf" / "config.json").read_text() == (tmp_path / "two-hf" / "config.json").read_text()
