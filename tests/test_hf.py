@@ -459,3 +459,15 @@ def test_two_processes_import_and_export_exactly_what_one_process_does(models, t
     for name in single:
         np.testing.assert_array_equal(single[name], double[name])
     assert (tmp_path / "one-hf" / "config.json").read_text() == (tmp_path / "two-hf" / "config.json").read_text()
+
+
+def test_custom_code_named_by_a_checkpoint_is_never_imported(models, tmp_path):
+    """config.json may name custom modeling code (`auto_map`, as `trust_remote_code` checkpoints do):
+    jaxlm reads the config as data and never imports it (the module here would leave a file if run)."""
+    directory = copy_of(models, "llama", tmp_path)
+    edit_config(directory, auto_map={"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"})
+    marker = tmp_path / "executed"
+    (directory / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nclass Config: pass\nclass Model: pass\n")
+    run = inference.load_run(hf.import_checkpoint(directory, tmp_path / "run"), dtype="float32")
+    close(jaxlm_logits(run), reference_logits(models["llama"][0]))
+    assert not marker.exists()
