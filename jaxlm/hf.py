@@ -148,8 +148,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
     devices = list(devices) if devices is not None else jax.devices()
     model_cfg = inference.model_config(cfg, devices[0].platform)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, train_state.build_model_spec(model_cfg), devices,
-                                                   rules)
+    _, abstract = inference.make_inference_mesh(cfg, model_cfg, train_state.build_model_spec(model_cfg), devices,
+                                                rules)
     started = time.time()
     params = _read_params(files, abstract, model_cfg, arch)
     output.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,6 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
         ckpt.record_manifest(0)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     log.info("imported %s (%s, %.1fM parameters) in %.1f s", hf_dir, arch, count / 1e6, time.time() - started)
-    del mesh
     return output
 
 
