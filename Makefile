@@ -26,7 +26,7 @@ test: install  ## lint (ruff, configured in pyproject.toml), then the default su
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(ARGS)
 
-check: install  ## what CI runs (.ci/run): the lint, then every test, slow ones included (about 25 minutes on 2 cores)
+check: install  ## the lint, then every test, slow ones included (about 27 minutes on 2 cores); CI runs `make test`
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
