@@ -203,12 +203,12 @@ def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) 
                 raise UserError(f"tensor {names[name]} is {dtype}; jaxlm imports F32, BF16 and F16 weights")
     used = set(names.values())
     tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()
-    extra = [n for n in files.names() if n not in used and n not in tied and not n.endswith(hf_map._BUFFERS)]
+    extra = [n for n in files.names() if n not in used and n not in tied and not n.endswith(hf_map.BUFFERS)]
     if extra:
         raise UserError(f"{files.directory} holds tensors this {arch} config does not use ({', '.join(extra[:3])}"
                         f"{', ...' if len(extra) > 3 else ''}); the config does not describe these weights")
     flat = {}
-    leaves = dict(hf_map._leaves(abstract))
+    leaves = dict(hf_map.leaves(abstract))
     for path, part, layer, stacked in parts:
         target = leaves[path]
         sources = [files.slice(names[n]) for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)]
@@ -274,7 +274,7 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
     by_tensor: dict[str, list] = {}
     for path, part, layer, stacked in hf_map.param_parts(params, model_cfg, arch):
         by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
-    leaves = dict(hf_map._leaves(params))
+    leaves = dict(hf_map.leaves(params))
     for entries in by_tensor.values():  # one Hugging Face tensor (of every layer) at a time
         host = {path: _to_host(leaves[path]) for path, *_ in entries}
         _, part0, layer0, stacked0 = entries[0]

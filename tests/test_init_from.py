@@ -15,12 +15,13 @@ import jax
 import numpy as np
 import pytest
 
+import tiny_run
 from jaxlm import checkpoint, config, inference, init_from, train_setup
 from jaxlm.data.loader import load_data
 from jaxlm.data.tokenizer import SentencePieceTokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
-from tiny_run import ROOT, train_tiny_run, write_corpus
+from tiny_run import ROOT, train_tiny_run
 
 RECIPE = str(ROOT / "configs" / "tiny.py")  # d_model 128, 4 layers, 2048 tokens: not the source's architecture
 FOUR_DEVICES = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -37,17 +38,8 @@ def source(tmp_path_factory):
 def finetune_args(directory, source, name, *extra, steps=8) -> list[str]:
     """A run of the tiny recipe started from `source`, on another corpus (the facts in other documents)
     and another mesh (data 2 x fsdp 2 on 4 devices), with a schedule that does not depend on run.steps."""
-    corpus = directory / "other.txt"
-    if not corpus.exists():
-        write_corpus(corpus, documents=300, seed=7)
-    flags = {
-        "run.init_from": source, "run.output_dir": directory, "run.name": name, "run.steps": steps, "run.log_every": 1,
-        "run.eval_every": 0, "run.compile_cache_dir": "", "data.corpus": corpus, "data.separator": "\n\n",
-        "data.tokenize_on_the_fly": "true", "data.cache_dir": directory / "cache", "data.seq_len": 64,
-        "data.global_batch_size": 16, "data.val_fraction": 0.2, "data.val_tokens": 1024, "optim.schedule": "constant",
-        "optim.warmup_steps": 0, "optim.peak_lr": 1e-3, "mesh.data": 2, "mesh.fsdp": 2, "checkpoint.every_steps": 4,
-    }
-    return [f"--config={RECIPE}", *(f"--config.{key}={value}" for key, value in flags.items()), *extra]
+    return tiny_run.finetune_args(directory, source, name, *extra, steps=steps, mesh__data=2, mesh__fsdp=2,
+                                  checkpoint__every_steps=4)
 
 
 def train(argv) -> str:

@@ -266,20 +266,10 @@ def test_adapter_dropout_acts_in_training_only():
 
 
 def _run_args(directory, source, name, *extra, steps=6):
-    corpus = directory / "facts.txt"
-    if not corpus.exists():
-        from tiny_run import write_corpus
+    from tiny_run import finetune_args
 
-        write_corpus(corpus, documents=300, seed=7)
-    flags = {
-        "run.init_from": source, "run.output_dir": directory, "run.name": name, "run.steps": steps, "run.log_every": 1,
-        "run.eval_every": 0, "run.compile_cache_dir": "", "data.corpus": corpus, "data.separator": "\n\n",
-        "data.tokenize_on_the_fly": "true", "data.cache_dir": directory / "cache", "data.seq_len": 64,
-        "data.global_batch_size": 16, "data.val_fraction": 0.2, "data.val_tokens": 1024, "optim.schedule": "constant",
-        "optim.warmup_steps": 0, "optim.peak_lr": 1e-2, "checkpoint.every_steps": 3, "lora.rank": 4,
-        "lora.targets": "all", "lora.alpha": 8.0,
-    }
-    return ["--config=configs/tiny.py", *(f"--config.{key}={value}" for key, value in flags.items()), *extra]
+    return finetune_args(directory, source, name, *extra, steps=steps, optim__peak_lr=1e-2, checkpoint__every_steps=3,
+                         lora__rank=4, lora__targets="all", lora__alpha=8.0)
 
 
 @pytest.mark.slow

@@ -293,20 +293,11 @@ def test_the_planner_counts_the_packed_base(double):
 
 
 def _run_args(directory, source, name, *extra, steps=6):
-    corpus = directory / "facts.txt"
-    if not corpus.exists():
-        from tiny_run import write_corpus
+    from tiny_run import finetune_args
 
-        write_corpus(corpus, documents=300, seed=7)
-    flags = {
-        "run.init_from": source, "run.output_dir": directory, "run.name": name, "run.steps": steps, "run.log_every": 1,
-        "run.eval_every": 0, "data.corpus": corpus, "data.separator": "\n\n",
-        "data.tokenize_on_the_fly": "true", "data.cache_dir": directory / "cache", "data.seq_len": 64,
-        "data.global_batch_size": 16, "data.val_fraction": 0.2, "data.val_tokens": 1024, "optim.schedule": "constant",
-        "optim.warmup_steps": 0, "optim.peak_lr": 1e-2, "checkpoint.every_steps": 3, "lora.rank": 4,
-        "lora.targets": "all", "lora.alpha": 8.0, "lora.quantize_base": "nf4", "lora.double_quant": "true",
-    }
-    return ["--config=configs/tiny.py", *(f"--config.{key}={value}" for key, value in flags.items()), *extra]
+    return finetune_args(directory, source, name, *extra, steps=steps, optim__peak_lr=1e-2, checkpoint__every_steps=3,
+                         lora__rank=4, lora__targets="all", lora__alpha=8.0, lora__quantize_base="nf4",
+                         lora__double_quant="true")
 
 
 def _train(args):
@@ -370,7 +361,7 @@ def test_a_qlora_run_from_a_base_run_trains_its_adapters_resumes_exactly_and_eva
 
     # Evaluation loads the quantized model with its adapters: the facts stay learned (a model that knew
     # nothing would score ln(300) = 5.7), and the adapters count (the base alone, B at zero, scores otherwise).
-    docs, _ = evaluate.corpus_documents(whole, str(tmp_path / "facts.txt"), separator="\n\n", max_tokens=4000)
+    docs, _ = evaluate.corpus_documents(whole, str(tmp_path / "other.txt"), separator="\n\n", max_tokens=4000)
     tuned = evaluate.perplexity(whole, docs)["loss"]
     without = jax.tree_util.tree_map_with_path(
         lambda p, x: x * 0 if "lora_b" in jax.tree_util.keystr(p) else x, whole.params)

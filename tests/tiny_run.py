@@ -50,3 +50,22 @@ def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str
                             cwd=ROOT, env=ONE_DEVICE, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "facts"
+
+
+def finetune_args(directory: pathlib.Path, source, name: str, *extra: str, steps: int = 8, **flags) -> list[str]:
+    """The `python -m jaxlm.train` arguments of a tiny-recipe run started from `source`
+    (`run.init_from`), on the facts in other documents (`directory/other.txt`) tokenized on the fly,
+    at a constant learning rate; `flags` (`section__key=value`) add or replace config keys, `extra`
+    comes last."""
+    corpus = directory / "other.txt"
+    if not corpus.exists():
+        write_corpus(corpus, documents=300, seed=7)
+    values = {
+        "run.init_from": source, "run.output_dir": directory, "run.name": name, "run.steps": steps, "run.log_every": 1,
+        "run.eval_every": 0, "run.compile_cache_dir": "", "data.corpus": corpus, "data.separator": "\n\n",
+        "data.tokenize_on_the_fly": "true", "data.cache_dir": directory / "cache", "data.seq_len": 64,
+        "data.global_batch_size": 16, "data.val_fraction": 0.2, "data.val_tokens": 1024, "optim.schedule": "constant",
+        "optim.warmup_steps": 0, "optim.peak_lr": 1e-3,
+    }
+    values.update({key.replace("__", "."): value for key, value in flags.items()})
+    return [f"--config={ROOT / 'configs' / 'tiny.py'}", *(f"--config.{k}={v}" for k, v in values.items()), *extra]

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from jaxlm.data import sources
-from jaxlm.data.tokenizer import HFTokenizer, Tokenizer
+from jaxlm.data.tokenizer import HFTokenizer, Tokenizer, read_limited
 from jaxlm.errors import UserError
 
 FORMATS = ("chat", "prompt_completion")
@@ -166,10 +166,7 @@ def template_text(name: str, tok: Tokenizer | None) -> tuple[str, str]:
     if not path.is_file():
         raise UserError(f"data.chat_template={name!r} is neither a built-in template ({', '.join(TEMPLATES)}) nor a "
                         f"file; give one of those or the path of a .jinja file")
-    with open(path, "rb") as f:
-        data = f.read(_MAX_TEMPLATE_BYTES + 1)
-    if len(data) > _MAX_TEMPLATE_BYTES:
-        raise UserError(f"{path} is larger than {_MAX_TEMPLATE_BYTES:,} bytes; is it a chat template?")
+    data = read_limited(path, _MAX_TEMPLATE_BYTES, "chat template")
     try:
         return data.decode("utf-8"), str(path)
     except UnicodeDecodeError:

@@ -337,7 +337,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-def _read_limited(path: pathlib.Path, max_bytes: int, what: str) -> bytes:
+def read_limited(path: pathlib.Path, max_bytes: int, what: str) -> bytes:
     """A file's bytes, refused past `max_bytes` (checkpoint files are data from elsewhere)."""
     try:
         with open(path, "rb") as f:
@@ -367,14 +367,14 @@ def _hf_config(directory: pathlib.Path) -> bytes:
     config leaves unset) and chat_template.jinja (which wins, as in transformers) merged in, as
     transformers would write it, so that what `HFTokenizer.save` writes reads back the same."""
     path = directory / HF_CONFIG_FILE
-    raw = _read_limited(path, _MAX_CONFIG_BYTES, HF_CONFIG_FILE) if path.is_file() else b"{}\n"
+    raw = read_limited(path, _MAX_CONFIG_BYTES, HF_CONFIG_FILE) if path.is_file() else b"{}\n"
     config = _parse_json(raw, path, "a tokenizer_config.json")
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a tokenizer_config.json: it holds a JSON {type(config).__name__}, not an object")
     merged = dict(config)
     special_path = directory / _HF_SPECIAL_TOKENS_MAP
     if special_path.is_file():
-        data = _read_limited(special_path, _MAX_CONFIG_BYTES, _HF_SPECIAL_TOKENS_MAP)
+        data = read_limited(special_path, _MAX_CONFIG_BYTES, _HF_SPECIAL_TOKENS_MAP)
         special = _parse_json(data, special_path, "a special_tokens_map.json")
         if not isinstance(special, dict):
             raise UserError(f"{special_path} is not a special_tokens_map.json: it holds a JSON "
@@ -385,7 +385,7 @@ def _hf_config(directory: pathlib.Path) -> bytes:
     template_path = directory / _HF_CHAT_TEMPLATE
     if template_path.is_file():
         try:
-            merged["chat_template"] = _read_limited(template_path, _MAX_CONFIG_BYTES, _HF_CHAT_TEMPLATE).decode("utf-8")
+            merged["chat_template"] = read_limited(template_path, _MAX_CONFIG_BYTES, _HF_CHAT_TEMPLATE).decode("utf-8")
         except UnicodeDecodeError:
             raise UserError(f"{template_path} is not a chat template: it is not UTF-8 text") from None
     if merged == config:
@@ -522,7 +522,7 @@ class HFTokenizer(Tokenizer):
         path = pathlib.Path(path)
         if path.is_dir():
             path = path / cls.file_name
-        tokenizer_json = _read_limited(path, _MAX_TOKENIZER_JSON_BYTES, "tokenizer.json")
+        tokenizer_json = read_limited(path, _MAX_TOKENIZER_JSON_BYTES, "tokenizer.json")
         return cls(tokenizer_json, _hf_config(path.parent), str(path))
 
     def save(self, path: str | os.PathLike) -> None:

@@ -33,7 +33,7 @@ _CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "gpt2": "GPT2LMHeadModel"}
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 # Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
-_BUFFERS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+BUFFERS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 
 def read_json(path: pathlib.Path, what: str) -> dict:
@@ -308,7 +308,7 @@ def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, int
     `stacked` whether the leaf holds every layer on its first axis. A leaf the map lacks is an error
     in the map, never skipped."""
     layer_parts, outside = name_map(cfg, arch)
-    for path, _ in _leaves(params):
+    for path, _ in leaves(params):
         if path[0] == "blocks":
             if cfg.scan_layers:
                 yield path, layer_parts[path[1:]], None, True
@@ -318,10 +318,10 @@ def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, int
             yield path, outside[path], None, False
 
 
-def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+def leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     for key, value in tree.items():
         if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, key))
+            yield from leaves(value, (*prefix, key))
         else:
             yield (*prefix, key), value
 
