@@ -11,6 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
     out = tmp_path / "mfu.json"
     result = subprocess.run(

@@ -334,6 +334,7 @@ def train_cli(tmp_path: pathlib.Path, *extra: str):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_path):
     """`--config.run.init_from` trains a new run from an imported checkpoint (architecture and
     tokenizer from it); training into the imported directory itself is refused in one line."""

@@ -219,6 +219,7 @@ def test_resuming_a_finetuned_run_ignores_init_from_and_continues_exactly(source
     assert saved["data"]["tokenizer_path"] == str(run_dir / "tokenizer.model")  # its own copy, the same bytes
 
 
+@pytest.mark.slow
 def test_frozen_parameters_stay_bit_equal_to_the_sources(source, finetuned):
     directory, _, _ = finetuned
     out = train(finetune_args(directory, source, "mlp_only", "--config.optim.trainable=mlp/", steps=3))

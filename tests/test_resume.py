@@ -60,6 +60,7 @@ def uninterrupted(tmp_path_factory):
     return tmp, losses(tmp / "full")
 
 
+@pytest.mark.slow
 def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted_run(uninterrupted):
     """SIGKILL at step 7 (between saves); SIGTERM at step 9 (saves at the step boundary, exits 75);
     SIGKILL right after the step-15 save starts, and at step 18. Each run resumes from the last
@@ -128,6 +129,7 @@ def test_a_finished_run_whose_final_checkpoint_is_damaged_trains_the_lost_steps_
     assert code == 0 and "already complete at step 24" in out
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_stops_in_one_line_and_the_run_resumes(uninterrupted):
     """Files may not grow past 64 kB from step 7 on (RLIMIT_FSIZE, as a disk that filled up): the
     save that fails is reported in one line, exit 74, naming the newest complete checkpoint, which

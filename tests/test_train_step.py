@@ -283,6 +283,7 @@ def test_train_step_with_a_chunked_loss_follows_the_plain_one():
         np.testing.assert_allclose(results[1], results[0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
     """The Pallas (Triton) kernel, interpreted on CPU, with grouped-query heads and packed documents:
     one train step (2 micro-batches) gives XLA attention's loss and parameters, on one device and per
