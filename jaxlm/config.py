@@ -205,6 +205,36 @@ def base_config() -> ml_collections.ConfigDict:
         quant_group=64,
         double_quant=False,  # the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less
     )
+    # Compressed models (python -m jaxlm.compress; jaxlm.quant, jaxlm.prune): the structure of the targeted
+    # projections as a compressed run stores it, how the command makes it, and the same in training
+    # (quantization-aware training, gradual pruning).
+    c.compress = dict(
+        # comma-separated projection names or shell patterns (wq, w_*, unembed); "blocks" = every projection
+        # of the blocks (the embedding and the unembedding stay in full precision unless named)
+        targets="blocks",
+        quantize="",  # "" (off) | int8 | int4 | int3 | nf4: the targets' kernels as packed integer codes + scales
+        group=128,  # values per scale along each kernel's last input axis; 0 = one scale per output channel
+        symmetric=True,  # False: asymmetric integers (a scale and a zero point per group)
+        # training: the targets keep float kernels, fake-quantized to compress.quantize in the forward pass with a
+        # straight-through gradient; python -m jaxlm.compress (method rtn) then writes the integer model
+        qat=False,
+        method="rtn",  # how python -m jaxlm.compress quantizes: rtn (round to nearest) | gptq (Frantar et al. 2022)
+        gptq_damp=0.01,  # GPTQ: this fraction of the Hessian's mean diagonal added to its diagonal
+        gptq_block=128,  # GPTQ: columns quantized between two lazy batch updates
+        act_order=True,  # GPTQ: columns in order of decreasing Hessian diagonal (the groups' scales stay contiguous)
+        sparsity=0.0,  # the fraction of the targets' weights pruned to zero; 0 = no pruning
+        pattern="unstructured",  # unstructured | N:M (e.g. 2:4: N of every M consecutive input weights kept)
+        criterion="magnitude",  # what is pruned: the smallest |W| (magnitude) or |W| x input norm (wanda)
+        scope="layer",  # unstructured magnitude pruning: per matrix (layer) or over all targets at once (global)
+        calib_samples=128,  # calibration sequences (GPTQ, Wanda)
+        calib_seq_len=2048,  # their length (at most model.max_seq_len)
+        calib_corpus="",  # the calibration text (data.corpus's syntax); "" = the run's own training data
+        # gradual pruning while training (Zhu and Gupta 2017): the sparsity rises from 0 at prune_start to
+        # compress.sparsity at prune_end as 1 - (1 - t)^3, the masks recomputed every prune_every steps
+        prune_start=0,
+        prune_end=0,  # 0 = no gradual pruning (the masks stay as the run's checkpoint holds them)
+        prune_every=100,
+    )
     c.checkpoint = dict(
         every_steps=1000,  # save every N steps (0 = off) ...
         every_minutes=30.0,  # ... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT
@@ -422,6 +452,19 @@ def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:
     return first, last
 
 
+def prune_pattern(text: str) -> tuple[int, int] | None:
+    """`compress.pattern` -> (N, M) for N:M semi-structured sparsity, None for unstructured; UserError otherwise."""
+    if text == "unstructured":
+        return None
+    n, _, m = text.partition(":")
+    try:
+        n, m = int(n), int(m)
+    except ValueError:
+        n = m = 0
+    _check(0 < n < m, "compress.pattern", text, "unstructured, or N:M with 0 < N < M (2:4: two of every four kept)")
+    return n, m
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
     from jaxlm import quant
@@ -509,8 +552,36 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
            "'' (off) or one of " + ", ".join(quant.FORMATS))
     _check(lo.quant_group >= 2 and lo.quant_group % 2 == 0, "lora.quant_group", lo.quant_group,
            "an even number of values per scale (64 as in QLoRA)")
-    if lo.rank > 0 or lo.ranks.strip() or lo.quantize_base:  # targets against the projections (an abstract build)
-        transformer.ModelConfig.from_config(m, "cpu", attention="xla", log_choice=False, lora=lo)
+    co = cfg.compress
+    _check(co.quantize in ("", *quant.FORMATS), "compress.quantize", co.quantize,
+           "'' (off) or one of " + ", ".join(quant.FORMATS))
+    _check(co.group >= 0, "compress.group", co.group, "a number of values per scale, or 0 (one per output channel)")
+    _check(co.symmetric or co.quantize != "nf4", "compress.symmetric", co.symmetric,
+           "True with nf4 (a symmetric table of levels)")
+    _check(not co.qat or bool(co.quantize), "compress.qat", co.qat, "False while compress.quantize is '' (set the format)")
+    _check(co.method in ("rtn", "gptq"), "compress.method", co.method, "rtn or gptq")
+    _check(co.gptq_damp > 0, "compress.gptq_damp", co.gptq_damp, "a positive fraction, e.g. 0.01")
+    _check(co.gptq_block > 0, "compress.gptq_block", co.gptq_block, "a positive number of columns, e.g. 128")
+    _check(0.0 <= co.sparsity < 1.0, "compress.sparsity", co.sparsity, "a fraction in [0, 1)")
+    _check(co.criterion in ("magnitude", "wanda"), "compress.criterion", co.criterion, "magnitude or wanda")
+    _check(co.scope in ("layer", "global"), "compress.scope", co.scope, "layer or global")
+    nm = prune_pattern(co.pattern)
+    _check(co.scope == "layer" or (co.criterion == "magnitude" and not nm), "compress.scope", co.scope,
+           "layer with compress.criterion=wanda or an N:M pattern (global ranks magnitudes, unstructured)")
+    if nm:
+        _check(co.sparsity == 1 - nm[0] / nm[1], "compress.sparsity", co.sparsity,
+               f"{1 - nm[0] / nm[1]:g} with compress.pattern={co.pattern} ({nm[0]} of every {nm[1]} kept)")
+    _check(co.calib_samples > 0, "compress.calib_samples", co.calib_samples, "a positive number of sequences")
+    _check(co.calib_seq_len > 1, "compress.calib_seq_len", co.calib_seq_len, "a sequence length of 2 or more")
+    _check(co.prune_start >= 0, "compress.prune_start", co.prune_start, "a step, 0 or more")
+    _check(co.prune_end == 0 or co.prune_end > co.prune_start, "compress.prune_end", co.prune_end,
+           f"0 (no gradual pruning) or a step after compress.prune_start={co.prune_start}")
+    _check(co.prune_end == 0 or co.sparsity > 0, "compress.prune_end", co.prune_end,
+           "0 while compress.sparsity is 0 (set the sparsity to reach)")
+    _check(co.prune_every > 0, "compress.prune_every", co.prune_every, "a positive number of steps")
+    if lo.rank > 0 or lo.ranks.strip() or lo.quantize_base or co.quantize or co.sparsity > 0:
+        # targets and groups against the projections (an abstract build)
+        transformer.ModelConfig.from_config(m, "cpu", attention="xla", log_choice=False, lora=lo, compress=co)
 
     _check(r.steps > 0, "run.steps", r.steps, "a positive integer")
     _check(r.log_every > 0, "run.log_every", r.log_every, "a positive integer")

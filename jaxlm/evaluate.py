@@ -155,6 +155,18 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
     return docs, corpus
 
 
+def training_documents(run: inference.LoadedRun, max_tokens: int) -> Sequence[np.ndarray]:
+    """About `max_tokens` tokens of the run's own training split (its prepared corpus's train split, or
+    the documents of data.corpus that are not validation ones), tokenized: calibration data."""
+    directory = _prepared_val_dir(run)
+    if directory is not None:
+        return _take_prepared(directory, "train", max_tokens)
+    d = run.cfg.data
+    texts = (doc for doc in sources.iter_documents(loader.source_spec(run.cfg))
+             if not sources.is_validation(doc, d.val_fraction, d.seed))
+    return _tokenize_up_to(run.tokenizer, texts, max_tokens)
+
+
 def _sft_documents(run: inference.LoadedRun, spec: sft.Spec, corpus: str, split: str,
                    max_tokens: int) -> tuple[pipeline.FlatDocuments, str]:
     """SFT examples with their weights: the run's validation split, a prepared directory's `split`, or

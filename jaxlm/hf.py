@@ -42,7 +42,7 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, run_command
 from jaxlm.models import hf as hf_map
-from jaxlm.models import transformer
+from jaxlm.models import quantized, transformer
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,9 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
     if dtype not in transformer.DTYPES:
         raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
     np_dtype = np.dtype(transformer.DTYPES[dtype])
-    params, model_cfg, adapted = run.params, run.model_cfg, None
+    # A compressed run (jaxlm.compress, QAT, QLoRA's base): the float weights it computes with.
+    params, model_cfg = quantized.to_float(run.params, run.model_cfg)
+    adapted = None
     if lora.sites(model_cfg):  # a QLoRA run's base is dequantized (`lora.base_weights`, `lora.merge`)
         if adapters == "peft":
             adapted, params = (params, model_cfg), lora.base_weights(params, model_cfg)

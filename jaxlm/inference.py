@@ -100,7 +100,8 @@ def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | Non
         if dtype not in transformer.DTYPES:
             raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
         overrides["dtype"] = transformer.DTYPES[dtype]
-    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", lora=cfg.lora, **overrides)
+    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", lora=cfg.lora,
+                                               compress=cfg.compress, **overrides)
 
 
 def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, model_spec, devices,
@@ -194,8 +195,9 @@ def load_run(
         if param_dtype not in transformer.DTYPES:
             raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
         cast = transformer.DTYPES[param_dtype]
-        abstract_params = jax.tree_util.tree_map_with_path(  # a 4-bit base's codes and scales stay as they are
+        abstract_params = jax.tree_util.tree_map_with_path(  # quantized codes and scales, masks stay as they are
             lambda path, x: x if quant.is_quantized_leaf(getattr(path[-1], "key", None))
+            or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
             else jax.ShapeDtypeStruct(x.shape, cast, sharding=x.sharding), abstract_params)
     params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step)
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params)

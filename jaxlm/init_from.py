@@ -14,6 +14,9 @@ checkpoints/<step>/. For a NEW run (no checkpoint of its own yet):
   its `model.param_dtype`: step 0, a fresh optimizer state, the data from the start. Only the
   parameters are read, never the source's optimizer state. A QLoRA run (`lora.quantize_base`) reads
   the float kernels onto the same model unquantized, then quantizes them once (`quantize_base`).
+- A compressed source (`python -m jaxlm.compress`) passes on its structure (`compressed_structure`:
+  quantized kernels, pruning masks), read as they are; a pruning run (config.compress.sparsity with a
+  gradual schedule) from a dense source starts with masks that keep everything.
 
 A RESUMED run (its own checkpoints exist) ignores the source: its architecture is its own
 config.json's and its tokenizer its own, so it resumes even after the source has moved or changed.
@@ -108,6 +111,8 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         origin = flag
     given = [(key, text, _get(cfg, key)) for key, text in overrides]
     explicit_tokenizer = cfg.data.tokenizer_path
+    for key, value in compressed_structure(saved).items():  # a compressed source's quantized or pruned projections
+        cfg.compress[key] = value
     for key, value in architecture(saved["model"], defaults).items():
         try:
             if key == "max_seq_len" and cfg.model[key] != value:
@@ -145,6 +150,20 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
     cfg.data.tokenizer_path = str(found)
 
 
+# The keys of config.compress that are the model's structure (quantized kernels, pruning masks): a run
+# started from a compressed run takes them from it, as it takes the architecture.
+COMPRESS_STRUCTURE_KEYS = ("targets", "quantize", "group", "symmetric", "qat", "sparsity", "pattern")
+
+
+def compressed_structure(saved: dict) -> dict[str, Any]:
+    """The structure keys of a saved config's `compress` section when it quantized or pruned anything
+    (`COMPRESS_STRUCTURE_KEYS`); {} for an uncompressed run."""
+    section = saved.get("compress") or {}
+    if not section.get("quantize") and not float(section.get("sparsity", 0) or 0) > 0:
+        return {}
+    return {key: section[key] for key in COMPRESS_STRUCTURE_KEYS if key in section}
+
+
 def _check_vocab(cfg: ml_collections.ConfigDict, path: str, flag: str) -> None:
     from jaxlm.data.tokenizer import Tokenizer
 
@@ -178,11 +197,16 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     # LoRA: the base weights alone are read (the source has no adapters: lora.check_source); the adapters
     # are initialised as a new run's would be. QLoRA: the source's float kernels are read onto the same
     # model unquantized (same mesh and rules), then quantized once, shard by shard, into the 4-bit base.
+    # A compressed source (python -m jaxlm.compress) holds its integer codes and masks: read as they are.
+    # A pruning run from a dense source reads the kernels, its masks start all True.
+    saved = compressed_structure(_read_config(source, flag))
     target = lora.base_params(setup.state.params)
-    quantized = setup.model_cfg.quant is not None
-    if quantized:
-        float_cfg = dataclasses.replace(setup.model_cfg, quantize="")
-        abstract, *_ = train_state.abstract_state(float_cfg, optax.identity(), setup.mesh, setup.rules)
+    quantized = setup.model_cfg.quant is not None and not saved.get("quantize")
+    unmasked = bool(setup.model_cfg.prune_targets) and not float(saved.get("sparsity", 0) or 0) > 0
+    if quantized or unmasked:
+        read_cfg = dataclasses.replace(setup.model_cfg, quantize="" if quantized else setup.model_cfg.quantize,
+                                       prune_targets=() if unmasked else setup.model_cfg.prune_targets)
+        abstract, *_ = train_state.abstract_state(read_cfg, optax.identity(), setup.mesh, setup.rules)
         target = lora.base_params(abstract.params)
     try:  # onto the abstract params: the new run's shardings and param_dtype
         params, step = checkpoint.load_params_and_step(source / "checkpoints", target, step=step)
@@ -191,6 +215,10 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
                         f"run.init_step)") from None
     if quantized:
         params = quantize_base(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
+    if unmasked:
+        from jaxlm.compress import prune
+
+        params = prune.add_masks(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if setup.model_cfg.lora_targets:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)
@@ -209,9 +237,10 @@ def quantize_base(params: dict, cfg, shardings: dict, mesh) -> dict:
         return jax.jit(lambda p: quantized.quantize_params(p, cfg), out_shardings=shardings)(params)
 
 
-def describe(record: dict[str, Any], params) -> str:
-    """The start-up line of a run started from another's parameters (a 4-bit weight counted as one)."""
+def describe(record: dict[str, Any], params, bits: int = 4) -> str:
+    """The start-up line of a run started from another's parameters (a quantized weight of `bits`
+    counted as one)."""
     from jaxlm import quant
 
-    count = quant.count(params)
+    count = quant.count(params, bits)
     return f"initialized from {record['run_dir']} step {record['step']} ({count / 1e6:.2f}M parameters)"

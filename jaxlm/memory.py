@@ -63,12 +63,12 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def tree_weights(tree) -> tuple[float, float]:
+def tree_weights(tree, bits: int = 4) -> tuple[float, float]:
     """(weights on one device, all of them) of a params tree of ShapeDtypeStructs that carry shardings,
-    a 4-bit base's counted as the weights it stands for (`quant.weights_per_element`)."""
+    quantized kernels (of `bits`) counted as the weights they stand for (`quant.weights_per_element`)."""
     per_device = total = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        n = quant.weights_per_element(getattr(path[-1], "key", None))
+        n = quant.weights_per_element(getattr(path[-1], "key", None), bits)
         total += n * math.prod(leaf.shape)
         per_device += n * math.prod(leaf.sharding.shard_shape(leaf.shape))
     return per_device, total
@@ -264,7 +264,8 @@ def estimate(
     if not cfg.optim.micro_batches:  # as few as fit: planned for 80 GB devices (plan() uses its budget)
         cfg = resolve_micro_batches(cfg, num_devices, 80 * GIB, platform)[0]
     derived = config_lib.derive(cfg, num_devices)
-    m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora)
+    m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora,
+                                              compress=cfg.compress)
     a = act_bytes or _itemsize(m.dtype)
     state, model_spec = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
@@ -281,7 +282,8 @@ def estimate(
     # Weights that one layer's backward (and the loss) holds at full size over fsdp and data (still
     # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
     tensor = sizes["tensor"]
-    layer_params = [n / m.n_layers for n in tree_weights(state.params["blocks"])]  # (per device, all)
+    bits = m.quant.bits if m.quant else 4
+    layer_params = [n / m.n_layers for n in tree_weights(state.params["blocks"], bits)]  # (per device, all)
     full_weights = [2 * F32 * layer_params[1] / tensor, 2 * F32 * layer_params[1]]
     # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
     # gradient of one micro-batch at full size, before it is added to the accumulator.
@@ -308,8 +310,9 @@ def estimate(
     trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={selection!r})"
     rows = [
         Row("parameters", *param_bytes, _dtype_name(m.param_dtype) + (
-            f", the blocks' kernels in {m.quantize} (group {m.quant_group}{', double quant' if m.double_quant else ''})"
-            if m.quantize else "")),
+            f", {', '.join(m.quant_targets)} in {m.quantize} (group {m.quant_group or 'per channel'}"
+            f"{', double quant' if m.double_quant else ''})" if m.quant else "")
+            + (", pruning masks (bool)" if m.prune_targets else "")),
         Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note),
         Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
         *([Row("grad accumulator", *trainable_bytes, f"{cfg.optim.micro_batches} micro-batches")] if accumulate else []),

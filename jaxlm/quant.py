@@ -1,16 +1,19 @@
-"""4-bit weights: NF4 and int4 with group scales, double quantization of the scales, two codes per byte.
+"""Quantized weights: NF4, int8, int4 and int3 with group scales (symmetric, or asymmetric with zero
+points), double quantization of the scales, codes packed into bytes.
 
-The array functions (`quantize`, `dequantize`, `pack`, `unpack`) know nothing of models: QLoRA's
-frozen base uses them through `layers.Projection` (`config.lora.quantize_base`), and post-training
-quantization can use them as they are. `quantize_params` / `dequantize_params` convert a model's
-float parameters to its quantized ones and back (every quantized projection found by an abstract
-build of the model).
+The array functions (`quantize`, `dequantize`, `pack`, `unpack`, and for methods that choose their own
+codes, GPTQ among them, `group_params`, `encode`, `decode`, `store`) know nothing of models: QLoRA's
+frozen base (`config.lora.quantize_base`) and post-training quantization (`jaxlm.compress`) use them
+through `layers.Projection`, quantization-aware training through `fake_quantize`.
+`models.quantized` converts a model's float parameters to its quantized ones and back.
 
 A weight w (any shape) is grouped along one axis (`axis`: a projection's last input axis), `group`
-consecutive values sharing one scale, and stored as
+consecutive values sharing one scale (group 0: the whole axis, a scale per output channel), and stored as
 
-  q       uint8, w's shape with `axis` halved: 4-bit codes, value 2i in the low nibble of byte i, 2i+1 in the high
-  scale   float32, w's shape with `axis` divided by the group: each group's absmax
+  q       uint8 codes, packed along `axis`: int8 one per byte; nf4 and int4 two per byte (value 2i in
+          the low nibble of byte i, 2i+1 in the high); int3 eight in three bytes (`pack`)
+  scale   float32, w's shape with `axis` divided by the group
+  zero    uint8, the same shape (asymmetric formats only): the code that stands for 0
   with double quantization (QLoRA's), the scales are centred on an offset and stored as int8 codes
   (`scale`, round(127 (s - offset) / block absmax)) in blocks of `DOUBLE_BLOCK` consecutive scales
   (C order), with each block's float32 absmax (`scale_absmax` [ceil(scales / 256)]) and the offset
@@ -19,19 +22,27 @@ consecutive values sharing one scale, and stored as
   sum depends on how the scales are sharded, the midrange does not, so a base quantized on any mesh
   is bit-identical (and the largest |s - offset| is as small as it can be).
 
-w is restored as TABLE[code] * scale, computed in float32: NF4's TABLE is bitsandbytes' NormalFloat4
-(QLoRA, Dettmers et al. 2023: quantiles of a normal distribution, -1 ... 0 ... 1, 7 negative and 8
-positive values); int4's is symmetric, (code - 8) / 7, the levels -7..7 of absmax / 7 (code 0, -8/7,
-never written). Each value is coded to its nearest level, so the error per element is at most
+w is restored in float32 as
 
-  nf4     absmax * NF4_MAX_GAP / 2  (0.1519 absmax: the gap from -1 to -0.696 is the widest)
-  int4    absmax / 14
-  double quantization adds at most |TABLE[code]| * block absmax / 254 <= block absmax / 254, where
+  nf4                NF4[code] * scale, scale = the group's absmax; NF4 is bitsandbytes' NormalFloat4
+                     (QLoRA, Dettmers et al. 2023: quantiles of a normal distribution, 7 negative values,
+                     0 and 8 positive ones)
+  intB symmetric     (code - h - 1) / h * scale, h = 2^(B-1) - 1 (127, 7, 3): the levels -h..h of absmax / h
+                     (code 0 never written; int4 is the table INT4)
+  intB asymmetric    (code - zero) * scale, scale = (max - min) / (2^B - 1) over a range widened to hold 0,
+                     zero = round(-min / scale): 2^B levels, 0 exact
+
+Each value is coded to its nearest level, so the error per element is at most (`error_bound`)
+
+  nf4                absmax * NF4_MAX_GAP / 2  (0.1519 absmax: the gap from -1 to -0.696 is the widest)
+  intB symmetric     absmax / (2 h): int8 absmax / 254, int4 absmax / 14, int3 absmax / 6
+  intB asymmetric    range / (2 (2^B - 1)), range = max(w, 0) - min(w, 0) over the group
+  double quantization adds at most |level| * block absmax / 254 <= block absmax / 254, where
   the block absmax is the largest |scale - offset| in the scale's block of 256
 
-(plus float32 rounding, ~1e-7 relative). Storage per weight at group g: 4 bits + 32 / g bits of scale
-(0.5625 bytes at g = 64), with double quantization 4 + 8 / g + 32 / (256 g) bits + 4 bytes per
-tensor (0.5159 bytes at g = 64).
+(plus float32 rounding, ~1e-7 relative). Storage per weight at group g (`QuantSpec.bits_per_weight`):
+B bits + 32 / g bits of scale (+ 8 / g of zero point); 4-bit at g = 64: 0.5625 bytes, with double
+quantization 4 + 8 / g + 32 / (256 g) bits + 4 bytes per tensor (0.5159 bytes).
 """
 
 from __future__ import annotations
@@ -44,76 +55,118 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("nf4", "int4")
+FORMATS = ("nf4", "int8", "int4", "int3")
+BITS = {"nf4": 4, "int8": 8, "int4": 4, "int3": 3}
 # bitsandbytes' NormalFloat4 (csrc/kernels.cu, the QLoRA paper's appendix E)
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 INT4 = tuple((code - 8) / 7 for code in range(16))  # code 0 (-8/7) is never written: levels -7..7
-TABLES = {"nf4": NF4, "int4": INT4}
 NF4_MAX_GAP = max(b - a for a, b in zip(NF4, NF4[1:]))  # 0.3038, between -1.0 and -0.696
 DOUBLE_BLOCK = 256  # scales per float32 absmax of the double quantization
 # The leaves of a quantized weight; `Projection` stores each as `kernel_<key>`.
 KEYS = ("q", "scale")
+ZERO_KEYS = ("zero",)  # asymmetric integer formats: each group's zero point (uint8)
 DOUBLE_KEYS = ("scale_absmax", "scale_offset")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How weights are stored: `format` (nf4 | int4), `group` values per scale (at most; see
-    `group_size`), and `double` quantization of the scales."""
+    """How weights are stored: `format` (nf4 | int8 | int4 | int3), `group` values per scale (at most,
+    see `group_size`; 0 = the whole axis, one scale per output channel), `symmetric` (integer formats:
+    False stores a zero point per group beside its scale) and `double` quantization of the scales."""
 
     format: str
     group: int = 64
     double: bool = False
+    symmetric: bool = True
 
     def __post_init__(self):
         if self.format not in FORMATS:
-            raise ValueError(f"unknown 4-bit format {self.format!r}; one of {', '.join(FORMATS)}")
+            raise ValueError(f"unknown quantized format {self.format!r}; one of {', '.join(FORMATS)}")
+        if self.format == "nf4" and not self.symmetric:
+            raise ValueError("nf4 is symmetric by construction (a table of levels in [-1, 1] times the group absmax)")
+        if self.group < 0:
+            raise ValueError(f"a group of {self.group} values: give a positive number, or 0 for the whole axis")
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.format]
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return KEYS + (DOUBLE_KEYS if self.double else ())
+        return KEYS + (() if self.symmetric else ZERO_KEYS) + (DOUBLE_KEYS if self.double else ())
 
     def bits_per_weight(self, axis_size: int | None = None) -> float:
         """Storage bits per weight (a tensor's constant 4 bytes of offset aside), at `group_size`."""
-        g = group_size(self.group, axis_size) if axis_size else self.group
-        return 4 + (8 / g + 32 / (DOUBLE_BLOCK * g) if self.double else 32 / g)
+        g = group_size(self, axis_size) if axis_size else self.group
+        scale = 8 / g + 32 / (DOUBLE_BLOCK * g) if self.double else 32 / g
+        return self.bits + scale + (0 if self.symmetric else 8 / g)
 
 
-def group_size(group: int, axis_size: int) -> int:
-    """The group along an axis of `axis_size` values: `group`, or the whole axis where it is shorter.
-    ValueError (saying why) where `group` does not divide a longer axis, or the group is odd (two
-    codes share a byte, both from one group)."""
-    g = min(group, axis_size)
+def group_size(spec: QuantSpec | int, axis_size: int) -> int:
+    """The group along an axis of `axis_size` values: `spec.group` (or a plain number), or the whole
+    axis where it is shorter or the group is 0. ValueError (saying why) where the group does not divide
+    a longer axis, a 4-bit group is odd (two codes share a byte, both from one group), or a 3-bit
+    format's axis is not a multiple of 8 (eight codes share three bytes)."""
+    spec = spec if isinstance(spec, QuantSpec) else QuantSpec("int4", spec)
+    g = min(spec.group, axis_size) if spec.group else axis_size
     if axis_size % g:
-        raise ValueError(f"{group} does not divide its {axis_size} values")
-    if g % 2:
+        raise ValueError(f"{spec.group} does not divide its {axis_size} values")
+    if spec.bits == 4 and g % 2:
         raise ValueError(f"a group of {g} values is odd (two 4-bit codes share a byte)")
+    if spec.bits == 3 and axis_size % 8:
+        raise ValueError(f"its {axis_size} values are not a multiple of 8 (eight 3-bit codes share three bytes)")
     return g
+
+
+def error_bound(spec: QuantSpec) -> float:
+    """The largest |w - dequantize(quantize(w))| per element, as a fraction of its group's absmax
+    (symmetric formats) or of its group's range, max(w, 0) - min(w, 0) (asymmetric ones); without
+    double quantization, which adds at most its block absmax / 254."""
+    if spec.format == "nf4":
+        return NF4_MAX_GAP / 2
+    levels = 2 ** spec.bits - 1
+    return 1 / (2 * (levels // 2)) if spec.symmetric else 1 / (2 * levels)
 
 
 # ----------------------------------------------------------------------------- packing
 
 
-def pack(codes: jax.Array, axis: int) -> jax.Array:
-    """4-bit codes (uint8 0..15) -> uint8 with `axis` halved: codes 2i and 2i+1 along `axis` in the low
-    and high nibble of byte i."""
+def pack(codes: jax.Array, axis: int, bits: int = 4) -> jax.Array:
+    """Codes (uint8, each < 2**bits) -> uint8 bytes along `axis`: 8 bits as they are; 4 bits two to a
+    byte (codes 2i and 2i+1 in the low and high nibble of byte i); 3 bits eight to three bytes (codes
+    8i..8i+7 as one little-endian 24-bit number, code 8i + k in bits 3k..3k+2, in bytes 3i..3i+2)."""
     codes = jnp.asarray(codes, jnp.uint8)
     axis = axis % codes.ndim
     n = codes.shape[axis]
-    if n % 2:
-        raise ValueError(f"cannot pack an axis of {n} codes (odd) two to a byte")
-    pairs = codes.reshape(*codes.shape[:axis], n // 2, 2, *codes.shape[axis + 1:])
-    low, high = jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)
-    return low | (high << 4)
+    if bits == 8:
+        return codes
+    per = {4: 2, 3: 8}[bits]
+    if n % per:
+        raise ValueError(f"cannot pack an axis of {n} {bits}-bit codes ({'odd' if per == 2 else 'not a multiple of 8'})")
+    grouped = codes.reshape(*codes.shape[:axis], n // per, per, *codes.shape[axis + 1:])
+    part = lambda k: jnp.take(grouped, k, axis=axis + 1)  # noqa: E731
+    if bits == 4:
+        return part(0) | (part(1) << 4)
+    word = sum(part(k).astype(jnp.uint32) << (3 * k) for k in range(8))  # 24 bits
+    out = jnp.stack([(word >> (8 * b)) & 0xFF for b in range(3)], axis=axis + 1).astype(jnp.uint8)
+    return out.reshape(*codes.shape[:axis], n // 8 * 3, *codes.shape[axis + 1:])
 
 
-def unpack(packed: jax.Array, axis: int) -> jax.Array:
-    """The inverse of `pack`: uint8 codes 0..15 with `axis` doubled."""
+def unpack(packed: jax.Array, axis: int, bits: int = 4) -> jax.Array:
+    """The inverse of `pack`: uint8 codes with `axis` restored."""
     axis = axis % packed.ndim
-    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
-    return pairs.reshape(*packed.shape[:axis], 2 * packed.shape[axis], *packed.shape[axis + 1:])
+    if bits == 8:
+        return packed
+    if bits == 4:
+        pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
+        return pairs.reshape(*packed.shape[:axis], 2 * packed.shape[axis], *packed.shape[axis + 1:])
+    n = packed.shape[axis] // 3
+    triples = packed.reshape(*packed.shape[:axis], n, 3, *packed.shape[axis + 1:]).astype(jnp.uint32)
+    word = sum(jnp.take(triples, b, axis=axis + 1) << (8 * b) for b in range(3))
+    codes = jnp.stack([(word >> (3 * k)) & 7 for k in range(8)], axis=axis + 1).astype(jnp.uint8)
+    return codes.reshape(*packed.shape[:axis], 8 * n, *packed.shape[axis + 1:])
 
 
 # ----------------------------------------------------------------------------- quantize, dequantize
@@ -124,13 +177,93 @@ def _grouped(x: jax.Array, axis: int, g: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], x.shape[axis] // g, g, *x.shape[axis + 1:])
 
 
-def _codes(normalized: jax.Array, fmt: str) -> jax.Array:
-    """Values in [-1, 1] -> the index of the nearest level of the format's table (uint8)."""
-    if fmt == "int4":
-        return (jnp.clip(jnp.round(normalized * 7), -7, 7) + 8).astype(jnp.uint8)
-    table = np.asarray(NF4, np.float32)
-    midpoints = (table[1:] + table[:-1]) / 2  # nearest level: count the midpoints below the value
-    return sum((normalized > m).astype(jnp.uint8) for m in midpoints)
+def _repeat(x: jax.Array, axis: int, g: int) -> jax.Array:
+    """A per-group value [..., n / g, ...] repeated to each element [..., n, ...]."""
+    return jnp.repeat(x, g, axis=axis)
+
+
+def group_params(w: jax.Array, spec: QuantSpec, axis: int) -> dict[str, jax.Array]:
+    """Each group's float32 `scale` (and, asymmetric, uint8 `zero`), w's shape with `axis` divided by
+    the group: symmetric formats store the group's absmax; asymmetric ones the step
+    (max - min) / (2**bits - 1) of a range widened to hold 0, and the code of 0 (round(-min / step))."""
+    w = jnp.asarray(w, jnp.float32)
+    axis = axis % w.ndim
+    grouped = _grouped(w, axis, group_size(spec, w.shape[axis]))
+    if spec.symmetric:
+        return {"scale": jnp.max(jnp.abs(grouped), axis=axis + 1)}
+    lo = jnp.minimum(jnp.min(grouped, axis=axis + 1), 0.0)
+    hi = jnp.maximum(jnp.max(grouped, axis=axis + 1), 0.0)
+    step = (hi - lo) / (2 ** spec.bits - 1)
+    zero = jnp.clip(jnp.round(-lo / jnp.where(step > 0, step, 1.0)), 0, 2 ** spec.bits - 1)
+    return {"scale": step, "zero": zero.astype(jnp.uint8)}
+
+
+def encode(w: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis: int) -> jax.Array:
+    """w -> its codes (uint8, unpacked) under given group `params` (`group_params`' keys, float32 scales):
+    each value to the nearest level of its group."""
+    w = jnp.asarray(w, jnp.float32)
+    axis = axis % w.ndim
+    g = w.shape[axis] // params["scale"].shape[axis]
+    scale = _repeat(params["scale"], axis, g)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    if spec.format == "nf4":
+        table = np.asarray(NF4, np.float32)
+        midpoints = (table[1:] + table[:-1]) / 2  # nearest level: count the midpoints below the value
+        normalized = w / safe
+        return sum((normalized > m).astype(jnp.uint8) for m in midpoints)
+    top = 2 ** spec.bits - 1
+    if spec.symmetric:
+        half = top // 2  # levels -half..half of absmax / half; code = level + half + 1 (code 0 never written)
+        return (jnp.clip(jnp.round(w / safe * half), -half, half) + half + 1).astype(jnp.uint8)
+    zero = _repeat(params["zero"], axis, g).astype(jnp.float32)
+    return jnp.clip(jnp.round(w / safe) + zero, 0, top).astype(jnp.uint8)
+
+
+def decode(codes: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis: int, dtype=jnp.float32) -> jax.Array:
+    """Codes (uint8, unpacked) and group `params` (float32 scales) -> the weight, computed in float32,
+    then cast to `dtype`: NF4[code] * scale, (code - half - 1) / half * scale (symmetric integers,
+    half = 2**(bits-1) - 1) or (code - zero) * scale (asymmetric ones)."""
+    axis = axis % codes.ndim
+    g = codes.shape[axis] // params["scale"].shape[axis]
+    scale = _repeat(params["scale"], axis, g)
+    if spec.format == "nf4" or spec.symmetric:  # a table of the levels, each rounded once to float32
+        values = jnp.take(jnp.asarray(levels(spec), jnp.float32), codes.astype(jnp.int32))
+    else:
+        values = codes.astype(jnp.float32) - _repeat(params["zero"], axis, g).astype(jnp.float32)
+    return (values * scale).astype(dtype)
+
+
+def levels(spec: QuantSpec) -> np.ndarray:
+    """The value of each code of a symmetric format, in units of the group's absmax: NF4, or
+    (code - h - 1) / h for the integers (INT4 at 4 bits; code 0 is never written)."""
+    if spec.format == "nf4":
+        return np.asarray(NF4, np.float32)
+    half = (2 ** spec.bits - 1) // 2
+    return np.asarray([(code - half - 1) / half for code in range(2 ** spec.bits)], np.float32)
+
+
+def quantize(w: jax.Array, spec: QuantSpec, axis: int) -> dict[str, jax.Array]:
+    """w (any float dtype) -> its quantized leaves (`spec.keys`), grouped along `axis`."""
+    params = group_params(w, spec, axis)
+    return store(encode(w, params, spec, axis), params, spec, axis)
+
+
+def store(codes: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis: int) -> dict[str, jax.Array]:
+    """Codes (unpacked) and their group params -> the stored leaves: codes packed, scales double-quantized
+    where asked (how `quantize` and GPTQ, which chooses its own codes, both write a weight)."""
+    out = {"q": pack(codes, axis, spec.bits), **params}
+    if spec.double:
+        out.update(_quantize_scales(params["scale"]))
+    return out
+
+
+def fake_quantize(w: jax.Array, spec: QuantSpec, axis: int) -> jax.Array:
+    """w quantized and dequantized (in w's dtype, computed in float32), with a straight-through gradient:
+    the forward pass sees the weight the integer format will hold, the backward pass treats the rounding
+    as the identity (quantization-aware training)."""
+    params = group_params(jax.lax.stop_gradient(w), spec, axis)
+    rounded = decode(encode(w, params, spec, axis), params, spec, axis, w.dtype)
+    return w + jax.lax.stop_gradient(rounded - w)
 
 
 def _block_index(shape: tuple[int, ...], block: int) -> jax.Array:
@@ -141,22 +274,6 @@ def _block_index(shape: tuple[int, ...], block: int) -> jax.Array:
         index = index + jax.lax.broadcasted_iota(jnp.int32, shape, axis) * stride
         stride *= shape[axis]
     return index // block
-
-
-def quantize(w: jax.Array, spec: QuantSpec, axis: int) -> dict[str, jax.Array]:
-    """w (any float dtype) -> its quantized leaves (`spec.keys`), grouped along `axis`."""
-    w = jnp.asarray(w, jnp.float32)
-    axis = axis % w.ndim
-    g = group_size(spec.group, w.shape[axis])
-    grouped = _grouped(w, axis, g)
-    absmax = jnp.max(jnp.abs(grouped), axis=axis + 1, keepdims=True)
-    normalized = grouped / jnp.where(absmax > 0, absmax, 1.0)
-    codes = _codes(normalized, spec.format).reshape(w.shape)
-    scale = jnp.squeeze(absmax, axis + 1)
-    out = {"q": pack(codes, axis), "scale": scale}
-    if spec.double:
-        out.update(_quantize_scales(scale))
-    return out
 
 
 def _quantize_scales(scale: jax.Array) -> dict[str, jax.Array]:
@@ -181,23 +298,15 @@ def dequantize_scales(leaves: dict[str, jax.Array]) -> jax.Array:
 
 
 def dequantize(leaves: dict[str, jax.Array], spec: QuantSpec, axis: int, dtype=jnp.float32) -> jax.Array:
-    """The weight the leaves of `quantize` stand for: TABLE[code] * scale in float32, then cast to `dtype`.
+    """The weight the leaves of `quantize` stand for, computed in float32, then cast to `dtype`.
 
-    Elementwise after the unpacking (a table lookup, the scale repeated along the groups), so XLA fuses
-    it into one pass from the packed bytes to the weight in `dtype`."""
-    q = leaves["q"]
-    axis = axis % q.ndim
-    codes = unpack(q, axis)
-    values = jnp.take(jnp.asarray(TABLES[spec.format], jnp.float32), codes.astype(jnp.int32))
-    scale = dequantize_scales(leaves)
-    g = codes.shape[axis] // scale.shape[axis]
-    return (values * jnp.repeat(scale, g, axis=axis)).astype(dtype)
-
-
-def error_bound(spec: QuantSpec) -> float:
-    """The largest |w - dequantize(quantize(w))| per element, as a fraction of its group's absmax
-    (without double quantization, which adds at most its block absmax / 254)."""
-    return NF4_MAX_GAP / 2 if spec.format == "nf4" else 1 / 14
+    Elementwise after the unpacking (a table lookup or an affine map, the scale repeated along the
+    groups), so XLA fuses it into one pass from the packed bytes to the weight in `dtype`."""
+    codes = unpack(leaves["q"], axis, spec.bits)
+    params = {"scale": dequantize_scales(leaves)}
+    if not spec.symmetric:
+        params["zero"] = leaves["zero"]
+    return decode(codes, params, spec, axis, dtype)
 
 
 # ----------------------------------------------------------------------------- a model's parameters
@@ -205,19 +314,20 @@ def error_bound(spec: QuantSpec) -> float:
 
 def is_quantized_leaf(key: Any) -> bool:
     """A leaf of a quantized weight in a params tree (`kernel_q`, `kernel_scale`, ...)."""
-    return isinstance(key, str) and key.startswith("kernel_") and key[len("kernel_"):] in KEYS + DOUBLE_KEYS
+    return isinstance(key, str) and key.startswith("kernel_") and key[len("kernel_"):] in KEYS + ZERO_KEYS + DOUBLE_KEYS
 
 
-def weights_per_element(key: Any) -> int:
-    """How many of the model's weights one element of the leaf named `key` holds: 2 in a packed
-    `kernel_q`, none in a quantized weight's scales, 1 in any other parameter (how `count` and
-    `transformer.param_count` count a quantized model: by the weights it stands for)."""
+def weights_per_element(key: Any, bits: int = 4) -> float:
+    """How many of the model's weights one element of the leaf named `key` holds: 8 / `bits` in a packed
+    `kernel_q` (2 at 4 bits), none in a quantized weight's scales, 1 in any other parameter (how `count`
+    and `transformer.param_count` count a quantized model: by the weights it stands for)."""
     if not is_quantized_leaf(key):
         return 1
-    return 2 if key == "kernel_q" else 0
+    return 8 / bits if key == "kernel_q" else 0
 
 
-def count(tree) -> int:
-    """The weights a params tree (arrays or ShapeDtypeStructs) stands for (`weights_per_element`)."""
+def count(tree, bits: int = 4) -> int:
+    """The weights a params tree (arrays or ShapeDtypeStructs) stands for (`weights_per_element`), its
+    quantized kernels stored in `bits`."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return sum(weights_per_element(getattr(path[-1], "key", None)) * math.prod(x.shape) for path, x in flat)
+    return round(sum(weights_per_element(getattr(path[-1], "key", None), bits) * math.prod(x.shape) for path, x in flat))

@@ -24,6 +24,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlm.compress import prune
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.train_state import ModelSpec, TrainState
 
@@ -210,6 +211,7 @@ def make_train_step(
     rules: Rules = (),
     grad_norm_per_layer: bool = False,
     loss_chunk_len: int = 0,
+    gradual_pruning: dict | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
@@ -217,6 +219,10 @@ def make_train_step(
     Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
     (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
     per layer and top-level group (`norms_by_group`).
+
+    Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
+    `prune.keep_pruned`); `gradual_pruning` (`prune.gradual_step`'s final, start, end, every) rewrites
+    the masks on its schedule after the update, and adds the metric `sparsity` (of the masked kernels).
     """
     grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
 
@@ -251,8 +257,12 @@ def make_train_step(
             # (selected inside it, so XLA updates the moments in place: jaxlm.optim), the update is
             # dropped, and the host applies the policy.
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite)
+            masks = prune.mask_tree(trainable, frozen)
+            extra = {} if masks is None else {"masks": masks}
+            updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite, **extra)
             trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
+            if gradual_pruning:
+                trainable, frozen = prune.gradual_step(trainable, frozen, state.step, **gradual_pruning)
             params = model_spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
@@ -262,6 +272,9 @@ def make_train_step(
             "skipped": (~finite).astype(jnp.int32),
             "param_norm": optax.tree.norm(params),
         }
+        if gradual_pruning:
+            kept = [m for m in jax.tree.leaves(prune.mask_tree(trainable, frozen)) if m is not None]
+            metrics["sparsity"] = 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)
         if grad_norm_per_layer:
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -336,7 +336,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
            if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
     if setup.init_from:
-        console(f"jaxlm: {init_from.describe(setup.init_from, state.params)}")
+        bits = setup.model_cfg.quant.bits if setup.model_cfg.quant else 4
+        console(f"jaxlm: {init_from.describe(setup.init_from, state.params, bits)}")
     if jax.process_index() == 0:
         data.tokenizer.save(run_dir / data.tokenizer.file_name)
     if jax.process_count() > 1:

@@ -97,9 +97,14 @@ def build(
     derived = config_lib.derive(cfg, len(devices))
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
-    model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora,
+                                                     compress=cfg.compress)
     model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
-    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask)
+    tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
+                                        pruned=bool(model_cfg.prune_targets))
+    co = cfg.compress
+    gradual = dict(final=co.sparsity, start=co.prune_start, end=co.prune_end, every=co.prune_every) \
+        if co.prune_end > 0 else None
     if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
     else:
@@ -109,7 +114,7 @@ def build(
         model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
         dropout=model_cfg.dropout > 0 or model_cfg.lora_dropout > 0, rules=rules,
         grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
-        loss_chunk_len=cfg.model.loss_chunk_len,
+        loss_chunk_len=cfg.model.loss_chunk_len, gradual_pruning=gradual,
     )
     setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,

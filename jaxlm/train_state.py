@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
 from jaxlm.mesh import Rules, axes_of, extend_sharding, logical_to_spec
-from jaxlm.models.layers import QuantizedParam
+from jaxlm.models.layers import Frozen
 from jaxlm.models.transformer import ModelConfig, Transformer
 
 
@@ -118,8 +118,8 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     """Structure and metadata of the model, from an abstract build (no arrays allocated);
     `trainable` is `optim.trainable` (`trainable_filter`): empty, every parameter trains, or with LoRA
-    adapters (`cfg.lora_targets`) the adapters alone (`LORA_TRAINABLE`). Quantized weights
-    (`layers.QuantizedParam`: QLoRA's 4-bit base) never train, whatever it selects."""
+    adapters (`cfg.lora_targets`) the adapters alone (`LORA_TRAINABLE`). Quantized weights and pruning
+    masks (`layers.Frozen`: QLoRA's 4-bit base, a compressed model's codes) never train, whatever it selects."""
     trainable = trainable or (LORA_TRAINABLE if cfg.lora_targets else "")
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
@@ -130,7 +130,7 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
         meta = var.get_metadata()
         _set_path(names, path, tuple(meta["out_sharding"]))
         _set_path(decay, path, bool(meta["decay"]))
-        frozen = isinstance(var, QuantizedParam)  # a 4-bit base's codes and scales: never trained
+        frozen = isinstance(var, Frozen)  # quantized codes and scales, pruning masks: never trained
         _set_path(trains, path, not frozen and bool(selected("/".join(map(str, path)),
                                                              {c.__name__ for c in type(var).__mro__})))
     if not any(jax.tree.leaves(trains)):
@@ -208,7 +208,7 @@ def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> 
             devices = math.prod(mesh.shape[a] for a in axes)
             if size % devices:
                 where = ".".join(str(getattr(k, "key", k)) for k in path)
-                packed = ": packed, two 4-bit codes per byte" if where.endswith(".kernel_q") else ""
+                packed = ": packed integer codes" if where.endswith(".kernel_q") else ""
                 raise UserError(
                     f"parameter {where}: its {name!r} dimension ({size}{packed}) does not split over mesh "
                     f"{'x'.join(axes)}={devices}; change config.mesh, config.mesh.rules.{name}, or the model size"

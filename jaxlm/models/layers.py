@@ -60,9 +60,19 @@ def recomputed(fn: Callable) -> Callable:
     return jax.checkpoint(fn, prevent_cse=False)
 
 
-class QuantizedParam(nnx.Variable):
-    """A quantized weight's leaf (4-bit codes, scales): frozen, not an `nnx.Param`, so no `optim.trainable`
-    selects it (`train_state.build_model_spec`) and no gradient is taken of an integer."""
+class Frozen(nnx.Variable):
+    """A leaf of the model's parameters that never trains: not an `nnx.Param`, so no `optim.trainable`
+    selects it (`train_state.build_model_spec`), no gradient or optimizer state exists for it."""
+
+
+class QuantizedParam(Frozen):
+    """A quantized weight's leaf (integer codes, scales, zero points): frozen, no gradient of an integer."""
+
+
+class PruningMask(Frozen):
+    """A pruned kernel's mask (bool, the kernel's shape and logical names): False where a weight was
+    pruned. The kernel holds zeros there; fine-tuning keeps them zero (`prune.keep_pruned`), gradual
+    pruning rewrites the mask on its schedule."""
 
 
 EinsumOp = Callable[..., jax.Array]  # (equation, x, kernel) -> y, like jnp.einsum
@@ -94,19 +104,24 @@ class Projection(nnx.Module):
     `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel` (LoRA:
     `add_adapter`). `projections` finds every one in a model by path.
 
-    With `quant` (QLoRA's frozen base, `config.lora.quantize_base`), the kernel is stored in 4 bits:
-    `kernel_q` (uint8, two codes per byte along the last input axis, the kernel's logical names),
-    `kernel_scale` (its groups' scales, the grouped axis unsharded) and, with double quantization,
-    `kernel_scale_absmax` and `kernel_scale_offset`: `QuantizedParam`s, never trained. `weight()`
-    dequantizes them inside the compiled step (`jaxlm.quant`), so the device holds the 4-bit base.
+    With `quant` (QLoRA's frozen base, `config.lora.quantize_base`, or a compressed model, `jaxlm.compress`),
+    the kernel is stored as integer codes (`jaxlm.quant`): `kernel_q` (uint8, packed along the last input
+    axis, the kernel's logical names), `kernel_scale` (its groups' scales, the grouped axis unsharded),
+    `kernel_zero` (asymmetric formats) and, with double quantization, `kernel_scale_absmax` and
+    `kernel_scale_offset`: `QuantizedParam`s, never trained. `weight()` dequantizes them inside the
+    compiled step, so the device holds the integer weights. With `qat`, the float kernel trains and the
+    forward pass sees it fake-quantized. With `masked`, a `PruningMask` (`kernel_mask`) rides beside the
+    kernel, which holds zeros where the mask does.
     """
 
     def __init__(self, equation: str, shape: tuple[int, ...], names: tuple, *, init: Initializer, dtype,
-                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum, quant: quant_lib.QuantSpec | None = None):
+                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum, quant: quant_lib.QuantSpec | None = None,
+                 qat: quant_lib.QuantSpec | None = None, masked: bool = False):
         self.equation, self.dtype, self.einsum_op = equation, dtype, einsum_op
         # One layer's kernel: its shape and logical names, whether stored as `kernel` or quantized.
         self.kernel_shape, self.kernel_names = tuple(shape), tuple(names)
-        self.quant, self.quant_axis = quant, max(self.in_axes)  # 4-bit storage, grouped along the last input axis
+        self.quant, self.quant_axis = quant, max(self.in_axes)  # integer storage, grouped along the last input axis
+        self.qat = qat
         kernel = make_param(rngs, init, shape, names, param_dtype)
         if quant is None:
             self.kernel = kernel
@@ -114,15 +129,18 @@ class Projection(nnx.Module):
             leaves = quant_lib.quantize(kernel[...], quant, self.quant_axis)
             scale_names = tuple(None if i == self.quant_axis else n for i, n in enumerate(names))
             for key, value in leaves.items():
-                leaf_names = {"q": names, "scale": scale_names}.get(key, (None,))
+                leaf_names = {"q": names, "scale": scale_names, "zero": scale_names}.get(key, (None,))
                 setattr(self, f"kernel_{key}", QuantizedParam(value, out_sharding=leaf_names, decay=False,
                                                               eager_sharding=False))
+        # A pruning mask: all True in a fresh model (nothing pruned yet); `jaxlm.prune` sets it.
+        self.kernel_mask = PruningMask(jnp.ones(shape, bool), out_sharding=names, decay=False,
+                                       eager_sharding=False) if masked else nnx.data(None)
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # LoRA's A and B, once `add_adapter` ran
         self.lora_scale, self.lora_dropout = 0.0, 0.0
 
     @property
     def base(self) -> nnx.Variable:
-        """The stored base weight: `kernel`, or its packed 4-bit codes `kernel_q` (same logical names)."""
+        """The stored base weight: `kernel`, or its packed integer codes `kernel_q` (same logical names)."""
         return self.kernel if self.quant is None else self.kernel_q
 
     @property
@@ -132,12 +150,16 @@ class Projection(nnx.Module):
         return tuple(i for i, c in enumerate(kernel) if c in x)
 
     def weight(self) -> jax.Array:
-        """The kernel as the contraction uses it, in the compute dtype: cast, or dequantized from its
-        4-bit codes and scales (in float32, then cast: the same weight as `quantized.dequantize_params` gives)."""
-        if self.quant is None:
-            return self.kernel[...].astype(self.dtype)
-        leaves = {key: getattr(self, f"kernel_{key}")[...] for key in self.quant.keys}
-        return quant_lib.dequantize(leaves, self.quant, self.quant_axis, self.dtype)
+        """The kernel as the contraction uses it, in the compute dtype: cast; dequantized from its integer
+        codes and scales (in float32, then cast: the same weight as `quantized.dequantize_params` gives);
+        or, under quantization-aware training, fake-quantized (`quant.fake_quantize`: the integer format's
+        weight forward, a straight-through gradient backward)."""
+        if self.quant is not None:
+            leaves = {key: getattr(self, f"kernel_{key}")[...] for key in self.quant.keys}
+            return quant_lib.dequantize(leaves, self.quant, self.quant_axis, self.dtype)
+        if self.qat is not None:
+            return quant_lib.fake_quantize(self.kernel[...], self.qat, self.quant_axis).astype(self.dtype)
+        return self.kernel[...].astype(self.dtype)
 
     def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A LoRA adapter (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B; nothing at rank 0.
@@ -289,13 +311,16 @@ class Attention(nnx.Module):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pd, std = cfg.param_dtype, cfg.init_std
         self.cfg = cfg
-        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs, quant=cfg.quant)
-        self.wq = Projection("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std), **kw)
-        self.wk = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
-        self.wv = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        self.wq = Projection("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std), **kw,
+                             **cfg.projection_kw("wq"))
+        self.wk = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw,
+                             **cfg.projection_kw("wk"))
+        self.wv = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw,
+                             **cfg.projection_kw("wv"))
         # Residual projections start smaller so the residual stream's variance does not grow with depth.
         self.wo = Projection("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"),
-                             init=normal(cfg.residual_init_std), **kw)
+                             init=normal(cfg.residual_init_std), **kw, **cfg.projection_kw("wo"))
         self.qkv_bias = cfg.use_bias or cfg.qkv_bias  # Qwen2: biases on q, k and v only
         if self.qkv_bias:
             self.bq = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pd, decay=False)
@@ -343,10 +368,13 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs, quant=cfg.quant)
-        self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
-        self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
-        self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+        self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
+                                 **cfg.projection_kw("w_gate"))
+        self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
+                               **cfg.projection_kw("w_up"))
+        self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw,
+                                 **cfg.projection_kw("w_down"))
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         x = tensor_parallel_entry(x)
@@ -362,9 +390,11 @@ class GeluMLP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
         self.dtype, self.use_bias = cfg.dtype, cfg.use_bias
-        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs, quant=cfg.quant)
-        self.w_in = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw)
-        self.w_out = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw)
+        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
+        self.w_in = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
+                               **cfg.projection_kw("w_in"))
+        self.w_out = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw,
+                                **cfg.projection_kw("w_out"))
         if cfg.use_bias:
             self.b_in = make_param(rngs, zeros, (f,), ("mlp",), pd)
             self.b_out = make_param(rngs, zeros, (d,), ("norm",), pd)

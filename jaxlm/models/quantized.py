@@ -80,3 +80,34 @@ def dequantize_params(params: dict, cfg, dtype=None) -> dict:
         fn = lambda x, axis=site.axis: dequantize(x, spec, axis, dtype)  # noqa: E731
         node["kernel"] = (jax.vmap(fn) if site.stacked else fn)(leaves)
     return params
+
+
+def _fake_quantize_params(params: dict, cfg) -> dict:
+    """A QAT model's target kernels replaced by the weights its forward pass computes with."""
+    from jaxlm.quant import fake_quantize
+
+    spec = cfg.quant_spec
+    for path, projection in layers.projections(transformer.abstract_model(cfg)):
+        if projection.qat is None:
+            continue
+        params = _copy_to(params, tuple(path))
+        node = _node(params, tuple(path))
+        stacked = len(node["kernel"].shape) == len(projection.kernel_shape) + 1
+        fn = lambda w, axis=projection.quant_axis: fake_quantize(w, spec, axis)  # noqa: E731
+        node["kernel"] = (jax.vmap(fn) if stacked else fn)(node["kernel"])
+    return params
+
+
+def _drop_masks(tree: dict) -> dict:
+    return {k: _drop_masks(v) if isinstance(v, dict) else v for k, v in tree.items() if k != "kernel_mask"}
+
+
+def to_float(params: dict, cfg) -> tuple[dict, transformer.ModelConfig]:
+    """The parameters of a compressed model (quantized kernels, pruning masks, or QAT's float kernels)
+    as those of the same model with plain float kernels computing the same function, and that model:
+    kernels dequantized (in param_dtype) or fake-quantized (QAT), masks dropped (the kernels hold the
+    zeros). What an export to another framework writes."""
+    if cfg.qat:
+        params = _fake_quantize_params(params, cfg)
+    params = _drop_masks(dequantize_params(params, cfg))
+    return params, dataclasses.replace(cfg, quantize="", quant_targets=(), qat=False, prune_targets=())

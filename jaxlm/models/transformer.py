@@ -9,6 +9,7 @@ computed here from the config alone, next to the model that defines them.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import math
 from typing import Any
@@ -92,20 +93,47 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ()
     lora_ranks: tuple[tuple[str, int], ...] = ()
     lora_dropout: float = 0.0
-    # The blocks' projection kernels stored in 4 bits (config.lora.quantize_base: QLoRA's frozen base;
-    # `quant`): "" (off) | nf4 | int4, with `quant_group` values per scale, the scales double-quantized.
-    quantize: str = ""
-    quant_group: int = 64
+    # Quantized kernels (`quant`; jaxlm.quant's formats): the projections named in `quant_targets` store
+    # theirs as integer codes and scales, frozen ("" = none): QLoRA's base (config.lora.quantize_base,
+    # every block projection) or a compressed model (config.compress, python -m jaxlm.compress). With
+    # `qat`, the targets keep float kernels that the forward pass fake-quantizes (quantization-aware training).
+    quantize: str = ""  # "" | nf4 | int8 | int4 | int3
+    quant_group: int = 64  # values per scale; 0 = one scale per output channel
     double_quant: bool = False
+    quant_symmetric: bool = True
+    quant_targets: tuple[str, ...] = ()
+    qat: bool = False
+    # Pruned projections: each holds a mask beside its kernel (`kernel_mask`), zeros where weights were
+    # pruned; fine-tuning keeps them zero (config.compress.sparsity; `jaxlm.prune`).
+    prune_targets: tuple[str, ...] = ()
 
     @property
     def residual_init_std(self) -> float:
         return layers.residual_init_std(self.init_std, self.n_layers)
 
     @property
+    def quant_spec(self) -> quant_lib.QuantSpec | None:
+        """The quantized format of the targets (stored, or fake with `qat`); None without one."""
+        if not self.quantize:
+            return None
+        return quant_lib.QuantSpec(self.quantize, self.quant_group, self.double_quant, self.quant_symmetric)
+
+    @property
     def quant(self) -> quant_lib.QuantSpec | None:
-        """How the blocks' projection kernels are stored (None: in param_dtype); never the unembedding's."""
-        return quant_lib.QuantSpec(self.quantize, self.quant_group, self.double_quant) if self.quantize else None
+        """How the targets' kernels are stored (None: in param_dtype, also under `qat`)."""
+        return None if self.qat else self.quant_spec
+
+    def quant_of(self, name: str) -> quant_lib.QuantSpec | None:
+        """The stored format of the projections called `name` (wq, w_down, unembed, ...); None = float."""
+        return self.quant if name in self.quant_targets else None
+
+    def qat_of(self, name: str) -> quant_lib.QuantSpec | None:
+        """The format the projections called `name` are fake-quantized to in the forward pass (QAT)."""
+        return self.quant_spec if self.qat and name in self.quant_targets else None
+
+    def projection_kw(self, name: str) -> dict:
+        """The storage arguments of `layers.Projection` for the projections called `name`."""
+        return dict(quant=self.quant_of(name), qat=self.qat_of(name), masked=name in self.prune_targets)
 
     def lora_rank_of(self, name: str) -> int:
         """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
@@ -113,9 +141,10 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, m, platform: str | None = None, *, attention: str | None = None, log_choice: bool = True,
-                    lora=None, **overrides) -> ModelConfig:
+                    lora=None, compress=None, **overrides) -> ModelConfig:
         """From `config.model` (an ml_collections ConfigDict or dict), applying the variant's choices;
-        with `lora` (the `config.lora` section), its adapters (`with_lora`; without it, none).
+        with `lora` (the `config.lora` section), its adapters (`with_lora`; without it, none); with
+        `compress` (the `config.compress` section), its quantized or pruned projections (`with_compress`).
 
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
         (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
@@ -152,9 +181,9 @@ class ModelConfig:
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
         cfg = cls(**fields)
-        if lora is None:
-            return cfg
-        return dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
+        if lora is not None:
+            cfg = dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
+        return cfg if compress is None else with_compress(cfg, compress)
 
 
 def _lora_ranks(text: str) -> dict[str, int]:
@@ -181,7 +210,9 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     quantize = lora.get("quantize_base", "") or ""
     off = dict(lora_rank=0, lora_targets=(), lora_ranks=(), lora_alpha=float(lora["alpha"]),
                lora_dropout=float(lora["dropout"]), quantize=quantize,
-               quant_group=int(lora.get("quant_group", 64)), double_quant=bool(lora.get("double_quant", False)))
+               quant_group=int(lora.get("quant_group", 64)), double_quant=bool(lora.get("double_quant", False)),
+               quant_symmetric=True, qat=False,
+               quant_targets=tuple(n for n in projection_names(cfg) if n != "unembed") if quantize else ())
     if rank <= 0:
         if ranks:
             raise UserError(f"config.lora.ranks={lora['ranks']!r} needs config.lora.rank > 0 (the rank of the "
@@ -191,7 +222,7 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
                             f"train over the frozen 4-bit base); set lora.rank, or lora.quantize_base=''")
         return dataclasses.replace(cfg, **off)
     if quantize:
-        check_quant_groups(dataclasses.replace(cfg, **off))
+        check_quant_groups(dataclasses.replace(cfg, **off), "config.lora.quant_group")
     names = projection_names(cfg)
     requested = [t.strip() for t in lora["targets"].split(",") if t.strip()]
     targets = []
@@ -219,7 +250,8 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 def _plain(cfg: ModelConfig) -> ModelConfig:
     """`cfg` without adapters or quantization (the projections' names and kernels are the same)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), quantize="", attention="xla")
+    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), quantize="", quant_targets=(),
+                               qat=False, prune_targets=(), attention="xla")
 
 
 def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -228,21 +260,62 @@ def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(sorted({path[-1] for path, _ in layers.projections(abstract_model(_plain(cfg)))}))
 
 
-def check_quant_groups(cfg: ModelConfig) -> None:
+def check_quant_groups(cfg: ModelConfig, key: str) -> None:
     """Each quantized projection's grouped axis (its kernel's last input axis) takes `cfg.quant_group`
     values per scale: a shorter axis is one group, a longer one must be a multiple of it (UserError
-    naming the projection)."""
+    naming the projection and the config `key` to change)."""
+    spec = cfg.quant_spec
     for path, projection in layers.projections(abstract_model(_plain(cfg))):
-        if path[-1] == "unembed":  # never quantized
+        if path[-1] not in cfg.quant_targets:
             continue
         axis = projection.quant_axis
         size, name = projection.kernel_shape[axis], projection.kernel_names[axis]
         try:
-            quant_lib.group_size(cfg.quant_group, size)
+            quant_lib.group_size(spec, size)
         except ValueError as e:
-            raise UserError(f"config.lora.quant_group={cfg.quant_group}: projection {path[-1]} is grouped along its "
-                            f"{name!r} axis and {e}; use a group that divides {size} (or is larger than it: "
+            raise UserError(f"{key}={cfg.quant_group}: projection {path[-1]} is grouped along its {name!r} axis "
+                            f"and {e} ({spec.format}); use a group that divides {size} (or is larger than it, or 0: "
                             f"one group per row)") from None
+
+
+def resolve_targets(cfg: ModelConfig, text: str, key: str) -> tuple[str, ...]:
+    """Projection names from comma-separated names or shell patterns (`w_*`); "blocks" = every projection
+    of the blocks (all but the unembedding). A pattern that matches none is a UserError naming `key`."""
+    names = projection_names(cfg)
+    out = []
+    for pattern in (t.strip() for t in text.split(",") if t.strip()):
+        matched = [n for n in names if n != "unembed"] if pattern == "blocks" else fnmatch.filter(names, pattern)
+        if not matched:
+            raise UserError(f"{key}={text!r}: {pattern!r} matches no projection of this model; its projections: "
+                            f"{', '.join(names)}, or 'blocks' (every one but unembed)")
+        out += matched
+    if not out:
+        raise UserError(f"{key}={text!r} names nothing; give projection names or patterns, e.g. 'blocks' or 'wq,w_*'")
+    return tuple(sorted(dict.fromkeys(out)))
+
+
+def with_compress(cfg: ModelConfig, c) -> ModelConfig:
+    """`cfg` with the structure a `config.compress` section gives its targets: quantized kernels
+    (`compress.quantize`, stored, or fake-quantized in training with `compress.qat`) and pruning masks
+    (`compress.sparsity` > 0)."""
+    quantize, sparsity = c["quantize"] or "", float(c["sparsity"])
+    if not quantize and sparsity <= 0:
+        return cfg
+    if quantize and cfg.quantize:
+        raise UserError(f"config.compress.quantize={quantize!r} and config.lora.quantize_base={cfg.quantize!r} both "
+                        f"quantize the base; keep one (a compressed run with LoRA adapters keeps its own format: "
+                        f"set lora.quantize_base='')")
+    targets = resolve_targets(cfg, c["targets"], "config.compress.targets")
+    fields: dict[str, Any] = {}
+    if quantize:
+        fields.update(quantize=quantize, quant_group=int(c["group"]), quant_symmetric=bool(c["symmetric"]),
+                      double_quant=False, quant_targets=targets, qat=bool(c["qat"]))
+    if sparsity > 0:
+        fields["prune_targets"] = targets
+    out = dataclasses.replace(cfg, **fields)
+    if quantize:
+        check_quant_groups(out, "config.compress.group")
+    return out
 
 
 def default_mlp_dim(d_model: int, mlp: str) -> int:
@@ -319,7 +392,7 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembed = layers.Projection(
                 "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init=layers.normal(cfg.init_std),
-                dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
+                dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs, **cfg.projection_kw("unembed"),
             )
         # LoRA adapters, drawn after every base weight, so that these are the same with or without
         # adapters (one seed, one base model). The unembedding's (when lora.targets names it) has no dropout.
@@ -348,10 +421,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = self.embed(tokens)  # [B, T, D]
-        if cfg.position == "learned":
-            x = x + jnp.take(layers.gathered(self.pos_embed[...].astype(cfg.dtype)), positions, axis=0)
-        x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+        x = self.embed_tokens(tokens, positions)
         keys = None
         if dropout_key is not None and (cfg.dropout > 0 or cfg.lora_dropout > 0):
             dropout_key, embed_key = jax.random.split(dropout_key)
@@ -385,6 +455,13 @@ class Transformer(nnx.Module):
             return x
         logits = self.logits(x)
         return logits if cache is None else (logits, cache)
+
+    def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Tokens [B, T] -> the first block's input [B, T, D]: the embedding (and learned positions)."""
+        x = self.embed(tokens)
+        if self.cfg.position == "learned":
+            x = x + jnp.take(layers.gathered(self.pos_embed[...].astype(self.cfg.dtype)), positions, axis=0)
+        return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final hidden states [B, T, D] -> logits [B, T, vocab]: the unembedding (or the tied embedding)."""

@@ -1,0 +1,3 @@
+from jaxlm.compress.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""Compressing a model's parameters: prune, then quantize, each targeted projection, layer by layer.
+
+`compress_params` takes a float model's parameters (`cfg`, as a run holds them) and the model it
+becomes (`out_cfg`: `transformer.with_compress` applied, its targets quantized and/or masked) and
+returns the parameters of `out_cfg`. Each targeted kernel is handled in its matrix view [inputs,
+outputs] (`prune.matrix`), one layer at a time:
+
+1. pruning (`compress.sparsity`): a mask from the scores (`prune.scores`: magnitude, or Wanda's
+   |W| x input norm), unstructured (per matrix, per output for Wanda, or one global magnitude
+   threshold) or N:M along the inputs; the kernel zeroed where the mask is False;
+2. quantization (`compress.quantize`): round to nearest (`quant.group_params` + `encode`), or GPTQ
+   (`gptq.quantize_matrix`) from the layer's input Hessian; a pruned weight stays exactly 0 (its code
+   is re-encoded as 0 after GPTQ's updates, which may have moved it).
+
+GPTQ and Wanda calibrate (`calibrate.LayerRunner`): the layer's inputs are the previous layers'
+outputs computed with their weights already compressed, as in the GPTQ paper. The groups of the
+matrix view are those of the stored kernel: a group runs along the kernel's last input axis (for wo,
+[heads, head_dim] -> the groups lie within each head's head_dim), so the matrix's group size is the
+one `quant.group_size` gives for that axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm import config as config_lib
+from jaxlm import quant
+from jaxlm.compress import prune
+from jaxlm.compress.calibrate import LayerRunner, layer_of
+from jaxlm.models import layers, transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One compressed projection of the model, as its parameters are laid out."""
+
+    path: tuple  # its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 3, 'attn', 'wq'), ('unembed',)
+    name: str  # wq, w_down, unembed
+    kernel_shape: tuple  # one layer's kernel
+    n_in: int  # its leading input dimensions
+    axis: int  # its grouped axis (the last input one)
+    stacked: bool  # a leading layers axis (scanned blocks)
+
+    @property
+    def in_block(self) -> bool:
+        return self.path[0] == "blocks"
+
+    def block_path(self) -> tuple:
+        """The path inside one block: ('attn', 'wq')."""
+        return tuple(p for p in self.path[1:] if not isinstance(p, int))
+
+
+def targets(out_cfg: transformer.ModelConfig) -> list[Target]:
+    out = []
+    for path, projection in layers.projections(transformer.abstract_model(out_cfg)):
+        name = path[-1]
+        if name not in out_cfg.quant_targets and name not in out_cfg.prune_targets:
+            continue
+        stacked = out_cfg.scan_layers and path[0] == "blocks"
+        out.append(Target(path=tuple(path), name=name, kernel_shape=projection.kernel_shape,
+                          n_in=len(projection.in_axes), axis=projection.quant_axis, stacked=stacked))
+    return out
+
+
+def _node(tree: dict, path: tuple) -> dict:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def matrix_spec(spec: quant.QuantSpec, target: Target) -> quant.QuantSpec:
+    """The spec of the matrix view: the group the stored kernel has along its grouped axis."""
+    g = quant.group_size(spec, target.kernel_shape[target.axis])
+    return dataclasses.replace(spec, group=g, double=False)
+
+
+@dataclasses.dataclass
+class Settings:
+    """`config.compress`, read once."""
+
+    quantize: quant.QuantSpec | None
+    method: str
+    damp: float
+    block: int
+    act_order: bool
+    sparsity: float
+    nm: tuple[int, int] | None
+    criterion: str
+    scope: str
+
+    @classmethod
+    def of(cls, co, out_cfg: transformer.ModelConfig) -> Settings:
+        return cls(quantize=out_cfg.quant, method=co.method, damp=float(co.gptq_damp), block=int(co.gptq_block),
+                   act_order=bool(co.act_order), sparsity=float(co.sparsity),
+                   nm=config_lib.prune_pattern(co.pattern), criterion=co.criterion, scope=co.scope)
+
+    @property
+    def calibrates(self) -> bool:
+        return (self.quantize is not None and self.method == "gptq") or (self.sparsity > 0 and self.criterion == "wanda")
+
+
+def _compress_matrix(w: jax.Array, hessian: jax.Array | None, target: Target, s: Settings,
+                     threshold: float | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One layer's kernel -> (the weight it now computes with, as a float matrix view; its stored leaves:
+    `kernel` (pruned float), `kernel_mask`, or the quantized `kernel_q`, `kernel_scale`, ...)."""
+    shape = w.shape
+    m = prune.matrix(jnp.asarray(w, jnp.float32), target.n_in)
+    leaves: dict[str, jax.Array] = {}
+    mask = None
+    if s.sparsity > 0:
+        norm = jnp.sqrt(jnp.diagonal(hessian)) if s.criterion == "wanda" else None
+        score = prune.scores(m, s.criterion, norm)
+        if s.nm:
+            mask = prune.nm_mask(score, *s.nm)
+        elif threshold is not None:
+            mask = score >= threshold
+        else:
+            mask = prune.unstructured_mask(score, s.sparsity, per_output=s.criterion == "wanda")
+        m = jnp.where(mask, m, 0.0)
+        leaves["kernel_mask"] = mask.reshape(shape)
+    if s.quantize is None:
+        leaves["kernel"] = m.reshape(shape).astype(w.dtype)
+        return m, leaves
+    spec = matrix_spec(s.quantize, target)
+    if s.method == "gptq":
+        from jaxlm.compress import gptq
+
+        codes, params = gptq.quantize_matrix(m, hessian, spec, damp=s.damp, block=s.block, act_order=s.act_order)
+        if mask is not None:  # GPTQ's error feedback may have moved a pruned weight: code it as 0 again
+            codes = quant.encode(jnp.where(mask, quant.decode(codes, params, spec, 0), 0.0), params, spec, 0)
+    else:
+        params = quant.group_params(m, spec, 0)
+        codes = quant.encode(m, params, spec, 0)
+    dequantized = quant.decode(codes, params, spec, 0)
+    kernel_codes = codes.reshape(shape)
+    scale_shape = tuple(n // spec.group if i == target.axis else n for i, n in enumerate(shape))
+    kernel_params = {k: v.reshape(scale_shape) for k, v in params.items()}
+    stored = quant.store(kernel_codes, kernel_params, s.quantize, target.axis)
+    leaves.update({f"kernel_{k}": v for k, v in stored.items()})
+    return dequantized, leaves
+
+
+def _global_threshold(params: dict, cfg, found: list[Target], sparsity: float) -> float:
+    kernels = [jnp.abs(_node(params, t.path)["kernel"].astype(jnp.float32)) for t in found]
+    return prune.global_threshold(kernels, sparsity)
+
+
+def compress_params(params: dict, cfg: transformer.ModelConfig, out_cfg: transformer.ModelConfig, co, *,
+                    mesh=None, rules=(), calibration: np.ndarray | None = None) -> tuple[dict, dict[str, Any]]:
+    """(the parameters of `out_cfg`, what was done: seconds, per-target errors). `params`: the float
+    model `cfg`'s; `co`: `config.compress`; `calibration`: token sequences [N, T] (GPTQ, Wanda)."""
+    s = Settings.of(co, out_cfg)
+    found = targets(out_cfg)
+    started = time.time()
+    threshold = None
+    if s.sparsity > 0 and s.scope == "global" and not s.nm:
+        threshold = _global_threshold(params, cfg, found, s.sparsity)
+    runner = xs = None
+    if s.calibrates:
+        if calibration is None or not len(calibration):
+            raise ValueError("GPTQ and Wanda need calibration sequences")
+        runner = LayerRunner(cfg, params, mesh, rules)
+        xs = runner.embed(calibration)
+    out = jax.tree.map(lambda x: x, params)  # fresh dicts, the leaves shared until replaced
+    per_layer: dict[tuple, list[dict]] = {t.path: [] for t in found if t.stacked}
+    block_targets = [t for t in found if t.in_block]
+    for i in range(cfg.n_layers):
+        layer_targets = [t for t in block_targets if t.stacked or t.path[1] == i]
+        if not layer_targets:
+            continue
+        block = layer_of(params, cfg, i)
+        hessians = runner.statistics(block, xs) if runner else {}
+        new_block = jax.tree.map(lambda x: x, block)
+        for t in layer_targets:
+            kernel = _node(block, t.block_path())["kernel"]
+            weight, leaves = _compress_matrix(kernel, hessians.get(t.name), t, s, threshold)
+            _node(new_block, t.block_path())["kernel"] = weight.reshape(kernel.shape).astype(kernel.dtype)
+            if t.stacked:
+                per_layer[t.path].append(leaves)
+            else:
+                node = _node(out, t.path)
+                node.pop("kernel")
+                node.update(leaves)
+        if runner:
+            xs = runner.advance(new_block, xs)
+        log.info("compressed layer %d of %d (%.1f s)", i + 1, cfg.n_layers, time.time() - started)
+    for path, stacked in per_layer.items():
+        node = _node(out, path)
+        node.pop("kernel")
+        node.update({k: jnp.stack([leaves[k] for leaves in stacked]) for k in stacked[0]})
+    for t in (t for t in found if not t.in_block):  # the unembedding, when named
+        node = _node(out, t.path)
+        hessian = runner.final_inputs(xs) if runner else None
+        _, leaves = _compress_matrix(node["kernel"], hessian, t, s, threshold)
+        node.pop("kernel")
+        node.update(leaves)
+    return out, {"seconds": time.time() - started, "targets": sorted({t.name for t in found}),
+                 "calibration_sequences": 0 if calibration is None else int(len(calibration)),
+                 "calibration_seq_len": 0 if calibration is None else int(calibration.shape[1])}
+
+
+def sparsity_of(params: dict) -> dict[str, float]:
+    """{'weights': masked weights, 'zeros': of them pruned, 'sparsity': the fraction} over every kernel_mask."""
+    masks = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+             if getattr(path[-1], "key", None) == "kernel_mask"]
+    total = sum(math.prod(m.shape) for m in masks)
+    kept = sum(int(jnp.sum(m)) for m in masks)
+    return {"weights": total, "pruned": total - kept, "sparsity": (total - kept) / total if total else 0.0}

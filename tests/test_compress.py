@@ -1,0 +1,310 @@
+"""Compressing a trained model (`python -m jaxlm.compress`, `jaxlm.quant`, `jaxlm.compress.prune`).
+
+The formats: every format quantizes and dequantizes within its documented bound on random weights,
+on outliers and on all-zero groups, the codes really are packed (int4 two to a byte, int3 eight to
+three bytes) and unpack exactly; fake quantization computes the stored format's weight and passes the
+gradient straight through. Pruning: N:M masks keep exactly N of every M, unstructured ones the exact
+count. A compressed run directory evaluates to the loss its report states, exports to weights
+transformers computes identically with, and fine-tunes from `run.init_from` with its pruned weights
+exactly zero; QAT trains, then compresses into the integer format computing what it trained;
+gradual pruning reaches its sparsity on schedule. GPTQ's own tests are in tests/test_gptq.py.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlm import inference, quant
+from jaxlm.compress import cli, prune
+from jaxlm.errors import UserError
+
+FORMATS = [("nf4", True), ("int8", True), ("int8", False), ("int4", True), ("int4", False), ("int3", True),
+           ("int3", False)]
+
+
+def roundtrip(w, spec, axis):
+    return np.asarray(quant.dequantize(quant.quantize(jnp.asarray(w), spec, axis), spec, axis))
+
+
+def group_range(w, axis, g, symmetric):
+    """Each element's group absmax (symmetric) or range with 0 (asymmetric), w's shape."""
+    grouped = w.reshape(*w.shape[:axis], w.shape[axis] // g, g, *w.shape[axis + 1:])
+    if symmetric:
+        r = np.abs(grouped).max(axis=axis + 1)
+    else:
+        r = np.maximum(grouped.max(axis=axis + 1), 0) - np.minimum(grouped.min(axis=axis + 1), 0)
+    return np.repeat(r, g, axis=axis)
+
+
+# ----------------------------------------------------------------------------- the formats
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_codes_pack_into_bytes_and_unpack_exactly(bits):
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (16, 24, 8)).astype(np.uint8)
+    for axis in range(3):
+        packed = quant.pack(jnp.asarray(codes), axis, bits)
+        assert packed.dtype == jnp.uint8 and packed.shape[axis] == codes.shape[axis] * bits // 8
+        np.testing.assert_array_equal(quant.unpack(packed, axis, bits), codes)
+    # int3: eight codes as one little-endian 24-bit number, code k in bits 3k..3k+2
+    packed = np.asarray(quant.pack(jnp.arange(8, dtype=jnp.uint8), 0, 3))
+    assert int(packed[0]) | int(packed[1]) << 8 | int(packed[2]) << 16 == sum(k << (3 * k) for k in range(8))
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        quant.pack(jnp.zeros((12,), jnp.uint8), 0, 3)
+
+
+@pytest.mark.parametrize("fmt, symmetric", FORMATS)
+@pytest.mark.parametrize("shape, axis, group, used", [((256, 24), 0, 64, 64), ((12, 8, 40), 1, 128, 8),
+                                                      ((6, 96), 1, 0, 96)])
+def test_dequantization_is_within_the_bound_with_outliers_and_zero_groups(fmt, symmetric, shape, axis, group, used):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    w.reshape(-1)[:: 97] *= 30  # outliers, as trained weights have
+    zero = [slice(0, 1)] * len(shape)
+    zero[axis] = slice(0, used)  # one group of one row
+    w[tuple(zero)] = 0  # an all-zero group (a pruned row)
+    if not symmetric:
+        w += 0.01  # a group that is not centred on 0
+    spec = quant.QuantSpec(fmt, group, symmetric=symmetric)
+    leaves = quant.quantize(jnp.asarray(w), spec, axis)
+    assert set(leaves) == set(spec.keys)
+    assert leaves["q"].dtype == jnp.uint8 and leaves["q"].shape[axis] == shape[axis] * spec.bits // 8
+    assert leaves["scale"].shape[axis] == shape[axis] // used
+    back = roundtrip(w, spec, axis)
+    error = np.abs(back - w)
+    bound = quant.error_bound(spec) * group_range(w, axis, used, symmetric)
+    assert np.all(error <= bound * (1 + 1e-5) + 1e-9)
+    assert (error / np.maximum(bound, 1e-12)).max() > 0.4  # and the bound is not loose
+    assert np.all(back[tuple(zero)] == 0) if symmetric else True  # an all-zero group stays exactly zero
+    assert np.all(back[w == 0] == 0) or not symmetric  # zero is a level of every symmetric format
+    expected = {"nf4": 0.1519, "int8": 1 / 254, "int4": 1 / 14, "int3": 1 / 6}[fmt] if symmetric else \
+        1 / (2 * (2 ** spec.bits - 1))
+    assert quant.error_bound(spec) == pytest.approx(expected, abs=1e-4)
+
+
+def test_asymmetric_formats_keep_zero_exact_and_use_every_level():
+    w = jnp.asarray(np.linspace(-0.1, 0.7, 64, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32))
+    spec = quant.QuantSpec("int3", 0, symmetric=False)
+    leaves = quant.quantize(jnp.where(jnp.abs(w) < 0.006, 0.0, w), spec, 0)
+    codes = np.asarray(quant.unpack(leaves["q"], 0, 3))
+    assert set(codes[:, 0].tolist()) == set(range(8))  # 2^3 levels, all used
+    back = np.asarray(quant.dequantize(leaves, spec, 0))
+    assert np.all(back[np.abs(np.asarray(w)) < 0.006] == 0)
+
+
+def test_storage_bits_per_weight():
+    assert quant.QuantSpec("int4", 128).bits_per_weight() == 4 + 32 / 128
+    assert quant.QuantSpec("int3", 128, symmetric=False).bits_per_weight() == 3 + 40 / 128
+    assert quant.QuantSpec("int8", 0).bits_per_weight(4096) == 8 + 32 / 4096
+    with pytest.raises(ValueError, match="odd"):
+        quant.group_size(quant.QuantSpec("int4", 3), 9)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.group_size(quant.QuantSpec("int3", 4), 12)
+
+
+def test_fake_quantization_is_the_stored_weight_forward_and_the_identity_backward():
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((64, 5)).astype(np.float32))
+    spec = quant.QuantSpec("int4", 32, symmetric=False)
+    np.testing.assert_array_equal(quant.fake_quantize(w, spec, 0), roundtrip(w, spec, 0))
+    grad = jax.grad(lambda w: jnp.sum(quant.fake_quantize(w, spec, 0) * jnp.arange(5.0)))(w)
+    np.testing.assert_array_equal(grad, jnp.broadcast_to(jnp.arange(5.0), w.shape))
+
+
+# ----------------------------------------------------------------------------- pruning masks
+
+
+def test_nm_masks_keep_exactly_n_of_every_m_the_largest():
+    score = jnp.asarray(np.random.default_rng(4).random((64, 7)).astype(np.float32))
+    mask = np.asarray(prune.nm_mask(score, 2, 4))
+    groups = mask.reshape(16, 4, 7)
+    assert np.all(groups.sum(axis=1) == 2)
+    s = np.asarray(score).reshape(16, 4, 7)
+    assert np.all(np.where(groups, s, np.inf).min(axis=1) >= np.where(groups, -np.inf, s).max(axis=1))
+
+
+def test_unstructured_masks_prune_the_exact_count_per_matrix_per_output_and_globally():
+    rng = np.random.default_rng(5)
+    score = jnp.asarray(rng.random((40, 6)).astype(np.float32))
+    mask = np.asarray(prune.unstructured_mask(score, 0.3))
+    assert (~mask).sum() == math.floor(0.3 * 240)
+    assert np.asarray(score)[~mask].max() < np.asarray(score)[mask].min()
+    per_output = np.asarray(prune.unstructured_mask(score, 0.5, per_output=True))
+    assert np.all((~per_output).sum(axis=0) == 20)
+    a, b = jnp.asarray(rng.random((10, 10))), jnp.asarray(rng.random((30,)) * 0.5)
+    t = prune.global_threshold([a, b], 0.5)
+    assert int(jnp.sum(a < t) + jnp.sum(b < t)) == 65
+    # gradual pruning's schedule: 0 at the start, the target at the end, cubic between
+    assert float(prune.sparsity_at(10, 0.8, 10, 20)) == 0
+    assert float(prune.sparsity_at(20, 0.8, 10, 20)) == pytest.approx(0.8)
+    assert float(prune.sparsity_at(15, 0.8, 10, 20)) == pytest.approx(0.8 * (1 - 0.5 ** 3))
+
+
+# ----------------------------------------------------------------------------- a compressed run directory
+
+
+def _logits(run, tokens):
+    return np.asarray(jax.jit(lambda p, t: nnx.merge(run.model_spec.graphdef, p)(t))(run.params, tokens))
+
+
+def _kernel_bytes(params, names=("attn", "mlp")):
+    return sum(x.nbytes for k in names for x in jax.tree.leaves(params["blocks"][k]) if x.ndim > 1)
+
+
+@pytest.fixture(scope="module")
+def int4_run(facts_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compressed") / "int4"
+    report = cli.compress_run(facts_run, out, [("compress.quantize", "int4"), ("compress.group", "32")],
+                              gen_tokens=4)
+    return out, report
+
+
+def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(facts_run, int4_run):
+    from jaxlm import evaluate
+
+    out, report = int4_run
+    run = inference.load_run(out)
+    source = inference.load_run(facts_run)
+    wq = run.params["blocks"]["attn"]["wq"]
+    assert wq["kernel_q"].dtype == jnp.uint8 and wq["kernel_q"].shape == (2, 32, 4, 16) and "kernel" not in wq
+    # on the device: 4 bits + a float32 scale per 32 weights (wo's head_dim of 16: one per 16), against
+    # float32's 32 bits (a quarter of bfloat16's 16 bits is 4)
+    ratio = _kernel_bytes(run.params) / _kernel_bytes(source.params)
+    assert 4.5 / 32 < ratio < 5.2 / 32, ratio
+    assert report["after"]["device_bytes"] == sum(x.nbytes for x in jax.tree.leaves(run.params))
+    assert report["before"]["parameters"] == report["after"]["parameters"]
+    # the report's loss is the one evaluate gives the directory, and near the source's
+    docs, _ = evaluate.corpus_documents(run, "val", max_tokens=200_000)
+    assert evaluate.perplexity(run, docs)["loss"] == pytest.approx(report["after"]["corpus"]["loss"], rel=1e-6)
+    assert report["before"]["corpus"]["loss"] == pytest.approx(evaluate.perplexity(source, docs)["loss"], rel=1e-6)
+    assert abs(report["after"]["corpus"]["loss"] - report["before"]["corpus"]["loss"]) < 0.05
+    saved = json.loads((out / "compress_report.json").read_text())
+    assert saved["after"]["corpus"]["loss"] == report["after"]["corpus"]["loss"]
+    assert "| loss (val) |" in (out / "compress_report.md").read_text()
+    # the model computes with exactly the round-to-nearest weights of the source's kernels
+    spec = run.model_cfg.quant
+    w = jax.vmap(lambda k: quant.dequantize(quant.quantize(k, spec, 0), spec, 0))(
+        source.params["blocks"]["mlp"]["w_up"]["kernel"])
+    stored = {k[len("kernel_"):]: v for k, v in run.params["blocks"]["mlp"]["w_up"].items()}
+    np.testing.assert_array_equal(jax.vmap(lambda x: quant.dequantize(x, spec, 0))(stored), w)
+
+
+def test_a_compressed_run_exports_the_weights_it_computes_with(int4_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from jaxlm import hf
+
+    out, _ = int4_run
+    exported = hf.export_run(out, tmp_path / "hf", dtype="float32")
+    run = inference.load_run(out, dtype="float32")
+    tokens = np.array([[1, 5, 9, 20, 33, 7, 2, 11]], np.int32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.detach().numpy()
+    np.testing.assert_allclose(theirs, _logits(run, tokens), atol=1e-4, rtol=0)
+
+
+def _train(args):
+    from tiny_run import ONE_DEVICE, ROOT
+
+    return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_pruned_run_fine_tunes_with_its_pruned_weights_exactly_zero(facts_run, tmp_path):
+    from tiny_run import finetune_args
+
+    pruned = tmp_path / "pruned"
+    report = cli.compress_run(facts_run, pruned, [("compress.sparsity", "0.5"), ("compress.pattern", "2:4")],
+                              gen_tokens=0, corpus="none")
+    assert report["after"]["sparsity"] == 0.5 and report["after"]["pruned"] == report["after"]["weights"] // 2
+    before = inference.load_run(pruned)
+    mask = np.asarray(before.params["blocks"]["mlp"]["w_down"]["kernel_mask"])  # [layers, mlp, embed]
+    assert mask.dtype == bool and np.all(mask.reshape(2, 32, 4, 64).sum(axis=2) == 2)  # 2 of every 4 inputs
+    result = _train(finetune_args(tmp_path, pruned, "tuned", steps=4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    tuned = inference.load_run(tmp_path / "tuned")
+    assert tuned.cfg.compress.sparsity == 0.5 and tuned.cfg.compress.pattern == "2:4"  # the structure passes on
+    for name, module in (("mlp", "w_down"), ("attn", "wq")):
+        old, new = before.params["blocks"][name][module], tuned.params["blocks"][name][module]
+        np.testing.assert_array_equal(new["kernel_mask"], old["kernel_mask"])
+        kernel = np.asarray(new["kernel"])
+        assert np.all(kernel[~np.asarray(old["kernel_mask"])] == 0)  # pruned: exactly zero after training
+        assert not np.array_equal(kernel, np.asarray(old["kernel"]))  # the rest trained
+
+
+def test_quantization_aware_training_compresses_into_the_model_it_trained(facts_run, tmp_path):
+    from tiny_run import finetune_args
+
+    result = _train(finetune_args(tmp_path, facts_run, "qat", "--config.compress.quantize=int4",
+                                  "--config.compress.group=16", "--config.compress.qat=true", steps=4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    qat = inference.load_run(tmp_path / "qat", dtype="float32")
+    assert qat.params["blocks"]["attn"]["wq"]["kernel"].dtype == jnp.float32  # trains float kernels
+    report = cli.compress_run(tmp_path / "qat", tmp_path / "int4", gen_tokens=0, corpus="none")
+    assert report["compress"]["qat"] is False and report["compress"]["method"] == "rtn"
+    real = inference.load_run(tmp_path / "int4", dtype="float32")
+    assert real.params["blocks"]["attn"]["wq"]["kernel_q"].dtype == jnp.uint8
+    tokens = np.array([[1, 5, 9, 20, 33, 7]], np.int32)
+    np.testing.assert_allclose(_logits(real, tokens), _logits(qat, tokens), atol=1e-5, rtol=0)
+    # and the fake quantization mattered: the float kernels alone compute another function
+    plain = qat.cfg.copy_and_resolve_references()
+    plain.compress.qat, plain.compress.quantize = False, ""
+    float_run = cli._variant(qat, plain, inference.model_config(plain, "cpu", "float32"), qat.params)
+    assert np.abs(_logits(float_run, tokens) - _logits(qat, tokens)).max() > 1e-3
+
+
+def test_gradual_pruning_reaches_its_sparsity_on_schedule(facts_run, tmp_path):
+    from tiny_run import finetune_args
+
+    result = _train(finetune_args(tmp_path, facts_run, "gradual", "--config.compress.sparsity=0.5",
+                                  "--config.compress.prune_start=0", "--config.compress.prune_end=4",
+                                  "--config.compress.prune_every=2", steps=6))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "gradual" / "metrics.jsonl").read_text().splitlines()]
+    sparsity = [r["sparsity"] for r in records if "sparsity" in r]
+    # pruned at steps 0, 2, 4: 0 (t=0), 0.5 (1 - 0.5^3) = 0.4375, then 0.5; the metric after each step
+    assert sparsity == pytest.approx([0, 0, 0.4375, 0.4375, 0.5, 0.5], abs=2e-3), sparsity
+    run = inference.load_run(tmp_path / "gradual")
+    for layer in range(2):
+        mask = np.asarray(run.params["blocks"]["mlp"]["w_up"]["kernel_mask"][layer])
+        kernel = np.asarray(run.params["blocks"]["mlp"]["w_up"]["kernel"][layer])
+        assert (~mask).sum() == mask.size // 2 and np.all(kernel[~mask] == 0)
+
+
+def test_bad_settings_stop_in_one_line(facts_run, tmp_path):
+    cases = [
+        ([("compress.quantize", "int5")], "compress.quantize='int5' is not allowed"),
+        ([("compress.quantize", "int4"), ("compress.group", "48")], "does not divide"),
+        ([("compress.sparsity", "1.0")], "a fraction in [0, 1)"),
+        ([("compress.sparsity", "0.3"), ("compress.pattern", "2:4")], "0.5 with compress.pattern=2:4"),
+        ([], "nothing to compress"),
+        ([("model.d_model", "32")], "compress.* keys only"),
+    ]
+    for overrides, words in cases:
+        with pytest.raises(UserError) as e:
+            cli.compress_run(facts_run, tmp_path / "out", overrides, gen_tokens=0, corpus="none")
+        assert words in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_imported_run_needs_a_calibration_corpus(facts_run, tmp_path):
+    from jaxlm import hf
+
+    imported = hf.import_checkpoint(hf.export_run(facts_run, tmp_path / "hf"), tmp_path / "imported")
+    for overrides, method in (([("compress.quantize", "int4"), ("compress.method", "gptq")], "GPTQ"),
+                              ([("compress.sparsity", "0.5"), ("compress.criterion", "wanda")], "Wanda")):
+        with pytest.raises(UserError, match=f"was imported and has no training corpus of its own to calibrate {method} "
+                                            "on; give --config.compress.calib_corpus="):
+            cli.compress_run(imported, tmp_path / "out", overrides, gen_tokens=0, corpus="none")
+    assert not (tmp_path / "out").exists()
+    # round to nearest needs no calibration: the imported run compresses
+    report = cli.compress_run(imported, tmp_path / "rtn", [("compress.quantize", "int8"), ("compress.group", "0")],
+                              gen_tokens=0, corpus="none")
+    assert report["after"]["device_bytes"] < report["before"]["device_bytes"]
