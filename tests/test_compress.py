@@ -308,3 +308,16 @@ def test_an_imported_run_needs_a_calibration_corpus(facts_run, tmp_path):
     report = cli.compress_run(imported, tmp_path / "rtn", [("compress.quantize", "int8"), ("compress.group", "0")],
                               gen_tokens=0, corpus="none")
     assert report["after"]["device_bytes"] < report["before"]["device_bytes"]
+
+
+def test_gptq_loses_less_than_round_to_nearest_on_the_trained_model(facts_run, tmp_path):
+    """3 bits in groups of 16 on 8 devices, calibrated layer by layer on the run's own training split:
+    GPTQ's validation loss rises by less than round to nearest's (measured 0.0010 against 0.0050)."""
+    common = [("compress.quantize", "int3"), ("compress.group", "16")]
+    gptq = cli.compress_run(facts_run, tmp_path / "gptq", [*common, ("compress.method", "gptq"),
+                                                           ("compress.calib_samples", "64")], gen_tokens=0)
+    rtn = cli.compress_run(facts_run, tmp_path / "rtn", common, gen_tokens=0)
+    assert gptq["calibration"] == {"sequences": 64, "seq_len": 64}
+    base = gptq["before"]["corpus"]["loss"]
+    assert rtn["before"]["corpus"]["loss"] == base
+    assert 0 < gptq["after"]["corpus"]["loss"] - base < 0.6 * (rtn["after"]["corpus"]["loss"] - base), (gptq, rtn)

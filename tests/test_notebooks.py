@@ -49,7 +49,7 @@ def test_the_committed_notebooks_have_no_outputs():
 
 def test_every_notebook_has_the_same_setup_cell():
     cells = {path.name: nbformat.read(path, as_version=4).cells[1].source for path in NOTEBOOKS.glob("*.ipynb")}
-    assert len(cells) == 4 and len(set(cells.values())) == 1, "edit all the setup cells alike"
+    assert len(cells) == 5 and len(set(cells.values())) == 1, "edit all the setup cells alike"
     assert next(iter(cells.values())).startswith("# Setup:")
 
 
@@ -136,4 +136,21 @@ def test_finetune_notebook(execute, tmp_path):
     runs = tmp_path / "notebook-finetune"
     assert (runs / "exported-merged" / "model.safetensors").is_file()
     assert (runs / "exported-base" / "adapter" / "adapter_model.safetensors").is_file()
+    assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.slow  # about a minute: trains the quickstart model, then GPTQ and Wanda on it
+def test_compress_notebook(execute, tmp_path):
+    """Train, GPTQ to 4 bits, Wanda 2:4: both reports printed, the 4-bit weights hold 15 levels per group and
+    the pruned half exactly zero, and every model samples."""
+    nb = execute("05_compress.ipynb")
+    text = outputs(nb)
+    assert text.count("| loss (val) |") == 2 and "int4 (symmetric, group 32, gptq)" in text
+    assert "50% pruned (wanda, 2:4, layer)" in text
+    assert "Wanda 2:4: 50.0% zeros" in text and "float: 0.0% zeros" in text
+    assert re.search(r"int4 GPTQ \(dequantized\): at most 15 values per group of 32: True", text)
+    runs = tmp_path / "notebook-compress"
+    for name in ("int4-gptq", "wanda-2of4"):
+        assert (runs / name / "compress_report.json").is_file()
+    assert text.count("--- ") == 3
     assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))

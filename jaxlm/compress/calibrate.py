@@ -31,10 +31,16 @@ def sequences(docs: Sequence[np.ndarray], samples: int, seq_len: int) -> np.ndar
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
+@jax.jit
+def _slice(blocks: dict, i: jax.Array) -> dict:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), blocks)
+
+
 def layer_of(params: dict, cfg: transformer.ModelConfig, i: int) -> dict:
-    """Layer `i`'s block parameters (a slice of the stacked blocks, or the i-th of the list)."""
+    """Layer `i`'s block parameters (a slice of the stacked blocks, one compiled program for every
+    layer; or the i-th of the list)."""
     if cfg.scan_layers:
-        return jax.tree.map(lambda x: x[i], params["blocks"])
+        return jax.block_until_ready(_slice(params["blocks"], jnp.int32(i)))
     return params["blocks"][i]
 
 

@@ -193,6 +193,9 @@ def compress_params(params: dict, cfg: transformer.ModelConfig, out_cfg: transfo
                 node.update(leaves)
         if runner:
             xs = runner.advance(new_block, xs)
+        # One layer in flight at a time: XLA:CPU's collectives can stall when many multi-device programs
+        # are queued at once (seen with 8 host devices), and the layer's memory is freed before the next.
+        jax.block_until_ready((xs, per_layer, out))
         log.info("compressed layer %d of %d (%.1f s)", i + 1, cfg.n_layers, time.time() - started)
     for path, stacked in per_layer.items():
         node = _node(out, path)
