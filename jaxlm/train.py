@@ -217,10 +217,17 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any]:
     distributed.barrier("run_dir")  # every process looks for checkpoints only after that
     resume_step, saved, verified = _newest_checkpoint(run_dir)
-    if saved.get("params_only"):  # `python -m jaxlm.hf import` wrote it: no optimizer state, no data position
+    if saved.get("params_only"):  # `jaxlm.hf import` or `jaxlm.compress` wrote it: no optimizer state, no data position
         raise UserError(
-            f"{run_dir} holds an imported model (parameters only), not a run to continue; train from it in a new "
-            f"run directory with --config.run.init_from={run_dir} (and another config.run.name)"
+            f"{run_dir} holds an imported or compressed model (parameters only), not a run to continue; train from "
+            f"it in a new run directory with --config.run.init_from={run_dir} (and another config.run.name)"
+        )
+    co = cfg.compress
+    if not saved and not cfg.run.init_from and co.sparsity > 0 and co.prune_end == 0:
+        raise UserError(
+            f"config.compress.sparsity={co.sparsity} on a new run would prune nothing (its masks start full and "
+            f"only a schedule changes them); set config.compress.prune_end (gradual pruning while training), or "
+            f"start from a pruned run (python -m jaxlm.compress, then config.run.init_from)"
         )
     if saved:
         differences = config_differences(saved["config"], cfg)

@@ -366,6 +366,8 @@ CASES = [
                                                "--config.compress.quantize=int8"), 2,
          ("--output=", "taken exists and is not empty"), setup=_write("taken/mine.txt", "kept"),
          unchanged="{case}/taken"),
+    Case("compress-sparsity-without-schedule", "train", T("--config.compress.sparsity=0.5"), 2,
+         ("config.compress.sparsity=0.5 on a new run would prune nothing", "set config.compress.prune_end")),
     # --- fine-tuning: a new run from another run's parameters (run.init_from), the shared run as the source
     Case("init-from-not-a-directory", "train", T("--config.run.init_from={case}/nope"), 2,
          ("config.run.init_from=", "nope is not a directory", "give a run directory")),

@@ -159,10 +159,14 @@ def _kernel_bytes(params, names=("attn", "mlp")):
 
 @pytest.fixture(scope="module")
 def int4_run(facts_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("compressed") / "int4"
-    report = cli.compress_run(facts_run, out, [("compress.quantize", "int4"), ("compress.group", "32")],
-                              gen_tokens=4)
-    return out, report
+    from test_evaluate import task_lines
+
+    root = tmp_path_factory.mktemp("compressed")
+    tasks = root / "likes.jsonl"
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in task_lines()))
+    report = cli.compress_run(facts_run, root / "int4", [("compress.quantize", "int4"), ("compress.group", "32")],
+                              gen_tokens=4, tasks=[str(tasks)])
+    return root / "int4", report
 
 
 def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(facts_run, int4_run):
@@ -184,6 +188,10 @@ def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(fac
     assert evaluate.perplexity(run, docs)["loss"] == pytest.approx(report["after"]["corpus"]["loss"], rel=1e-6)
     assert report["before"]["corpus"]["loss"] == pytest.approx(evaluate.perplexity(source, docs)["loss"], rel=1e-6)
     assert abs(report["after"]["corpus"]["loss"] - report["before"]["corpus"]["loss"]) < 0.05
+    # the facts survive 4 bits: every multiple-choice answer still right; speed measured both sides
+    assert report["before"]["tasks"]["likes"]["acc"] == report["after"]["tasks"]["likes"]["acc"] == 1.0
+    assert report["before"]["generation"]["tokens_per_second"] > 0 < report["after"]["generation"]["tokens_per_second"]
+    assert report["disk_bytes"]["checkpoint"] < report["disk_bytes"]["source_checkpoint"]
     saved = json.loads((out / "compress_report.json").read_text())
     assert saved["after"]["corpus"]["loss"] == report["after"]["corpus"]["loss"]
     assert "| loss (val) |" in (out / "compress_report.md").read_text()

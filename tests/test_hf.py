@@ -350,8 +350,8 @@ def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_pa
     into = train_cli(tmp_path, "--config.run.name=imported")
     assert into.returncode == 2
     assert into.stderr.strip().splitlines()[-1] == (
-        f"jaxlm: error: {imported} holds an imported model (parameters only), not a run to continue; train from it "
-        f"in a new run directory with --config.run.init_from={imported} (and another config.run.name)")
+        f"jaxlm: error: {imported} holds an imported or compressed model (parameters only), not a run to continue; "
+        f"train from it in a new run directory with --config.run.init_from={imported} (and another config.run.name)")
     assert sorted(p.name for p in (imported / "checkpoints").iterdir()) == ["0"]
 
 

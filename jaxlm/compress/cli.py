@@ -150,7 +150,8 @@ def measure(run: inference.LoadedRun, docs, examples: dict, gen_tokens: int, tar
     out.update(methods.sparsity_of(run.params))
     if docs is not None:
         out["corpus"] = evaluate.perplexity(run, docs)
-    out["tasks"] = {name: evaluate.multiple_choice(run, ex) for name, ex in examples.items()}
+    out["tasks"] = {name: {k: v for k, v in evaluate.multiple_choice(run, ex).items() if k != "loglikelihoods"}
+                    for name, ex in examples.items()}
     if gen_tokens > 0:
         gen = generate.Generator(run.model_cfg, run.params, run.mesh, run.rules, run.param_shardings, run.tokenizer,
                                  run.model_spec.graphdef)
@@ -221,7 +222,9 @@ def compress_run(run_dir, output, overrides: Sequence[tuple[str, Any]] = (), *, 
         "targets": done["targets"],
         "before": before,
         "after": after,
-        "disk_bytes": {"checkpoint": _dir_bytes(output / "checkpoints" / str(run.step))},
+        # the source's checkpoint holds its optimizer state and data position too (a compressed one: parameters)
+        "disk_bytes": {"checkpoint": _dir_bytes(output / "checkpoints" / str(run.step)),
+                       "source_checkpoint": _dir_bytes(run.run_dir / "checkpoints" / str(run.step))},
     }
     # The same weights in bfloat16, the usual serving format: the whole model's, and the compressed projections'.
     report["bf16_bytes"] = 2 * before["parameters"]
@@ -264,12 +267,14 @@ def format_report(r: dict[str, Any]) -> str:
         for key in ("loss", "perplexity", "bits_per_byte"):
             lines.append(f"| {key} ({r['corpus']}) | {_fmt(b['corpus'][key])} | {_fmt(a['corpus'][key])} |")
     for name in b["tasks"]:
-        lines.append(f"| {name} accuracy | {_fmt(b['tasks'][name]['accuracy'])} | "
-                     f"{_fmt(a['tasks'][name]['accuracy'])} |")
+        for key in ("acc", "acc_norm"):
+            lines.append(f"| {name} {key} ({b['tasks'][name]['examples']} examples) | {_fmt(b['tasks'][name][key])} | "
+                         f"{_fmt(a['tasks'][name][key])} |")
     if "generation" in b:
         lines.append(f"| generation tokens/s ({b['generation']['rows']} rows) | "
                      f"{b['generation']['tokens_per_second']:.1f} | {a['generation']['tokens_per_second']:.1f} |")
-    lines.append(f"| checkpoint bytes on disk | | {r['disk_bytes']['checkpoint']:,d} |")
+    lines.append(f"| checkpoint bytes on disk (the source's with its optimizer state) | "
+                 f"{r['disk_bytes']['source_checkpoint']:,d} | {r['disk_bytes']['checkpoint']:,d} |")
     return "\n".join(lines) + "\n"
 
 
