@@ -319,8 +319,11 @@ def is_quantized_leaf(key: Any) -> bool:
 
 def weights_per_element(key: Any, bits: int = 4) -> float:
     """How many of the model's weights one element of the leaf named `key` holds: 8 / `bits` in a packed
-    `kernel_q` (2 at 4 bits), none in a quantized weight's scales, 1 in any other parameter (how `count`
-    and `transformer.param_count` count a quantized model: by the weights it stands for)."""
+    `kernel_q` (2 at 4 bits), none in a quantized weight's scales or a pruning mask, 1 in any other
+    parameter (how `count` and `transformer.param_count` count a compressed model: by the weights it
+    stands for)."""
+    if key == "kernel_mask":  # a pruning mask (jaxlm.compress.prune): no weights of its own
+        return 0
     if not is_quantized_leaf(key):
         return 1
     return 8 / bits if key == "kernel_q" else 0

@@ -329,3 +329,16 @@ def test_gptq_loses_less_than_round_to_nearest_on_the_trained_model(facts_run, t
     base = gptq["before"]["corpus"]["loss"]
     assert rtn["before"]["corpus"]["loss"] == base
     assert 0 < gptq["after"]["corpus"]["loss"] - base < 0.6 * (rtn["after"]["corpus"]["loss"] - base), (gptq, rtn)
+
+
+def test_a_compressed_model_counts_the_weights_it_stands_for():
+    from helpers import small_config
+    from jaxlm import train_state
+    from jaxlm.models import transformer
+
+    for fields in (dict(prune_targets=("wq", "w_up")), dict(quantize="int3", quant_group=16, quant_targets=("wq", "wo")),
+                   dict(quantize="int8", quant_group=0, quant_targets=("w_down",), prune_targets=("w_down",))):
+        cfg = small_config(**fields)
+        params = jax.eval_shape(lambda c=cfg: nnx.to_pure_dict(nnx.state(train_state.build_model(c))))
+        bits = cfg.quant.bits if cfg.quant else 4
+        assert quant.count(params, bits) == transformer.param_count(cfg)["total"], fields
