@@ -247,6 +247,7 @@ def test_a_pruned_run_fine_tunes_with_its_pruned_weights_exactly_zero(facts_run,
         assert not np.array_equal(kernel, np.asarray(old["kernel"]))  # the rest trained
 
 
+@pytest.mark.slow
 def test_quantization_aware_training_compresses_into_the_model_it_trained(facts_run, tmp_path):
     from tiny_run import finetune_args
 
@@ -268,6 +269,7 @@ def test_quantization_aware_training_compresses_into_the_model_it_trained(facts_
     assert np.abs(_logits(float_run, tokens) - _logits(qat, tokens)).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_gradual_pruning_reaches_its_sparsity_on_schedule(facts_run, tmp_path):
     from tiny_run import finetune_args
 

@@ -157,6 +157,7 @@ def assert_reports_hold_each_runs_own_metrics(sweep: pathlib.Path, variants, see
     assert (sweep / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_sweep_reports_each_runs_own_metrics(tmp_path):
     """A real sweep small enough for the default suite (2 variants x 2 seeds of 4 steps of a tiny
     model, one after the other in one process), its reports checked against what each run logged.

@@ -90,6 +90,7 @@ def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, pytest.approx(v)) for s, v in expected]
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_final_checkpoint_is_damaged_trains_the_lost_steps_again(uninterrupted):
     """The final checkpoint no longer matches the sizes and checksums recorded when it was saved:
     evaluate says so in one line and uses step 20; the same training command moves it aside (kept)
@@ -159,6 +160,7 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_the_run_resumes(uninter
     assert losses(tmp / "full_disk") == expected
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_redone_and_changes_that_matter_are_refused(uninterrupted):
     tmp, _ = uninterrupted
     code, out, _ = run(args(tmp, "full"))
