@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
 ARGS ?=
 
-.PHONY: install train test check lint test-slow test-all bench clean
+.PHONY: install train test check lint test-slow test-all bench h100-env roofline clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
@@ -42,5 +42,21 @@ test-all: install
 bench: install  ## the MFU harness: 1b on a GPU, tiny on a CPU; ARGS="--recipe 125m --sweep model.remat=none,dots"
 	$(BIN)/python benchmarks/mfu.py $(if $(ARGS),$(ARGS),$(if $(shell command -v nvidia-smi),--recipe 1b,--recipe tiny))
 
+# XLA's CUDA compiler without a GPU (2.6 GB, installed only on request): compiles the real H100 program on
+# this machine for `python -m jaxlm.plan --target=h100` and benchmarks/roofline.py. Pinned to the jax above.
+H100_VENV := .venv-h100
+H100_PACKAGES := jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 nvidia-cudnn-cu13==9.28.1.4
+
+$(H100_VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(H100_VENV)/bin/python || $(PYTHON) -m venv $(H100_VENV)
+	$(H100_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(H100_VENV)/bin/python -m pip install --quiet -c constraints.txt -e . $(H100_PACKAGES)
+	@touch $@
+
+h100-env: $(H100_VENV)/.installed  ## the H100 compiler environment (.venv-h100, 2.6 GB; no GPU needed)
+
+roofline: h100-env  ## compile recipes for H100s here and print their rooflines; ARGS="--recipe 1b --devices 8"
+	$(H100_VENV)/bin/python benchmarks/roofline.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) .cache runs .pytest_cache
+	rm -rf $(VENV) $(H100_VENV) .cache runs .pytest_cache

@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import platform
 import re
 import sys
 import time
-from collections import defaultdict
-
-import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from jaxlm import hlo  # noqa: E402
+from jaxlm.hlo import COLLECTIVES, device_groups, shape_bytes  # noqa: E402,F401  (the tests use them from here)
 
 OPTIONS = {  # name -> overrides, per device count (None: the option is not distinct there)
     "fsdp (recipe)": lambda n: {},
@@ -44,105 +43,10 @@ OPTIONS = {  # name -> overrides, per device count (None: the option is not dist
     "hybrid (8 per host)": lambda n: {"mesh.data": n // 8, "mesh.fsdp": 8} if n > 8 else None,
 }
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*%?[\w.\-]+\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(")  # name = shape op(
-_COMMENT = re.compile(r"/\*.*?\*/")
-_CALLS = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def shape_bytes(shape: str) -> int:
-    return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]", shape))
-
-
-def device_groups(line: str, num_devices: int) -> np.ndarray:
-    """[groups, group size] device ids of a collective, from its replica_groups in any of XLA's forms."""
-    ids = np.arange(num_devices)
-    # mesh['a'=8,'b'=8][, device_ids=..] {'b'}
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line)
-    if m:
-        axes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        d = re.search(r"device_ids=\(\[([\d,]+)\]T\(([\d,]+)\)\)", m.group(2))
-        if d:
-            ids = ids.reshape([int(x) for x in d.group(1).split(",")]).transpose([int(x) for x in d.group(2).split(",")])
-        grid = ids.ravel().reshape([size for _, size in axes])
-        names = [k for k, _ in axes]
-        inner = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
-        outer = [i for i in range(len(names)) if i not in inner]
-        return grid.transpose(outer + inner).reshape(-1, max(math.prod(grid.shape[i] for i in inner), 1))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)  # iota form
-    if m:
-        grid = ids.reshape([int(x) for x in m.group(3).split(",")])
-        if m.group(4):
-            grid = grid.transpose([int(x) for x in m.group(4).split(",")])
-        return grid.ravel().reshape(int(m.group(1)), int(m.group(2)))
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-    if m and m.group(1) != "{}":
-        return np.array([[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))])
-    return ids.reshape(1, -1)
-
-
-def collectives(hlo: str, num_devices: int, per_host: int = 8) -> dict[str, dict[str, float]]:
+def collectives(hlo_text: str, num_devices: int, per_host: int = 8) -> dict[str, dict[str, float]]:
     """{op: {"count": executions per step, "bytes": bytes one device sends per step, "cross_host_bytes":
-    those in groups that span hosts of `per_host` consecutive devices}} from HLO text."""
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and not line.startswith(" "):
-            current = m.group(1)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None and line.startswith(" "):
-            computations[current].append(_COMMENT.sub("", line))
-    # How many times each computation runs per step: callers' counts times while-loop trip counts.
-    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for name, lines in computations.items():
-        for line in lines:
-            trips = int(m.group(1)) if (m := _TRIP.search(line)) else 1
-            for kind, callee in _CALLS.findall(line):
-                edges[name].append((callee, trips if kind in ("body", "condition") else 1))
-            for group in _BRANCHES.findall(line):
-                edges[name] += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
-    runs: dict[str, int] = defaultdict(int)
-
-    def visit(name: str, times: int) -> None:
-        runs[name] += times
-        for callee, factor in edges.get(name, ()):
-            if callee in computations:
-                visit(callee, times * factor)
-
-    visit(entry, 1)
-    out = {op: {"count": 0, "bytes": 0.0, "cross_host_bytes": 0.0} for op in COLLECTIVES}
-    for name, lines in computations.items():
-        for line in lines:
-            m = _INSTRUCTION.search(line)
-            if not m:
-                continue
-            op = m.group(2).removesuffix("-start")  # async pairs (GPU): count the start
-            if op not in COLLECTIVES or m.group(2).endswith("-done"):
-                continue
-            groups = device_groups(line, num_devices)
-            size, g = shape_bytes(m.group(1)), groups.shape[1]
-            if op == "all-reduce":
-                sent = 2 * (g - 1) / g * size
-            elif op == "reduce-scatter":
-                sent = (g - 1) * size  # the result is 1/g of the operand
-            elif op == "collective-permute":
-                sent = size
-            else:
-                sent = (g - 1) / g * size
-            out[op]["count"] += runs[name]
-            out[op]["bytes"] += runs[name] * sent
-            if any(len(set(group // per_host)) > 1 for group in groups):
-                out[op]["cross_host_bytes"] += runs[name] * sent
-    return out
+    those in groups that span hosts of `per_host` consecutive devices}} from HLO text (`jaxlm.hlo`)."""
+    return hlo.Module(hlo_text).collectives(num_devices, per_host)
 
 
 def main() -> None:

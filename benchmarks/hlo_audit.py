@@ -32,35 +32,20 @@ transpose with what it reads), `--hlo_dir` both modules' text.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import linecache
 import math
-import os
 import pathlib
 import platform
 import re
 import sys
 import time
-from collections import defaultdict
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent
+from jaxlm.hlo import CALLS as _CALLS
+from jaxlm.hlo import COLLECTIVES, Module, shape_bytes
+from jaxlm.hlo import dims_attr as _dims
+from jaxlm.hlo import dtype_dims as _dtype_dims
+from jaxlm.hlo import format_shape as _fmt
 
-
-def _load(name: str):
-    """A sibling benchmark script as a module, without putting benchmarks/ on sys.path."""
-    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}", HERE / f"{name}.py")
-    module, saved = importlib.util.module_from_spec(spec), list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved  # the scripts put their own folder first, which can shadow packages
-    return module
-
-
-_communication = _load("communication")
-COLLECTIVES, shape_bytes = _communication.COLLECTIVES, _communication.shape_bytes
 BF16_ALGORITHMS = ("dot_bf16_bf16_f32", "dot_bf16_bf16_f32_x1", "dot_bf16_bf16_bf16")
 WIDE_DTYPES = ("f32", "f64")
 # Float32-operand dots we know to be deliberate: (what they are, predicate on a dot record).
@@ -70,169 +55,6 @@ DELIBERATE = [
      "model.attention=auto picks cuDNN and these dots are not in the program",
      lambda d: d["algorithm"] in BF16_ALGORITHMS and "BTNH,BSNH->BNTS" in d["op_name"]),
 ]
-
-# The HLO text grammar is communication.py's: computations, calls, branches, loop trip counts.
-_COMPUTATION, _COMMENT, _CALLS, _BRANCHES, _TRIP = (
-    _communication._COMPUTATION, _communication._COMMENT, _communication._CALLS, _communication._BRANCHES,
-    _communication._TRIP,
-)
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_SHAPE = re.compile(r"^([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\]")
-
-
-def _split_args(text: str) -> tuple[list[str], str]:
-    """'a, b), attrs' -> (['a', 'b'], 'attrs'): the operands up to the matching parenthesis."""
-    depth, args, start = 0, [], 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:
-                args.append(text[start:i])
-                return [a.strip().split()[-1].lstrip("%") for a in args if a.strip()], text[i + 1:]
-            depth -= 1
-        elif ch == "," and depth == 0:
-            args.append(text[start:i])
-            start = i + 1
-    return [a.strip().split()[-1].lstrip("%") for a in args if a.strip()], ""
-
-
-def _dtype_dims(shape: str) -> tuple[str, list[int]]:
-    m = _SHAPE.match(shape)
-    return (m.group(1), [int(d) for d in m.group(2).split(",") if d]) if m else (shape, [])
-
-
-def _fmt(dtype: str, dims: list[int]) -> str:
-    return f"{dtype}[{','.join(map(str, dims))}]"
-
-
-def _dims(attrs: str, key: str) -> list[int]:
-    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-class Module:
-    """An HLO module's text: computations, instructions, how often each computation runs per step,
-    and the source location table that `debug_info` lowering and compilation keep."""
-
-    def __init__(self, text: str, trip_counts_from: str):
-        self.computations: dict[str, list[dict]] = {}
-        self.shapes: dict[str, str] = {}
-        self.entry = None
-        current = None
-        for line in text.splitlines():
-            if not line.startswith(" "):
-                m = _COMPUTATION.match(line)
-                current = m.group(1) if m and not line.startswith("HloModule") else None
-                if current is not None:
-                    self.computations[current] = []
-                    if line.startswith("ENTRY"):
-                        self.entry = current
-                continue
-            if current is None or not (m := _INSTRUCTION.match(_COMMENT.sub("", line))):
-                continue
-            operands, attrs = _split_args(m.group(5))
-            inst = dict(root=bool(m.group(1)), name=m.group(2), shape=m.group(3).strip(), op=m.group(4),
-                        operands=operands, attrs=attrs, computation=current)
-            self.computations[current].append(inst)
-            self.shapes[inst["name"]] = inst["shape"]
-        self.fused = {callee for insts in self.computations.values() for i in insts if i["op"] == "fusion"
-                      for kind, callee in _CALLS.findall(i["attrs"]) if kind == "calls"}
-        self.unknown_trip_counts = 0
-        self.runs = self._runs(trip_counts_from)
-        self._frames = _stack_frames(text)
-
-    def _trip_count(self, inst: dict, source: str) -> int:
-        """Iterations of a while loop: XLA's `known_trip_count` (optimized modules) or, in a lowered
-        module, the constant its condition compares the counter with (`i < n`, i from 0: JAX's scans
-        and fori_loops)."""
-        if source == "backend_config":
-            if m := _TRIP.search(inst["attrs"]):
-                return int(m.group(1))
-        else:
-            cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
-            body = {i["name"]: i for i in self.computations.get(cond, [])}
-            root = next((i for i in body.values() if i["root"]), None)
-            if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
-                bound = body.get(root["operands"][1])
-                first = bound["operands"][0] if bound and bound["operands"] else ""
-                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", first):
-                    return int(bound["operands"][0])
-        self.unknown_trip_counts += 1
-        return 1
-
-    def _runs(self, trip_counts_from: str) -> dict[str, int]:
-        """Executions of each computation per step: its callers' executions times loop trip counts."""
-        edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-        for name, insts in self.computations.items():
-            for inst in insts:
-                calls = _CALLS.findall(inst["attrs"])
-                trips = self._trip_count(inst, trip_counts_from) if inst["op"] == "while" else 1
-                for kind, callee in calls:
-                    edges[name].append((callee, trips if kind in ("body", "condition") else 1))
-                for group in _BRANCHES.findall(inst["attrs"]):
-                    edges[name] += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
-        # Topological order from the entry (a call graph is acyclic), then push counts down.
-        order, seen = [], set()
-
-        def visit(name: str) -> None:
-            seen.add(name)
-            for callee, _ in edges.get(name, ()):
-                if callee in self.computations and callee not in seen:
-                    visit(callee)
-            order.append(name)
-
-        sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(self.computations) + 100))
-        visit(self.entry)
-        runs: dict[str, int] = defaultdict(int)
-        runs[self.entry] = 1
-        for name in reversed(order):
-            for callee, factor in edges.get(name, ()):
-                if callee in self.computations:
-                    runs[callee] += runs[name] * factor
-        return runs
-
-    def instructions(self):
-        for insts in self.computations.values():
-            yield from insts
-
-    def source(self, attrs: str) -> str:
-        """The innermost frame in this repository's own code (not site-packages) that made an op."""
-        m = re.search(r"stack_frame_id=(\d+)", attrs)
-        for path, line, function in self._frames(int(m.group(1)) if m else 0):
-            if path.startswith(str(ROOT)) and "site-packages" not in path:
-                rel = os.path.relpath(path, ROOT)
-                text = linecache.getline(path, line).strip()
-                return f"{rel}:{line} ({function}) {text[:90]}"
-        m = re.search(r'source_file="([^"]+)" source_line=(\d+)', attrs)
-        return f"{m.group(1)}:{m.group(2)}" if m else ""
-
-
-def _stack_frames(text: str):
-    """frame id -> [(file, line, function)] innermost first, from the module's StackFrames tables."""
-
-    def table(name: str) -> dict[int, str]:
-        m = re.search(rf"^{name}\n((?:\d+ .*\n)+)", text, re.M)
-        return {int(k): v for k, v in re.findall(r"^(\d+) (.*)$", m.group(1), re.M)} if m else {}
-
-    files, functions, locations, frames = (table(t) for t in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"))
-
-    def fields(s: str) -> dict[str, int]:
-        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", s)}
-
-    def chain(frame_id: int) -> list[tuple[str, int, str]]:
-        out, seen = [], set()
-        while frame_id in frames and frame_id not in seen:  # parent_frame_id is 1-based, 0 = none
-            seen.add(frame_id)
-            frame = fields(frames[frame_id])
-            loc = fields(locations.get(frame.get("file_location_id", 0), ""))
-            if loc:
-                out.append((files.get(loc["file_name_id"], "").strip('"'), loc.get("line", 0),
-                            functions.get(loc.get("function_name_id", 0), "").strip('"')))
-            frame_id = frame.get("parent_frame_id", 0) - 1
-        return out
-
-    return chain
 
 
 # ----------------------------------------------------------------------------- 1. matmuls (lowered)

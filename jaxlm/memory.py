@@ -348,8 +348,9 @@ def with_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]) ->
 
 
 def device_memory_bytes(device=None) -> float:
-    """What one device can hold: an accelerator's own limit (`memory_stats()['bytes_limit']`); on a
-    CPU the host's memory shared by its local devices."""
+    """What one device can hold: an accelerator's own limit (`memory_stats()['bytes_limit']`); for a
+    compile-only device, its target's memory (`jaxlm.roofline.TARGETS`); on a CPU the host's memory
+    shared by its local devices."""
     device = device or jax.local_devices()[0]
     try:
         stats = device.memory_stats() or {}
@@ -357,6 +358,12 @@ def device_memory_bytes(device=None) -> float:
         stats = {}
     if stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
+    if device.platform != "cpu":  # a compile-only device (jaxlm.roofline's targets) has no statistics
+        from jaxlm import roofline
+
+        for target in roofline.TARGETS.values():
+            if target.device_kind == device.device_kind:
+                return float(target.memory_bytes)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host / max(1, sum(d.platform == device.platform for d in jax.local_devices()))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -35,10 +36,11 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, memory, train_setup
+from jaxlm import axes, hlo, memory, roofline, train_setup
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
+from jaxlm.models import transformer
 
 REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
 
@@ -72,6 +74,24 @@ def compile_devices(num_devices: int):
     )
 
 
+def target_devices(target: roofline.Target, num_devices: int):
+    """`num_devices` compile-only devices of `target` (`jaxlm.roofline.target_devices`), or one line
+    that says how to get the compiler they need."""
+    try:
+        return roofline.target_devices(target, num_devices)
+    except ValueError as e:
+        raise UserError(f"--devices={num_devices}: {e}; use 1 to {target.devices_per_host} or a multiple of "
+                        f"{target.devices_per_host}") from None
+    except Exception as e:  # no plugin, or a plugin JAX did not load
+        installed = importlib.util.find_spec("jax_plugins") is not None  # the namespace GPU plugins install into
+        hint = "" if installed else " (no JAX GPU plugin is installed in this environment)"
+        raise UserError(
+            f"--target={target.name} needs XLA's CUDA compiler{hint}: run `make h100-env` once, then "
+            f"`.venv-h100/bin/python -m jaxlm.plan ... --target={target.name}` ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+        ) from None
+
+
 def use_cpu_devices(num_devices: int) -> None:
     """Give JAX's CPU backend `num_devices` devices, if its backends have not started yet (else no-op)."""
     try:
@@ -80,13 +100,15 @@ def use_cpu_devices(num_devices: int) -> None:
         pass
 
 
-def compiled_memory(cfg: ml_collections.ConfigDict, devices) -> dict[str, Any]:
+def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Target | None = None) -> dict[str, Any]:
     """Compile the real train step ahead of time on `devices` (an abstract state: nothing allocated)
-    and read XLA's per-device memory analysis."""
+    and read XLA's per-device memory analysis; for compile-only `target` devices also the roofline of
+    the compiled program (`jaxlm.roofline`)."""
     setup = train_setup.build(cfg, devices, abstract=True)
     start = time.perf_counter()
-    analysis = setup.compile_train_step().memory_analysis()
+    compiled = setup.compile_train_step()
     seconds = time.perf_counter() - start
+    analysis = compiled.memory_analysis()
     if analysis is None:
         raise UserError(f"--compile: XLA gives no memory analysis on {devices[0].platform}; use the analytic figure")
     figures = {
@@ -96,10 +118,18 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices) -> dict[str, Any]:
         "temp_bytes": analysis.temp_size_in_bytes,
     }
     peak = figures["argument_bytes"] + figures["output_bytes"] - figures["alias_bytes"] + figures["temp_bytes"]
-    return {
+    out = {
         **figures, "per_device_bytes": peak, "platform": devices[0].platform, "device_kind": devices[0].device_kind,
         "num_devices": len(devices), "attention": setup.model_cfg.attention, "compile_s": round(seconds, 2),
     }
+    if target is not None:
+        tokens = cfg.data.global_batch_size * cfg.data.seq_len
+        model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
+        module = hlo.Module(compiled.as_text())
+        out["roofline"] = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
+        out["roofline"]["unknown_trip_counts"] = module.unknown_trip_counts
+        out["platform"] = "gpu" if target.platform == "cuda" else target.platform
+    return out
 
 
 # ----------------------------------------------------------------------------- knobs
@@ -162,7 +192,7 @@ def suggest(
 
 def plan(
     cfg: ml_collections.ConfigDict, num_devices: int, device_memory_bytes: float, *, platform: str = "gpu",
-    compile: bool = False, devices=None,
+    compile: bool = False, devices=None, target: roofline.Target | None = None,
 ) -> dict[str, Any]:
     """The whole report as plain data (what `--json` prints)."""
     cfg, auto = memory.resolve_micro_batches(cfg, num_devices, device_memory_bytes, platform)
@@ -189,8 +219,9 @@ def plan(
     }
     decided_by, per_device = "analytic", est.per_device_bytes
     if compile:
-        devices = devices if devices is not None else compile_devices(num_devices)
-        compiled = compiled_memory(cfg, devices)
+        if devices is None:
+            devices = target_devices(target, num_devices) if target is not None else compile_devices(num_devices)
+        compiled = compiled_memory(cfg, devices, target)
         cpu = compiled["platform"] == "cpu"
         same = memory.estimate(cfg, num_devices, platform=compiled["platform"],
                                act_bytes=memory.cpu_act_bytes() if cpu else None)
@@ -239,6 +270,8 @@ def format_report(report: dict[str, Any]) -> str:
             + f"): {format_bytes(c['analytic_same_program_bytes'])}; compiled / analytic = {c['ratio']:.3f} "
             + ("(within " if c["within_tolerance"] else "(OUTSIDE ") + f"the stated ±{memory.TOLERANCE:.0%})",
         ]
+        if c.get("roofline"):
+            lines += ["", *("  " + line if line else "" for line in roofline.format_summary(c["roofline"]).splitlines())]
     lines.append("")
     verdict = (f"{format_bytes(r['per_device_bytes'])} of {format_bytes(r['device_memory_bytes'])} per device "
                f"({r['decided_by']})")
@@ -277,7 +310,12 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="python -m jaxlm.plan", description=__doc__.splitlines()[2], allow_abbrev=False)
     parser.add_argument("--devices", type=int, required=True, help="number of devices the run uses")
-    parser.add_argument("--device_memory_gib", type=float, default=80.0, help="memory of one device (default 80)")
+    parser.add_argument("--device_memory_gib", type=float, default=None,
+                        help="memory of one device (default 80, or the --target's)")
+    parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
+                        help="compile the real GPU program for compile-only devices of this kind (no GPU needed; "
+                             "`make h100-env`) and report its memory and roofline: kernels, collectives, the "
+                             "roofline-bound MFU")
     parser.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
                         help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
     parser.add_argument("--compile", action="store_true",
@@ -288,15 +326,22 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         args = parser.parse_args([a for a in argv if not a.startswith("--config")])
         if args.devices < 1:
             raise UserError(f"--devices={args.devices}: give a positive number of devices")
+        target = roofline.TARGETS[args.target] if args.target else None
+        if args.device_memory_gib is None:
+            args.device_memory_gib = target.memory_bytes / GIB if target else 80.0
         if args.device_memory_gib <= 0:
             raise UserError(f"--device_memory_gib={args.device_memory_gib}: give a positive size in GiB")
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning never needs device memory
-        if args.compile:
+        if target is not None:  # compile-only devices: JAX itself runs on the CPU (the plugin needs no GPU then)
+            jax.config.update("jax_platforms", "cpu")
+            args.compile = True
+        elif args.compile:
             use_cpu_devices(args.devices)
         elif own_process:
             jax.config.update("jax_platforms", "cpu")
         cfg = config_lib.parse_cli(config_args)
-        report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile)
+        report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,
+                      target=target)
     except UserError as e:
         return report_error(e)
     print(json.dumps(report, default=float) if args.json else format_report(report), flush=True)

@@ -1,0 +1,117 @@
+"""The H100 program of each recipe, compiled on this machine (no GPU), and its roofline.
+
+    make roofline                                          # installs .venv-h100 once, then the default set
+    .venv-h100/bin/python benchmarks/roofline.py --recipe 1b --devices 1 8 --set optim.micro_batches=32
+    .venv-h100/bin/python benchmarks/roofline.py --json roofline.json --top 20
+
+For each (recipe, device count) the train step is compiled for compile-only H100s (XLA's own H100
+description, `jaxlm.roofline.H100`) by `python -m jaxlm.plan --target=h100`'s code, with the
+recipe's settings (`optim.micro_batches=0` resolved against the H100's 80 GB, as a run on one
+would), and its optimized HLO is read kernel by kernel (`jaxlm.roofline`): per-device memory from
+XLA's memory analysis; each kernel's time at its roof, max(FLOPs / 989 TFLOP/s, bytes / 3.35 TB/s),
+times its launches per step; collectives at 450 GB/s per device within a host (NVLink) and 50 GB/s
+between hosts, overlapped by the kernels scheduled between their start and done. The roofline-bound
+MFU is the model's FLOPs over peak x (the kernels' sum + exposed communication): an upper bound of
+what this program can reach, not a measurement. The program's matmul FLOPs are checked against the
+model's count (exact, after cuDNN's recomputed scores) so the bound cannot be flattered by miscounting.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: the CUDA plugin compiles without a GPU
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+DEFAULT = [("1b", 1), ("1b", 8), ("7b", 8)]
+
+
+def versions() -> str:
+    names = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cudnn-cu13")
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{name} missing")
+    return ", ".join(out)
+
+
+def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: int) -> dict:
+    from jaxlm import config as config_lib
+    from jaxlm import plan, roofline
+
+    cfg = config_lib.load_recipe(recipe)
+    config_lib.apply_overrides(cfg, overrides)
+    config_lib.validate(cfg)
+    started = time.perf_counter()
+    report = plan.plan(cfg, devices, roofline.H100.memory_bytes, compile=True, target=roofline.H100)
+    compiled = report["compiled"]
+    r = compiled["roofline"]
+    r["largest"] = r["largest"][:top]
+    return dict(
+        recipe=recipe, devices=devices, overrides=dict(overrides), mesh=report["mesh"],
+        micro_batches=report["micro_batches"], remat=report["remat"], attention=compiled["attention"],
+        per_device_bytes=compiled["per_device_bytes"], temp_bytes=compiled["temp_bytes"],
+        compile_s=compiled["compile_s"], seconds=round(time.perf_counter() - started, 1),
+        flops_check=dict(program=r["matmul_flops"], model=r["model_flops"], recomputed_scores=r["attention_recompute_flops"],
+                         other=r["matmul_flops"] - r["model_flops"] - r["attention_recompute_flops"]),
+        roofline=r,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", action="append", help="recipe(s); default: 1b on 1 and 8, 7b on 8")
+    parser.add_argument("--devices", type=int, nargs="+", default=None, help="device counts for --recipe")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    parser.add_argument("--top", type=int, default=8, help="largest kernels to list per program")
+    parser.add_argument("--json", default="", help="write every figure here")
+    args = parser.parse_args()
+    runs = [(r, n) for r in args.recipe for n in (args.devices or [1, 8])] if args.recipe else DEFAULT
+    overrides = [tuple(kv.split("=", 1)) for kv in args.set]
+
+    from jaxlm import roofline
+
+    try:
+        roofline.target_devices(roofline.H100, 1)
+    except Exception as e:
+        sys.exit(f"benchmarks/roofline.py needs XLA's CUDA compiler: `make h100-env`, then run it with "
+                 f".venv-h100/bin/python ({type(e).__name__})")
+    header = (f"{datetime.date.today()}, compiled on {platform.processor() or platform.machine()} "
+              f"({os.cpu_count()} cores) for compile-only H100 SXM; {versions()}")
+    print(header, flush=True)
+    results = []
+    for recipe, devices in runs:
+        res = measure(recipe, devices, overrides, args.top)
+        results.append(res)
+        r = res["roofline"]
+        kinds = ", ".join(f"{k} {v['seconds'] * 1e3:.0f}" for k, v in list(r["by_kind"].items())[:6])
+        print(f"\n{recipe} on {devices} H100 ({' x '.join(f'{k}={v}' for k, v in res['mesh'].items())}), "
+              f"{res['micro_batches']} micro-batches, remat={res['remat']}, attention {res['attention']}: "
+              f"{res['per_device_bytes'] / 2**30:.1f} GiB per device; roofline step {r['step_seconds'] * 1e3:.0f} ms "
+              f"(matmuls {r['matmul_seconds'] * 1e3:.0f}, "
+              f"other kernels {(r['compute_seconds'] - r['matmul_seconds']) * 1e3:.0f}, exposed communication "
+              f"{r['exposed_communication_seconds'] * 1e3:.0f} of {r['communication_seconds'] * 1e3:.0f}); "
+              f"roofline-bound MFU {r['roofline_mfu']:.3f}", flush=True)
+        print(f"  ms by kind: {kinds}")
+        fc = res["flops_check"]
+        print(f"  FLOPs per device: program {fc['program'] / 1e12:.2f} T = model {fc['model'] / 1e12:.2f} T + cuDNN's "
+              f"recomputed scores {fc['recomputed_scores'] / 1e12:.2f} T + other {fc['other'] / 1e12:.2f} T "
+              f"(remat's recomputation, or a miscount)")
+        print(f"  compiled in {res['compile_s']} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, results=results), f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Reading XLA's HLO text: computations, instructions, shapes, how often each computation runs per
+step (loop trip counts), the source line that made an instruction, and the bytes a collective sends.
+
+Used by `jaxlm.roofline` (the compiled GPU program's kernels) and by the HLO benchmarks
+(`benchmarks/hlo_audit.py`, `benchmarks/communication.py`). Text, not protos: what `compiled.as_text()`
+and `lowered.as_text(dialect="hlo")` print is stable enough across XLA versions for these fields, and
+needs no XLA build.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import os
+import pathlib
+import re
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository: source lines are reported relative to it
+
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+               "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+COMMENT = re.compile(r"/\*.*?\*/")
+CALLS = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_SHAPE = re.compile(r"^([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\]")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape (an array or a tuple of arrays): `bf16[8,128]{1,0}` -> 2048."""
+    return int(sum(DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                   for dtype, dims in _ARRAY.findall(shape)))
+
+
+def dtype_dims(shape: str) -> tuple[str, list[int]]:
+    """`bf16[8,128]{1,0}` -> ("bf16", [8, 128]); a tuple or token shape -> (shape, [])."""
+    m = _SHAPE.match(shape)
+    return (m.group(1), [int(d) for d in m.group(2).split(",") if d]) if m else (shape, [])
+
+
+def format_shape(dtype: str, dims: list[int]) -> str:
+    return f"{dtype}[{','.join(map(str, dims))}]"
+
+
+def dims_attr(attrs: str, key: str) -> list[int]:
+    """An instruction's `key={1,2}` attribute as a list (empty when absent)."""
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def split_args(text: str) -> tuple[list[str], str]:
+    """'a, b), attrs' -> (['a', 'b'], 'attrs'): the operands up to the matching parenthesis."""
+    depth, args, start = 0, [], 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                args.append(text[start:i])
+                return [a.strip().split()[-1].lstrip("%") for a in args if a.strip()], text[i + 1:]
+            depth -= 1
+        elif ch == "," and depth == 0:
+            args.append(text[start:i])
+            start = i + 1
+    return [a.strip().split()[-1].lstrip("%") for a in args if a.strip()], ""
+
+
+def device_groups(line: str, num_devices: int) -> np.ndarray:
+    """[groups, group size] device ids of a collective, from its replica_groups in any of XLA's forms."""
+    ids = np.arange(num_devices)
+    # mesh['a'=8,'b'=8][, device_ids=..] {'b'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line)
+    if m:
+        axes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        d = re.search(r"device_ids=\(\[([\d,]+)\]T\(([\d,]+)\)\)", m.group(2))
+        if d:
+            ids = ids.reshape([int(x) for x in d.group(1).split(",")]).transpose([int(x) for x in d.group(2).split(",")])
+        grid = ids.ravel().reshape([size for _, size in axes])
+        names = [k for k, _ in axes]
+        inner = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        outer = [i for i in range(len(names)) if i not in inner]
+        return grid.transpose(outer + inner).reshape(-1, max(math.prod(grid.shape[i] for i in inner), 1))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)  # iota form
+    if m:
+        grid = ids.reshape([int(x) for x in m.group(3).split(",")])
+        if m.group(4):
+            grid = grid.transpose([int(x) for x in m.group(4).split(",")])
+        return grid.ravel().reshape(int(m.group(1)), int(m.group(2)))
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if m and m.group(1) != "{}":
+        return np.array([[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))])
+    return ids.reshape(1, -1)
+
+
+def sent_bytes(op: str, size: float, group: int) -> float:
+    """Bytes one device sends for a collective of `size` bytes (its result; a reduce-scatter's operand
+    is `group` times that) over `group` devices, with ring algorithms:
+
+        all-reduce       2 (g - 1) / g x size          all-gather      (g - 1) / g x result size
+        reduce-scatter   (g - 1) x result size         all-to-all      (g - 1) / g x size
+        collective-permute  size
+    """
+    if op == "all-reduce":
+        return 2 * (group - 1) / group * size
+    if op == "reduce-scatter":
+        return (group - 1) * size
+    if op == "collective-permute":
+        return size
+    return (group - 1) / group * size
+
+
+def collective_op(op: str) -> str | None:
+    """The collective an instruction starts (`all-gather-start` -> `all-gather`), None for anything
+    else, including the `-done` halves of async pairs (counted once, at the start)."""
+    if op.endswith("-done"):
+        return None
+    base = op.removesuffix("-start")
+    return base if base in COLLECTIVES else None
+
+
+class Module:
+    """An HLO module's text: computations, instructions, how often each computation runs per step,
+    and the source location table that `debug_info` lowering and compilation keep.
+
+    `trip_counts_from`: "backend_config" for optimized modules (XLA's `known_trip_count`), "condition"
+    for lowered ones (the constant a scan's condition compares its counter with)."""
+
+    def __init__(self, text: str, trip_counts_from: str = "backend_config"):
+        self.text = text
+        self.computations: dict[str, list[dict]] = {}
+        self.shapes: dict[str, str] = {}
+        self.entry = None
+        current = None
+        for line in text.splitlines():
+            if not line.startswith(" "):
+                m = COMPUTATION.match(line)
+                current = m.group(1) if m and not line.startswith("HloModule") else None
+                if current is not None:
+                    self.computations[current] = []
+                    if line.startswith("ENTRY"):
+                        self.entry = current
+                continue
+            if current is None or not (m := INSTRUCTION.match(COMMENT.sub("", line))):
+                continue
+            operands, attrs = split_args(m.group(5))
+            inst = dict(root=bool(m.group(1)), name=m.group(2), shape=m.group(3).strip(), op=m.group(4),
+                        operands=operands, attrs=attrs, computation=current)
+            self.computations[current].append(inst)
+            self.shapes[inst["name"]] = inst["shape"]
+        self.fused = {callee for insts in self.computations.values() for i in insts if i["op"] == "fusion"
+                      for kind, callee in CALLS.findall(i["attrs"]) if kind == "calls"}
+        self.unknown_trip_counts = 0
+        self.runs = self._runs(trip_counts_from)
+        self._frames = _stack_frames(text)
+
+    def _trip_count(self, inst: dict, source: str) -> int:
+        """Iterations of a while loop: XLA's `known_trip_count` (optimized modules) or, in a lowered
+        module, the constant its condition compares the counter with (`i < n`, i from 0: JAX's scans
+        and fori_loops)."""
+        if source == "backend_config":
+            if m := TRIP.search(inst["attrs"]):
+                return int(m.group(1))
+        else:
+            cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
+            body = {i["name"]: i for i in self.computations.get(cond, [])}
+            root = next((i for i in body.values() if i["root"]), None)
+            if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
+                bound = body.get(root["operands"][1])
+                first = bound["operands"][0] if bound and bound["operands"] else ""
+                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", first):
+                    return int(bound["operands"][0])
+        self.unknown_trip_counts += 1
+        return 1
+
+    def _runs(self, trip_counts_from: str) -> dict[str, int]:
+        """Executions of each computation per step: its callers' executions times loop trip counts."""
+        edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for name, insts in self.computations.items():
+            for inst in insts:
+                calls = CALLS.findall(inst["attrs"])
+                trips = self._trip_count(inst, trip_counts_from) if inst["op"] == "while" else 1
+                for kind, callee in calls:
+                    edges[name].append((callee, trips if kind in ("body", "condition") else 1))
+                for group in BRANCHES.findall(inst["attrs"]):
+                    edges[name] += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
+        # Topological order from the entry (a call graph is acyclic), then push counts down.
+        order, seen = [], set()
+
+        def visit(name: str) -> None:
+            seen.add(name)
+            for callee, _ in edges.get(name, ()):
+                if callee in self.computations and callee not in seen:
+                    visit(callee)
+            order.append(name)
+
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(self.computations) + 100))
+        if self.entry is not None:
+            visit(self.entry)
+        runs: dict[str, int] = defaultdict(int)
+        runs[self.entry] = 1
+        for name in reversed(order):
+            for callee, factor in edges.get(name, ()):
+                if callee in self.computations:
+                    runs[callee] += runs[name] * factor
+        return runs
+
+    def instructions(self):
+        for insts in self.computations.values():
+            yield from insts
+
+    def called(self, inst: dict, kind: str = "calls") -> list[dict]:
+        """The instructions of the computation an instruction calls (a fusion's body: kind "calls")."""
+        callee = next((c for k, c in CALLS.findall(inst["attrs"]) if k == kind), None)
+        return self.computations.get(callee, [])
+
+    def source(self, attrs: str) -> str:
+        """The innermost frame in this repository's own code (not site-packages) that made an op."""
+        m = re.search(r"stack_frame_id=(\d+)", attrs)
+        for path, line, function in self._frames(int(m.group(1)) if m else 0):
+            if path.startswith(str(ROOT)) and "site-packages" not in path:
+                rel = os.path.relpath(path, ROOT)
+                text = linecache.getline(path, line).strip()
+                return f"{rel}:{line} ({function}) {text[:90]}"
+        m = re.search(r'source_file="([^"]+)" source_line=(\d+)', attrs)
+        if m and m.group(1).startswith(str(ROOT)) and "site-packages" not in m.group(1):
+            return f"{os.path.relpath(m.group(1), ROOT)}:{m.group(2)}"
+        return f"{m.group(1)}:{m.group(2)}" if m else ""
+
+    def collectives(self, num_devices: int, per_host: int = 8) -> dict[str, dict[str, float]]:
+        """{op: {"count": executions per step, "bytes": bytes one device sends per step,
+        "cross_host_bytes": those in groups that span hosts of `per_host` consecutive devices}}."""
+        out = {op: {"count": 0, "bytes": 0.0, "cross_host_bytes": 0.0} for op in COLLECTIVES}
+        for inst in self.instructions():
+            op = collective_op(inst["op"])
+            if op is None:
+                continue
+            runs = self.runs.get(inst["computation"], 0)
+            groups = device_groups(inst["attrs"], num_devices)
+            sent = sent_bytes(op, collective_result_bytes(inst), groups.shape[1])
+            out[op]["count"] += runs
+            out[op]["bytes"] += runs * sent
+            if any(len(set(group // per_host)) > 1 for group in groups):
+                out[op]["cross_host_bytes"] += runs * sent
+        return out
+
+
+def collective_result_bytes(inst: dict) -> int:
+    """The bytes a collective produces. An async all-gather, reduce-scatter or collective-permute
+    start's shape is (operands, results[, scratch]): its results are the second element; an
+    all-reduce-start's shape is its results."""
+    shape = inst["shape"]
+    if inst["op"] in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and shape.startswith("("):
+        parts = tuple_parts(shape)
+        if len(parts) >= 2:
+            return shape_bytes(parts[1])
+    return shape_bytes(shape)
+
+
+def tuple_parts(shape: str) -> list[str]:
+    """'((a, b), c, u32[])' -> ['(a, b)', 'c', 'u32[]']: the top-level elements of a tuple shape."""
+    inner, depth, parts, start = shape.strip()[1:-1], 0, [], 0
+    for i, ch in enumerate(inner):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    parts.append(inner[start:].strip())
+    return [p for p in parts if p]
+
+
+def _stack_frames(text: str):
+    """frame id -> [(file, line, function)] innermost first, from the module's StackFrames tables."""
+
+    def table(name: str) -> dict[int, str]:
+        m = re.search(rf"^{name}\n((?:\d+ .*\n)+)", text, re.M)
+        return {int(k): v for k, v in re.findall(r"^(\d+) (.*)$", m.group(1), re.M)} if m else {}
+
+    files, functions, locations, frames = (table(t) for t in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"))
+
+    def fields(s: str) -> dict[str, int]:
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", s)}
+
+    def chain(frame_id: int) -> list[tuple[str, int, str]]:
+        out, seen = [], set()
+        while frame_id in frames and frame_id not in seen:  # parent_frame_id is 1-based, 0 = none
+            seen.add(frame_id)
+            frame = fields(frames[frame_id])
+            loc = fields(locations.get(frame.get("file_location_id", 0), ""))
+            if loc:
+                out.append((files.get(loc["file_name_id"], "").strip('"'), loc.get("line", 0),
+                            functions.get(loc.get("function_name_id", 0), "").strip('"')))
+            frame_id = frame.get("parent_frame_id", 0) - 1
+        return out
+
+    return chain

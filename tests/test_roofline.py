@@ -1,0 +1,199 @@
+# ruff: noqa: E501  (a hand-written HLO module, one instruction per line)
+"""jaxlm.roofline: the kernels of a compiled program, their FLOPs, bytes and roofline times.
+
+The counting is checked three ways: on the real train step compiled here (its matmul FLOPs, times
+the loops' trip counts, equal the model's count plus the masked half of attention, exactly); on a
+small hand-written scheduled module whose every figure is known (slices, in-place updates, cuDNN
+attention, cuBLAS, async collectives and what overlaps them); and, where the H100 compiler is
+installed (`make h100-env`), on the H100 program itself.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxlm import config as config_lib
+from jaxlm import hlo, roofline, train_setup
+from jaxlm.models.transformer import flops_per_token
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+H100_PYTHON = ROOT / ".venv-h100" / "bin" / "python"
+
+
+def test_the_compiled_steps_matmul_flops_are_the_models_count_times_the_loops():
+    cfg = config_lib.recipe("tiny", optim__micro_batches=2)  # scanned layers: a loop per micro-batch
+    setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
+    module = hlo.Module(setup.compile_train_step().as_text())
+    assert module.unknown_trip_counts == 0
+    m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
+    kernels = roofline.kernels(module, roofline.H100, 1)
+    counted = sum(k.flops * k.runs for k in kernels if k.kind == "gemm")
+    causal_half = 6 * m.n_layers * seq_len * m.n_heads * m.head_dim * tokens  # XLA attention computes the whole square
+    assert counted == flops_per_token(m, seq_len) * tokens + causal_half
+    summary = roofline.summarize(kernels, roofline.H100, flops_per_token(m, seq_len) * tokens)
+    assert summary["matmul_flops"] == counted and summary["exposed_communication_seconds"] == 0
+    assert summary["step_seconds"] == pytest.approx(sum(k.seconds * k.runs for k in kernels))
+    assert 0 < summary["roofline_mfu"] < 1
+
+
+# A scheduled module of the GPU pipeline's shape, small enough to count by hand. One device of 8:
+# a layer loop of 4 trips slicing a stacked weight, a GEMM, cuDNN attention forward (causal) and
+# backward, a cuBLAS call, an in-place update of a stacked buffer, an all-gather overlapped by the
+# GEMM, and a synchronous all-reduce.
+MODULE = """HloModule step, is_scheduled=true
+
+%fused_slice (p0: bf16[4,64,128], p1: s32[]) -> bf16[64,128] {
+  %p0 = bf16[4,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = bf16[64,128]{1,0} bitcast(%ds)
+}
+
+%gemm_computation (g0: bf16[32,64], g1: bf16[64,128]) -> bf16[32,128] {
+  %g0 = bf16[32,64]{1,0} parameter(0)
+  %g1 = bf16[64,128]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[32,128]{1,0} dot(%g0, %g1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_update (u0: bf16[4,32,128], u1: bf16[32,128], u2: s32[]) -> bf16[4,32,128] {
+  %u0 = bf16[4,32,128]{2,1,0} parameter(0)
+  %u1 = bf16[32,128]{1,0} parameter(1)
+  %u2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %r = bf16[1,32,128]{2,1,0} bitcast(%u1)
+  ROOT %dus = bf16[4,32,128]{2,1,0} dynamic-update-slice(%u0, %r, %u2, %z, %z)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (carry: (s32[], bf16[4,64,128], bf16[32,64], bf16[4,32,128])) -> (s32[], bf16[4,64,128], bf16[32,64], bf16[4,32,128]) {
+  %carry = (s32[], bf16[4,64,128]{2,1,0}, bf16[32,64]{1,0}, bf16[4,32,128]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %w = bf16[4,64,128]{2,1,0} get-tuple-element(%carry), index=1
+  %x = bf16[32,64]{1,0} get-tuple-element(%carry), index=2
+  %acc = bf16[4,32,128]{2,1,0} get-tuple-element(%carry), index=3
+  %ag = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %slice = bf16[64,128]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice, metadata={op_name="slice the layer"}
+  %gemm = bf16[32,128]{1,0} fusion(%x, %slice), kind=kCustom, calls=%gemm_computation, metadata={op_name="the projection"}
+  %agd = bf16[64,64]{1,0} all-gather-done(%ag)
+  %upd = bf16[4,32,128]{2,1,0} fusion(%acc, %gemm, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[4,64,128]{2,1,0}, bf16[32,64]{1,0}, bf16[4,32,128]{2,1,0}) tuple(%next, %w, %x, %upd)
+}
+
+%cond (c: (s32[], bf16[4,64,128], bf16[32,64], bf16[4,32,128])) -> pred[] {
+  %c = (s32[], bf16[4,64,128]{2,1,0}, bf16[32,64]{1,0}, bf16[4,32,128]{2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (w: bf16[4,64,128], x: bf16[32,64], acc: bf16[4,32,128], q: bf16[2,256,4,64], k: bf16[2,256,4,64], v: bf16[2,256,4,64], g: f32[1024]) -> f32[1024] {
+  %w = bf16[4,64,128]{2,1,0} parameter(0)
+  %x = bf16[32,64]{1,0} parameter(1)
+  %acc = bf16[4,32,128]{2,1,0} parameter(2)
+  %q = bf16[2,256,4,64]{3,2,1,0} parameter(3)
+  %k = bf16[2,256,4,64]{3,2,1,0} parameter(4)
+  %v = bf16[2,256,4,64]{3,2,1,0} parameter(5)
+  %g = f32[1024]{0} parameter(6)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,64,128]{2,1,0}, bf16[32,64]{1,0}, bf16[4,32,128]{2,1,0}) tuple(%zero, %w, %x, %acc)
+  %loop = (s32[], bf16[4,64,128]{2,1,0}, bf16[32,64]{1,0}, bf16[4,32,128]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %fwd = (bf16[2,4,256,64]{3,1,2,0}, f32[2,4,256]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","4","256","256"]},"mask_type":"CAUSAL","bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}}}
+  %bwd = (bf16[2,256,4,64]{3,2,1,0}, bf16[2,256,4,64]{3,2,1,0}, bf16[2,256,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["2","4","256","256"]},"mask_type":"NO_MASK","bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}}}
+  %mm = (f32[32,32]{1,0}, s8[1024]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %ar = f32[1024]{0} all-reduce-start(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  ROOT %ard = f32[1024]{0} all-reduce-done(%ar)
+}
+"""
+
+
+def test_a_hand_counted_module():
+    module = hlo.Module(MODULE)
+    assert module.runs["body"] == 4 and module.unknown_trip_counts == 0
+    kernels = {k.name: k for k in roofline.kernels(module, roofline.H100, 8)}
+    # the loop's kernels (its counter's add and compare included) run 4 times, the entry's once
+    assert set(kernels) == {"ag", "slice", "gemm", "upd", "next", "lt", "fwd", "bwd", "mm", "ar"}
+    assert {k.name for k in kernels.values() if k.runs == 4} == {"ag", "slice", "gemm", "upd", "next", "lt"}
+
+    # the slice reads one layer's weight (not the stacked four) and its index, and writes the layer
+    assert kernels["slice"].bytes == 2 * 64 * 128 * 2 + 4
+    assert kernels["slice"].kind == "loop fusion" and kernels["slice"].flops == 0
+    # the GEMM: 2 M N K, reads both operands, writes its result; bound by bytes at this size
+    gemm = kernels["gemm"]
+    assert (gemm.kind, gemm.flops, gemm.dtype) == ("gemm", 2 * 32 * 128 * 64, "bf16")
+    assert gemm.bytes == (32 * 64 + 64 * 128 + 32 * 128) * 2
+    assert gemm.seconds == max(gemm.flops / 989e12, gemm.bytes / 3.35e12)
+    # the in-place update reads and writes the update only, not the stacked buffer
+    assert kernels["upd"].bytes == 2 * 32 * 128 * 2 + 4
+    # cuDNN attention: 4 B H T S D, halved when causal; the backward 2.5 times the forward
+    full = 4 * 2 * 4 * 256 * 256 * 64
+    assert (kernels["fwd"].kind, kernels["fwd"].flops, kernels["fwd"].full_attention_flops) == ("attention", full / 2, full)
+    assert (kernels["bwd"].kind, kernels["bwd"].flops) == ("attention backward", 2.5 * full)
+    # cuBLAS: contracting dimension 1 of a [32, 64] operand, a [32, 32] result (the workspace left out)
+    assert (kernels["mm"].kind, kernels["mm"].flops) == ("gemm", 2 * 32 * 32 * 64)
+
+    # the all-gather sends 7/8 of its [64, 64] result over NVLink, overlapped by the two kernels
+    # scheduled between its start and done; the synchronous all-reduce is all exposed
+    ag = kernels["ag"]
+    assert ag.kind == "all-gather" and ag.comm_bytes == 7 / 8 * 64 * 64 * 2
+    assert ag.seconds == ag.comm_bytes / 450e9
+    assert ag.exposed_seconds == pytest.approx(max(0.0, ag.seconds - kernels["slice"].seconds - gemm.seconds))
+    ar = kernels["ar"]
+    assert ar.comm_bytes == 2 * 7 / 8 * 1024 * 4 and ar.exposed_seconds == ar.seconds
+
+    summary = roofline.summarize(list(kernels.values()), roofline.H100, model_flops_per_device=1e9)
+    compute = [k for k in kernels.values() if k.kind not in hlo.COLLECTIVES]
+    assert summary["compute_seconds"] == pytest.approx(sum(k.seconds * k.runs for k in compute))
+    exposed = ag.exposed_seconds * 4 + ar.seconds
+    assert summary["step_seconds"] == pytest.approx(summary["compute_seconds"] + exposed)
+    assert summary["roofline_mfu"] == pytest.approx(1e9 / 989e12 / summary["step_seconds"])
+    assert summary["matmul_flops"] == 4 * gemm.flops + full / 2 + 2.5 * full + kernels["mm"].flops
+    assert summary["attention_recompute_flops"] == 0.5 * full
+    assert "the projection" in roofline.format_summary(summary)
+
+
+def test_a_target_without_its_compiler_is_one_line(tmp_path):
+    """In an environment without the CUDA plugin (the default install), --target says how to get it."""
+    if (pathlib.Path(sys.executable).parent / ".." / "lib").resolve() == (H100_PYTHON.parent / ".." / "lib").resolve():
+        pytest.skip("this is the H100 environment")
+    result = subprocess.run([sys.executable, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=h100",
+                             "--devices=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "make h100-env" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_h100_program_counts_the_models_flops_and_fits(devices):
+    """The tiny recipe compiled for H100s: cuDNN attention, memory from the target, the program's
+    matmuls equal to the model's count plus the scores cuDNN's backward recomputes; on 8 devices
+    the FSDP collectives are there and their bytes counted."""
+    result = subprocess.run([str(H100_PYTHON), "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=h100",
+                             f"--devices={devices}", "--config.optim.micro_batches=0", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    compiled, r = report["compiled"], report["compiled"]["roofline"]
+    assert compiled["platform"] == "gpu" and compiled["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert compiled["attention"] == "cudnn" and report["micro_batches"] == 1  # the target's 80 GB decided
+    assert report["device_memory_bytes"] == roofline.H100.memory_bytes and r["unknown_trip_counts"] == 0
+    assert {"gemm", "attention", "attention backward"} <= set(r["by_kind"])
+    assert r["matmul_flops"] - r["attention_recompute_flops"] == pytest.approx(r["model_flops"], rel=1e-9)
+    assert 0 < r["roofline_mfu"] < 1
+    if devices == 8:
+        assert r["by_kind"]["all-gather"]["bytes"] > 0 and r["communication_seconds"] > 0
