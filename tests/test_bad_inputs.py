@@ -528,7 +528,11 @@ VARIANTS = {
     "init-from-contradicting-flag", "launcher-env-not-a-number", "eval-config-not-json", "eval-no-tokenizer",
     "eval-newest-truncated", "eval-unknown-split", "eval-tasks-no-choices", "eval-output-unwritable",
     "generate-no-new-tokens", "generate-prompts-file-missing", "prepare-output-is-a-file",
-    "tokenizer-encode-missing-model", "tokenizer-decode-out-of-range", "plan-no-devices",
+    "tokenizer-encode-missing-model", "tokenizer-decode-out-of-range", "plan-no-devices", "unknown-format",
+    "linked-keys-contradict", "tokenizer-vocab-too-large", "prepare-chat-tokenizer-without-template",
+    "eval-chat-file-bad-row", "init-from-tokenizer-vocab", "process-id-out-of-range", "eval-corpus-empty", "eval-dtype",
+    "generate-param-dtype", "prepare-tokenizer-missing", "tokenizer-vocab-too-small", "eval-config-edited",
+    "generate-negative-temperature",
 }
 CASES = [dataclasses.replace(c, slow=True) if c.name in VARIANTS else c for c in CASES]
 

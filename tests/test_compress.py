@@ -320,6 +320,7 @@ def test_an_imported_run_needs_a_calibration_corpus(facts_run, tmp_path):
     assert report["after"]["device_bytes"] < report["before"]["device_bytes"]
 
 
+@pytest.mark.slow  # the layer-output comparison with round to nearest: tests/test_gptq.py
 def test_gptq_loses_less_than_round_to_nearest_on_the_trained_model(facts_run, tmp_path):
     """3 bits in groups of 16 on 8 devices, calibrated layer by layer on the run's own training split:
     GPTQ's validation loss rises by less than round to nearest's (measured 0.0010 against 0.0050)."""

@@ -355,7 +355,8 @@ def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_pa
     assert sorted(p.name for p in (imported / "checkpoints").iterdir()) == ["0"]
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_lora_run_exports_merged_and_as_a_peft_adapter(models, arch, tmp_path):
     """LoRA on every projection (one with its own rank) of an imported model, trained a few steps:
     merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter, `peft` on the

@@ -425,6 +425,7 @@ def test_the_tokenizer_command_encodes_and_decodes_with_a_tokenizer_json(made, c
     assert capsys.readouterr().out == "héllo 😀\n"
 
 
+@pytest.mark.slow
 def test_a_run_trained_with_a_tokenizer_json_is_loaded_with_it(made, tmp_path):
     """Train a few steps with data.tokenizer_path=<tokenizer.json> (prepared corpus, so the prepared
     cache holds it too), then load the run for inference: its tokenizer is the same HF tokenizer."""

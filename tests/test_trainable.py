@@ -33,7 +33,8 @@ def _flat(tree):
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 2, 1), 1), pytest.param((2, 2, 2), 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 2, 1), 1), ((2, 2, 2), 2)])
 def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh_shape, micro_batches):
     _, before, full, _ = _step("", mesh_shape, micro_batches)
     model_spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)
