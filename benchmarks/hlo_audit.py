@@ -40,7 +40,6 @@ import re
 import sys
 import time
 
-from jaxlm.hlo import CALLS as _CALLS
 from jaxlm.hlo import COLLECTIVES, Module, shape_bytes
 from jaxlm.hlo import dims_attr as _dims
 from jaxlm.hlo import dtype_dims as _dtype_dims
@@ -116,7 +115,7 @@ def matmul_report(dots: list[dict]) -> dict:
 
 def _fused_body(module: Module, inst: dict) -> tuple[list[dict], dict | None]:
     """A fusion's fused computation and its root instruction."""
-    callee = next((c for k, c in _CALLS.findall(inst["attrs"]) if k == "calls"), None)
+    callee = module.callee(inst)
     body = module.computations.get(callee, [])
     return body, next((i for i in body if i["root"]), None)
 

@@ -136,7 +136,6 @@ class Module:
     for lowered ones (the constant a scan's condition compares its counter with)."""
 
     def __init__(self, text: str, trip_counts_from: str = "backend_config"):
-        self.text = text
         self.computations: dict[str, list[dict]] = {}
         self.shapes: dict[str, str] = {}
         self.entry = None
@@ -218,10 +217,10 @@ class Module:
         for insts in self.computations.values():
             yield from insts
 
-    def called(self, inst: dict, kind: str = "calls") -> list[dict]:
-        """The instructions of the computation an instruction calls (a fusion's body: kind "calls")."""
-        callee = next((c for k, c in CALLS.findall(inst["attrs"]) if k == kind), None)
-        return self.computations.get(callee, [])
+    @staticmethod
+    def callee(inst: dict, kind: str = "calls") -> str | None:
+        """The computation an instruction calls as `kind` (a fusion's body: "calls"), None if none."""
+        return next((c for k, c in CALLS.findall(inst["attrs"]) if k == kind), None)
 
     def source(self, attrs: str) -> str:
         """The innermost frame in this repository's own code (not site-packages) that made an op."""

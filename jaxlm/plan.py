@@ -123,12 +123,11 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
         "num_devices": len(devices), "attention": setup.model_cfg.attention, "compile_s": round(seconds, 2),
     }
     if target is not None:
-        tokens = cfg.data.global_batch_size * cfg.data.seq_len
+        tokens = setup.derived.tokens_per_step
         model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
         module = hlo.Module(compiled.as_text())
         out["roofline"] = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
         out["roofline"]["unknown_trip_counts"] = module.unknown_trip_counts
-        out["platform"] = "gpu" if target.platform == "cuda" else target.platform
     return out
 
 

@@ -169,8 +169,7 @@ def control_computations(module: hlo.Module) -> set[str]:
         out.add(name)
         for inst in module.computations[name]:
             if inst["op"] in ("while", "conditional", "call", "async-start"):
-                todo += [c for k, c in hlo.CALLS.findall(inst["attrs"]) if k in ("body", "condition", "to_apply", "calls",
-                                                                                  "true_computation", "false_computation")]
+                todo += [callee for _, callee in hlo.CALLS.findall(inst["attrs"])]
                 for group in hlo.BRANCHES.findall(inst["attrs"]):
                     todo += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
     return out
@@ -191,7 +190,7 @@ def _fused_dots(module: hlo.Module, computation: str, seen: frozenset = frozense
         if inst["op"] == "dot":
             out.append((inst, dot_flops(module, inst)))
         elif inst["op"] == "fusion":
-            callee = next((c for k, c in hlo.CALLS.findall(inst["attrs"]) if k == "calls"), None)
+            callee = module.callee(inst)
             if callee and callee not in seen:
                 out += _fused_dots(module, callee, seen | {computation})
     return out
@@ -209,7 +208,7 @@ def _cublas(module: hlo.Module, inst: dict) -> tuple[float, str]:
     return 2.0 * math.prod(res) * contracted, lhs_t
 
 
-def _cudnn_attention(module: hlo.Module, inst: dict) -> tuple[float, float, str]:
+def _cudnn_attention(module: hlo.Module, inst: dict, backward: bool) -> tuple[float, float, str]:
     """A cuDNN attention call's flops as computed (causal: half the square), its full-square flops,
     and its dtype. The forward does two matmuls of B·H·T·S·D, the backward five."""
     config = _json_config(inst["attrs"]).get("cudnn_fmha_backend_config", {})
@@ -220,7 +219,7 @@ def _cudnn_attention(module: hlo.Module, inst: dict) -> tuple[float, float, str]
     if len(bhts) != 4:
         return 0.0, 0.0, q_t
     full = 2 * 2.0 * math.prod(bhts) * head_dim
-    if "Backward" in inst["attrs"].split("custom_call_target=", 1)[-1].split(",", 1)[0]:
+    if backward:
         full *= 2.5
     causal = config.get("mask_type", "") == "CAUSAL"
     return (full / 2 if causal else full), full, q_t
@@ -252,7 +251,7 @@ def _read_through(module: hlo.Module, insts: list[dict], name: str, full: float,
         elif user["op"] in ("bitcast", "reshape"):
             total += _read_through(module, insts, user["name"], full, depth)
         elif user["op"] == "fusion":
-            callee = next((c for k, c in hlo.CALLS.findall(user["attrs"]) if k == "calls"), None)
+            callee = module.callee(user)
             total += _param_read_bytes(module, callee, position, full, depth + 1) if callee else full
         else:
             return full
@@ -262,7 +261,7 @@ def _read_through(module: hlo.Module, insts: list[dict], name: str, full: float,
 def _written_bytes(module: hlo.Module, inst: dict) -> float:
     """Bytes a fusion writes: its result, except that an in-place dynamic-update-slice writes only
     its update."""
-    callee = next((c for k, c in hlo.CALLS.findall(inst["attrs"]) if k == "calls"), None)
+    callee = module.callee(inst)
     body = {i["name"]: i for i in module.computations.get(callee, [])}
     root = next((i for i in body.values() if i["root"]), None)
     if root is None:
@@ -327,7 +326,7 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                 continue
             operand_bytes = [hlo.shape_bytes(module.shapes.get(o, "")) for o in inst["operands"]]
             if op == "fusion":
-                callee = next((c for k, c in hlo.CALLS.findall(inst["attrs"]) if k == "calls"), None)
+                callee = module.callee(inst)
                 dots = _fused_dots(module, callee) if callee else []
                 kernel.kind = "gemm" if dots else _fusion_kind(inst, config)
                 kernel.flops = sum(f for _, f in dots)
@@ -342,7 +341,8 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.flops, kernel.dtype = _cublas(module, inst)
                 elif "cudnn$fmha" in call:
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
-                    kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst)
+                    kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
+                                                                                          "Backward" in call)
                 else:
                     kernel.kind = f"custom call ({call})"
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
