@@ -209,8 +209,9 @@ def base_config() -> ml_collections.ConfigDict:
     # projections as a compressed run stores it, how the command makes it, and the same in training
     # (quantization-aware training, gradual pruning).
     c.compress = dict(
-        # comma-separated projection names or shell patterns (wq, w_*, unembed); "blocks" = every projection
-        # of the blocks (the embedding and the unembedding stay in full precision unless named)
+        # comma-separated weight names or shell patterns (wq, w_*, unembed, embed); "blocks" = every projection
+        # of the blocks (the embedding and the unembedding stay in full precision unless named; the embedding,
+        # a lookup table, is quantized by round to nearest along its width and never pruned)
         targets="blocks",
         quantize="",  # "" (off) | int8 | int4 | int3 | nf4: the targets' kernels as packed integer codes + scales
         group=128,  # values per scale along each kernel's last input axis; 0 = one scale per output channel

@@ -312,21 +312,39 @@ def dequantize(leaves: dict[str, jax.Array], spec: QuantSpec, axis: int, dtype=j
 # ----------------------------------------------------------------------------- a model's parameters
 
 
+# The float weights that may be stored quantized, by their leaf names: a projection's `kernel`, the
+# token embedding's `embedding`; their quantized leaves are `<weight>_q`, `<weight>_scale`, ...
+WEIGHTS = ("kernel", "embedding")
+
+
+def quantized_leaf_of(key: Any) -> tuple[str, str] | None:
+    """(the weight, the quantized key) a leaf's name stands for (`kernel_q` -> ('kernel', 'q'),
+    `embedding_scale` -> ('embedding', 'scale')), None for any other leaf."""
+    if not isinstance(key, str):
+        return None
+    for weight in WEIGHTS:
+        rest = key[len(weight) + 1:]
+        if key.startswith(weight + "_") and rest in KEYS + ZERO_KEYS + DOUBLE_KEYS:
+            return weight, rest
+    return None
+
+
 def is_quantized_leaf(key: Any) -> bool:
-    """A leaf of a quantized weight in a params tree (`kernel_q`, `kernel_scale`, ...)."""
-    return isinstance(key, str) and key.startswith("kernel_") and key[len("kernel_"):] in KEYS + ZERO_KEYS + DOUBLE_KEYS
+    """A leaf of a quantized weight in a params tree (`kernel_q`, `kernel_scale`, `embedding_q`, ...)."""
+    return quantized_leaf_of(key) is not None
 
 
 def weights_per_element(key: Any, bits: int = 4) -> float:
-    """How many of the model's weights one element of the leaf named `key` holds: 8 / `bits` in a packed
-    `kernel_q` (2 at 4 bits), none in a quantized weight's scales or a pruning mask, 1 in any other
-    parameter (how `count` and `transformer.param_count` count a compressed model: by the weights it
-    stands for)."""
+    """How many of the model's weights one element of the leaf named `key` holds: 8 / `bits` in packed
+    codes (`kernel_q`, `embedding_q`: 2 at 4 bits), none in a quantized weight's scales or a pruning
+    mask, 1 in any other parameter (how `count` and `transformer.param_count` count a compressed model:
+    by the weights it stands for)."""
     if key == "kernel_mask":  # a pruning mask (jaxlm.compress.prune): no weights of its own
         return 0
-    if not is_quantized_leaf(key):
+    found = quantized_leaf_of(key)
+    if found is None:
         return 1
-    return 8 / bits if key == "kernel_q" else 0
+    return 8 / bits if found[1] == "q" else 0
 
 
 def count(tree, bits: int = 4) -> int:

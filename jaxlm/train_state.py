@@ -208,7 +208,7 @@ def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> 
             devices = math.prod(mesh.shape[a] for a in axes)
             if size % devices:
                 where = ".".join(str(getattr(k, "key", k)) for k in path)
-                packed = ": packed integer codes" if where.endswith(".kernel_q") else ""
+                packed = ": packed integer codes" if where.endswith(("kernel_q", "embedding_q")) else ""
                 raise UserError(
                     f"parameter {where}: its {name!r} dimension ({size}{packed}) does not split over mesh "
                     f"{'x'.join(axes)}={devices}; change config.mesh, config.mesh.rules.{name}, or the model size"

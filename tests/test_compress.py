@@ -164,7 +164,8 @@ def int4_run(facts_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("compressed")
     tasks = root / "likes.jsonl"
     tasks.write_text("".join(json.dumps(line) + "\n" for line in task_lines()))
-    report = cli.compress_run(facts_run, root / "int4", [("compress.quantize", "int4"), ("compress.group", "32")],
+    report = cli.compress_run(facts_run, root / "int4", [("compress.quantize", "int4"), ("compress.group", "32"),
+                                                         ("compress.targets", "blocks,embed")],
                               gen_tokens=4, tasks=[str(tasks)])
     return root / "int4", report
 
@@ -201,6 +202,19 @@ def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(fac
         source.params["blocks"]["mlp"]["w_up"]["kernel"])
     stored = {k[len("kernel_"):]: v for k, v in run.params["blocks"]["mlp"]["w_up"].items()}
     np.testing.assert_array_equal(jax.vmap(lambda x: quant.dequantize(x, spec, 0))(stored), w)
+    # the embedding, named in the targets: 4-bit codes grouped along its width, round to nearest; a lookup
+    # dequantizes the rows it gathers, which are the table's rows
+    embed = run.params["embed"]
+    assert set(embed) == {"embedding_q", "embedding_scale"} and embed["embedding_q"].shape == (300, 32)
+    table = quant.dequantize({k[len("embedding_"):]: v for k, v in embed.items()}, spec, 1)
+    table_source = source.params["embed"]["embedding"]
+    np.testing.assert_array_equal(table, quant.dequantize(quant.quantize(table_source, spec, 1), spec, 1))
+    assert 0 < float(jnp.max(jnp.abs(table - table_source))) <= quant.error_bound(spec) * float(
+        jnp.max(jnp.abs(table_source)))
+    model = nnx.merge(run.model_spec.graphdef, run.params)
+    ids = jnp.array([[3, 0, 299, 17]])
+    np.testing.assert_array_equal(model.embed(ids), jnp.take(table.astype(model.embed.dtype), ids, axis=0))
+    assert report["targets"] == ["embed", "w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]
 
 
 def test_a_compressed_run_exports_the_weights_it_computes_with(int4_run, tmp_path):
@@ -245,6 +259,22 @@ def test_a_pruned_run_fine_tunes_with_its_pruned_weights_exactly_zero(facts_run,
         kernel = np.asarray(new["kernel"])
         assert np.all(kernel[~np.asarray(old["kernel_mask"])] == 0)  # pruned: exactly zero after training
         assert not np.array_equal(kernel, np.asarray(old["kernel"]))  # the rest trained
+    # stopped at step 4 and run on to 6: it resumes from its own checkpoint (masks, kernels, moments), and
+    # the pruned weights stay zero through the resumed steps
+    result = _train(finetune_args(tmp_path, pruned, "tuned", steps=6))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from step 4" in result.stdout + result.stderr
+    resumed = inference.load_run(tmp_path / "tuned")
+    assert resumed.step == 6
+    records = [json.loads(line) for line in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step trained once
+    for name, module in (("mlp", "w_down"), ("attn", "wq")):
+        mask = np.asarray(before.params["blocks"][name][module]["kernel_mask"])
+        new = resumed.params["blocks"][name][module]
+        np.testing.assert_array_equal(new["kernel_mask"], mask)
+        kernel = np.asarray(new["kernel"])
+        assert np.all(kernel[~mask] == 0)
+        assert not np.array_equal(kernel, np.asarray(tuned.params["blocks"][name][module]["kernel"]))
 
 
 @pytest.mark.slow
@@ -252,7 +282,8 @@ def test_quantization_aware_training_compresses_into_the_model_it_trained(facts_
     from tiny_run import finetune_args
 
     result = _train(finetune_args(tmp_path, facts_run, "qat", "--config.compress.quantize=int4",
-                                  "--config.compress.group=16", "--config.compress.qat=true", steps=4))
+                                  "--config.compress.group=16", "--config.compress.qat=true",
+                                  "--config.compress.targets=blocks,embed", steps=4))
     assert result.returncode == 0, result.stderr[-3000:]
     qat = inference.load_run(tmp_path / "qat", dtype="float32")
     assert qat.params["blocks"]["attn"]["wq"]["kernel"].dtype == jnp.float32  # trains float kernels
@@ -260,6 +291,7 @@ def test_quantization_aware_training_compresses_into_the_model_it_trained(facts_
     assert report["compress"]["qat"] is False and report["compress"]["method"] == "rtn"
     real = inference.load_run(tmp_path / "int4", dtype="float32")
     assert real.params["blocks"]["attn"]["wq"]["kernel_q"].dtype == jnp.uint8
+    assert real.params["embed"]["embedding_q"].dtype == jnp.uint8  # the embedding trained fake-quantized too
     tokens = np.array([[1, 5, 9, 20, 33, 7]], np.int32)
     np.testing.assert_allclose(_logits(real, tokens), _logits(qat, tokens), atol=1e-5, rtol=0)
     # and the fake quantization mattered: the float kernels alone compute another function
@@ -294,6 +326,8 @@ def test_bad_settings_stop_in_one_line(facts_run, tmp_path):
         ([("compress.quantize", "int4"), ("compress.group", "48")], "does not divide"),
         ([("compress.sparsity", "1.0")], "a fraction in [0, 1)"),
         ([("compress.sparsity", "0.3"), ("compress.pattern", "2:4")], "0.5 with compress.pattern=2:4"),
+        ([("compress.sparsity", "0.5"), ("compress.targets", "blocks,embed")], "can be quantized, not pruned"),
+        ([("compress.quantize", "int4"), ("compress.targets", "w_nope")], "'w_nope' matches no weight"),
         ([], "nothing to compress"),
         ([("model.d_model", "32")], "compress.* keys only"),
     ]
@@ -340,7 +374,9 @@ def test_a_compressed_model_counts_the_weights_it_stands_for():
     from jaxlm.models import transformer
 
     for fields in (dict(prune_targets=("wq", "w_up")), dict(quantize="int3", quant_group=16, quant_targets=("wq", "wo")),
-                   dict(quantize="int8", quant_group=0, quant_targets=("w_down",), prune_targets=("w_down",))):
+                   dict(quantize="int8", quant_group=0, quant_targets=("w_down",), prune_targets=("w_down",)),
+                   dict(quantize="int4", quant_group=16, quant_targets=("embed", "wv")),
+                   dict(quantize="int4", quant_group=16, quant_targets=("embed",), tie_embeddings=True)):
         cfg = small_config(**fields)
         params = jax.eval_shape(lambda c=cfg: nnx.to_pure_dict(nnx.state(train_state.build_model(c))))
         bits = cfg.quant.bits if cfg.quant else 4

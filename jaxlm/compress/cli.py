@@ -245,8 +245,9 @@ def format_report(r: dict[str, Any]) -> str:
     co = r["compress"]
     what = []
     if co["quantize"]:
+        method = co["method"] + (", embed by rtn" if co["method"] != "rtn" and "embed" in r["targets"] else "")
         what.append(f"{co['quantize']} ({'symmetric' if co['symmetric'] else 'asymmetric'}, group "
-                    f"{co['group'] or 'per channel'}, {co['method']})")
+                    f"{co['group'] or 'per channel'}, {method})")
     if co["sparsity"] > 0:
         what.append(f"{co['sparsity']:.0%} pruned ({co['criterion']}, {co['pattern']}, {co['scope']})")
     rows = [("parameters", b["parameters"], a["parameters"], ",d"),

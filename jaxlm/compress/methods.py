@@ -45,7 +45,7 @@ class Target:
     """One compressed projection of the model, as its parameters are laid out."""
 
     path: tuple  # its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 3, 'attn', 'wq'), ('unembed',)
-    name: str  # wq, w_down, unembed
+    name: str  # wq, w_down, unembed, embed (the token embedding: round to nearest, never pruned)
     kernel_shape: tuple  # one layer's kernel
     n_in: int  # its leading input dimensions
     axis: int  # its grouped axis (the last input one)
@@ -69,6 +69,9 @@ def targets(out_cfg: transformer.ModelConfig) -> list[Target]:
         stacked = out_cfg.scan_layers and path[0] == "blocks"
         out.append(Target(path=tuple(path), name=name, kernel_shape=projection.kernel_shape,
                           n_in=len(projection.in_axes), axis=projection.quant_axis, stacked=stacked))
+    if "embed" in out_cfg.quant_targets:  # the token embedding [vocab, width], grouped along its width
+        out.append(Target(path=("embed",), name="embed", kernel_shape=(out_cfg.vocab_size, out_cfg.d_model), n_in=1,
+                          axis=layers.Embed.quant_axis, stacked=False))
     return out
 
 
@@ -201,7 +204,13 @@ def compress_params(params: dict, cfg: transformer.ModelConfig, out_cfg: transfo
         node = _node(out, path)
         node.pop("kernel")
         node.update({k: jnp.stack([leaves[k] for leaves in stacked]) for k in stacked[0]})
-    for t in (t for t in found if not t.in_block):  # the unembedding, when named
+    for t in (t for t in found if not t.in_block and t.name == "embed"):
+        # A lookup table: each row is used as it is stored (no input to weigh errors by), so round to
+        # nearest along the width, whatever compress.method says; never pruned (transformer.with_compress).
+        node = _node(out, t.path)
+        stored = quant.quantize(node.pop("embedding"), s.quantize, t.axis)
+        node.update({f"embedding_{k}": v for k, v in stored.items()})
+    for t in (t for t in found if not t.in_block and t.name != "embed"):  # the unembedding, when named
         node = _node(out, t.path)
         hessian = runner.final_inputs(xs) if runner else None
         _, leaves = _compress_matrix(node["kernel"], hessian, t, s, threshold)

@@ -414,17 +414,47 @@ class GeluMLP(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding; `attend` is the tied unembedding, with a projection's hooks (`weight`, `einsum_op`)."""
+    """Token embedding [vocab, dim]; `attend` is the tied unembedding, with a projection's hooks (`weight`,
+    `einsum_op`).
+
+    With `quant` (a compressed model whose `compress.targets` name `embed`), the table is stored as
+    integer codes grouped along its width (`quant_axis`, the axis the tied unembedding contracts):
+    `embedding_q` (uint8, packed), `embedding_scale` (and `embedding_zero`), `QuantizedParam`s, never
+    trained. A lookup gathers its rows' codes and scales and dequantizes those rows alone; the tied
+    unembedding dequantizes the whole table, like a projection. With `qat`, the float table trains and
+    both uses see it fake-quantized."""
+
+    quant_axis = 1
 
     def __init__(self, vocab_size: int, dim: int, *, init_std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 einsum_op: EinsumOp = jnp.einsum):
-        self.dtype, self.einsum_op = dtype, einsum_op
-        self.embedding = make_param(rngs, normal(init_std), (vocab_size, dim), ("vocab", "embed"), param_dtype)
+                 einsum_op: EinsumOp = jnp.einsum, quant: quant_lib.QuantSpec | None = None,
+                 qat: quant_lib.QuantSpec | None = None):
+        self.dtype, self.einsum_op, self.quant, self.qat = dtype, einsum_op, quant, qat
+        names = ("vocab", "embed")
+        table = make_param(rngs, normal(init_std), (vocab_size, dim), names, param_dtype)
+        if quant is None:
+            self.embedding = table
+        else:  # a fresh model's random table quantized (`quantized.quantize_params` does it for loaded ones)
+            for key, value in quant_lib.quantize(table[...], quant, self.quant_axis).items():
+                leaf_names = {"q": names, "scale": ("vocab", None), "zero": ("vocab", None)}.get(key, (None,))
+                setattr(self, f"embedding_{key}", QuantizedParam(value, out_sharding=leaf_names, decay=False,
+                                                                 eager_sharding=False))
+
+    def _leaves(self) -> dict[str, jax.Array]:
+        return {key: getattr(self, f"embedding_{key}")[...] for key in self.quant.keys}
 
     def weight(self) -> jax.Array:
+        """The table in the compute dtype: cast, dequantized, or fake-quantized (QAT)."""
+        if self.quant is not None:
+            return quant_lib.dequantize(self._leaves(), self.quant, self.quant_axis, self.dtype)
+        if self.qat is not None:
+            return quant_lib.fake_quantize(self.embedding[...], self.qat, self.quant_axis).astype(self.dtype)
         return self.embedding[...].astype(self.dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.quant is not None and not self.quant.double:  # the rows' codes, then those rows dequantized
+            rows = {key: jnp.take(constrain(leaf, (None, None)), ids, axis=0) for key, leaf in self._leaves().items()}
+            return quant_lib.dequantize(rows, self.quant, -1, self.dtype)
         # Gather from the whole table in the compute dtype, as FSDP gathers every weight before use:
         # a gather from a vocab- and fsdp-sharded table makes XLA replicate it the slow way.
         return jnp.take(gathered(self.weight()), ids, axis=0)

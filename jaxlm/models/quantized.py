@@ -18,19 +18,24 @@ from jaxlm.quant import dequantize, quantize
 class Site:
     """One quantized projection of a model, as its parameters are laid out."""
 
-    path: tuple  # of its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 0, 'mlp', 'w_down')
+    path: tuple  # of its module in the params tree: ('blocks', 'attn', 'wq'), ('blocks', 0, 'mlp', 'w_down'), ('embed',)
     axis: int  # the grouped axis of one layer's kernel
     stacked: bool  # its leaves carry a leading layers axis (scanned blocks)
+    weight: str = "kernel"  # the float leaf its quantized leaves (`<weight>_q`, ...) replace: kernel | embedding
 
 
 @functools.lru_cache(maxsize=16)
 def sites(cfg) -> tuple[Site, ...]:
-    """Every quantized projection of the model `cfg` (a `transformer.ModelConfig`) describes."""
+    """Every quantized weight of the model `cfg` (a `transformer.ModelConfig`) describes: its projections',
+    and the token embedding's where `compress.targets` named it."""
     out = []
-    for path, projection in layers.projections(transformer.abstract_model(cfg)):
+    model = transformer.abstract_model(cfg)
+    for path, projection in layers.projections(model):
         if projection.quant is not None:
             stacked = len(projection.base.shape) == len(projection.kernel_shape) + 1
             out.append(Site(path=tuple(path), axis=projection.quant_axis, stacked=stacked))
+    if model.embed.quant is not None:
+        out.append(Site(path=("embed",), axis=model.embed.quant_axis, stacked=False, weight="embedding"))
     return tuple(out)
 
 
@@ -52,22 +57,22 @@ def _copy_to(tree: dict, path: tuple) -> dict:
 
 def quantize_params(params: dict, cfg) -> dict:
     """The float parameters of the model `cfg` without quantization (`kernel` in each projection) ->
-    those of `cfg`: each quantized projection's kernel replaced by its leaves (`kernel_q`,
-    `kernel_scale`, ...), each layer of a stacked kernel quantized on its own. Jit it with the
+    those of `cfg`: each quantized weight replaced by its leaves (`kernel_q`, `kernel_scale`, ...;
+    `embedding_q`, ... for the token embedding), each layer of a stacked kernel quantized on its own. Jit it with the
     quantized model's shardings as `out_shardings` (as `init_from` does) to quantize in place, shard by shard."""
     spec = cfg.quant
     for site in sites(cfg):
         params = _copy_to(params, site.path)
         node = _node(params, site.path)
         fn = lambda w, axis=site.axis: quantize(w, spec, axis)  # noqa: E731
-        leaves = (jax.vmap(fn) if site.stacked else fn)(node.pop("kernel"))
-        node.update({f"kernel_{key}": value for key, value in leaves.items()})
+        leaves = (jax.vmap(fn) if site.stacked else fn)(node.pop(site.weight))
+        node.update({f"{site.weight}_{key}": value for key, value in leaves.items()})
     return params
 
 
 def dequantize_params(params: dict, cfg, dtype=None) -> dict:
-    """The inverse of `quantize_params` (up to the quantization error): each quantized projection's
-    leaves replaced by the `kernel` they stand for, in `dtype` (default the model's param_dtype).
+    """The inverse of `quantize_params` (up to the quantization error): each quantized weight's
+    leaves replaced by the `kernel` (or `embedding`) they stand for, in `dtype` (default the model's param_dtype).
     Unchanged when `cfg` quantizes nothing."""
     spec = cfg.quant
     if spec is None:
@@ -76,25 +81,27 @@ def dequantize_params(params: dict, cfg, dtype=None) -> dict:
     for site in sites(cfg):
         params = _copy_to(params, site.path)
         node = _node(params, site.path)
-        leaves = {key: node.pop(f"kernel_{key}") for key in spec.keys}
+        leaves = {key: node.pop(f"{site.weight}_{key}") for key in spec.keys}
         fn = lambda x, axis=site.axis: dequantize(x, spec, axis, dtype)  # noqa: E731
-        node["kernel"] = (jax.vmap(fn) if site.stacked else fn)(leaves)
+        node[site.weight] = (jax.vmap(fn) if site.stacked else fn)(leaves)
     return params
 
 
 def _fake_quantize_params(params: dict, cfg) -> dict:
-    """A QAT model's target kernels replaced by the weights its forward pass computes with."""
+    """A QAT model's target kernels (and embedding) replaced by the weights its forward pass computes with."""
     from jaxlm.quant import fake_quantize
 
     spec = cfg.quant_spec
-    for path, projection in layers.projections(transformer.abstract_model(cfg)):
-        if projection.qat is None:
-            continue
-        params = _copy_to(params, tuple(path))
-        node = _node(params, tuple(path))
-        stacked = len(node["kernel"].shape) == len(projection.kernel_shape) + 1
-        fn = lambda w, axis=projection.quant_axis: fake_quantize(w, spec, axis)  # noqa: E731
-        node["kernel"] = (jax.vmap(fn) if stacked else fn)(node["kernel"])
+    model = transformer.abstract_model(cfg)
+    found = [(tuple(path), "kernel", p.quant_axis, len(p.kernel_shape))
+             for path, p in layers.projections(model) if p.qat is not None]
+    if model.embed.qat is not None:
+        found.append((("embed",), "embedding", model.embed.quant_axis, 2))
+    for path, weight, axis, ndim in found:
+        params = _copy_to(params, path)
+        node = _node(params, path)
+        fn = lambda w, axis=axis: fake_quantize(w, spec, axis)  # noqa: E731
+        node[weight] = (jax.vmap(fn) if node[weight].ndim == ndim + 1 else fn)(node[weight])
     return params
 
 

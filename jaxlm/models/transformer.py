@@ -261,36 +261,38 @@ def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def check_quant_groups(cfg: ModelConfig, key: str) -> None:
-    """Each quantized projection's grouped axis (its kernel's last input axis) takes `cfg.quant_group`
-    values per scale: a shorter axis is one group, a longer one must be a multiple of it (UserError
-    naming the projection and the config `key` to change)."""
+    """Each quantized projection's grouped axis (its kernel's last input axis; the embedding's width)
+    takes `cfg.quant_group` values per scale: a shorter axis is one group, a longer one must be a
+    multiple of it (UserError naming the weight and the config `key` to change)."""
     spec = cfg.quant_spec
-    for path, projection in layers.projections(abstract_model(_plain(cfg))):
-        if path[-1] not in cfg.quant_targets:
-            continue
-        axis = projection.quant_axis
-        size, name = projection.kernel_shape[axis], projection.kernel_names[axis]
+    axes = [(f"projection {path[-1]}", p.kernel_shape[p.quant_axis], p.kernel_names[p.quant_axis])
+            for path, p in layers.projections(abstract_model(_plain(cfg))) if path[-1] in cfg.quant_targets]
+    if "embed" in cfg.quant_targets:
+        axes.append(("the token embedding (embed)", cfg.d_model, "embed"))
+    for weight, size, name in axes:
         try:
             quant_lib.group_size(spec, size)
         except ValueError as e:
-            raise UserError(f"{key}={cfg.quant_group}: projection {path[-1]} is grouped along its {name!r} axis "
+            raise UserError(f"{key}={cfg.quant_group}: {weight} is grouped along its {name!r} axis "
                             f"and {e} ({spec.format}); use a group that divides {size} (or is larger than it, or 0: "
                             f"one group per row)") from None
 
 
 def resolve_targets(cfg: ModelConfig, text: str, key: str) -> tuple[str, ...]:
-    """Projection names from comma-separated names or shell patterns (`w_*`); "blocks" = every projection
-    of the blocks (all but the unembedding). A pattern that matches none is a UserError naming `key`."""
-    names = projection_names(cfg)
+    """Weight names from comma-separated names or shell patterns (`w_*`): the projections' and `embed`
+    (the token embedding, quantized only); "blocks" = every projection of the blocks (all but the
+    embedding and the unembedding). A pattern that matches none is a UserError naming `key`."""
+    names = (*projection_names(cfg), "embed")
     out = []
     for pattern in (t.strip() for t in text.split(",") if t.strip()):
-        matched = [n for n in names if n != "unembed"] if pattern == "blocks" else fnmatch.filter(names, pattern)
+        matched = ([n for n in names if n not in ("embed", "unembed")] if pattern == "blocks"
+                   else fnmatch.filter(names, pattern))
         if not matched:
-            raise UserError(f"{key}={text!r}: {pattern!r} matches no projection of this model; its projections: "
-                            f"{', '.join(names)}, or 'blocks' (every one but unembed)")
+            raise UserError(f"{key}={text!r}: {pattern!r} matches no weight of this model; its weights: "
+                            f"{', '.join(names)}, or 'blocks' (every projection but unembed)")
         out += matched
     if not out:
-        raise UserError(f"{key}={text!r} names nothing; give projection names or patterns, e.g. 'blocks' or 'wq,w_*'")
+        raise UserError(f"{key}={text!r} names nothing; give weight names or patterns, e.g. 'blocks' or 'wq,w_*'")
     return tuple(sorted(dict.fromkeys(out)))
 
 
@@ -311,6 +313,10 @@ def with_compress(cfg: ModelConfig, c) -> ModelConfig:
         fields.update(quantize=quantize, quant_group=int(c["group"]), quant_symmetric=bool(c["symmetric"]),
                       double_quant=False, quant_targets=targets, qat=bool(c["qat"]))
     if sparsity > 0:
+        if "embed" in targets:
+            raise UserError(f"config.compress.targets={c['targets']!r} names embed with config.compress.sparsity="
+                            f"{sparsity:g}: the token embedding can be quantized, not pruned (a pruned row is a token "
+                            f"lost); leave embed out of the targets")
         fields["prune_targets"] = targets
     out = dataclasses.replace(cfg, **fields)
     if quantize:
@@ -368,7 +374,8 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = layers.Embed(
-            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
+            quant=cfg.quant_of("embed"), qat=cfg.qat_of("embed"),
         )
         if cfg.position == "learned":
             self.pos_embed = layers.make_param(
