@@ -148,9 +148,10 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
 
     acc_specs = jax.tree.map(acc_spec, model_spec.trainable_names, is_leaf=lambda x: isinstance(x, tuple))
     micro = jax.tree.map(split, batch)
+    compute = model_spec.cast_for_compute(params)  # once per step, not in every micro-batch
 
     def replica_grad(mb, mkey):
-        return grad_fn(params, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+        return grad_fn(compute, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
 
     def accumulate(carry, xs):
         mb, mkey = xs
@@ -240,11 +241,15 @@ def make_train_step(
             else:
                 micro = _split_micro(batch, micro_batches)
                 keys = jax.random.split(key, micro_batches) if dropout else None
+                # The weights the forward casts to the compute dtype, cast once per step: each micro-batch
+                # then slices and reads them in that dtype (half of float32's bytes in bfloat16); their
+                # gradients come in it, as before the cast's transpose, and add up in float32.
+                compute = model_spec.cast_for_compute(trainable)
 
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (loss, tokens), g = grad_fn(trainable, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+                    (loss, tokens), g = grad_fn(compute, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
                     return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, trainable)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
 from jaxlm.mesh import Rules, axes_of, extend_sharding, logical_to_spec
+from jaxlm.models import layers
 from jaxlm.models.layers import Frozen
 from jaxlm.models.transformer import ModelConfig, Transformer
 
@@ -46,6 +47,19 @@ class ModelSpec:
     logical_names: Any  # dict tree of tuples of logical axis names, like params
     trainable: Any  # dict tree of bools, like params: what the optimizer updates
     decay_mask: Any  # dict tree of bools, like the trainable part of params: what weight decay applies to
+    # dict tree like params: the compute dtype a leaf's forward use casts it to and nothing else (the
+    # projections' kernels, the embedding: `layers.cast_leaves`), None for the others
+    cast_dtypes: Any = None
+
+    def cast_for_compute(self, trainable):
+        """The trainable parameters with the `cast_dtypes` leaves cast to their compute dtype (the others
+        as they are): what a step with micro-batches differentiates, cast once per step rather than in
+        every micro-batch (the forward's own cast is then the identity; the gradients are the same)."""
+        if self.cast_dtypes is None:
+            return trainable
+        dtypes = self.split(self.cast_dtypes)[0]
+        return jax.tree.map(lambda x, dt: x if dt is None else x.astype(dt), trainable, dtypes,
+                            is_leaf=lambda x: x is None)
 
     def split(self, tree) -> tuple[Any, Any]:
         """A params-like tree -> (its trainable part, its frozen part), each a nested dict holding
@@ -124,19 +138,21 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-    names, decay, trains = {}, {}, {}
+    names, decay, trains, casts = {}, {}, {}, {}
+    cast = layers.cast_leaves(nnx.merge(graphdef, state))
     selected = trainable_filter(trainable)
     for path, var in nnx.to_flat_state(state):
         meta = var.get_metadata()
         _set_path(names, path, tuple(meta["out_sharding"]))
         _set_path(decay, path, bool(meta["decay"]))
+        _set_path(casts, path, cast.get(tuple(path)))
         frozen = isinstance(var, Frozen)  # quantized codes and scales, pruning masks: never trained
         _set_path(trains, path, not frozen and bool(selected("/".join(map(str, path)),
                                                              {c.__name__ for c in type(var).__mro__})))
     if not any(jax.tree.leaves(trains)):
         example = "/".join(map(str, next(iter(nnx.to_flat_state(state)))[0]))
         raise UserError(f"config.optim.trainable={trainable!r} matches no parameter (paths look like {example!r})")
-    model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay)
+    model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts)
     return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
 
 

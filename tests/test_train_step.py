@@ -305,3 +305,33 @@ def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(key))
         jax.tree.map(lambda a, b, key=key: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(key)),
                      params, ref_params)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 1, 1)])
+def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
+    """With micro-batches, the weights the forward only casts to bfloat16 are cast once per step
+    (`ModelSpec.cast_for_compute`), not in every micro-batch: the same losses, gradients and update,
+    on the plain and the replica-local accumulation paths."""
+    import dataclasses
+
+    model_cfg = small_config(dtype=jnp.bfloat16)
+    batch = random_batch(16, 32, 96, seed=4)
+    mesh, state, step, batch_sharding, model_spec, rules = _setup(mesh_shape, model_cfg, micro_batches=4)
+    trainable, _ = model_spec.split(state.params)
+    cast = model_spec.cast_for_compute(trainable)
+    assert cast["blocks"]["attn"]["wq"]["kernel"].dtype == jnp.bfloat16
+    assert cast["embed"]["embedding"].dtype == cast["unembed"]["kernel"].dtype == jnp.bfloat16
+    assert cast["blocks"]["attn_norm"]["scale"].dtype == jnp.float32  # the norms compute in float32
+    cfg = config.recipe("tiny")
+    tx, schedule = optim.make_optimizer(cfg.optim, 100, model_spec.decay_mask)
+    state2, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, seed=0)  # the step donates its state
+    uncast = dataclasses.replace(model_spec, cast_dtypes=None)
+    plain = steps.jit_train_step(steps.make_train_step(uncast, tx, schedule, micro_batches=4, rules=rules), shardings,
+                                 batch_sharding)
+    gbatch = _put(batch, batch_sharding)
+    with jax.set_mesh(mesh):
+        ours, m1 = jax.device_get(step(state, gbatch))
+        theirs, m2 = jax.device_get(plain(state2, gbatch))
+    for key in ("loss", "grad_norm"):
+        assert m1[key] == m2[key], key
+    jax.tree.map(np.testing.assert_array_equal, ours.params, theirs.params)

@@ -161,6 +161,16 @@ class Projection(nnx.Module):
             return quant_lib.fake_quantize(self.kernel[...], self.qat, self.quant_axis).astype(self.dtype)
         return self.kernel[...].astype(self.dtype)
 
+    def cast_leaves(self) -> dict[str, object]:
+        """The leaves whose forward use is a plain cast to the compute dtype, with that dtype: `kernel`
+        (not under QAT, whose fake quantization computes in float32, nor quantized) and the adapter's.
+        A train step with micro-batches casts these once per step (`steps.make_train_step`) instead of
+        in every micro-batch: the same weights, the same gradients."""
+        out = {} if self.quant is not None or self.qat is not None else {"kernel": self.dtype}
+        if self.lora_a is not None:
+            out.update(lora_a=self.dtype, lora_b=self.dtype)
+        return out
+
     def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A LoRA adapter (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B; nothing at rank 0.
 
@@ -196,6 +206,16 @@ class Projection(nnx.Module):
         """`dropout_key`: the adapter's dropout (training only); the kernel's contraction has none."""
         y = self.einsum_op(self.equation, x, self.weight())
         return y if self.lora_a is None else y + self.adapter(x, dropout_key)
+
+
+def cast_leaves(module: nnx.Module) -> dict[tuple, object]:
+    """{a parameter's path: the compute dtype its forward use casts it to, and nothing else} over
+    `module` (the projections' kernels and adapters, the embedding table: `cast_leaves` of each)."""
+    out = {}
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, (Projection, Embed)):
+            out.update({(*path, name): dtype for name, dtype in node.cast_leaves().items()})
+    return out
 
 
 def projections(module: nnx.Module) -> Iterator[tuple[tuple, Projection]]:
@@ -442,6 +462,10 @@ class Embed(nnx.Module):
 
     def _leaves(self) -> dict[str, jax.Array]:
         return {key: getattr(self, f"embedding_{key}")[...] for key in self.quant.keys}
+
+    def cast_leaves(self) -> dict[str, object]:
+        """As `Projection.cast_leaves`: the float table, neither quantized nor fake-quantized."""
+        return {} if self.quant is not None or self.qat is not None else {"embedding": self.dtype}
 
     def weight(self) -> jax.Array:
         """The table in the compute dtype: cast, dequantized, or fake-quantized (QAT)."""
