@@ -206,11 +206,14 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
         return block_input
     mlp_dots = (2 if m.mlp == "swiglu" else 1) * a * s.mlp  # gate and up / in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
+    # cuDNN's fused attention forward is saved with the dots (transformer._fused_attention_saveable):
+    # its output and softmax statistics
+    fused = a * s.q + F32 * s.head_stats if m.attention == "cudnn" else 0.0
     if policy == "dots_no_batch":
-        return block_input + projections
+        return block_input + projections + fused
     if policy == "dots":  # also the attention's batched matmuls (XLA attention only)
         batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
-        return block_input + projections + batched
+        return block_input + projections + batched + fused
     raise ValueError(f"unknown remat policy {policy!r}")
 
 

@@ -186,6 +186,91 @@ def suggest(
     return found[:limit]
 
 
+# ----------------------------------------------------------------------------- choosing from the compiled program
+
+# A compiled program whose matmul FLOPs exceed its policy's own (its largest micro-batch count) by more
+# than this was rematerialized by XLA to fit: recompute the model's FLOP count ignores.
+RECOMPUTE_TOLERANCE = 0.005
+
+
+def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> list[int]:
+    """The micro-batch counts a run can take: the divisors of its sequences per device, ascending."""
+    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
+    per_shard = cfg.data.global_batch_size // (sizes["data"] * sizes["fsdp"])
+    return [k for k in range(1, per_shard + 1) if per_shard % k == 0]
+
+
+def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best compiled candidate: of those that fit and carry no recompute XLA added, the highest
+    roofline-bound MFU (ties: fewer micro-batches, then the policy listed first)."""
+    eligible = [r for r in rows if r["fits"] and not r["xla_recompute"]]
+    if not eligible:
+        return None
+    order = {policy: i for i, policy in enumerate(REMAT_ORDER)}
+    return max(eligible, key=lambda r: (round(r["roofline_mfu"], 4), -r["micro_batches"], -order[r["remat"]]))
+
+
+def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Target, devices=None,
+           policies: Sequence[str] = REMAT_ORDER, progress=None) -> dict[str, Any]:
+    """Remat policy and micro-batches chosen from the compiled program's own figures, not the analytic
+    estimate. For each policy, the train step is compiled for `target` at each micro-batch count the
+    batch allows (`micro_batch_options`), from twice the analytic choice (`memory.resolve_micro_batches`)
+    down, until one does not fit in `memory.AUTO_SHARE` of the target's memory (the share
+    micro_batches=0 plans for) or XLA rematerializes to fit (its matmul FLOPs exceed the policy's own,
+    at the first count, by more than `RECOMPUTE_TOLERANCE`: recompute the model's count ignores); fewer
+    micro-batches would only need more memory. Then `pick`. Each row: the policy, micro-batches,
+    per-device bytes (XLA's memory analysis), matmul FLOPs, the roofline step time and roofline-bound MFU."""
+    devices = devices if devices is not None else target_devices(target, num_devices)
+    options = micro_batch_options(cfg, num_devices)
+    rows: list[dict[str, Any]] = []
+    for policy in policies:
+        base = memory.with_overrides(cfg, {"model.remat": policy, "optim.micro_batches": 0})
+        resolved, _ = memory.resolve_micro_batches(base, num_devices, target.memory_bytes, "gpu")
+        start = resolved.optim.micro_batches
+        tried = [k for k in options if k <= 2 * start][::-1]
+        reference = None
+        for k in tried:
+            trial = memory.with_overrides(cfg, {"model.remat": policy, "optim.micro_batches": k})
+            compiled = compiled_memory(trial, devices, target)
+            r = compiled["roofline"]
+            reference = reference or r["matmul_flops"]
+            row = {"remat": policy, "micro_batches": k, "per_device_bytes": compiled["per_device_bytes"],
+                   "fits": compiled["per_device_bytes"] <= memory.AUTO_SHARE * target.memory_bytes,
+                   "matmul_flops": r["matmul_flops"], "step_seconds": r["step_seconds"],
+                   "roofline_mfu": r["roofline_mfu"], "compile_s": compiled["compile_s"],
+                   "xla_recompute": r["matmul_flops"] > reference * (1 + RECOMPUTE_TOLERANCE)}
+            rows.append(row)
+            if progress:
+                progress(format_choice_row(row))
+            if not row["fits"] or row["xla_recompute"]:
+                break  # fewer micro-batches only need more memory
+    return {"rows": rows, "best": pick(rows)}
+
+
+def format_choice_row(r: dict[str, Any]) -> str:
+    note = ("does not fit" if not r["fits"] else "XLA recomputes to fit" if r["xla_recompute"] else "")
+    return (f"  remat={r['remat']:<14} micro_batches={r['micro_batches']:<4} {format_bytes(r['per_device_bytes']):>10}"
+            f"  matmul {r['matmul_flops'] / 1e12:9.1f} TFLOP  step {r['step_seconds'] * 1e3:8.1f} ms"
+            f"  MFU {r['roofline_mfu']:.3f}  {note}")
+
+
+CHOICE_HEADER = "\n  choosing remat and micro-batches from the compiled program (each candidate compiled):"
+
+
+def format_choice(choice: dict[str, Any], report: dict[str, Any], rows: bool = True) -> str:
+    lines = [CHOICE_HEADER, *(format_choice_row(r) for r in choice["rows"])] if rows else []
+    best = choice["best"]
+    if best is None:
+        lines.append("  none of them fits without recompute XLA adds: use more devices or tensor parallelism")
+    else:
+        lines.append(f"  best: --config.model.remat={best['remat']} --config.optim.micro_batches={best['micro_batches']}"
+                     f"  (roofline-bound MFU {best['roofline_mfu']:.3f}; the config's own: remat={report['remat']}, "
+                     f"{report['micro_batches']} micro-batch(es)"
+                     + (f", {report['compiled']['roofline']['roofline_mfu']:.3f}" if report.get("compiled") else "")
+                     + ")")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -319,6 +404,9 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
                         help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
     parser.add_argument("--compile", action="store_true",
                         help="also compile the train step ahead of time and report XLA's memory analysis")
+    parser.add_argument("--choose", action="store_true",
+                        help="with --target: also compile each remat policy at several micro-batch counts and "
+                             "choose the pair with the best roofline-bound MFU that fits without recompute XLA adds")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     try:
         config_args = [a for a in argv if a.startswith("--config")]
@@ -339,11 +427,21 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         elif own_process:
             jax.config.update("jax_platforms", "cpu")
         cfg = config_lib.parse_cli(config_args)
+        if args.choose and target is None:
+            raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`)")
         report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,
                       target=target)
+        if args.choose:
+            if not args.json:  # the rows as they compile (seconds each), then the choice
+                print(format_report(report), CHOICE_HEADER, sep="\n", flush=True)
+            report["choice"] = choose(cfg, args.devices, target,
+                                      progress=None if args.json else lambda line: print(line, flush=True))
     except UserError as e:
         return report_error(e)
-    print(json.dumps(report, default=float) if args.json else format_report(report), flush=True)
+    if args.json:
+        print(json.dumps(report, default=float), flush=True)
+    else:
+        print(format_choice(report["choice"], report, rows=False) if args.choose else format_report(report), flush=True)
     return 0 if report["fits"] else 1
 
 

@@ -171,7 +171,7 @@ def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
 def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch):
     """optim.micro_batches=0: the smallest divisor k whose plan fits AUTO_SHARE of the memory (k/2 did not)."""
     budget = 80 * memory.GIB
-    for devices, want in ((8, 2), (1, 32)):  # the 1b recipe on 80 GB GPUs: 16 and 8 sequences per device
+    for devices, want in ((8, 2), (1, 16)):  # the 1b recipe on 80 GB GPUs: 16 sequences per device each
         cfg, line = memory.resolve_micro_batches(recipe("1b"), devices, budget, "gpu")
         k = cfg.optim.micro_batches
         assert k == want and f"{k} micro-batch(es) of {256 // devices // k} sequence(s)" in line

@@ -197,3 +197,45 @@ def test_the_h100_program_counts_the_models_flops_and_fits(devices):
     assert 0 < r["roofline_mfu"] < 1
     if devices == 8:
         assert r["by_kind"]["all-gather"]["bytes"] > 0 and r["communication_seconds"] > 0
+
+
+def test_the_choice_is_the_best_roofline_that_fits_without_recompute_xla_adds(capsys):
+    from jaxlm import plan
+
+    def row(remat, k, mfu, fits=True, recompute=False):
+        return {"remat": remat, "micro_batches": k, "roofline_mfu": mfu, "fits": fits, "xla_recompute": recompute}
+
+    rows = [row("none", 32, 0.635), row("none", 16, 0.70, recompute=True), row("dots", 16, 0.68),
+            row("dots", 8, 0.75, fits=False), row("full", 4, 0.62)]
+    assert plan.pick(rows) == rows[2]
+    assert plan.pick([row("dots", 16, 0.68), row("dots", 8, 0.68), row("none", 8, 0.68)]) == row("none", 8, 0.68)
+    assert plan.pick([row("none", 1, 0.9, fits=False)]) is None
+    assert "none of them fits" in plan.format_choice({"rows": [], "best": None}, {})
+    # the micro-batch counts a batch allows: the divisors of its sequences per device
+    assert plan.micro_batch_options(config_lib.recipe("1b"), 8) == [1, 2, 4, 8, 16, 32]
+    # --choose compiles for a target's devices: without one, one line and exit 2
+    assert plan.main(["--config=configs/tiny.py", "--devices=1", "--choose"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target=h100" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_choose_compiles_each_policy_and_picks_the_best_it_measured():
+    """1b on eight H100s: each remat policy compiled at micro-batch counts going down until one does
+    not fit or XLA recomputes; the choice is the best eligible row, at least as good as the config's own."""
+    result = subprocess.run([str(H100_PYTHON), "-m", "jaxlm.plan", "--config=configs/1b.py", "--target=h100",
+                             "--devices=8", "--choose", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    rows, best = report["choice"]["rows"], report["choice"]["best"]
+    assert {r["remat"] for r in rows} == {"none", "dots", "dots_no_batch", "full"}
+    for policy in {r["remat"] for r in rows}:
+        mine = [r for r in rows if r["remat"] == policy]
+        assert [r["micro_batches"] for r in mine] == sorted((r["micro_batches"] for r in mine), reverse=True)
+        assert all(r["fits"] and not r["xla_recompute"] for r in mine[:-1])  # it stops at the first that fails
+        assert all(r["matmul_flops"] >= mine[0]["matmul_flops"] * (1 - 1e-9) for r in mine)
+    eligible = [r for r in rows if r["fits"] and not r["xla_recompute"]]
+    assert best in eligible and best["roofline_mfu"] == max(r["roofline_mfu"] for r in eligible)
+    assert best["roofline_mfu"] >= report["compiled"]["roofline"]["roofline_mfu"] - 1e-9
+    assert all(r["per_device_bytes"] <= 0.85 * roofline.H100.memory_bytes for r in eligible)

@@ -43,10 +43,19 @@ NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
 MLPS = {"swiglu": layers.GatedMLP, "gelu": layers.GeluMLP}
 POSITIONS = ("rope", "learned")
 
+def _fused_attention_saveable(prim, *_, **__) -> bool:
+    """cuDNN's fused attention forward (its output and softmax statistics): a matmul pair, saved with
+    the dots rather than recomputed (recomputing it adds FLOPs the model's count leaves out)."""
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the matmuls' outputs saved (fused attention's too), the elementwise work between them recomputed
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable,
+                                                            _fused_attention_saveable),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
 }
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_len")
