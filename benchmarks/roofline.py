@@ -79,8 +79,14 @@ def main() -> None:
     runs = [(r, n) for r in args.recipe for n in (args.devices or [1, 8])] if args.recipe else DEFAULT
     overrides = [tuple(kv.split("=", 1)) for kv in args.set]
 
-    from jaxlm import roofline
+    from jaxlm import config as config_lib
+    from jaxlm import roofline, xla_flags
 
+    # XLA reads its flags once, when JAX starts: the recipes measured together must agree on theirs
+    flags = {config_lib.load_recipe(recipe).run.xla_flags for recipe, _ in runs}
+    if len(flags) > 1:
+        sys.exit(f"these recipes set different run.xla_flags ({sorted(flags)}); measure them in separate runs")
+    print(f"XLA_FLAGS={xla_flags.apply(flags.pop())}", flush=True)
     try:
         roofline.target_devices(roofline.H100, 1)
     except Exception as e:

@@ -7,10 +7,13 @@ def get_config():
     c = base_config()
     c.model.update(
         vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632, tie_embeddings=False,
-        # Keep the matmuls' outputs, recompute the elementwise work between them (no matmul recomputed):
-        # the H100 program compiled here is faster than one that saves everything (roofline-bound MFU 0.680 vs
-        # 0.635 on one H100, 0.682 vs 0.654 on eight: `python -m jaxlm.plan --target=h100 --choose`).
-        remat="dots",
+        # Layers unrolled, not scanned: no stacking of the saved activations and no per-micro-batch zeroing
+        # of the scan's buffers, and XLA schedules the weights' collectives across layers. Rematerialization
+        # keeps the matmuls' outputs and recomputes the elementwise work between them (no matmul
+        # recomputed). The H100 program compiled here (`python -m jaxlm.plan --target=h100 --choose`,
+        # benchmarks/BENCHMARKS.md): roofline-bound MFU 0.765 on one H100 and 0.772 on eight, against
+        # 0.617 and 0.653 scanned without remat. Compiling takes longer (about 20 s here for eight).
+        scan_layers=False, remat="dots",
     )
     c.data.update(seq_len=2048, global_batch_size=256, builtin_max_bytes=64_000_000)
     # 256 x 2048 = 0.5M tokens per step. micro_batches=0: as few micro-batches as fit in device

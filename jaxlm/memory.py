@@ -98,7 +98,9 @@ def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], mo
     """(the train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`, its
     ModelSpec): the per-device layout `train_setup.build` creates (same rules, same code), without any
     device."""
-    model_spec, tx, shapes = _model_and_shapes(model_cfg, tuple(sorted(cfg.optim.to_dict().items())), cfg.run.steps)
+    # micro-batches do not change the optimizer or the state: one build serves every count tried
+    optim_items = tuple(sorted((k, v) for k, v in cfg.optim.to_dict().items() if k != "micro_batches"))
+    model_spec, tx, shapes = _model_and_shapes(model_cfg, optim_items, cfg.run.steps)
     mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     train_state.check_divisible(model_spec, shapes.params, mesh, rules)

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, hlo, memory, roofline, train_setup
+from jaxlm import axes, hlo, memory, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
@@ -427,6 +427,8 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         elif own_process:
             jax.config.update("jax_platforms", "cpu")
         cfg = config_lib.parse_cli(config_args)
+        if args.compile:  # the program compiled as the trainer compiles it: with the run's XLA flags
+            xla_flags.apply(cfg.run.xla_flags)
         if args.choose and target is None:
             raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`)")
         report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,

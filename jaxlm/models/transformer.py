@@ -371,10 +371,13 @@ def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
 
 
-def _remat(fn, policy: str):
+def _remat(fn, policy: str, scanned: bool):
+    """`fn` rematerialized under `policy`. Inside a scan XLA cannot merge the recomputation with the
+    forward, so CSE may stay on (fewer barriers); unrolled, it must be prevented, or XLA merges the two
+    and the policy saves nothing."""
     if policy == "none":
         return fn
-    return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return nnx.remat(fn, policy=REMAT_POLICIES[policy], prevent_cse=not scanned)
 
 
 class Transformer(nnx.Module):
@@ -447,7 +450,7 @@ class Transformer(nnx.Module):
         def run_block(x, block, key):
             return block(x, positions, segment_ids, key)
 
-        run_block = _remat(run_block, cfg.remat)
+        run_block = _remat(run_block, cfg.remat, cfg.scan_layers)
         if cache is not None:
             x, cache = self._blocks_with_cache(x, positions, cache)
         elif cfg.scan_layers:
