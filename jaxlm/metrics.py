@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import uuid
 from typing import Any
 
@@ -101,6 +102,22 @@ class JsonlSink:
         self._file.close()
 
 
+def _summary_writer():
+    """tensorboardX's `SummaryWriter`, imported without PyTorch: tensorboardX imports torch when it is
+    installed (the test extras install it), only to accept torch tensors, which jaxlm never passes;
+    that import alone took 1.4 s of a run's start here."""
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardSink:
     """Scalars, histograms and text in TensorBoard event files, written through tensorboardX's
     public `SummaryWriter` (read back by TensorBoard's own reader in the tests).
@@ -111,9 +128,7 @@ class TensorBoardSink:
     """
 
     def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
-
-        self._writer = SummaryWriter(str(logdir), purge_step=purge_step)
+        self._writer = _summary_writer()(str(logdir), purge_step=purge_step)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         for tag, value in values.items():

@@ -52,7 +52,8 @@ class NonFiniteError(Exception):
 
 class StepLog:
     """Turns each step's metrics into a record for the sinks, the progress bar and, every
-    `log_every` steps, a console line.
+    `log_every` steps and at the run's first step (which says that training started, and how long
+    the compilation it included took), a console line.
 
     It is handed a step's device metrics only after the next step was dispatched, so reading them
     waits for a step that is finished or nearly, never for the one just queued.
@@ -83,7 +84,8 @@ class StepLog:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
-        if self.compile_s is None:
+        first = self.compile_s is None
+        if first:
             self.compile_s = step_s
         else:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
@@ -109,7 +111,13 @@ class StepLog:
         mean_mfu = metrics_lib.mfu(self.flops_per_token, mean_rate, len(self.devices), self.peak_flops)
         mfu_text = "n/a" if mean_mfu is None else f"{100 * mean_mfu:.1f}%"
         self.progress.update(step, f"loss {values['loss']:.4f} | {mean_rate:,.0f} tok/s | MFU {mfu_text}")
-        if step % self.log_every == 0 or step == self.total_steps:
+        if first and step % self.log_every and step != self.total_steps:  # training has started: say so at once
+            self.progress.line(
+                f"step {step:>6}/{self.total_steps} | epoch {values['epoch']} | loss {values['loss']:.4f} | "
+                f"lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f} | first step {step_s:.1f} s, "
+                f"compilation included"
+            )
+        elif step % self.log_every == 0 or step == self.total_steps:
             memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
             self.progress.line(
                 f"step {step:>6}/{self.total_steps} | epoch {values['epoch']} | loss {values['loss']:.4f} | "

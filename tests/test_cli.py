@@ -44,6 +44,10 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "short"
     assert f"run directory {run_dir}" in result.stdout
+    # the console: the first step at once (training started, compilation included), then every 10
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step      1/30 |") and "compilation included" in lines[0]
+    assert [line.split("/")[0].split()[-1] for line in lines if "| epoch" in line][1:4] == ["10", "20", "30"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 31))

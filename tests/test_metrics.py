@@ -1,5 +1,8 @@
 """MFU against known device peaks, device memory, and TensorBoard files read back by TensorBoard itself."""
 
+import subprocess
+import sys
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -71,3 +74,16 @@ def test_parameter_histograms_read_back_from_tensorboard(tmp_path):
     assert np.abs(np.array(h.histogram_value.bucket) - expected).sum() <= 2  # float edges may move a boundary value
     e = events.Histograms("params/embed")[0].histogram_value
     assert sum(e.bucket) == 10 and e.bucket[0] == 1 and e.bucket[-1] == 1 and max(e.bucket) == 1  # 0..9
+
+
+def test_the_tensorboard_writer_loads_without_pytorch(tmp_path):
+    """tensorboardX imports torch when it is installed, a second and a half of every run's start for
+    nothing jaxlm uses: the sink keeps it out, and torch still imports afterwards."""
+    code = ("import sys, pathlib; from jaxlm import metrics; "
+            f"sink = metrics.TensorBoardSink(pathlib.Path({str(tmp_path)!r})); sink.write(1, {{'loss': 2.0}}); "
+            "print('torch' in sys.modules); import importlib.util; "
+            "print(importlib.util.find_spec('torch') is None or __import__('torch') is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
+    assert list(tmp_path.glob("events.out.tfevents.*"))
