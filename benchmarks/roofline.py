@@ -107,7 +107,8 @@ def main() -> None:
               f"(matmuls {r['matmul_seconds'] * 1e3:.0f}, "
               f"other kernels {(r['compute_seconds'] - r['matmul_seconds']) * 1e3:.0f}, exposed communication "
               f"{r['exposed_communication_seconds'] * 1e3:.0f} of {r['communication_seconds'] * 1e3:.0f}); "
-              f"roofline-bound MFU {r['roofline_mfu']:.3f}", flush=True)
+              + (f"roofline-bound MFU {r['roofline_mfu']:.3f}" if r["roofline_mfu"] is not None
+                 else f"no roofline-bound MFU ({r['incomplete']})"), flush=True)
         print(f"  ms by kind: {kinds}")
         fc = res["flops_check"]
         print(f"  FLOPs per device: program {fc['program'] / 1e12:.2f} T = model {fc['model'] / 1e12:.2f} T + cuDNN's "

@@ -126,8 +126,15 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
         tokens = setup.derived.tokens_per_step
         model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
         module = hlo.Module(compiled.as_text())
-        out["roofline"] = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
-        out["roofline"]["unknown_trip_counts"] = module.unknown_trip_counts
+        r = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
+        r["unknown_trip_counts"] = module.unknown_trip_counts
+        # A loop whose trip count could not be read counts its kernels once: the program's matmul FLOPs
+        # then fall short of the model's, and the MFU would be flattered; say so instead of a number.
+        if module.unknown_trip_counts or r["matmul_flops"] < model_flops * (1 - 1e-6):
+            r["incomplete"] = (f"{module.unknown_trip_counts} loop(s) of unknown trip count; the program's matmuls "
+                               f"{r['matmul_flops'] / 1e12:.1f} TFLOP against the model's {model_flops / 1e12:.1f}")
+            r["roofline_mfu"] = None
+        out["roofline"] = r
     return out
 
 
@@ -203,7 +210,7 @@ def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> lis
 def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The best compiled candidate: of those that fit and carry no recompute XLA added, the highest
     roofline-bound MFU (ties: fewer micro-batches, then the policy listed first)."""
-    eligible = [r for r in rows if r["fits"] and not r["xla_recompute"]]
+    eligible = [r for r in rows if r["fits"] and not r["xla_recompute"] and r["roofline_mfu"] is not None]
     if not eligible:
         return None
     order = {policy: i for i, policy in enumerate(REMAT_ORDER)}
@@ -248,10 +255,11 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
 
 
 def format_choice_row(r: dict[str, Any]) -> str:
-    note = ("does not fit" if not r["fits"] else "XLA recomputes to fit" if r["xla_recompute"] else "")
+    note = ("does not fit" if not r["fits"] else "XLA recomputes to fit" if r["xla_recompute"] else
+            "" if r["roofline_mfu"] is not None else "not counted: a loop of unknown trip count")
     return (f"  remat={r['remat']:<14} micro_batches={r['micro_batches']:<4} {format_bytes(r['per_device_bytes']):>10}"
             f"  matmul {r['matmul_flops'] / 1e12:9.1f} TFLOP  step {r['step_seconds'] * 1e3:8.1f} ms"
-            f"  MFU {r['roofline_mfu']:.3f}  {note}")
+            f"  MFU {'n/a' if r['roofline_mfu'] is None else format(r['roofline_mfu'], '.3f')}  {note}")
 
 
 CHOICE_HEADER = "\n  choosing remat and micro-batches from the compiled program (each candidate compiled):"
@@ -266,7 +274,8 @@ def format_choice(choice: dict[str, Any], report: dict[str, Any], rows: bool = T
         lines.append(f"  best: --config.model.remat={best['remat']} --config.optim.micro_batches={best['micro_batches']}"
                      f"  (roofline-bound MFU {best['roofline_mfu']:.3f}; the config's own: remat={report['remat']}, "
                      f"{report['micro_batches']} micro-batch(es)"
-                     + (f", {report['compiled']['roofline']['roofline_mfu']:.3f}" if report.get("compiled") else "")
+                     + (f", {report['compiled']['roofline']['roofline_mfu']:.3f}"
+                        if report.get("compiled") and report["compiled"]["roofline"]["roofline_mfu"] is not None else "")
                      + ")")
     return "\n".join(lines)
 

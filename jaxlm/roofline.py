@@ -420,7 +420,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"exposed {summary['exposed_communication_seconds'] * ms:.1f} ms)",
         f"model FLOPs {summary['model_flops'] / 1e12:.2f} TFLOP per device per step; the program's matmuls "
         f"{summary['matmul_flops'] / 1e12:.2f} TFLOP; roofline-bound MFU "
-        + (f"{mfu:.3f}" if mfu is not None else "n/a"),
+        + (f"{mfu:.3f}" if mfu is not None else "n/a")
+        + (f" (not counted: {summary['incomplete']})" if summary.get("incomplete") else ""),
         "",
         str(Table(["kind", "kernels", "launches", "ms", "share", "TFLOP", "GB"],
                        [[kind, int(r["kernels"]), int(r["launches"]), f"{r['seconds'] * ms:.2f}",
