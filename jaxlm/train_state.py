@@ -58,8 +58,7 @@ class ModelSpec:
         if self.cast_dtypes is None:
             return trainable
         dtypes = self.split(self.cast_dtypes)[0]
-        return jax.tree.map(lambda x, dt: x if dt is None else x.astype(dt), trainable, dtypes,
-                            is_leaf=lambda x: x is None)
+        return jax.tree.map(lambda x, dt: x if dt is None else x.astype(dt), trainable, dtypes)
 
     def split(self, tree) -> tuple[Any, Any]:
         """A params-like tree -> (its trainable part, its frozen part), each a nested dict holding
