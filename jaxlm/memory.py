@@ -373,6 +373,20 @@ def device_memory_bytes(device=None) -> float:
     return host / max(1, sum(d.platform == device.platform for d in jax.local_devices()))
 
 
+def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> list[int]:
+    """The micro-batch counts a run can take, ascending: the divisors of its sequences per data x fsdp
+    shard (the last is one sequence each). UserError when the batch does not divide over the shards."""
+    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
+    shards, batch = sizes["data"] * sizes["fsdp"], cfg.data.global_batch_size
+    if batch % shards:
+        raise UserError(
+            f"config.data.global_batch_size={batch} does not divide over data*fsdp={shards} devices; use a "
+            f"multiple of {shards}"
+        )
+    per_shard = batch // shards
+    return [k for k in range(1, per_shard + 1) if per_shard % k == 0]
+
+
 def resolve_micro_batches(
     cfg: ml_collections.ConfigDict, num_devices: int, memory_bytes: float, platform: str,
 ) -> tuple[ml_collections.ConfigDict, str]:
@@ -386,17 +400,11 @@ def resolve_micro_batches(
     """
     if cfg.optim.micro_batches:
         return cfg, ""
-    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
-    shards, batch = sizes["data"] * sizes["fsdp"], cfg.data.global_batch_size
-    if batch % shards:
-        raise UserError(
-            f"config.data.global_batch_size={batch} does not divide over data*fsdp={shards} devices; use a "
-            f"multiple of {shards}"
-        )
+    options = micro_batch_options(cfg, num_devices)
     budget = AUTO_SHARE * memory_bytes
-    per_shard = batch // shards
+    per_shard = options[-1]
     act_bytes = cpu_act_bytes() if platform == "cpu" else None  # XLA:CPU: float32 before jaxlib 0.11
-    for k in (k for k in range(1, per_shard + 1) if per_shard % k == 0):
+    for k in options:
         trial = with_overrides(cfg, {"optim.micro_batches": k})
         need = estimate(trial, num_devices, platform=platform, act_bytes=act_bytes).per_device_bytes
         if need <= budget:

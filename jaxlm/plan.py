@@ -200,13 +200,6 @@ def suggest(
 RECOMPUTE_TOLERANCE = 0.005
 
 
-def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> list[int]:
-    """The micro-batch counts a run can take: the divisors of its sequences per device, ascending."""
-    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
-    per_shard = cfg.data.global_batch_size // (sizes["data"] * sizes["fsdp"])
-    return [k for k in range(1, per_shard + 1) if per_shard % k == 0]
-
-
 def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The best compiled candidate: of those that fit and carry no recompute XLA added, the highest
     roofline-bound MFU (ties: fewer micro-batches, then the policy listed first)."""
@@ -221,14 +214,14 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
            policies: Sequence[str] = REMAT_ORDER, progress=None) -> dict[str, Any]:
     """Remat policy and micro-batches chosen from the compiled program's own figures, not the analytic
     estimate. For each policy, the train step is compiled for `target` at each micro-batch count the
-    batch allows (`micro_batch_options`), from twice the analytic choice (`memory.resolve_micro_batches`)
+    batch allows (`memory.micro_batch_options`), from twice the analytic choice (`memory.resolve_micro_batches`)
     down, until one does not fit in `memory.AUTO_SHARE` of the target's memory (the share
     micro_batches=0 plans for) or XLA rematerializes to fit (its matmul FLOPs exceed the policy's own,
     at the first count, by more than `RECOMPUTE_TOLERANCE`: recompute the model's count ignores); fewer
     micro-batches would only need more memory. Then `pick`. Each row: the policy, micro-batches,
     per-device bytes (XLA's memory analysis), matmul FLOPs, the roofline step time and roofline-bound MFU."""
     devices = devices if devices is not None else target_devices(target, num_devices)
-    options = micro_batch_options(cfg, num_devices)
+    options = memory.micro_batch_options(cfg, num_devices)
     rows: list[dict[str, Any]] = []
     for policy in policies:
         base = memory.with_overrides(cfg, {"model.remat": policy, "optim.micro_batches": 0})
@@ -265,19 +258,17 @@ def format_choice_row(r: dict[str, Any]) -> str:
 CHOICE_HEADER = "\n  choosing remat and micro-batches from the compiled program (each candidate compiled):"
 
 
-def format_choice(choice: dict[str, Any], report: dict[str, Any], rows: bool = True) -> str:
-    lines = [CHOICE_HEADER, *(format_choice_row(r) for r in choice["rows"])] if rows else []
+def format_choice(choice: dict[str, Any], report: dict[str, Any]) -> str:
+    """The choice's last line (its rows are printed as they compile: `format_choice_row`)."""
     best = choice["best"]
     if best is None:
-        lines.append("  none of them fits without recompute XLA adds: use more devices or tensor parallelism")
-    else:
-        lines.append(f"  best: --config.model.remat={best['remat']} --config.optim.micro_batches={best['micro_batches']}"
-                     f"  (roofline-bound MFU {best['roofline_mfu']:.3f}; the config's own: remat={report['remat']}, "
-                     f"{report['micro_batches']} micro-batch(es)"
-                     + (f", {report['compiled']['roofline']['roofline_mfu']:.3f}"
-                        if report.get("compiled") and report["compiled"]["roofline"]["roofline_mfu"] is not None else "")
-                     + ")")
-    return "\n".join(lines)
+        return "  none of them fits without recompute XLA adds: use more devices or tensor parallelism"
+    return (f"  best: --config.model.remat={best['remat']} --config.optim.micro_batches={best['micro_batches']}"
+            f"  (roofline-bound MFU {best['roofline_mfu']:.3f}; the config's own: remat={report['remat']}, "
+            f"{report['micro_batches']} micro-batch(es)"
+            + (f", {report['compiled']['roofline']['roofline_mfu']:.3f}"
+               if report.get("compiled") and report["compiled"]["roofline"]["roofline_mfu"] is not None else "")
+            + ")")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -452,7 +443,7 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
     if args.json:
         print(json.dumps(report, default=float), flush=True)
     else:
-        print(format_choice(report["choice"], report, rows=False) if args.choose else format_report(report), flush=True)
+        print(format_choice(report["choice"], report) if args.choose else format_report(report), flush=True)
     return 0 if report["fits"] else 1
 
 

@@ -200,7 +200,7 @@ def test_the_h100_program_counts_the_models_flops_and_fits(devices):
 
 
 def test_the_choice_is_the_best_roofline_that_fits_without_recompute_xla_adds(capsys):
-    from jaxlm import plan
+    from jaxlm import memory, plan
 
     def row(remat, k, mfu, fits=True, recompute=False):
         return {"remat": remat, "micro_batches": k, "roofline_mfu": mfu, "fits": fits, "xla_recompute": recompute}
@@ -212,7 +212,7 @@ def test_the_choice_is_the_best_roofline_that_fits_without_recompute_xla_adds(ca
     assert plan.pick([row("none", 1, 0.9, fits=False)]) is None
     assert "none of them fits" in plan.format_choice({"rows": [], "best": None}, {})
     # the micro-batch counts a batch allows: the divisors of its sequences per device
-    assert plan.micro_batch_options(config_lib.recipe("1b"), 8) == [1, 2, 4, 8, 16, 32]
+    assert memory.micro_batch_options(config_lib.recipe("1b"), 8) == [1, 2, 4, 8, 16, 32]
     # --choose compiles for a target's devices: without one, one line and exit 2
     assert plan.main(["--config=configs/tiny.py", "--devices=1", "--choose"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -43,6 +43,7 @@ NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
 MLPS = {"swiglu": layers.GatedMLP, "gelu": layers.GeluMLP}
 POSITIONS = ("rope", "learned")
 
+
 def _fused_attention_saveable(prim, *_, **__) -> bool:
     """cuDNN's fused attention forward (its output and softmax statistics): a matmul pair, saved with
     the dots rather than recomputed (recomputing it adds FLOPs the model's count leaves out)."""
