@@ -107,12 +107,12 @@ class LayerRunner:
                 for path, projection in layers.projections(block):
                     name = path[-1]
 
-                    def op(equation, inputs, kernel, name=name):
+                    def op(equation, inputs, kernel, name=name, contract=projection.einsum_op):
                         key = id(inputs)
                         if key not in seen:
                             seen[key] = (name, _flat_inputs(equation, inputs))
                         names[name] = seen[key][0]
-                        return jnp.einsum(equation, inputs, kernel)
+                        return contract(equation, inputs, kernel)
 
                     projection.einsum_op = op
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])

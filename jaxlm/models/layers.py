@@ -9,6 +9,7 @@ MLP code knowing. Norm statistics and softmax run in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -76,6 +77,36 @@ class PruningMask(Frozen):
 
 
 EinsumOp = Callable[..., jax.Array]  # (equation, x, kernel) -> y, like jnp.einsum
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def accumulating_einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`jnp.einsum(equation, x, kernel)` in low precision as a GPU runs it: the operands' products summed in
+    float32, the result rounded to the operands' dtype; and its two gradients computed the same way.
+
+    An `EinsumOp` for XLA:CPU, where it is the fast form: XLA:CPU runs a bfloat16 dot natively (YNNPACK's
+    bf16 kernel, AVX512-BF16 where the CPU has it) only when the dot's result is float32. A plain bf16
+    einsum (result bf16) it upcasts to a float32 dot instead, at about half the speed, and JAX's own
+    gradients of the float32-result form take float32 cotangents and are upcast again: hence the custom
+    VJP. Every index of each operand must appear in the other operand or the output (true of every
+    projection: nothing is summed within one operand)."""
+    return jnp.einsum(equation, x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _accumulating_einsum_fwd(equation, x, kernel):
+    return accumulating_einsum(equation, x, kernel), (x, kernel)
+
+
+def _accumulating_einsum_bwd(equation, residuals, g):
+    x, kernel = residuals
+    lhs, out = equation.split("->")
+    x_idx, kernel_idx = lhs.split(",")
+    dx = jnp.einsum(f"{out},{kernel_idx}->{x_idx}", g, kernel, preferred_element_type=jnp.float32)
+    dkernel = jnp.einsum(f"{x_idx},{out}->{kernel_idx}", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+accumulating_einsum.defvjp(_accumulating_einsum_fwd, _accumulating_einsum_bwd)
 # The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
 LORA_RANK_AXIS = "lora_rank"
 

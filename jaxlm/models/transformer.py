@@ -93,7 +93,12 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     scan_layers: bool = True
+    scan_unroll: int = 1  # layers per iteration of the layer scan (config.model.scan_unroll, resolved)
     remat: str = "none"
+    # The projections' contraction (`layers.Projection.einsum_op`; config.model.matmul): False = `jnp.einsum`;
+    # True = `layers.accumulating_einsum`, float32 accumulation made explicit, the form XLA:CPU runs natively
+    # in bfloat16 (`from_config` resolves matmul=auto to it on a CPU with bfloat16 compute).
+    accumulating_dots: bool = False
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
     # LoRA adapters (config.lora, `with_lora`): the projections that get one, by attribute name ("all"
     # resolved), their rank (lora_ranks overrides it per name), alpha (the update is scaled by alpha / rank)
@@ -141,9 +146,15 @@ class ModelConfig:
         """The format the projections called `name` are fake-quantized to in the forward pass (QAT)."""
         return self.quant_spec if self.qat and name in self.quant_targets else None
 
+    @property
+    def einsum_op(self) -> layers.EinsumOp:
+        """The projections' (and the tied unembedding's) contraction."""
+        return layers.accumulating_einsum if self.accumulating_dots else jnp.einsum
+
     def projection_kw(self, name: str) -> dict:
-        """The storage arguments of `layers.Projection` for the projections called `name`."""
-        return dict(quant=self.quant_of(name), qat=self.qat_of(name), masked=name in self.prune_targets)
+        """The storage and contraction arguments of `layers.Projection` for the projections called `name`."""
+        return dict(quant=self.quant_of(name), qat=self.qat_of(name), masked=name in self.prune_targets,
+                    einsum_op=self.einsum_op)
 
     def lora_rank_of(self, name: str) -> int:
         """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
@@ -158,7 +169,8 @@ class ModelConfig:
 
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
         (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
-        `log_choice` is false."""
+        `log_choice` is false; `m["matmul"]='auto'` too (accumulating dots on a CPU with bfloat16 compute), and
+        `m["scan_unroll"]=0` (every layer unrolled on a CPU without remat, a loop elsewhere)."""
         variant = VARIANTS[m["variant"]]
         mlp = m["mlp"] or variant.mlp
         head_dim = m["head_dim"] or m["d_model"] // m["n_heads"]
@@ -187,6 +199,13 @@ class ModelConfig:
             scan_layers=m["scan_layers"],
             remat=m["remat"],
         )
+        platform = platform or jax.default_backend()
+        matmul = m.get("matmul", "auto")
+        fields["accumulating_dots"] = matmul == "accumulate" or (
+            matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)
+        # auto: unrolled on a CPU, unless remat asks to save memory (an unrolled program keeps more alive)
+        unroll_all = platform == "cpu" and fields["remat"] == "none"
+        fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields.update(overrides)
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
@@ -388,7 +407,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = layers.Embed(
             cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
-            quant=cfg.quant_of("embed"), qat=cfg.qat_of("embed"),
+            quant=cfg.quant_of("embed"), qat=cfg.qat_of("embed"), einsum_op=cfg.einsum_op,
         )
         if cfg.position == "learned":
             self.pos_embed = layers.make_param(
@@ -451,7 +470,7 @@ class Transformer(nnx.Module):
         def run_block(x, block, key):
             return block(x, positions, segment_ids, key)
 
-        run_block = _remat(run_block, cfg.remat, cfg.scan_layers)
+        run_block = _remat(run_block, cfg.remat, cfg.scan_layers and cfg.scan_unroll == 1)
         if cache is not None:
             x, cache = self._blocks_with_cache(x, positions, cache)
         elif cfg.scan_layers:
@@ -459,6 +478,7 @@ class Transformer(nnx.Module):
             @nnx.scan(
                 in_axes=(nnx.Carry, 0, None if keys is None else 0),
                 out_axes=nnx.Carry,
+                unroll=cfg.scan_unroll,
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             def scan_blocks(x, block, key):
@@ -496,7 +516,8 @@ class Transformer(nnx.Module):
         """The blocks in order, each reading and writing its layer of the cache; then advance `index`."""
         if self.cfg.scan_layers:
             # The stacked cache rides in the carry: each layer updates its slice in place.
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.cfg.scan_unroll,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
             def scan_blocks(carry, block, layer):
                 x, k, v = carry
                 x, c = block(x, positions, None, None, cache._replace(k=k, v=v, layer=layer))

@@ -1,0 +1,241 @@
+"""jaxlm against PyTorch eager on this CPU, side by side: the same model, batch and optimizer step.
+
+    python benchmarks/cpu_vs_torch.py                        # both shapes, both frameworks
+    python benchmarks/cpu_vs_torch.py --shapes nanogpt --steps 100
+    python benchmarks/cpu_vs_torch.py --jax-set model.scan_layers=false   # a jaxlm configuration to try
+
+Shapes (issue 21, part 2):
+- `nanogpt`: nanoGPT's own char-level Shakespeare CPU recipe (its README: 4 layers, width 128, 4 heads,
+  context 64, batch 12, no dropout), GPT-2 style (LayerNorm, GELU MLP 4x, learned positions, biases,
+  tied embedding), float32 as nanoGPT runs on a CPU.
+- `llama34m`: a 33.6M-parameter Llama (width 512, 8 layers, 8 query and 4 key/value heads, SwiGLU 1536,
+  vocab 8192, batch 8 x 256), bfloat16 compute (PyTorch: `torch.autocast("cpu", torch.bfloat16)`),
+  float32 parameters.
+
+One optimizer step on each side is the same work: forward, cross-entropy, backward, global-norm
+clipping to 1.0, AdamW (decay on matrices only), on one fixed batch of random tokens. The PyTorch model
+is written here from the jaxlm variant's definition (pre-norm blocks, `F.scaled_dot_product_attention`
+with a causal mask), eager, its default threads (one per core). Each side runs in its own process, one
+after the other, so they never share the cores; the table gives the mean step over `--steps` steps after
+`--warmup`, for each of `--repeats` alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SHAPES = {
+    "nanogpt": dict(
+        variant="gpt2", d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=512, vocab_size=65,
+        seq_len=64, batch=12, dtype="float32", tie_embeddings=True,
+    ),
+    "llama34m": dict(
+        variant="llama", d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, mlp_dim=1536, vocab_size=8192,
+        seq_len=256, batch=8, dtype="bfloat16", tie_embeddings=False,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------- jaxlm
+def jax_overrides(shape: dict, extra: list[str]) -> list[str]:
+    s = shape
+    sets = [
+        f"model.variant={s['variant']}", f"model.d_model={s['d_model']}", f"model.n_layers={s['n_layers']}",
+        f"model.n_heads={s['n_heads']}", f"model.n_kv_heads={s['n_kv_heads']}", "model.head_dim=0",
+        f"model.mlp_dim={s['mlp_dim']}", f"model.vocab_size={s['vocab_size']}", f"model.dtype={s['dtype']}",
+        f"model.tie_embeddings={s['tie_embeddings']}", f"model.max_seq_len={s['seq_len']}",
+        f"data.seq_len={s['seq_len']}", f"data.global_batch_size={s['batch']}",
+        "optim.weight_decay=0.1", "optim.clip_norm=1.0", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+    ]
+    return sets + list(extra)
+
+
+def run_jax(shape: dict, extra: list[str], steps: int, warmup: int) -> dict:
+    sys.path.insert(0, HERE)
+    from train_throughput import bench  # noqa: PLC0415 (the jax side imports jax only in its own process)
+
+    from jaxlm import config  # noqa: PLC0415
+    from jaxlm.models.transformer import ModelConfig, param_count  # noqa: PLC0415
+
+    overrides = dict(kv.split("=", 1) for kv in jax_overrides(shape, extra))
+    r = bench("tiny", overrides, steps, warmup)
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, list(overrides.items()))
+    import jax  # noqa: PLC0415
+
+    return {"step_ms": r["step_s"] * 1e3, "compile_s": r["compile_s"],
+            "params": param_count(ModelConfig.from_config(cfg.model, log_choice=False))["total"],
+            "version": f"jax {jax.__version__}"}
+
+
+# --------------------------------------------------------------------------------------------- PyTorch
+def run_torch(shape: dict, steps: int, warmup: int) -> dict:
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    s = shape
+    gpt2 = s["variant"] == "gpt2"
+    d, h, kv = s["d_model"], s["n_heads"], s["n_kv_heads"]
+    hd = d // h
+
+    def norm() -> nn.Module:
+        return nn.LayerNorm(d, eps=1e-5) if gpt2 else nn.RMSNorm(d, eps=1e-5)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # [b, heads, t, hd], rotate-half form
+        t = x.shape[2]
+        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n1, self.n2 = norm(), norm()
+            self.q = nn.Linear(d, h * hd, bias=gpt2)
+            self.kv = nn.Linear(d, 2 * kv * hd, bias=gpt2)
+            self.o = nn.Linear(h * hd, d, bias=gpt2)
+            if gpt2:
+                self.fc, self.proj = nn.Linear(d, s["mlp_dim"]), nn.Linear(s["mlp_dim"], d)
+            else:
+                self.gate_up = nn.Linear(d, 2 * s["mlp_dim"], bias=False)
+                self.down = nn.Linear(s["mlp_dim"], d, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            y = self.n1(x)
+            q = self.q(y).view(b, t, h, hd).transpose(1, 2)
+            k, v = self.kv(y).view(b, t, 2, kv, hd).unbind(2)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if not gpt2:
+                q, k = rope(q), rope(k)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, h * hd))
+            y = self.n2(x)
+            if gpt2:
+                return x + self.proj(F.gelu(self.fc(y), approximate="tanh"))
+            g, u = self.gate_up(y).chunk(2, -1)
+            return x + self.down(F.silu(g) * u)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(s["vocab_size"], d)
+            self.pos = nn.Embedding(s["seq_len"], d) if gpt2 else None
+            self.blocks = nn.ModuleList(Block() for _ in range(s["n_layers"]))
+            self.norm = norm()
+            self.head = nn.Linear(d, s["vocab_size"], bias=False)
+            if s["tie_embeddings"]:
+                self.head.weight = self.embed.weight
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            x = self.embed(idx)
+            if self.pos is not None:
+                x = x + self.pos(torch.arange(idx.shape[1]))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.head(self.norm(x)).float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    torch.manual_seed(0)
+    model = Model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, s["vocab_size"], (s["batch"], s["seq_len"]), generator=g)
+    tgt = torch.randint(0, s["vocab_size"], (s["batch"], s["seq_len"]), generator=g)
+    autocast = s["dtype"] == "bfloat16"
+
+    def step() -> float:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = model(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    step_s = (time.perf_counter() - t0) / steps
+    return {"step_ms": step_s * 1e3, "compile_s": 0.0, "params": sum(p.numel() for p in model.parameters()),
+            "version": f"torch {torch.__version__}, {torch.get_num_threads()} threads"}
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def child(args: argparse.Namespace) -> None:
+    shape = SHAPES[args.shape]
+    r = run_torch(shape, args.steps, args.warmup) if args.side == "torch" else run_jax(
+        shape, args.jax_set, args.steps, args.warmup)
+    print("RESULT " + json.dumps(r))
+
+
+def measure(side: str, shape: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--shape", shape,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--jax-set", *args.jax_set]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{side} {shape} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2, help="alternating rounds of both sides")
+    p.add_argument("--sides", nargs="+", default=["torch", "jax"], choices=["torch", "jax"])
+    p.add_argument("--jax-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra jaxlm config overrides")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--child", choices=["torch", "jax"], dest="side", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.side:
+        child(args)
+        return
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"# {time.strftime('%Y-%m-%d')} | {cpu}, {os.cpu_count()} cores | python {platform.python_version()}"
+          + (f" | jaxlm overrides: {' '.join(args.jax_set)}" if args.jax_set else ""))
+    rows = []
+    for shape in args.shapes:
+        for rep in range(args.repeats):
+            for side in args.sides:
+                r = measure(side, shape, args)
+                rows.append({"shape": shape, "side": side, "round": rep + 1, **r})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print("| shape | side | round | params (M) | step (ms) | tokens/s | compile (s) | version |")
+    print("|---|---|---|---|---:|---:|---:|---|")
+    for r in rows:
+        s = SHAPES[r["shape"]]
+        tok = s["batch"] * s["seq_len"] / (r["step_ms"] / 1e3)
+        print(f"| {r['shape']} | {r['side']} | {r['round']} | {r['params'] / 1e6:.2f} | {r['step_ms']:.1f} | {tok:,.0f} "
+              f"| {r['compile_s']} | {r['version']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
