@@ -1,7 +1,7 @@
 """The device mesh's axes, named once.
 
 Every mesh, mesh shape, `config.mesh` key and description of a mesh follows `MESH_AXES`: a new
-axis (`stage`, for pipeline parallelism) is added by naming it here, and its size defaults to 1.
+axis is added by naming it here, and its size defaults to 1 (as `stage`, pipeline parallelism's, was).
 No JAX import, so that the config can read it before JAX starts; `jaxlm.mesh` re-exports it.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# stage (pipeline parallelism) after data: both usually span nodes, and fsdp and tensor stay within one
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
 
 MeshShape = tuple[int, ...]  # one size per axis of MESH_AXES, in its order
 

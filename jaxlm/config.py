@@ -33,6 +33,7 @@ SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "accumulate")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -48,7 +49,7 @@ def default_rules() -> ml_collections.ConfigDict:
             "kv_heads": "tensor",
             "head_dim": "",
             "norm": "",
-            "layers": "",
+            "layers": "stage",  # the stacked layers: split into pipeline stages (jaxlm.models.pipeline_parallel)
             "lora_rank": "",  # the rank dimension of LoRA adapters: small, never sharded
             # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
             "opt_state": "",
@@ -60,6 +61,7 @@ def default_rules() -> ml_collections.ConfigDict:
             "act_kv_heads": "tensor",
             "act_mlp": "tensor",
             "act_vocab": "tensor",
+            "act_stage": "stage",  # the pipeline's per-stage activations
         }
     )
 
@@ -271,6 +273,15 @@ def base_config() -> ml_collections.ConfigDict:
     # Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); "" = off.
     c.mesh.hybrid = ""
     c.mesh.rules = default_rules()
+    # Pipeline parallelism, when mesh.stage > 1: the stacked layers (model.scan_layers) split into mesh.stage
+    # stages, inside the one compiled step (jaxlm.models.pipeline_parallel)
+    c.pipeline = dict(
+        schedule="gpipe",  # gpipe (all forwards, then all backwards) | circular (interleaved: `repeats` groups per stage)
+        # Pipeline micro-batches per gradient-accumulation micro-batch, at least mesh.stage; 0 = the most up to
+        # 4 x stages that the micro-batch's rows per data x fsdp shard divide into
+        microbatches=0,
+        repeats=1,  # circular: non-adjacent layer groups per stage (the bubble shrinks about this much); gpipe: 1
+    )
     return c
 
 
@@ -513,6 +524,18 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "model.attention", ATTENTION_IMPLS)
     _check_choice(cfg, "model.matmul", MATMUL_IMPLS)
     _check(m.scan_unroll >= 0, "model.scan_unroll", m.scan_unroll, "0 (auto) or a positive number of layers")
+    pl = cfg.pipeline
+    _check_choice(cfg, "pipeline.schedule", PIPELINE_SCHEDULES)
+    _check(pl.repeats >= 1 and (pl.schedule == "circular" or pl.repeats == 1), "pipeline.repeats", pl.repeats,
+           "1 with pipeline.schedule='gpipe'; a positive number of layer groups per stage with 'circular'")
+    _check(pl.microbatches >= 0, "pipeline.microbatches", pl.microbatches, "0 (auto) or at least mesh.stage")
+    if cfg.mesh.stage > 1 or cfg.mesh.stage == -1:
+        _check(m.scan_layers, "model.scan_layers", m.scan_layers,
+               f"true with mesh.stage={cfg.mesh.stage} (the stages split the stacked layers)")
+        _check(cfg.mesh.stage == -1 or m.n_layers % (cfg.mesh.stage * pl.repeats) == 0, "model.n_layers", m.n_layers,
+               f"a multiple of mesh.stage x pipeline.repeats = {cfg.mesh.stage} x {pl.repeats}")
+        _check(pl.microbatches == 0 or pl.microbatches >= cfg.mesh.stage, "pipeline.microbatches", pl.microbatches,
+               f"0 (auto) or at least mesh.stage={cfg.mesh.stage}: every stage needs a micro-batch to work on")
     _check(m.loss_chunk_len >= 0 and (m.loss_chunk_len == 0 or cfg.data.seq_len % m.loss_chunk_len == 0),
            "model.loss_chunk_len", m.loss_chunk_len, f"0 (off) or a divisor of data.seq_len={cfg.data.seq_len}")
 
@@ -642,6 +665,15 @@ class Derived:
     micro_batch_size: int  # sequences per micro-batch, over all devices
     per_device_batch: int  # sequences per device per micro-batch
     tokens_per_step: int
+    pipeline_microbatches: int = 1  # micro-batches in flight through the pipeline's stages (1 = no pipeline)
+    pipeline_repeats: int = 1  # layer groups per stage (circular schedule)
+
+    @property
+    def pipeline(self) -> dict:
+        """The model's pipeline fields (`ModelConfig.from_config` overrides): none without stages."""
+        stages = sizes_of(self.mesh_shape)["stage"]
+        return {} if stages == 1 else dict(pipeline_stages=stages, pipeline_microbatches=self.pipeline_microbatches,
+                                           pipeline_repeats=self.pipeline_repeats)
 
 
 def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> MeshShape:
@@ -702,6 +734,23 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"data*fsdp={batch_shards} devices; use a global batch that is a multiple of "
             f"{batch_shards * cfg.optim.micro_batches}"
         )
+    stages = sizes["stage"]
+    pipeline_microbatches = 1
+    if stages > 1:
+        pl = cfg.pipeline
+        if m.n_layers % (stages * pl.repeats):
+            raise UserError(f"config.model.n_layers={m.n_layers} does not split into mesh.stage={stages} stages x "
+                            f"pipeline.repeats={pl.repeats}; choose a stage count and repeats whose product divides it")
+        rows = micro // batch_shards  # each pipeline micro-batch splits over data x fsdp too
+        fits = [n for n in range(stages, 4 * stages + 1) if rows % n == 0]
+        pipeline_microbatches = pl.microbatches or (fits[-1] if fits else 0)
+        if pipeline_microbatches < stages or rows % pipeline_microbatches:
+            raise UserError(
+                f"config.pipeline.microbatches={pl.microbatches or 'auto'}: a micro-batch of {micro} sequences has "
+                f"{rows} per data x fsdp shard, which does not split into {pipeline_microbatches or 'at least'} "
+                f"pipeline micro-batches of whole rows for mesh.stage={stages}; use a global batch that is a "
+                f"multiple of {batch_shards * cfg.optim.micro_batches * stages} or set pipeline.microbatches "
+                f"to a divisor of {rows} of at least {stages}")
     return Derived(
         mesh_shape=shape,
         num_devices=num_devices,
@@ -709,4 +758,6 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
         micro_batch_size=micro,
         per_device_batch=micro // batch_shards,
         tokens_per_step=cfg.data.global_batch_size * cfg.data.seq_len,
+        pipeline_microbatches=pipeline_microbatches,
+        pipeline_repeats=cfg.pipeline.repeats if stages > 1 else 1,
     )

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -57,13 +57,19 @@ Model = train_setup.TrainSetup | inference.LoadedRun  # what inspection, forward
 
 
 def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
-                mesh: Sequence[int] | None = None, **overrides: Any) -> ml_collections.ConfigDict:
+                mesh: Mapping[str, int] | Sequence[int] | None = None, **overrides: Any) -> ml_collections.ConfigDict:
     """A validated config: a recipe name or path (or a ConfigDict, copied) with `a__b=value`
-    overrides; `mesh=(data, fsdp, tensor)` (a size per axis of MESH_AXES) sets the mesh sizes."""
+    overrides; `mesh=dict(data=2, tensor=4)` (sizes by axis name, 1 for the axes not named) or a size per
+    axis of MESH_AXES (data, stage, fsdp, tensor) sets the mesh sizes."""
     if isinstance(recipe, ml_collections.ConfigDict):
         cfg = copy.deepcopy(recipe)
     else:
         cfg = config_lib.load_recipe(recipe)
+    if isinstance(mesh, Mapping):
+        unknown = sorted(set(mesh) - set(MESH_AXES))
+        if unknown:
+            raise UserError(f"mesh={dict(mesh)}: no axis {', '.join(unknown)}; the axes are {', '.join(MESH_AXES)}")
+        mesh = [mesh.get(a, 1) for a in MESH_AXES]
     if mesh is not None:
         if len(mesh) != len(MESH_AXES):
             raise UserError(f"mesh={tuple(mesh)}: give {len(MESH_AXES)} sizes ({', '.join(MESH_AXES)}); "
@@ -91,10 +97,11 @@ def pick_devices(devices: int | str | Sequence[jax.Device] | None) -> list[jax.D
 
 
 def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str | Sequence[jax.Device] | None = None,
-          *, mesh: Sequence[int] | None = None, abstract: bool = False, **overrides: Any) -> train_setup.TrainSetup:
+          *, mesh: Mapping[str, int] | Sequence[int] | None = None, abstract: bool = False,
+          **overrides: Any) -> train_setup.TrainSetup:
     """A `TrainSetup` (mesh, sharded train state, compiled steps) for a recipe on `devices`.
 
-    `build("tiny", devices=1)` is one device; `build("1b", devices="cpu", mesh=(1, 4, 2),
+    `build("tiny", devices=1)` is one device; `build("1b", devices="cpu", mesh=dict(fsdp=4, tensor=2),
     abstract=True)` lays a large model out on 8 CPU devices without allocating it (shapes and
     shardings only: for `parameter_table`, `show_sharding` and `TrainSetup.compile_train_step`).
     `run__xla_flags` takes effect only in the first `build` of a kernel that has not started JAX yet.
@@ -203,11 +210,17 @@ def find_parameter(model: Model, name: str) -> Parameter:
     return found[name]
 
 
-def sharding_view(shape: Sequence[int], spec: P) -> tuple[tuple[int, ...], P, str]:
+def sharding_view(shape: Sequence[int], spec: P, mesh_sizes: Mapping[str, int] | None = None
+                  ) -> tuple[tuple[int, ...], P, str]:
     """A 1-D or 2-D view of a parameter's layout for `jax.debug.visualize_sharding`: leading
     unsplit dimensions (the stacked `layers`) are dropped, as every layer is laid out alike, and an
-    unsplit dimension is merged into the one before it, which keeps each shard contiguous."""
-    dims = list(zip(shape, list(spec) + [None] * (len(shape) - len(spec))))
+    unsplit dimension is merged into the one before it, which keeps each shard contiguous. With
+    `mesh_sizes`, a dimension over mesh axes of size 1 counts as unsplit; the stacked layers split into
+    pipeline stages are drawn for one stage."""
+    def split(entry) -> bool:
+        return bool(entry) and (mesh_sizes is None or any(mesh_sizes.get(a, 1) > 1 for a in mesh_lib.axes_of(entry)))
+
+    dims = [(size, entry if split(entry) else None) for size, entry in zip(shape, list(spec) + [None] * len(shape))]
     note = []
     while len(dims) > 2 and dims[0][1] is None:
         note.append(f"one slice of the leading dimension of {dims[0][0]}")
@@ -216,6 +229,9 @@ def sharding_view(shape: Sequence[int], spec: P) -> tuple[tuple[int, ...], P, st
         if len(dims) > 2 and dims[i][1] is None:
             size, _ = dims.pop(i)
             dims[i - 1] = (dims[i - 1][0] * size, dims[i - 1][1])
+    if len(dims) > 2 and len(shape) > 2:  # the stacked layers, split into stages: one stage's layers
+        size, entry = dims.pop(0)
+        note.append(f"the layers of one of the shards of the leading dimension of {size} (split over {entry})")
     if len(dims) > 2:
         raise UserError(f"a parameter of shape {tuple(shape)} split as {spec} has no 2-D view; "
                         f"use treescope.render_array_sharding on it")
@@ -226,7 +242,7 @@ def show_sharding(model: Model, name: str) -> None:
     """Draw which device holds which block of a parameter (`jax.debug.visualize_sharding`, rich)."""
     p = find_parameter(model, name)
     mesh = _params_and_names(model)[2]
-    shape, spec, note = sharding_view(p.shape, p.spec)
+    shape, spec, note = sharding_view(p.shape, p.spec, dict(mesh.shape))
     print(f"{name} {p.shape} {spec_text(p.spec)} -> shards of {p.shard_shape}" + (f" (drawn: {note})" if note else ""))
     jax.debug.visualize_sharding(shape, NamedSharding(mesh, spec))
 

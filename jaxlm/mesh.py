@@ -143,6 +143,14 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
+def mesh_axes_of(name: str) -> tuple[str, ...]:
+    """The mesh axes the rules in force map the logical name `name` to; () outside a mesh or rules."""
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return ()
+    return axes_of(dict(rules).get(name))
+
+
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp), whole rows, so
     each process supplies whole rows (the model splits the sequence itself under sequence parallelism)."""

@@ -98,7 +98,7 @@ def build(
     mesh = mesh_lib.make_mesh(derived.mesh_shape, devices, hybrid=cfg.mesh.hybrid)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora,
-                                                     compress=cfg.compress)
+                                                     compress=cfg.compress, **derived.pipeline)
     model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
                                         pruned=bool(model_cfg.prune_targets))

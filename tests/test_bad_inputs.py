@@ -234,6 +234,15 @@ CASES = [
     Case("mesh-needs-more-devices", "train", T("--config.mesh.fsdp=3"), 2, ("needs 3 devices but 8 are available",)),
     Case("micro-batches-not-divisor", "train", T("--config.optim.micro_batches=5"), 2,
          ("a divisor of data.global_batch_size=16",)),
+    # --- config: pipeline stages against the layers, the micro-batches and the devices
+    Case("pipeline-layers-not-divisible", "train",
+         T("--config.mesh.stage=4", "--config.pipeline.schedule=circular", "--config.pipeline.repeats=2"), 2,
+         ("model.n_layers=4", "mesh.stage x pipeline.repeats = 4 x 2")),
+    Case("pipeline-fewer-microbatches-than-stages", "train",
+         T("--config.mesh.stage=2", "--config.pipeline.microbatches=1"), 2,
+         ("pipeline.microbatches=1", "at least mesh.stage=2")),
+    Case("stage-does-not-divide-devices", "train", T("--config.mesh.stage=3", "--config.model.n_layers=6"), 2,
+         ("stage=3", "does not divide the 8 available")),
     # --- config: sizes that cannot fit, refused before anything is allocated
     Case("batches-beyond-host-memory", "train", T("--config.data.seq_len=1000000000"), 2,
          ("input batches alone need", "host memory", "data.seq_len")),

@@ -49,7 +49,7 @@ def _vector_target() -> dict:
 def saved(tmp_path_factory):
     """A train state created on an 8-way FSDP mesh, saved as step 7: (directory, host copy of the state)."""
     model_cfg, tx, rules, cfg = _model_and_optimizer()
-    state, _, _ = train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 8, 1)), rules)
+    state, _, _ = train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 8, 1)), rules)
     state = state.replace(step=jnp.array(7, jnp.int32))
     expected = jax.device_get(state)
     directory = tmp_path_factory.mktemp("ckpt")
@@ -61,7 +61,7 @@ def saved(tmp_path_factory):
     return directory, expected
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)], ids=["mesh222", "one_device"])
+@pytest.mark.parametrize("shape", [(2, 1, 2, 2), (1, 1, 1, 1)], ids=["mesh222", "one_device"])
 def test_restore_onto_another_mesh(saved, shape):
     directory, expected = saved
     target = _abstract(shape)
@@ -83,7 +83,7 @@ def _assert_sharding(array, sharding):
 
 def test_load_params_in_bfloat16_onto_another_mesh(saved):
     directory, expected = saved
-    target = _abstract((1, 2, 4)).params
+    target = _abstract((1, 1, 2, 4)).params
     params = checkpoint.load_params(directory, target, dtype=jnp.bfloat16)
     assert jax.tree.structure(params) == jax.tree.structure(expected.params)  # no optimizer state
     for got, want, leaf in zip(jax.tree.leaves(params), jax.tree.leaves(expected.params), jax.tree.leaves(target)):

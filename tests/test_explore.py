@@ -22,13 +22,13 @@ SMALL = dict(model__vocab_size=512, model__d_model=64, model__n_layers=2, model_
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("explore")
-    setup = explore.build("tiny", devices=jax.devices(), mesh=(2, 2, 2), data__cache_dir=str(tmp / "cache"),
-                          run__output_dir=str(tmp / "runs"), **SMALL)
+    setup = explore.build("tiny", devices=jax.devices(), mesh=dict(data=2, fsdp=2, tensor=2),
+                          data__cache_dir=str(tmp / "cache"), run__output_dir=str(tmp / "runs"), **SMALL)
     return setup, explore.load_data(setup), tmp
 
 
 def test_the_parameter_table_says_what_the_rules_and_mesh_make_of_each_weight():
-    setup = explore.build("tiny", devices=jax.devices(), mesh=(1, 4, 2), abstract=True, **SMALL)
+    setup = explore.build("tiny", devices=jax.devices(), mesh=dict(fsdp=4, tensor=2), abstract=True, **SMALL)
     params = explore.parameters(setup)
     sizes = dict(setup.mesh.shape)
     names = jax.tree_util.tree_leaves(setup.model_spec.logical_names, is_leaf=lambda x: isinstance(x, tuple))
@@ -50,6 +50,10 @@ def test_the_parameter_table_says_what_the_rules_and_mesh_make_of_each_weight():
     wq, wo = by_name["blocks.attn.wq.kernel"].spec, by_name["blocks.attn.wo.kernel"].spec
     assert explore.sharding_view((2, 64, 4, 16), wq)[:2] == ((64, 64), jax.P("fsdp", "tensor"))
     assert explore.sharding_view((2, 4, 16, 64), wo)[:2] == ((64, 64), jax.P("tensor", "fsdp"))
+    # on this mesh the layers' stage axis has size 1: unsplit; split into two pipeline stages, one stage is drawn
+    assert "one slice of the leading dimension of 2" in explore.sharding_view((2, 64, 4, 16), wq, dict(setup.mesh.shape))[2]
+    staged = explore.sharding_view((2, 64, 4, 16), wq, {**setup.mesh.shape, "stage": 2})
+    assert staged[:2] == ((64, 64), jax.P("fsdp", "tensor")) and "split over stage" in staged[2]
     with pytest.raises(UserError, match="no parameter 'blocks.mlp.w_in.kernel'"):
         explore.find_parameter(setup, "blocks.mlp.w_in.kernel")
 

@@ -76,7 +76,7 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     grouped-query heads, on a (2, 2, 2) mesh (the trained run above: scanned Llama layers, FSDP over 8)."""
     model_cfg = small_config(n_kv_heads=4, tie_embeddings=True, scan_layers=False, norm="layernorm", mlp="gelu",
                              position="learned", use_bias=True)
-    mesh_shape = (2, 2, 2)
+    mesh_shape = (2, 1, 2, 2)
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     mesh = mesh_lib.make_mesh(mesh_shape)
     model_spec = train_state.build_model_spec(model_cfg)
@@ -92,7 +92,7 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     with jax.set_mesh(mesh):
         cache, _ = prefill(params, tokens, start, padding, jax.random.PRNGKey(0),
                            generate.SamplingArrays.of(GREEDY, None), cache_len, max_new)
-    data, fsdp, tensor = mesh_shape
+    data, _, fsdp, tensor = mesh_shape
     rows = len(tokens)
     assert rows == -(-3 // (data * fsdp)) * data * fsdp  # the batch is padded to split evenly
     assert cache.k.sharding.spec == mesh_lib.logical_to_spec(attention.CACHE_AXES, rules)

@@ -91,7 +91,7 @@ def test_a_new_run_starts_from_the_sources_parameters_on_another_corpus_and_mesh
     setup = train_setup.build(cfg)  # what `python -m jaxlm.train` starts a new run from
     state = setup.state
     assert setup.init_from == record and int(state.step) == 0
-    assert dict(setup.mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(setup.mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 2}
     mine, theirs = flat(jax.device_get(state.params)), flat(jax.device_get(src.params))
     assert mine.keys() == theirs.keys()
     for path, value in mine.items():

@@ -81,19 +81,20 @@ def test_adapter_shapes_and_logical_names_follow_the_kernels_and_shard_like_them
     assert names["mlp"]["w_down"]["lora_a"] == ("layers", "mlp", "lora_rank")
     assert spec.logical_names["unembed"]["lora_b"] == ("lora_rank", "vocab")
     # Under a mesh with data, fsdp and tensor > 1 (the default rules): A and B split as the kernel's dims.
-    mesh = mesh_lib.make_mesh((2, 2, 2))
+    mesh = mesh_lib.make_mesh((2, 1, 2, 2))
     rules = mesh_lib.rules_from_config(config.default_rules())
     abstract, *_ = train_state.abstract_state(cfg, optim.make_optimizer(config.base_config().optim, 10,
                                                                         spec.decay_mask)[0], mesh, rules, 0, spec)
     p = abstract.params
     wq, wo, down, unembed = p["blocks"]["attn"]["wq"], p["blocks"]["attn"]["wo"], p["blocks"]["mlp"]["w_down"], p["unembed"]
     P = jax.sharding.PartitionSpec
-    assert wq["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
-    assert wq["lora_a"].sharding.spec == P(None, "fsdp", None) and wq["lora_a"].shape == (2, 64, 4)
-    assert wq["lora_b"].sharding.spec == P(None, None, "tensor", None) and wq["lora_b"].shape == (2, 4, 8, 8)
-    assert wo["lora_a"].sharding.spec == P(None, "tensor", None, None) and wo["lora_a"].shape == (2, 8, 8, 4)
-    assert wo["lora_b"].sharding.spec == P(None, None, "fsdp") and wo["lora_b"].shape == (2, 4, 64)
-    assert down["lora_a"].sharding.spec == P(None, "tensor", None) and down["lora_b"].sharding.spec == P(None, None, "fsdp")
+    assert wq["kernel"].sharding.spec == P("stage", "fsdp", "tensor", None)
+    assert wq["lora_a"].sharding.spec == P("stage", "fsdp", None) and wq["lora_a"].shape == (2, 64, 4)
+    assert wq["lora_b"].sharding.spec == P("stage", None, "tensor", None) and wq["lora_b"].shape == (2, 4, 8, 8)
+    assert wo["lora_a"].sharding.spec == P("stage", "tensor", None, None) and wo["lora_a"].shape == (2, 8, 8, 4)
+    assert wo["lora_b"].sharding.spec == P("stage", None, "fsdp") and wo["lora_b"].shape == (2, 4, 64)
+    assert down["lora_a"].sharding.spec == P("stage", "tensor", None)
+    assert down["lora_b"].sharding.spec == P("stage", None, "fsdp")
     assert unembed["lora_a"].sharding.spec == P("fsdp", None) and unembed["lora_b"].sharding.spec == P(None, "tensor")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(lora.adapter_params(p)))
 
@@ -158,7 +159,7 @@ def test_with_adapters_only_they_train_unless_optim_trainable_says_more():
     assert all(flat(train_state.build_model_spec(small_config()).trainable).values())  # no adapters: all train
 
 
-def _train(model_cfg, n_steps, mesh_shape=(2, 2, 2), trainable="", lr=1e-2):
+def _train(model_cfg, n_steps, mesh_shape=(2, 1, 2, 2), trainable="", lr=1e-2):
     cfg = config.recipe("tiny", optim__peak_lr=lr, optim__warmup_steps=0, optim__schedule="constant",
                         optim__trainable=trainable)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)

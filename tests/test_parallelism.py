@@ -30,7 +30,7 @@ def test_zero1_shards_the_optimizer_state_over_data():
     zero1 = train_setup.build(config.recipe("tiny", **SMALL, mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
                               abstract=True)
     mu = zero1.state.opt_state[1][0].mu
-    assert mu["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", ("tensor", "data"))  # its largest dim
+    assert mu["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P("stage", "fsdp", ("tensor", "data"))  # its largest dim
     assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data"), "fsdp")
     # Parameters keep their layout; the moments (all but the clip and count scalars) are 1/8 per device.
     assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)
@@ -38,7 +38,7 @@ def test_zero1_shards_the_optimizer_state_over_data():
 
 
 def test_extending_a_sharding_picks_a_dimension_that_divides():
-    mesh = mesh_lib.make_mesh((8, 1, 1))
+    mesh = mesh_lib.make_mesh((8, 1, 1, 1))
     base = jax.sharding.NamedSharding(mesh, P(None, "fsdp"))
     assert mesh_lib.extend_sharding(base, (6, 16), "data").spec == P(None, ("fsdp", "data"))
     assert mesh_lib.extend_sharding(base, (16, 6), "data").spec == P("data", "fsdp")
@@ -56,14 +56,15 @@ def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
     # The input batch stays whole rows, so each process supplies its rows whatever the rules.
-    assert mesh_lib.batch_sharding(mesh_lib.make_mesh((2, 1, 4)), rules).spec == P(("data", "fsdp"), None)
+    assert mesh_lib.batch_sharding(mesh_lib.make_mesh((2, 1, 1, 4)), rules).spec == P(("data", "fsdp"), None)
 
 
 def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     # data/fsdp ignored
     cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)
-    assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 8, 1)
-    assert config.derive(config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2), 16, groups=2).mesh_shape == (2, 4, 2)
+    assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 1, 8, 1)
+    process = config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2)
+    assert config.derive(process, 16, groups=2).mesh_shape == (2, 1, 4, 2)
     with pytest.raises(UserError, match="every process needs the same device count"):
         config.derive(config.recipe("tiny", mesh__hybrid="process"), 8, groups=3)
     with pytest.raises(UserError, match="mesh.hybrid='rack' is not allowed"):
@@ -72,7 +73,7 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     cfg = config.recipe("tiny", mesh__hybrid="host")
     shape = config.derive(cfg, jax.device_count()).mesh_shape
     mesh = mesh_lib.make_mesh(shape, hybrid="host")
-    assert shape == (1, 8, 1) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
+    assert shape == (1, 1, 8, 1) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
 
 
 def _losses(steps=3, **overrides):

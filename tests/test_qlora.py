@@ -223,12 +223,12 @@ def test_quantized_leaves_shard_and_never_train():
     assert not any(t for p, t in trains.items() if "kernel_" in p) and any(trains.values())
     # created on 8 devices, fsdp=8: the packed embed axis (64 / 2 = 32) splits 4 per device
     rules = mesh_lib.rules_from_config(config.default_rules())
-    mesh = mesh_lib.make_mesh((1, 8, 1))
+    mesh = mesh_lib.make_mesh((1, 1, 8, 1))
     abstract, *_ = train_state.abstract_state(cfg, optax.identity(), mesh, rules)
     q, scale = abstract.params["blocks"]["attn"]["wq"]["kernel_q"], abstract.params["blocks"]["attn"]["wq"]["kernel_scale"]
-    assert q.shape == (2, 32, 8, 8) and tuple(q.sharding.spec)[:2] == (None, "fsdp")
+    assert q.shape == (2, 32, 8, 8) and tuple(q.sharding.spec)[:2] == ("stage", "fsdp")
     assert q.sharding.shard_shape(q.shape) == (2, 4, 8, 8)
-    assert scale.shape == (2, 1, 8, 8) and tuple(scale.sharding.spec)[:2] == (None, None)
+    assert scale.shape == (2, 1, 8, 8) and tuple(scale.sharding.spec)[:2] == ("stage", None)
     down = abstract.params["blocks"]["mlp"]["w_down"]["kernel_q"]  # [layers, mlp / 2, embed]
     assert down.shape == (2, 64, 64) and down.sharding.shard_shape(down.shape) == (2, 64, 8)
     # a packed axis that does not split: one line naming the leaf
@@ -244,7 +244,7 @@ def test_a_sharded_train_step_trains_the_adapters_over_the_packed_base():
     from test_lora import _train
 
     cfg = qlora_config(double=True)
-    model_spec, before, state, losses = _train(cfg, 8, mesh_shape=(1, 8, 1))
+    model_spec, before, state, losses = _train(cfg, 8, mesh_shape=(1, 1, 8, 1))
     q = state.params["blocks"]["mlp"]["w_up"]["kernel_q"]  # [layers, embed / 2, mlp]
     assert q.dtype == jnp.uint8 and q.sharding.shard_shape(q.shape) == (2, 4, 128)
     after = flat(jax.device_get(state.params))

@@ -10,7 +10,7 @@ from jaxlm import config, optim, train_state
 from jaxlm import mesh as mesh_lib
 
 
-def _create(recipe: str, shape=(2, 2, 2), **rule_overrides):
+def _create(recipe: str, shape=(2, 1, 2, 2), **rule_overrides):
     cfg = config.recipe(recipe, **{f"mesh__rules__{k}": v for k, v in rule_overrides.items()})
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = small_config(n_kv_heads=4)
@@ -25,14 +25,15 @@ def _flat(tree):
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-# Hand-written expectations, so the test does not only compare the rules with themselves.
+# Hand-written expectations, so the test does not only compare the rules with themselves. The stacked layers
+# are split over `stage` (pipeline parallelism), of size 1 here.
 EXPECTED_DEFAULT = {
-    "['blocks']['attn']['wq']['kernel']": P(None, "fsdp", "tensor", None),
-    "['blocks']['attn']['wk']['kernel']": P(None, "fsdp", "tensor", None),
-    "['blocks']['attn']['wo']['kernel']": P(None, "tensor", None, "fsdp"),
-    "['blocks']['mlp']['w_gate']['kernel']": P(None, "fsdp", "tensor"),
-    "['blocks']['mlp']['w_down']['kernel']": P(None, "tensor", "fsdp"),
-    "['blocks']['attn_norm']['scale']": P(None, None),
+    "['blocks']['attn']['wq']['kernel']": P("stage", "fsdp", "tensor", None),
+    "['blocks']['attn']['wk']['kernel']": P("stage", "fsdp", "tensor", None),
+    "['blocks']['attn']['wo']['kernel']": P("stage", "tensor", None, "fsdp"),
+    "['blocks']['mlp']['w_gate']['kernel']": P("stage", "fsdp", "tensor"),
+    "['blocks']['mlp']['w_down']['kernel']": P("stage", "tensor", "fsdp"),
+    "['blocks']['attn_norm']['scale']": P("stage", None),
     "['embed']['embedding']": P("tensor", "fsdp"),
     "['unembed']['kernel']": P("fsdp", "tensor"),
     "['final_norm']['scale']": P(None),
@@ -49,8 +50,8 @@ EXPECTED_DEFAULT = {
             "1b",
             dict(embed="fsdp,tensor", mlp="", heads="", kv_heads="", vocab=""),
             {
-                "['blocks']['attn']['wq']['kernel']": P(None, ("fsdp", "tensor"), None, None),
-                "['blocks']['mlp']['w_down']['kernel']": P(None, None, ("fsdp", "tensor")),
+                "['blocks']['attn']['wq']['kernel']": P("stage", ("fsdp", "tensor"), None, None),
+                "['blocks']['mlp']['w_down']['kernel']": P("stage", None, ("fsdp", "tensor")),
                 "['embed']['embedding']": P(None, ("fsdp", "tensor")),
                 "['unembed']['kernel']": P(("fsdp", "tensor"), None),
             },
@@ -97,7 +98,7 @@ def test_uneven_shards_are_a_clear_error():
     model_spec = train_state.build_model_spec(model_cfg)
     tx, _ = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     with pytest.raises(UserError, match="kv_heads"):
-        train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 8)), rules)
+        train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 1, 8)), rules)
 
 
 def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated():
@@ -120,7 +121,7 @@ def test_building_under_an_active_mesh_works():
     from jaxlm import train_setup
 
     cfg = config.recipe("tiny", model__n_layers=2, mesh__fsdp=2, mesh__data=-1)
-    with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1))):
+    with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1, 1))):
         for abstract in (True, False):
             setup = train_setup.build(cfg, abstract=abstract)
-            assert setup.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
+            assert setup.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P("stage", "fsdp", "tensor")

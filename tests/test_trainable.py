@@ -11,7 +11,7 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 
 
-def _step(trainable: str, mesh_shape=(1, 2, 1), micro_batches=1):
+def _step(trainable: str, mesh_shape=(1, 1, 2, 1), micro_batches=1):
     cfg = config.recipe("tiny", optim__clip_norm=0.0, optim__trainable=trainable)
     model_cfg = small_config()
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
@@ -34,7 +34,7 @@ def _flat(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 2, 1), 1), ((2, 2, 2), 2)])
+@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 1, 2, 1), 1), ((2, 1, 2, 2), 2)])
 def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh_shape, micro_batches):
     _, before, full, _ = _step("", mesh_shape, micro_batches)
     model_spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
-from jaxlm.models import layers
+from jaxlm.models import layers, pipeline_parallel
 from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, select_implementation
 
 
@@ -94,6 +94,10 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     scan_layers: bool = True
     scan_unroll: int = 1  # layers per iteration of the layer scan (config.model.scan_unroll, resolved)
+    # Pipeline parallelism (config.pipeline, with mesh.stage stages; jaxlm.models.pipeline_parallel): 1 stage = none
+    pipeline_stages: int = 1
+    pipeline_microbatches: int = 1
+    pipeline_repeats: int = 1
     remat: str = "none"
     # The projections' contraction (`layers.Projection.einsum_op`; config.model.matmul): False = `jnp.einsum`;
     # True = `layers.accumulating_einsum`, float32 accumulation made explicit, the form XLA:CPU runs natively
@@ -391,6 +395,11 @@ def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
 
 
+def _pipelined_block(x, block, key, positions, segment_ids):
+    """One block as a pipeline stage runs it: positions and segment ids are its micro-batch's."""
+    return block(x, positions, segment_ids, key)
+
+
 def _remat(fn, policy: str, scanned: bool):
     """`fn` rematerialized under `policy`. Inside a scan XLA cannot merge the recomputation with the
     forward, so CSE may stay on (fewer barriers); unrolled, it must be prevented, or XLA merges the two
@@ -473,6 +482,9 @@ class Transformer(nnx.Module):
         run_block = _remat(run_block, cfg.remat, cfg.scan_layers and cfg.scan_unroll == 1)
         if cache is not None:
             x, cache = self._blocks_with_cache(x, positions, cache)
+        elif cfg.pipeline_stages > 1:
+            x = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
+                                      _remat(_pipelined_block, cfg.remat, True))
         elif cfg.scan_layers:
 
             @nnx.scan(
@@ -495,6 +507,11 @@ class Transformer(nnx.Module):
             return x
         logits = self.logits(x)
         return logits if cache is None else (logits, cache)
+
+    @property
+    def pipeline_schedule(self) -> pipeline_parallel.Schedule:
+        c = self.cfg
+        return pipeline_parallel.Schedule(c.pipeline_stages, c.pipeline_microbatches, c.pipeline_repeats)
 
     def embed_tokens(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """Tokens [B, T] -> the first block's input [B, T, D]: the embedding (and learned positions)."""
