@@ -747,8 +747,9 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
         if pipeline_microbatches < stages or rows % pipeline_microbatches:
             raise UserError(
                 f"config.pipeline.microbatches={pl.microbatches or 'auto'}: a micro-batch of {micro} sequences has "
-                f"{rows} per data x fsdp shard, which does not split into {pipeline_microbatches or 'at least'} "
-                f"pipeline micro-batches of whole rows for mesh.stage={stages}; use a global batch that is a "
+                f"{rows} per data x fsdp shard, which does not split into "
+                f"{pipeline_microbatches or f'at least {stages}'} pipeline micro-batches of whole rows for "
+                f"mesh.stage={stages}; use a global batch that is a "
                 f"multiple of {batch_shards * cfg.optim.micro_batches * stages} or set pipeline.microbatches "
                 f"to a divisor of {rows} of at least {stages}")
     return Derived(

@@ -31,7 +31,7 @@ from jaxlm import axes, optim, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
-from jaxlm.models import transformer
+from jaxlm.models import pipeline_parallel, transformer
 
 GIB = 2**30
 F32 = 4
@@ -242,6 +242,10 @@ class Estimate:
     per_device_batch: int  # sequences per device per micro-batch
     act_bytes: int
     attention: str
+    # Pipeline stages (mesh.stage > 1): the schedule, and the bytes each device sends to the next stage per
+    # step (activations forward, their gradients backward, every loop iteration of every micro-batch)
+    pipeline: pipeline_parallel.Schedule | None = None
+    stage_bytes_per_step: float = 0.0
 
     @property
     def per_device_bytes(self) -> float:
@@ -270,8 +274,16 @@ def estimate(
         cfg = resolve_micro_batches(cfg, num_devices, 80 * GIB, platform)[0]
     derived = config_lib.derive(cfg, num_devices)
     m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora,
-                                              compress=cfg.compress)
+                                              compress=cfg.compress, **derived.pipeline)
     a = act_bytes or _itemsize(m.dtype)
+    schedule = None
+    if m.pipeline_stages > 1:
+        schedule = pipeline_parallel.Schedule(m.pipeline_stages, m.pipeline_microbatches, m.pipeline_repeats)
+    # Layer passes whose activations a device keeps, in micro-batches' worth: all layers unpipelined; with
+    # stages, its own G = L / (S R) layers on each of the loop's iterations of a 1/M micro-batch (the
+    # bubble's idle passes keep theirs too).
+    layer_passes = m.n_layers if schedule is None else (
+        schedule.iterations * (m.n_layers // (schedule.stages * schedule.repeats)) / schedule.microbatches)
     state, model_spec = abstract_state(cfg, derived.mesh_shape, dataclasses.replace(m, attention="xla", remat="none"))
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     sizes = axes.sizes_of(derived.mesh_shape)
@@ -299,10 +311,15 @@ def estimate(
     def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float]:
         """(saved, one layer's backward, logits and loss); i = 0 per device, 1 unsharded."""
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
-        saved = m.n_layers * (layer_saved_bytes(m, s, a, m.remat) + (a * layer_params[i] if cast else 0.0))
+        passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
+        saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if m.attention != "cudnn":
             saved += s.scores  # the attention mask, one for all layers
+        if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer
+            saved += 2 * a * s.x * (1 + 1 / schedule.microbatches)
+            s = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
+                                 mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
         chunk = cfg.model.loss_chunk_len
         fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
@@ -323,14 +340,22 @@ def estimate(
         *([Row("grad accumulator", *trainable_bytes, f"{cfg.optim.micro_batches} micro-batches")] if accumulate else []),
         Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
             "AdamW's new values beside the donated state"),
-        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={m.remat}"),
+        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={m.remat}" + (
+            "" if schedule is None else f"; {m.n_layers // schedule.stages} per stage, {schedule.iterations} "
+            f"iterations of 1/{schedule.microbatches} micro-batch")),
         Row("working set", max(layer, logits), max(layer_total, logits_total),
             f"the larger of one layer's backward ({format_bytes(layer)}) and the logits ({format_bytes(logits)})"),
         Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
     ]
+    stage_bytes = 0.0
+    if schedule is not None:  # each iteration hands a stage's output on, forward and (its gradient) backward
+        piece = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
+                                 sizes).x * a
+        stage_bytes = 2 * schedule.iterations * piece * cfg.optim.micro_batches
     return Estimate(
         rows=rows, param_count=transformer.param_count(m)["total"], mesh_shape=derived.mesh_shape,
-        per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention,
+        per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention, pipeline=schedule,
+        stage_bytes_per_step=stage_bytes,
     )
 
 
@@ -375,7 +400,8 @@ def device_memory_bytes(device=None) -> float:
 
 def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> list[int]:
     """The micro-batch counts a run can take, ascending: the divisors of its sequences per data x fsdp
-    shard (the last is one sequence each). UserError when the batch does not divide over the shards."""
+    shard (the last is one sequence each; with pipeline stages, enough sequences for at least as many
+    pipeline micro-batches). UserError when the batch does not divide over the shards."""
     sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
     shards, batch = sizes["data"] * sizes["fsdp"], cfg.data.global_batch_size
     if batch % shards:
@@ -384,7 +410,12 @@ def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> lis
             f"multiple of {shards}"
         )
     per_shard = batch // shards
-    return [k for k in range(1, per_shard + 1) if per_shard % k == 0]
+    stages = sizes["stage"]
+
+    def pipelines(rows: int) -> bool:  # with stages: rows that split into at least `stages` pipeline micro-batches
+        return stages == 1 or any(rows % n == 0 for n in range(stages, 4 * stages + 1))
+
+    return [k for k in range(1, per_shard + 1) if per_shard % k == 0 and pipelines(per_shard // k)]
 
 
 def resolve_micro_batches(

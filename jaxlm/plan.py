@@ -299,6 +299,10 @@ def plan(
         "param_dtype": cfg.model.param_dtype,
         "attention": est.attention,
         "analytic": {"per_device_bytes": est.per_device_bytes, "rows": [dataclasses.asdict(r) for r in est.rows]},
+        "pipeline": None if est.pipeline is None else {
+            "stages": est.pipeline.stages, "microbatches": est.pipeline.microbatches,
+            "repeats": est.pipeline.repeats, "schedule": cfg.pipeline.schedule, "bubble": est.pipeline.bubble,
+            "iterations": est.pipeline.iterations, "stage_bytes_per_step": est.stage_bytes_per_step},
         "compiled": None,
     }
     decided_by, per_device = "analytic", est.per_device_bytes
@@ -323,6 +327,15 @@ def plan(
     return report
 
 
+def format_pipeline(p: dict[str, Any]) -> str:
+    """One line: the pipeline's schedule, its bubble and what each device sends to the next stage per step."""
+    return (f"  pipeline: {p['stages']} stages, {p['schedule']}"
+            + (f" with {p['repeats']} layer groups per stage" if p["repeats"] > 1 else "")
+            + f", {p['microbatches']} micro-batches in flight: {p['iterations']} iterations, bubble "
+            f"{p['bubble']:.1%} ((S - 1) / (M R + S - 1)); {format_bytes(p['stage_bytes_per_step'])} per device "
+            f"to the next stage per step (activations forward, their gradients backward)")
+
+
 def format_report(report: dict[str, Any]) -> str:
     r = report
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
@@ -333,6 +346,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
         f"{r['param_dtype']}; attention {r['attention']} (planned for {r['platform']})",
         *([f"  {r['micro_batches_auto']}"] if r.get("micro_batches_auto") else []),
+        *([format_pipeline(r["pipeline"])] if r.get("pipeline") else []),
         "",
         f"  {'component':<22}{'per device':>14}{'unsharded':>14}",
     ]

@@ -166,3 +166,53 @@ def test_pipeline_settings_that_cannot_work_are_one_line():
     # 16 rows over fsdp=4 leave 4 per shard: 3 pipeline micro-batches cannot take whole rows
     with pytest.raises(UserError, match=r"pipeline\.microbatches=3: .*divisor of 4 of at least 2"):
         _build(mesh__stage=2, mesh__fsdp=4, pipeline__microbatches=3)
+
+
+def test_the_planner_reports_the_bubble_the_traffic_and_less_memory_per_device():
+    from jaxlm import memory, plan
+
+    cfg = config.recipe("tiny", mesh__stage=4, mesh__fsdp=2, pipeline__schedule="circular", pipeline__repeats=1)
+    report = plan.plan(cfg, 8, 80 * memory.GIB)
+    p = report["pipeline"]
+    assert (p["stages"], p["microbatches"], p["repeats"], p["iterations"]) == (4, 8, 1, 11)  # 8 rows per shard
+    assert p["bubble"] == pytest.approx(3 / 11)
+    # each iteration a device sends its [1 row, 128, 128] bf16 piece on, and receives its gradient back
+    assert p["stage_bytes_per_step"] == 2 * 11 * (1 * 128 * 128 * 2)
+    assert "bubble 27.3%" in plan.format_report(report)
+    # a device holds a quarter of the layers: its parameters, gradients and Adam moments shrink with the stages
+    flat = plan.plan(config.recipe("tiny", mesh__fsdp=2), 2, 80 * memory.GIB)
+    rows = {r["name"]: r["per_device_bytes"] for r in report["analytic"]["rows"]}
+    flat_rows = {r["name"]: r["per_device_bytes"] for r in flat["analytic"]["rows"]}
+    assert rows["parameters"] < flat_rows["parameters"] and rows["activations saved"] < flat_rows["activations saved"]
+    # and so does the compiled program (XLA's memory analysis, 8 CPU devices against the same rows per shard on 2)
+    compiled = {n: plan.plan(c, n, 80 * memory.GIB, compile=True, devices=jax.devices()[:n])["compiled"]
+                for n, c in ((8, cfg), (2, config.recipe("tiny", mesh__fsdp=2)))}
+    assert compiled[8]["per_device_bytes"] < 0.8 * compiled[2]["per_device_bytes"]
+
+
+@pytest.mark.slow  # 18 s: three CLI processes
+def test_a_pipelined_cli_run_trains_evaluates_and_generates(tmp_path):
+    """`python -m jaxlm.train` on 2 stages x 4 fsdp (8 CPU devices), then the evaluation and generation
+    commands on its run directory: they gather the stages (their own mesh, no pipeline)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny_run import ROOT, train_args
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # conftest's 8 devices
+    train = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(tmp_path, steps=12), "--config.mesh.stage=2",
+                            "--config.mesh.fsdp=4", "--config.pipeline.schedule=circular", "--config.run.eval_every=6"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    run_dir = tmp_path / "facts"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in r for r in rows) and np.isfinite([r["loss"] for r in rows if "loss" in r]).all()
+    for command, args in (("evaluate", ["--run_dir", str(run_dir)]),
+                          ("generate", ["--run_dir", str(run_dir), "--prompt=alice likes", "--max_new_tokens=4",
+                                        "--temperature=0", "--json"])):
+        result = subprocess.run([sys.executable, "-m", f"jaxlm.{command}", *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, (command, result.stderr[-3000:])
+    assert json.loads(result.stdout.splitlines()[-1])["tokens"] == 4

@@ -36,8 +36,14 @@ def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
     return None
 
 
+# Why cuDNN's attention cannot run in pipeline stages (jaxlm.models.pipeline_parallel): jax 0.10's batching rule
+# for it reshapes a [stages, batch, 1, T, T] mask to [stages * batch, heads, T, T] and fails, and inside a
+# shard_map manual over the stage axis its partitioner fails on the shardings it is given (both tried).
+PIPELINE_NO_CUDNN = "jax's cuDNN attention cannot be batched over pipeline stages with a document mask"
+
+
 def select_implementation(requested: str, platform: str | None = None, *, dtype=jnp.bfloat16, head_dim: int = 64,
-                          log_choice: bool = True) -> str:
+                          log_choice: bool = True, pipelined: bool = False) -> str:
     """Resolve 'auto' for the backend, dtype and head size: the one place that decides what 'auto'
     means. The choice and any fallback are logged (unless `log_choice` is false: the planner).
 
@@ -48,6 +54,8 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     if requested not in ("auto", *IMPLEMENTATIONS):
         raise UserError(f"config.model.attention={requested!r}: use one of auto, {', '.join(IMPLEMENTATIONS)}")
     reason = "the backend is not a GPU" if platform != "gpu" else cudnn_unsupported_reason(dtype, head_dim)
+    if pipelined and not reason:
+        reason = PIPELINE_NO_CUDNN
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
     chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")

@@ -212,7 +212,8 @@ class ModelConfig:
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields.update(overrides)
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
-                                                    head_dim=head_dim, log_choice=log_choice)
+                                                    head_dim=head_dim, log_choice=log_choice,
+                                                    pipelined=fields.get("pipeline_stages", 1) > 1)
         cfg = cls(**fields)
         if lora is not None:
             cfg = dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
