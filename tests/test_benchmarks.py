@@ -177,6 +177,7 @@ def test_attention_benchmark_check_fails_a_kernel_that_crosses_documents():
     assert bench.segment_runs(np.asarray(seg)) == int((offsets >= 0).sum(axis=1).max())  # the layout's M
 
 
+@pytest.mark.slow  # 10 s: PyTorch and jaxlm each start a process
 def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     """benchmarks/cpu_vs_torch.py builds, in PyTorch, the model jaxlm builds (the parameter counts agree to
     the parameter) and times one optimizer step of each; the table names both sides."""

@@ -6,7 +6,8 @@ layers per group]; one loop iteration runs every stage at once (a `vmap` over th
 the rules shard over the mesh's `stage` axis through the logical names `layers` and `act_stage`), then
 hands each stage's output to the next by rotating the stage-sharded buffer, which XLA compiles to a
 collective permute. JAX differentiates the loop, so the backward pass runs the same schedule in reverse.
-Nothing here names a mesh axis.
+Nothing here names a mesh axis. jax's cuDNN attention cannot be batched over the stages with a document
+mask (`attention.PIPELINE_NO_CUDNN`), so pipelined models use XLA's attention.
 
 Schedules (`Schedule`): with `repeats=1`, GPipe (all micro-batches through stage 0, then 1, ...; the
 backward in reverse); with `repeats=R > 1`, circular (interleaved): stage s holds the layer groups

@@ -203,6 +203,7 @@ class ModelConfig:
             scan_layers=m["scan_layers"],
             remat=m["remat"],
         )
+        fields.update(overrides)
         platform = platform or jax.default_backend()
         matmul = m.get("matmul", "auto")
         fields["accumulating_dots"] = matmul == "accumulate" or (
@@ -210,7 +211,6 @@ class ModelConfig:
         # auto: unrolled on a CPU, unless remat asks to save memory (an unrolled program keeps more alive)
         unroll_all = platform == "cpu" and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
-        fields.update(overrides)
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice,
                                                     pipelined=fields.get("pipeline_stages", 1) > 1)
