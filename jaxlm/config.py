@@ -710,6 +710,12 @@ def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | N
     return tuple(sizes)
 
 
+def pipeline_microbatch_choices(rows: int, stages: int) -> list[int]:
+    """The pipeline micro-batch counts `pipeline.microbatches=0` chooses among, for a micro-batch of `rows`
+    sequences per data x fsdp shard: from `stages` up to 4 x stages, dividing the rows (auto takes the last)."""
+    return [n for n in range(stages, 4 * stages + 1) if rows % n == 0]
+
+
 def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> Derived:
     """Resolve the mesh and the batch split for `num_devices` (and, with mesh.hybrid, `groups`
     hosts or processes); UserError when they do not fit."""
@@ -742,7 +748,7 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             raise UserError(f"config.model.n_layers={m.n_layers} does not split into mesh.stage={stages} stages x "
                             f"pipeline.repeats={pl.repeats}; choose a stage count and repeats whose product divides it")
         rows = micro // batch_shards  # each pipeline micro-batch splits over data x fsdp too
-        fits = [n for n in range(stages, 4 * stages + 1) if rows % n == 0]
+        fits = pipeline_microbatch_choices(rows, stages)
         pipeline_microbatches = pl.microbatches or (fits[-1] if fits else 0)
         if pipeline_microbatches < stages or rows % pipeline_microbatches:
             raise UserError(

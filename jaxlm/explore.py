@@ -229,7 +229,7 @@ def sharding_view(shape: Sequence[int], spec: P, mesh_sizes: Mapping[str, int] |
         if len(dims) > 2 and dims[i][1] is None:
             size, _ = dims.pop(i)
             dims[i - 1] = (dims[i - 1][0] * size, dims[i - 1][1])
-    if len(dims) > 2 and len(shape) > 2:  # the stacked layers, split into stages: one stage's layers
+    if len(dims) > 2:  # the stacked layers, split into stages: one stage's layers
         size, entry = dims.pop(0)
         note.append(f"the layers of one of the shards of the leading dimension of {size} (split over {entry})")
     if len(dims) > 2:

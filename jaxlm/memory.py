@@ -412,10 +412,8 @@ def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> lis
     per_shard = batch // shards
     stages = sizes["stage"]
 
-    def pipelines(rows: int) -> bool:  # with stages: rows that split into at least `stages` pipeline micro-batches
-        return stages == 1 or any(rows % n == 0 for n in range(stages, 4 * stages + 1))
-
-    return [k for k in range(1, per_shard + 1) if per_shard % k == 0 and pipelines(per_shard // k)]
+    return [k for k in range(1, per_shard + 1) if per_shard % k == 0
+            and (stages == 1 or config_lib.pipeline_microbatch_choices(per_shard // k, stages))]
 
 
 def resolve_micro_batches(
