@@ -50,7 +50,13 @@ _VERSIONS = {"jax": "jax", "flax": "flax", "orbax": "orbax-checkpoint", "grain":
 
 def versions() -> dict[str, str]:
     """Versions of the libraries that wrote a checkpoint, to explain a later failure to read it."""
-    return {name: importlib.metadata.version(dist) for name, dist in _VERSIONS.items()}
+    out = {}
+    for name, dist in _VERSIONS.items():
+        try:
+            out[name] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+            out[name] = "not installed"
+    return out
 
 
 class Checkpointer:

@@ -309,3 +309,18 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
         ckpt.wait()
         assert ckpt.all_steps() == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_versions_of_a_source_tree_that_is_not_installed(monkeypatch):
+    """Run from a checkout on PYTHONPATH (as on a GPU machine with no installs), jaxlm has no package
+    metadata: the checkpoint records that instead of failing the save (seen on an H200, 2026-11-26)."""
+    real = checkpoint.importlib.metadata.version
+
+    def version(dist):
+        if dist == "jaxlm":
+            raise checkpoint.importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(checkpoint.importlib.metadata, "version", version)
+    found = checkpoint.versions()
+    assert found["jaxlm"] == "not installed" and found["jax"] == jax.__version__
