@@ -244,11 +244,20 @@ def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0
     return abstract, shardings, model_spec, init
 
 
+# XLA options for the one-off init program. XLA fuses the random generators of every parameter of one shape into
+# a single multi-output kernel (they share the iota the counter-based generator starts from): with unscanned layers
+# (the 1b and 7b recipes) that is one kernel of 44 generators and ~8,000 instructions, which the GPU backend
+# compiles for minutes (2 min 12 s for 1b on an H200, 2026-11-26). Without the pass each generator is its own small
+# kernel: compiled for one H100 here, 1b's init takes 22 s instead of 68 s and 7b's on eight 39 s instead of 192 s
+# (BENCHMARKS.md). The values are the same bits: fusion does not change what is computed.
+INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
+
+
 def create(
     cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None
 ) -> tuple[TrainState, TrainState, ModelSpec]:
     """Initialise the state directly into its shards: (state, its shardings, ModelSpec)."""
     _, shardings, model_spec, init = abstract_state(cfg, tx, mesh, rules, seed, model_spec)
     with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=shardings)()
+        state = jax.jit(init, out_shardings=shardings).lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
     return state, shardings, model_spec

@@ -256,3 +256,34 @@ def test_a_program_with_a_loop_of_unknown_trip_count_gets_no_mfu():
     r = json.loads(result.stdout)["compiled"]["roofline"]
     assert r["unknown_trip_counts"] >= 1 and r["matmul_flops"] < r["model_flops"]
     assert r["roofline_mfu"] is None and "unknown trip count" in r["incomplete"]
+
+
+INIT_FUSIONS = """
+import re, sys, jax
+from jaxlm import config, roofline, train_setup, train_state
+cfg = config.load_recipe("1b")  # 1b's shapes, 4 of its unscanned layers
+config.apply_overrides(cfg, [("model.n_layers", "4"), ("optim.micro_batches", "16")])
+setup = train_setup.build(cfg, roofline.target_devices(roofline.H100, 1), abstract=True)
+_, shardings, _, init = train_state.abstract_state(setup.model_cfg, setup.tx, setup.mesh, setup.rules, 0, setup.model_spec)
+with jax.set_mesh(setup.mesh):
+    lowered = jax.jit(init, out_shardings=shardings).lower()
+    for options in ({}, train_state.INIT_COMPILER_OPTIONS):
+        text = lowered.compile(compiler_options=options).as_text()
+        generators = [line for line in text.splitlines() if " fusion(" in line and "calls=%fused_broadcast" not in line]
+        outputs = [len(re.findall(r"f32\\[", line.split(" fusion(")[0])) for line in generators]  # zeros are not generators
+        print(max(outputs, default=1))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_init_program_keeps_each_random_generator_its_own_kernel():
+    """XLA's GPU backend fuses the generators of all same-shaped parameters of unscanned layers into one
+    multi-output kernel that takes minutes to compile (1b: 2 min 12 s on an H200); the init program
+    is compiled without that pass, and then no generator fusion makes more than two parameters (the
+    optimizer's zeros may still be made together: they compile fast)."""
+    result = subprocess.run([str(H100_PYTHON), "-c", INIT_FUSIONS], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    fused_default, fused_ours = map(int, result.stdout.split())
+    assert fused_default >= 4 and fused_ours <= 2, (fused_default, fused_ours)
