@@ -265,6 +265,17 @@ def base_config() -> ml_collections.ConfigDict:
         wandb_project="jaxlm",
         wandb_entity="",  # "" = your default entity
     )
+    # Energy, carbon and cost of the run (jaxlm.energy): metrics.jsonl, TensorBoard, the console, summary.json
+    c.energy = dict(
+        source="auto",  # auto (NVML on NVIDIA GPUs, RAPL on CPUs, else an estimate) | nvml | rapl | estimate | off
+        device_watts="",  # "kind=watts,...": power figures added to (and before) the table, e.g. "H100=650,cpu=4"
+        poll_s=5.0,  # seconds between counter reads, on a background thread
+        grid_gco2e_per_kwh=480.0,  # carbon intensity of the electricity: about the world's 2023 average (Ember)
+        price_per_kwh=0.0,  # the electricity's price (0 = not priced)
+        price_per_device_hour=0.0,  # the machines' price per device per hour (0 = not priced)
+        device="",  # jaxlm.plan's prediction: the device kind to assume ("" = the target's or this machine's)
+        assume_mfu=0.45,  # ... and the MFU (measured: 1b on one H200, 48%)
+    )
     c.profile = dict(
         steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
     )
@@ -488,7 +499,7 @@ def prune_pattern(text: str) -> tuple[int, int] | None:
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
-    from jaxlm import quant
+    from jaxlm import energy, quant
     from jaxlm.data import sft, sources, tokenizer
     from jaxlm.models import layers, transformer  # registries of variants and components
 
@@ -636,6 +647,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(cfg.metrics.histograms_every >= 0, "metrics.histograms_every", cfg.metrics.histograms_every, "0 (off) or more")
     _check_choice(cfg, "metrics.progress", ("auto", "bar", "lines"))
     profile_steps(cfg)
+    energy.validate(cfg)
 
     _check_choice(cfg, "mesh.hybrid", ("process", "host"), allow_empty=True)
     sizes = [cfg.mesh[a] for a in MESH_AXES]

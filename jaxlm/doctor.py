@@ -319,6 +319,21 @@ def _backend_error() -> str:
     return (text.strip().splitlines() or [""])[0][:200]
 
 
+def energy_report(devices) -> dict[str, Any]:
+    """How a run here would meter its energy (jaxlm.energy, the default settings): the source, measured
+    or estimated, and the devices' power limits where NVML reads them."""
+    from jaxlm import config as config_lib
+    from jaxlm import energy
+
+    cfg = config_lib.base_config().energy
+    reader, line = energy.open_reader(cfg, devices)
+    out = {"source": reader.source if reader else "off", "measured": bool(reader and reader.measured),
+           "how": line.removeprefix("energy: ")}
+    if isinstance(reader, energy.NvmlReader):
+        out["power_limits_w"] = reader.power_limits_w()
+    return out
+
+
 def check(expect: str = "auto", matmul_size: int | None = None) -> dict[str, Any]:
     """Run every check; the report is plain data (what `--json` prints)."""
     findings: list[tuple[str, str]] = []
@@ -351,6 +366,7 @@ def check(expect: str = "auto", matmul_size: int | None = None) -> dict[str, Any
         findings.append((WARN, f"mixed device kinds {dev['kinds']}: the slowest sets the pace"))
 
     device = jax.local_devices()[0]
+    report["energy"] = energy_report(jax.local_devices())
     report["attention"] = cudnn_attention(device)
     if report["attention"]["usable"] is False:
         findings.append((WARN, f"cuDNN attention {report['attention']['status']}; "
@@ -453,6 +469,12 @@ def format_report(report: dict[str, Any]) -> str:
     if "attention" in report:
         a = report["attention"]
         lines += ["attention", f"  {'cudnn':<16} {a['status']}", f"  {'auto chooses':<16} {a['auto_choice']}"]
+    if "energy" in report:
+        e = report["energy"]
+        lines += ["energy", f"  {'source':<16} {e['source']} ({'measured' if e['measured'] else 'not measured'})",
+                  f"  {'how':<16} {e['how']}"]
+        if e.get("power_limits_w"):
+            lines.append(f"  {'power limits':<16} {', '.join(f'{w:g} W' for w in e['power_limits_w'])}")
     if "matmul" in report:
         m = report["matmul"]
         peak = (

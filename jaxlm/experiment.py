@@ -534,6 +534,13 @@ def run_row(run: Run) -> dict[str, Any]:
     summary_path = run.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     row["tokens_per_s"], row["train_s"] = summary.get("tokens_per_s"), summary.get("train_s")
+    # energy (jaxlm.energy), and per unit of loss it bought: from the first step's loss to the final validation
+    # loss (the training loss where nothing was evaluated); estimates are marked by energy_measured = 0
+    row["energy_wh"] = summary["energy_j"] / 3600 if "energy_j" in summary else None
+    row["energy_measured"] = summary.get("energy_measured")
+    last = row["final_val_loss"] if row["final_val_loss"] is not None else row["final_loss"]
+    drop = summary["first_loss"] - last if last is not None and "first_loss" in summary else None
+    row["wh_per_loss_drop"] = row["energy_wh"] / drop if row["energy_wh"] is not None and drop and drop > 0 else None
     row["overrides"] = json.dumps(run.overrides, sort_keys=True)
     return row
 
@@ -567,8 +574,8 @@ def summarize(rows: Sequence[dict[str, Any]], metric: str) -> list[VariantSummar
     for variant in order:
         done = [r for r in rows if r["variant"] == variant and r["status"] == "done"]
         stats = {}
-        for key in (*METRICS, "tokens_per_s"):
-            values = [r[key] for r in done if r[key] is not None]
+        for key in (*METRICS, "tokens_per_s", "energy_wh", "wh_per_loss_drop"):
+            values = [r[key] for r in done if r.get(key) is not None]
             stats[key] = (statistics.fmean(values) if values else None,
                           statistics.stdev(values) if len(values) > 1 else None)
         overrides = next(r["overrides"] for r in rows if r["variant"] == variant)
@@ -598,9 +605,14 @@ def variant_table(rows: Sequence[dict[str, Any]], metric: str = "final_val_loss"
     for i, v in enumerate(summaries):
         name = f"**{v.variant}**" if i == 0 and v.stats[metric][0] is not None else v.variant
         rate = v.stats["tokens_per_s"][0]
+        wh, per_drop = v.stats["energy_wh"][0], v.stats["wh_per_loss_drop"][0]
+        metered = [r for r in rows if r["variant"] == v.variant and r.get("energy_wh") is not None]
+        est = "" if all(r.get("energy_measured") for r in metered) else " (est.)"
         table_rows.append([name, _overrides_text(v.overrides), v.runs, *(mean_std(v.stats[k]) for k, _ in COLUMNS),
-                           "–" if rate is None else f"{rate:,.0f}"])
-    return Table(["variant", "overrides", "runs", *(label for _, label in COLUMNS), "tokens/s"], table_rows)
+                           "–" if rate is None else f"{rate:,.0f}", "–" if wh is None else f"{wh:.3g}{est}",
+                           "–" if per_drop is None else f"{per_drop:.3g}{est}"])
+    return Table(["variant", "overrides", "runs", *(label for _, label in COLUMNS), "tokens/s", "energy (Wh)",
+                  "Wh per nat of loss"], table_rows)
 
 
 def markdown_report(title: str, description: str, rows: Sequence[dict[str, Any]], metric: str,

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, hlo, memory, roofline, train_setup, xla_flags
+from jaxlm import axes, energy, hlo, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
@@ -319,12 +319,32 @@ def plan(
         report["compiled"] = compiled
         if compiled["platform"] == platform:
             decided_by, per_device = "compiled", compiled["per_device_bytes"]
+    report["energy"] = predict_energy(cfg, num_devices, platform, target)
     report["decided_by"] = decided_by
     report["per_device_bytes"] = per_device
     report["fits"] = per_device <= device_memory_bytes
     report["margin_bytes"] = device_memory_bytes - per_device
     report["suggestions"] = [] if report["fits"] else suggest(cfg, num_devices, device_memory_bytes, platform)
     return report
+
+
+def predict_energy(cfg: ml_collections.ConfigDict, num_devices: int, platform: str,
+                   target: roofline.Target | None) -> dict[str, Any] | None:
+    """The whole run's (run.steps) time, energy, carbon and cost at `energy.assume_mfu` on `energy.device`,
+    else the target's device, else an H100 when planning for GPUs (`jaxlm.energy.predict`)."""
+    kind = cfg.energy.device or (target.device_kind if target else "H100" if platform == "gpu" else "")
+    if not kind:
+        return None
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, platform)
+    tokens = cfg.run.steps * cfg.data.global_batch_size * cfg.data.seq_len
+    flops = transformer.flops_per_token(model_cfg, cfg.data.seq_len) * tokens
+    p = energy.predict(flops, num_devices, kind, platform, metrics.peak_flops(kind), cfg.energy)
+    return None if p is None else {**p, "steps": cfg.run.steps, "tokens": tokens, "model_flops": flops}
+
+
+def format_energy(p: dict[str, Any], recipe: str) -> str:
+    what = f"{recipe or 'the config'}, {p['steps']:,} steps ({format_count(p['tokens'])} tokens)"
+    return "energy: " + energy.format_prediction(p, what)
 
 
 def format_pipeline(p: dict[str, Any]) -> str:
@@ -371,6 +391,8 @@ def format_report(report: dict[str, Any]) -> str:
         if c.get("roofline"):
             lines += ["", *("  " + line if line else "" for line in roofline.format_summary(c["roofline"]).splitlines())]
     lines.append("")
+    if r.get("energy"):
+        lines += [format_energy(r["energy"], r["recipe"]), ""]
     verdict = (f"{format_bytes(r['per_device_bytes'])} of {format_bytes(r['device_memory_bytes'])} per device "
                f"({r['decided_by']})")
     if r["fits"]:

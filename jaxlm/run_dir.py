@@ -29,7 +29,7 @@ def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
 RESUMABLE_CHANGES = (
     "run.steps", "run.log_every", "run.eval_every", "run.peak_flops", "run.output_dir", "run.name", "run.fresh",
     "run.recipe", "mesh.", "model.remat", "model.attention", "model.loss_chunk_len", "data.cache_dir", "checkpoint.",
-    "optim.on_nonfinite", "optim.micro_batches", "metrics.", "profile.", "run.compile_cache_dir", "run.xla_flags",
+    "optim.on_nonfinite", "optim.micro_batches", "metrics.", "profile.", "energy.", "run.compile_cache_dir", "run.xla_flags",
     "data.shards",  # the data stream's count is checked against the checkpoint's when its position is restored
     "data.tokenizer_path",  # the tokenizer itself (its sha256) is checked on resume, wherever its file now is
 )

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from jaxlm import axes, checkpoint, distributed, init_from, memory, train_setup, xla_flags
+from jaxlm import axes, checkpoint, distributed, energy, init_from, memory, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
@@ -59,8 +59,9 @@ class StepLog:
     waits for a step that is finished or nearly, never for the one just queued.
     """
 
-    def __init__(self, sinks: Sinks, setup: TrainSetup, resume_step: int = 0):
+    def __init__(self, sinks: Sinks, setup: TrainSetup, resume_step: int = 0, meter: energy.RunMeter | None = None):
         cfg = setup.cfg
+        self.meter = meter  # the run's energy, read at the logging steps (every process: a collective)
         self.sinks, self.tokens_per_step = sinks, setup.derived.tokens_per_step
         self.total_steps, self.log_every, self.on_nonfinite = cfg.run.steps, cfg.run.log_every, cfg.optim.on_nonfinite
         self.flops_per_token = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len)
@@ -103,6 +104,9 @@ class StepLog:
         if util is not None:
             values["mfu"] = util
         values.update(metrics_lib.device_memory(jax.local_devices()[0]) or {})
+        logging_step = first or step % self.log_every == 0 or step == self.total_steps
+        if self.meter is not None and logging_step:
+            values.update(self.meter.interval(step, self.tokens_per_step))
         self.sinks.write(step, values)
         if histograms is not None:
             self.sinks.histograms(step, jax.device_get(histograms))
@@ -119,6 +123,9 @@ class StepLog:
             )
         elif step % self.log_every == 0 or step == self.total_steps:
             memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
+            if "power_w" in values:
+                estimated = "" if values["energy_measured"] else " est."
+                memory += f" | {values['power_w']:,.0f} W{estimated}, {energy.format_energy(values['energy_j'])}"
             self.progress.line(
                 f"step {step:>6}/{self.total_steps} | epoch {values['epoch']} | loss {values['loss']:.4f} | "
                 f"lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f} | {mean_rate:,.0f} tok/s | "
@@ -324,6 +331,16 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
             f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
         )
+    meter = energy.RunMeter(cfg, jax.local_devices(), jax.device_count(), before_j=saved.get("energy_j", 0.0),
+                            before_device_s=saved.get("device_s", 0.0))
+    try:
+        return _train_metered(cfg, run_dir, ckpt, data, resume_step, saved, meter)
+    finally:
+        meter.close()
+
+
+def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data, resume_step: int,
+                   saved: dict, meter: energy.RunMeter) -> dict[str, Any]:
     # A resumed state is restored, never initialised; a new one with run.init_from holds that run's parameters.
     setup = train_setup.build(cfg, abstract=bool(resume_step))
     _check_process_rows(setup, data)
@@ -333,6 +350,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         # (process 0 checked the manifests already, in _newest_checkpoint)
         state, saved, resume_step = ckpt.restore(setup.state, data_iter=data.train, verify=False)
         _set_aside_damaged(ckpt, run_dir, resume_step)  # one without a manifest that did not restore
+        meter.rebase(saved.get("energy_j", 0.0), saved.get("device_s", 0.0))  # the checkpoint restored
         if resume_step >= cfg.run.steps:  # it had no manifest: restoring it was the check
             ckpt.record_manifest(resume_step)
             return _already_complete(run_dir, resume_step)
@@ -350,6 +368,14 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
            if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
+    console(f"jaxlm: {meter.line}")
+    device = setup.mesh.devices.flat[0]
+    remaining = (cfg.run.steps - resume_step) * derived.tokens_per_step
+    predicted = energy.predict(transformer.flops_per_token(model_cfg, cfg.data.seq_len) * remaining,
+                               derived.num_devices, device.device_kind, device.platform,
+                               metrics_lib.peak_flops(device.device_kind, cfg.run.peak_flops), cfg.energy)
+    if predicted:
+        console(f"jaxlm: predicted: {energy.format_prediction(predicted, f'{cfg.run.steps - resume_step:,} steps')}")
     if setup.init_from:
         bits = setup.model_cfg.quant.bits if setup.model_cfg.quant else 4
         console(f"jaxlm: {init_from.describe(setup.init_from, state.params, bits)}")
@@ -361,7 +387,7 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
 
     total_steps = cfg.run.steps
     sinks = Sinks(run_dir, cfg, resume_step)
-    log = StepLog(sinks, setup, resume_step)
+    log = StepLog(sinks, setup, resume_step, meter)
     profile = Profile(cfg, run_dir)
     histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)
@@ -371,6 +397,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             "config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
             "data_shards": data.shards, "process_count": jax.process_count(),
+            # the run's energy up to this step (a collective, like the save): a resumed run counts on from it
+            "energy_j": meter.run_joules(), "device_s": meter.device_seconds(),
         }
         if origin:
             meta["init_from"] = origin
@@ -458,13 +486,17 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
         "run_dir": str(run_dir),
         "checkpoint_dir": str(ckpt.directory / str(total_steps)),
     }
+    if meter.active:
+        meter.run_joules()
+        summary.update(meter.totals(), energy_source=meter.source)
     if jax.process_index() == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     val = f" (val {val_loss:.4f})" if val_loss is not None else ""
     rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
     console(
         f"jaxlm: done: {total_steps} steps in {duration(elapsed)}, loss {log.losses[0]:.4f} -> "
-        f"{log.losses[-1]:.4f}{val}, {rate}; logs {run_dir} (metrics.jsonl, tensorboard/), "
+        f"{log.losses[-1]:.4f}{val}, {rate}{'; ' + meter.describe_totals() if meter.active else ''}; "
+        f"logs {run_dir} (metrics.jsonl, tensorboard/), "
         f"checkpoint {summary['checkpoint_dir']}"
     )
     return summary
