@@ -293,7 +293,7 @@ class Poller:
     def _sample(self) -> float:
         try:
             value = self.reader.joules()
-        except OSError as e:  # a counter that went away: keep the last total
+        except Exception as e:  # a counter that went away (OSError, NVMLError): keep the last total
             log.warning("energy: reading %s failed (%s); the totals stop here", self.reader.describe(), e)
             self._stop.set()
             return self._latest

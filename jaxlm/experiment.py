@@ -534,12 +534,12 @@ def run_row(run: Run) -> dict[str, Any]:
     summary_path = run.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     row["tokens_per_s"], row["train_s"] = summary.get("tokens_per_s"), summary.get("train_s")
-    # energy (jaxlm.energy), and per unit of loss it bought: from the first step's loss to the final validation
-    # loss (the training loss where nothing was evaluated); estimates are marked by energy_measured = 0
+    # energy (jaxlm.energy), and per unit of loss it bought: from the first logged step's loss to the final
+    # validation loss (the training loss where nothing was evaluated); estimates have energy_measured = 0
     row["energy_wh"] = summary["energy_j"] / 3600 if "energy_j" in summary else None
     row["energy_measured"] = summary.get("energy_measured")
     last = row["final_val_loss"] if row["final_val_loss"] is not None else row["final_loss"]
-    drop = summary["first_loss"] - last if last is not None and "first_loss" in summary else None
+    drop = train[0]["loss"] - last if train and last is not None else None
     row["wh_per_loss_drop"] = row["energy_wh"] / drop if row["energy_wh"] is not None and drop and drop > 0 else None
     row["overrides"] = json.dumps(run.overrides, sort_keys=True)
     return row

@@ -259,3 +259,35 @@ def test_a_run_reports_its_energy_and_a_resume_counts_on(tmp_path):
     assert all("power_w" in r and "energy_j_per_token" in r for r in records if r["step"] in (4, 8, 12) and "loss" in r)
     events = EventAccumulator(str(tmp_path / "e" / "tensorboard")).Reload()
     assert {"energy_kwh", "power_w", "co2e_kg"} <= set(events.Tags()["scalars"])
+
+
+def test_a_counter_that_fails_mid_run_keeps_the_last_total():
+    """NVML can fail while a run goes on (a GPU reset, a driver reload): the meter keeps the total it had
+    and the training loop never sees the error."""
+    nvml = FakeNvml(count=1)
+    reader, _ = energy.NvmlReader.open(gpus(1), nvml)
+    poller = energy.Poller(reader, every_s=3600)
+    nvml.millijoules[0] += 5_000
+    assert poller.joules() == pytest.approx(5.0)
+
+    def broken(handle):
+        raise FakeNvml.NVMLError("GPU is lost")
+
+    nvml.nvmlDeviceGetTotalEnergyConsumption = broken
+    assert poller.joules() == pytest.approx(5.0) and poller.joules() == pytest.approx(5.0)
+    poller.close()
+
+
+def test_ablation_tables_show_energy_per_variant_marked_when_estimated():
+    from jaxlm import experiment
+
+    def row(variant, wh, drop_wh, measured):
+        return {"variant": variant, "status": "done", "overrides": "{}", "final_loss": 3.0, "best_loss": 3.0,
+                "final_val_loss": 3.1, "best_val_loss": 3.1, "final_val_bits_per_byte": None,
+                "best_val_bits_per_byte": None, "tokens_per_s": 1000.0, "energy_wh": wh,
+                "wh_per_loss_drop": drop_wh, "energy_measured": measured}
+
+    table = experiment.variant_table([row("a", 2.0, 0.5, 1.0), row("a", 4.0, 1.5, 1.0), row("b", 9.0, 3.0, 0.0)])
+    assert table.columns[-2:] == ["energy (Wh)", "Wh per nat of loss"]
+    cells = {r[0].strip("*"): r for r in table.rows}
+    assert cells["a"][-2:] == ["3", "1"] and cells["b"][-2:] == ["9 (est.)", "3 (est.)"]
