@@ -196,6 +196,10 @@ def base_config() -> ml_collections.ConfigDict:
         micro_batches=1,
         z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
         on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
+        # dynamic loss scaling (jaxlm.loss_scale): auto = on with float16 compute | dynamic | none
+        loss_scale="auto",
+        loss_scale_init=32768.0,  # the first scale (2^15)
+        loss_scale_period=2000,  # finite steps in a row before the scale doubles (halved on every overflow)
     )
     # LoRA adapters (jaxlm.lora): y = x W + (alpha / rank) (x A) B on the targeted projections, A random and
     # B zero at the start. With adapters, an empty optim.trainable trains the adapters alone (type:LoRAParam).
@@ -499,7 +503,7 @@ def prune_pattern(text: str) -> tuple[int, int] | None:
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
-    from jaxlm import energy, quant
+    from jaxlm import energy, loss_scale, quant
     from jaxlm.data import sft, sources, tokenizer
     from jaxlm.models import layers, transformer  # registries of variants and components
 
@@ -648,6 +652,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "metrics.progress", ("auto", "bar", "lines"))
     profile_steps(cfg)
     energy.validate(cfg)
+    loss_scale.validate(cfg)
 
     _check_choice(cfg, "mesh.hybrid", ("process", "host"), allow_empty=True)
     sizes = [cfg.mesh[a] for a in MESH_AXES]

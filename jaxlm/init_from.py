@@ -222,7 +222,9 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     if setup.model_cfg.lora_targets:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)
-    state = train_state.from_params(params, setup.model_spec, setup.tx, setup.shardings, setup.mesh, cfg.run.seed)
+    scale = None if setup.state.loss_scale is None else cfg.optim.loss_scale_init
+    state = train_state.from_params(params, setup.model_spec, setup.tx, setup.shardings, setup.mesh, cfg.run.seed,
+                                    loss_scale=scale or 0.0)
     return state, {"run_dir": str(source.resolve()), "step": int(step)}
 
 

@@ -24,6 +24,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.compress import prune
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.train_state import ModelSpec, TrainState
@@ -213,6 +214,7 @@ def make_train_step(
     grad_norm_per_layer: bool = False,
     loss_chunk_len: int = 0,
     gradual_pruning: dict | None = None,
+    loss_scale_period: int = 2000,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
@@ -224,21 +226,40 @@ def make_train_step(
     Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
     `prune.keep_pruned`); `gradual_pruning` (`prune.gradual_step`'s final, start, end, every) rewrites
     the masks on its schedule after the update, and adds the metric `sparsity` (of the masked kernels).
+
+    A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
+    times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
+    it; an overflow skips the update (metric `overflow`, not `skipped`) and the scale adapts, doubling
+    after `loss_scale_period` finite steps. Metric `loss_scale`.
     """
-    grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
+    plain_grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
 
     def step_fn(state: TrainState, batch: Batch):
+        scaling = state.loss_scale
+        if scaling is None:
+            grad_fn = plain_grad_fn
+        else:
+            def scaled_loss(trainable, frozen, model_spec, batch, *rest):
+                # The backward pass starts from scale / positions (the micro-batch's token slots): the scale is
+                # relative to the mean loss, as in PyTorch's GradScaler, whatever the micro-batch's size
+                total, tokens = trainable_loss(trainable, frozen, model_spec, batch, *rest)
+                return total * (scaling.scale / batch["inputs"].size), tokens
+
+            grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
         with spmd.logical_axis_rules(rules):
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
             trainable, frozen = model_spec.split(state.params)
             if micro_batches == 1:
+                positions = batch["inputs"].size
                 (loss_sum, tokens), grads = grad_fn(trainable, frozen, model_spec, batch, key, z_loss, loss_chunk_len)
             elif (replicas := data_replicas(model_spec, rules)) > 1:
+                positions = batch["inputs"].size // (micro_batches * replicas)
                 loss_sum, tokens, grads = _replica_local_grads(
                     grad_fn, trainable, frozen, model_spec, batch, key, micro_batches, replicas, rules, z_loss,
                     loss_chunk_len,
                 )
             else:
+                positions = batch["inputs"].size // micro_batches
                 micro = _split_micro(batch, micro_batches)
                 keys = jax.random.split(key, micro_batches) if dropout else None
                 # The weights the forward casts to the compute dtype, cast once per step: each micro-batch
@@ -256,12 +277,22 @@ def make_train_step(
                 init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
                 loss_sum, tokens, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
             denom = jnp.maximum(tokens, 1.0)
-            grads = jax.tree.map(lambda g: g / denom, grads)
+            if scaling is not None:  # back to the loss's own units, in float32
+                multiplier = scaling.scale / positions
+                loss_sum, denom_grads = loss_sum / multiplier, denom * multiplier
+            else:
+                denom_grads = denom
+            grads = jax.tree.map(lambda g: g / denom_grads, grads)
             loss, grad_norm = loss_sum / denom, optax.tree.norm(grads)
             # A non-finite loss or gradient never reaches the state: the optimizer keeps its state
             # (selected inside it, so XLA updates the moments in place: jaxlm.optim), the update is
             # dropped, and the host applies the policy.
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            skipped = ~finite
+            if scaling is not None:  # a finite loss whose scaled gradient overflowed: expected, the scale adapts
+                overflow = jnp.isfinite(loss) & ~finite & (scaling.scale > loss_scale_lib.MIN_SCALE)
+                skipped = skipped & ~overflow
+                scaling = scaling.update(finite, loss_scale_period)
             masks = prune.mask_tree(trainable, frozen)
             extra = {} if masks is None else {"masks": masks}
             updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite, **extra)
@@ -274,15 +305,17 @@ def make_train_step(
             "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "tokens": tokens,
-            "skipped": (~finite).astype(jnp.int32),
+            "skipped": skipped.astype(jnp.int32),
             "param_norm": optax.tree.norm(params),
         }
+        if state.loss_scale is not None:
+            metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
         if gradual_pruning:
             kept = [m for m in jax.tree.leaves(prune.mask_tree(trainable, frozen)) if m is not None]
             metrics["sparsity"] = 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)
         if grad_norm_per_layer:
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scaling)
         return new_state, metrics
 
     return step_fn

@@ -69,6 +69,7 @@ class StepLog:
         self.peak_flops = metrics_lib.peak_flops(self.devices[0].device_kind, cfg.run.peak_flops)
         self.progress = Progress(cfg.run.steps, resume_step, cfg.metrics.progress)
         self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
+        self.overflow_steps = 0  # float16 loss scaling: steps whose scaled gradient overflowed (dropped, scale halved)
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
@@ -91,6 +92,7 @@ class StepLog:
         else:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
         self.losses.append(values["loss"])
+        self.overflow_steps += int(values.get("overflow", 0))
         tokens_per_s = self.tokens_per_step / step_s
         values.update(
             tokens_seen=step * self.tokens_per_step,
@@ -123,6 +125,8 @@ class StepLog:
             )
         elif step % self.log_every == 0 or step == self.total_steps:
             memory = f" | mem {values['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in values else ""
+            if "loss_scale" in values:
+                memory += f" | loss scale {values['loss_scale']:g} ({self.overflow_steps} overflow(s))"
             if "power_w" in values:
                 estimated = "" if values["energy_measured"] else " est."
                 memory += f" | {values['power_w']:,.0f} W{estimated}, {energy.format_energy(values['energy_j'])}"
@@ -481,6 +485,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         "tokens_per_s": log.tokens_per_s,
         "compile_s": log.compile_s,
         "skipped_steps": log.skipped_steps,
+        "overflow_steps": log.overflow_steps,  # float16 loss scaling's skipped overflows (0 without scaling)
         "train_s": elapsed,
         "wall_s": wall_before + elapsed,
         "run_dir": str(run_dir),

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from jaxlm import config as config_lib
-from jaxlm import init_from, optim, steps, train_state
+from jaxlm import init_from, loss_scale, optim, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.models import transformer
@@ -105,16 +105,20 @@ def build(
     co = cfg.compress
     gradual = dict(final=co.sparsity, start=co.prune_start, end=co.prune_end, every=co.prune_every) \
         if co.prune_end > 0 else None
+    scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg) else 0.0
     if abstract or cfg.run.init_from:
-        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
+        state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
+                                                            loss_scale=scale)
     else:
-        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec)
+        state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
+                                                 loss_scale=scale)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step_fn = steps.make_train_step(
         model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
         dropout=model_cfg.dropout > 0 or model_cfg.lora_dropout > 0, rules=rules,
         grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
         loss_chunk_len=cfg.model.loss_chunk_len, gradual_pruning=gradual,
+        loss_scale_period=cfg.optim.loss_scale_period,
     )
     setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
+from jaxlm.loss_scale import LossScale
 from jaxlm.mesh import Rules, axes_of, extend_sharding, logical_to_spec
 from jaxlm.models import layers
 from jaxlm.models.layers import Frozen
@@ -37,6 +38,8 @@ class TrainState:
     params: Any  # nested dict of float arrays (param_dtype)
     opt_state: Any  # optax state
     rng: jax.Array  # uint32[2] raw key; dropout keys are folded from it and the step
+    # float16 runs: the dynamic loss scale (jaxlm.loss_scale); None (no leaves) otherwise
+    loss_scale: LossScale | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,33 +172,37 @@ def param_shardings(model_spec: ModelSpec, mesh: Mesh, rules: Rules):
     )
 
 
-def _fresh_state(params, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """Step 0 and a new optimizer state around `params`."""
+def _fresh_state(params, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int,
+                 loss_scale: float = 0.0) -> TrainState:
+    """Step 0 and a new optimizer state around `params`; with `loss_scale` > 0 a dynamic loss scale
+    starting there (float16 compute)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=tx.init(model_spec.split(params)[0]),
         rng=jax.random.PRNGKey(seed + 1),
+        loss_scale=LossScale.create(loss_scale) if loss_scale else None,
     )
 
 
-def init_fn(cfg: ModelConfig, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int):
+def init_fn(cfg: ModelConfig, model_spec: ModelSpec, tx: optax.GradientTransformation, seed: int,
+            loss_scale: float = 0.0):
     """A function () -> TrainState: what `create` compiles with sharded outputs."""
 
     def init() -> TrainState:
         model = build_model(cfg, seed)
-        return _fresh_state(nnx.to_pure_dict(nnx.state(model)), model_spec, tx, seed)
+        return _fresh_state(nnx.to_pure_dict(nnx.state(model)), model_spec, tx, seed, loss_scale)
 
     return init
 
 
 def from_params(params, model_spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState, mesh: Mesh,
-                seed: int = 0) -> TrainState:
+                seed: int = 0, loss_scale: float = 0.0) -> TrainState:
     """A new run's state around given parameters (sharded as `shardings.params`, e.g. read from
     another run's checkpoint): step 0, a fresh optimizer state, the RNG `create` would give. The
     parameters are donated: they become the state's, not copied."""
     with jax.set_mesh(mesh):
-        make = jax.jit(lambda p: _fresh_state(p, model_spec, tx, seed), in_shardings=(shardings.params,),
+        make = jax.jit(lambda p: _fresh_state(p, model_spec, tx, seed, loss_scale), in_shardings=(shardings.params,),
                        out_shardings=shardings, donate_argnums=0)
         return make(params)
 
@@ -209,7 +216,8 @@ def state_shardings(abstract: TrainState, model_spec: ModelSpec, tx, mesh: Mesh,
     extra = dict(rules).get("opt_state")
     opt = optax.tree_map_params(tx, lambda leaf, s: extend_sharding(s, leaf.shape, extra), abstract.opt_state,
                                 model_spec.split(params)[0], transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
+    scale = None if abstract.loss_scale is None else jax.tree.map(lambda _: replicated, abstract.loss_scale)
+    return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated, loss_scale=scale)
 
 
 def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:
@@ -230,13 +238,14 @@ def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> 
                 )
 
 
-def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None):
+def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None,
+                   loss_scale: float = 0.0):
     """(abstract state whose leaves carry their shardings, the shardings, ModelSpec, init function).
 
     Nothing is allocated: this is what ahead-of-time compilation and memory planning need.
     """
     model_spec = model_spec or build_model_spec(cfg)
-    init = init_fn(cfg, model_spec, tx, seed)
+    init = init_fn(cfg, model_spec, tx, seed, loss_scale)
     shapes = jax.eval_shape(init)
     check_divisible(model_spec, shapes.params, mesh, rules)
     shardings = state_shardings(shapes, model_spec, tx, mesh, rules)
@@ -254,10 +263,11 @@ INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
 
 
 def create(
-    cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None
+    cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0, model_spec: ModelSpec | None = None,
+    loss_scale: float = 0.0,
 ) -> tuple[TrainState, TrainState, ModelSpec]:
     """Initialise the state directly into its shards: (state, its shardings, ModelSpec)."""
-    _, shardings, model_spec, init = abstract_state(cfg, tx, mesh, rules, seed, model_spec)
+    _, shardings, model_spec, init = abstract_state(cfg, tx, mesh, rules, seed, model_spec, loss_scale)
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings).lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
     return state, shardings, model_spec

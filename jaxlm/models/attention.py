@@ -107,6 +107,12 @@ def attend(
         return pallas_attention(q, k, v, segment_ids)
     # The mask follows the batch, never the sequence: made whole where the attention runs.
     mask = None if segment_ids is None else constrain(document_mask(segment_ids), ("act_batch", None, None, None))
+    if q.dtype == jnp.float16 and implementation == "xla" and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 dot with float32 accumulation (jax's XLA attention asks for one): on a CPU,
+        # float16 attention runs in float32 and rounds its output to float16
+        out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                           mask=mask, is_causal=True, implementation=implementation)
+        return out.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 

@@ -1,0 +1,167 @@
+"""float16 with dynamic loss scaling (jaxlm.loss_scale): the scale's rule, an injected overflow inside the
+compiled step, and the config's bad combinations."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import random_batch
+from jaxlm import config, loss_scale, train_setup
+from jaxlm.errors import UserError
+from jaxlm.loss_scale import LossScale
+
+
+def test_the_scale_halves_on_overflow_and_doubles_after_a_period_of_finite_steps():
+    s = LossScale.create(8.0)
+    s = s.update(np.bool_(False), 3)
+    assert float(s.scale) == 4.0 and int(s.good_steps) == 0
+    for expected_good in (1, 2):
+        s = s.update(np.bool_(True), 3)
+        assert float(s.scale) == 4.0 and int(s.good_steps) == expected_good
+    s = s.update(np.bool_(True), 3)
+    assert float(s.scale) == 8.0 and int(s.good_steps) == 0
+    s = s.update(np.bool_(True), 3).update(np.bool_(False), 3)  # an overflow also restarts the count
+    assert float(s.scale) == 4.0 and int(s.good_steps) == 0
+    s = LossScale.create(1.0).update(np.bool_(False), 3)
+    assert float(s.scale) == loss_scale.MIN_SCALE  # never below the floor
+
+
+def tiny_fp16(*overrides):
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("model.dtype", "float16"), ("data.global_batch_size", "8"), *overrides])
+    return cfg, train_setup.build(cfg, jax.devices()[:1])
+
+
+def test_an_injected_overflow_skips_one_step_halves_the_scale_and_the_run_continues():
+    cfg, setup = tiny_fp16(("optim.loss_scale_period", "1000"))
+    assert setup.state.loss_scale is not None and float(setup.state.loss_scale.scale) == 32768.0
+    batch = setup.put_batch(random_batch(8, cfg.data.seq_len, cfg.model.vocab_size))
+    # a scale no float16 gradient survives: the backward pass starts at 2^40, past float16's 65504
+    state = setup.state.replace(loss_scale=LossScale.create(2.0**40))
+    before = jax.device_get((state.params, state.opt_state))
+    state, metrics = setup.train_step(state, batch)
+    m = jax.device_get(metrics)
+    assert m["overflow"] == 1 and m["skipped"] == 0 and np.isfinite(m["loss"]) and m["loss_scale"] == 2.0**40
+    after = jax.device_get((state.params, state.opt_state))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+    assert float(state.loss_scale.scale) == 2.0**39 and int(state.step) == 1
+    # the run goes on: the scale halves each overflow until the gradients fit, then the parameters move
+    for _ in range(40):
+        state, metrics = setup.train_step(state, batch)
+        if not int(metrics["overflow"]):
+            break
+    m = jax.device_get(metrics)
+    assert m["overflow"] == 0 and m["skipped"] == 0 and 1 <= m["loss_scale"] < 2.0**39
+    moved = jax.device_get(state.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before[0]), jax.tree.leaves(moved)))
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_is_still_skipped_and_stops_the_run_by_policy():
+    """Scaling does not hide a real problem: a NaN loss is `skipped` (the on_nonfinite policy applies)."""
+    cfg, setup = tiny_fp16()
+    batch = random_batch(8, cfg.data.seq_len, cfg.model.vocab_size)
+    params = jax.tree.map(lambda p: p * np.nan if p.ndim == 2 else p, setup.state.params)
+    state, metrics = setup.train_step(setup.state.replace(params=params), setup.put_batch(batch))
+    m = jax.device_get(metrics)
+    assert m["skipped"] == 1 and m["overflow"] == 0
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ([("optim.loss_scale", "dynamic"), ("model.dtype", "float32")], "float32 gradients do not underflow"),
+    ([("optim.loss_scale", "always")], "one of 'auto'"),
+    ([("optim.loss_scale_init", "0.5")], "loss_scale_init=0.5"),
+    ([("optim.loss_scale_period", "0")], "loss_scale_period=0"),
+])
+def test_bad_loss_scale_settings_are_one_line(overrides, words):
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, overrides)
+    with pytest.raises(UserError, match=words):
+        config.validate(cfg)
+
+
+def test_bfloat16_and_float32_runs_carry_no_scale():
+    for dtype in ("bfloat16", "float32"):
+        cfg = config.load_recipe("tiny")
+        config.apply_overrides(cfg, [("model.dtype", dtype)])
+        assert not loss_scale.enabled(cfg)
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("model.dtype", "bfloat16"), ("optim.loss_scale", "dynamic")])
+    assert loss_scale.enabled(cfg)
+
+
+def unchanged_after_one_step(dtype: str, scaling: str) -> int:
+    """Parameter entries one AdamW step (no weight decay) leaves exactly as they were: those whose gradient
+    was exactly zero. Small initial weights make small gradients, as late in training or in deep models."""
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("model.dtype", dtype), ("optim.loss_scale", scaling), ("model.init_std", "0.002"),
+                                 ("optim.weight_decay", "0"), ("data.global_batch_size", "2"), ("data.seq_len", "32")])
+    setup = train_setup.build(cfg, jax.devices()[:1])
+    before = jax.device_get(setup.state.params)
+    state, metrics = setup.train_step(setup.state, setup.put_batch(random_batch(2, 32, cfg.model.vocab_size)))
+    assert int(metrics["skipped"]) == 0 and int(metrics.get("overflow", 0)) == 0
+    after = jax.device_get(state.params)
+    return sum(int(np.sum(a == b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+
+
+@pytest.mark.slow
+def test_float16_without_scaling_loses_small_gradients_and_scaling_keeps_them():
+    """float32 leaves the entries with a true zero gradient (embedding rows no token used, ...); float16
+    without a loss scale adds thousands whose small gradients underflowed; with the scale, almost none."""
+    exact = unchanged_after_one_step("float32", "none")
+    unscaled = unchanged_after_one_step("float16", "none")
+    scaled = unchanged_after_one_step("float16", "auto")
+    assert unscaled - exact > 1000, (exact, unscaled)
+    assert scaled - exact < 50, (exact, scaled)
+
+
+@pytest.mark.slow
+def test_float16_with_scaling_trains_the_tiny_recipe_like_bfloat16(tmp_path):
+    """200 steps of the tiny recipe on its built-in corpus: float16 with the dynamic scale ends within 2% of
+    bfloat16's validation loss, and says what its scale did."""
+    from jaxlm import train
+
+    def run(dtype):
+        cfg = config.load_recipe("tiny")
+        config.apply_overrides(cfg, [("model.dtype", dtype), ("run.steps", "200"), ("run.log_every", "100"),
+                                     ("run.output_dir", str(tmp_path)), ("run.name", dtype),
+                                     ("data.cache_dir", str(tmp_path / "cache"))])
+        return train.run(cfg)
+
+    bf16, fp16 = run("bfloat16"), run("float16")
+    assert abs(fp16["val_loss"] - bf16["val_loss"]) <= 0.02 * bf16["val_loss"], (fp16["val_loss"], bf16["val_loss"])
+    assert fp16["skipped_steps"] == [] and bf16["overflow_steps"] == 0
+    records = [__import__("json").loads(line) for line in (tmp_path / "float16" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss_scale"] >= 1 for r in records if "loss" in r)
+
+
+@pytest.mark.slow
+def test_a_killed_float16_run_resumes_its_scale_and_equals_the_uninterrupted_one(tmp_path):
+    """The scale changes every 3 steps here; SIGKILL at step 7, resumed from the step-5 checkpoint: every
+    step's loss and scale equal the uninterrupted run's, and the run's energy counts on from the checkpoint."""
+    import json
+    import signal
+
+    from test_resume import args, losses, run, run_until
+
+    extra = ("--config.model.dtype=float16", "--config.optim.loss_scale_period=3")
+    code, _, err = run(args(tmp_path, "full", *extra, steps=12))
+    assert code == 0, err[-3000:]
+    killed = args(tmp_path, "killed", *extra, steps=12)
+    code, _, _ = run_until(killed, "step      7/", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    code, out, err = run(killed)
+    assert code == 0 and "resuming from step 5" in out, err[-3000:]
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")
+
+    def scales(name):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss_scale"]) for r in records if "loss" in r]
+
+    assert scales("killed") == scales("full") and len({s for _, s in scales("full")}) > 1
+    with __import__("jaxlm.checkpoint", fromlist=["x"]).Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
+        at_5 = ckpt.read_meta(5)["energy_j"] if 5 in ckpt.all_steps() else None
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["energy_j"] > 0 and (at_5 is None or summary["energy_j"] > at_5)
