@@ -264,6 +264,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.metrics = dict(
         grad_norm_per_layer=False,  # also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)
         histograms_every=0,  # TensorBoard histograms of every parameter every N steps (0 = off)
+        # grad_zero_fraction and grad_nonfinite_fraction of every step's gradient: precision problems made visible
+        grad_numerics=False,
         progress="auto",  # auto (a progress bar on a terminal, else lines) | bar | lines
         wandb=False,  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without a login)
         wandb_project="jaxlm",

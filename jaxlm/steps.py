@@ -215,6 +215,7 @@ def make_train_step(
     loss_chunk_len: int = 0,
     gradual_pruning: dict | None = None,
     loss_scale_period: int = 2000,
+    grad_numerics: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
@@ -230,7 +231,9 @@ def make_train_step(
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
     times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
     it; an overflow skips the update (metric `overflow`, not `skipped`) and the scale adapts, doubling
-    after `loss_scale_period` finite steps. Metric `loss_scale`.
+    after `loss_scale_period` finite steps. Metric `loss_scale`. With `grad_numerics`, the fractions of
+    the step's gradient entries that are exactly zero (`grad_zero_fraction`: flushed to zero, or a true
+    zero) and not finite (`grad_nonfinite_fraction`), over the trainable parameters.
     """
     plain_grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
 
@@ -313,6 +316,11 @@ def make_train_step(
         if gradual_pruning:
             kept = [m for m in jax.tree.leaves(prune.mask_tree(trainable, frozen)) if m is not None]
             metrics["sparsity"] = 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)
+        if grad_numerics:
+            leaves = jax.tree.leaves(grads)
+            size = sum(g.size for g in leaves)
+            metrics["grad_zero_fraction"] = sum(jnp.sum(g == 0, dtype=jnp.float32) for g in leaves) / size
+            metrics["grad_nonfinite_fraction"] = sum(jnp.sum(~jnp.isfinite(g), dtype=jnp.float32) for g in leaves) / size
         if grad_norm_per_layer:
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scaling)

@@ -92,29 +92,35 @@ def test_bfloat16_and_float32_runs_carry_no_scale():
     assert loss_scale.enabled(cfg)
 
 
-def unchanged_after_one_step(dtype: str, scaling: str) -> int:
-    """Parameter entries one AdamW step (no weight decay) leaves exactly as they were: those whose gradient
-    was exactly zero. Small initial weights make small gradients, as late in training or in deep models."""
+def unchanged_after_one_step(dtype: str, scaling: str) -> tuple[int, float]:
+    """Parameter entries one AdamW step (no weight decay) leaves exactly as they were (those whose gradient
+    was exactly zero), and the step's own `grad_zero_fraction`. Small initial weights make small gradients,
+    as late in training or in deep models."""
     cfg = config.load_recipe("tiny")
     config.apply_overrides(cfg, [("model.dtype", dtype), ("optim.loss_scale", scaling), ("model.init_std", "0.002"),
-                                 ("optim.weight_decay", "0"), ("data.global_batch_size", "2"), ("data.seq_len", "32")])
+                                 ("optim.weight_decay", "0"), ("data.global_batch_size", "2"), ("data.seq_len", "32"),
+                                 ("metrics.grad_numerics", "true")])
     setup = train_setup.build(cfg, jax.devices()[:1])
     before = jax.device_get(setup.state.params)
     state, metrics = setup.train_step(setup.state, setup.put_batch(random_batch(2, 32, cfg.model.vocab_size)))
     assert int(metrics["skipped"]) == 0 and int(metrics.get("overflow", 0)) == 0
+    assert float(metrics["grad_nonfinite_fraction"]) == 0
     after = jax.device_get(state.params)
-    return sum(int(np.sum(a == b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+    unchanged = sum(int(np.sum(a == b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+    return unchanged, float(metrics["grad_zero_fraction"])
 
 
 @pytest.mark.slow
 def test_float16_without_scaling_loses_small_gradients_and_scaling_keeps_them():
     """float32 leaves the entries with a true zero gradient (embedding rows no token used, ...); float16
     without a loss scale adds thousands whose small gradients underflowed; with the scale, almost none."""
-    exact = unchanged_after_one_step("float32", "none")
-    unscaled = unchanged_after_one_step("float16", "none")
-    scaled = unchanged_after_one_step("float16", "auto")
+    (exact, zeros_exact), (unscaled, zeros_unscaled), (scaled, zeros_scaled) = (
+        unchanged_after_one_step("float32", "none"), unchanged_after_one_step("float16", "none"),
+        unchanged_after_one_step("float16", "auto"))
     assert unscaled - exact > 1000, (exact, unscaled)
     assert scaled - exact < 50, (exact, scaled)
+    # the step's metric sees it too (metrics.grad_numerics): the flushed gradients are extra zeros
+    assert zeros_unscaled - zeros_exact > 0.001 > abs(zeros_scaled - zeros_exact), (zeros_exact, zeros_unscaled)
 
 
 @pytest.mark.slow
