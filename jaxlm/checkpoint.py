@@ -157,7 +157,7 @@ class Checkpointer:
             log.warning("checkpoint %s already exists; not overwriting it", self.directory / str(step))
             return False
         items = {
-            "state": ocp.args.PyTreeSave(state),
+            "state": ocp.args.PyTreeSave(_stored(state)),
             "meta": ocp.args.JsonSave({**meta, "step": step, "saved_at": time.time(), "versions": versions(),
                                        "param_layout": layout.LAYOUT}),
         }
@@ -257,7 +257,8 @@ class Checkpointer:
 
         def load(s: int):
             saved_layout = self.param_layout(s)
-            items = {"state": _pytree_restore(layout.to_layout(target, saved_layout)), "meta": ocp.args.JsonRestore()}
+            items = {"state": _pytree_restore(_stored(layout.to_layout(target, saved_layout))),
+                     "meta": ocp.args.JsonRestore()}
             data_dir = self.directory / str(s) / "data"
             merged = data_iter is not None and hasattr(data_iter, "set_states")
             if data_iter is not None and not merged and data_dir.exists():
@@ -265,7 +266,7 @@ class Checkpointer:
             restored = self._manager.restore(s, args=ocp.args.Composite(**items))
             if merged and data_dir.exists():
                 _restore_merged(data_dir, data_iter)
-            return layout.from_layout(restored["state"], saved_layout), restored["meta"]
+            return layout.from_layout(_unstored(restored["state"], target), saved_layout), restored["meta"]
 
         (state, meta), step = newest_loadable(self.directory, self.all_steps(), step, load, verify=verify)
         return state, meta, step
@@ -347,6 +348,20 @@ def load_params_and_step(directory, target_params, *, step: int | None = None, d
             return layout.from_layout(manager.restore(s, args=args)["state"]["params"], saved_layout)
 
         return newest_loadable(directory, steps, step, load)
+
+
+def _stored(state):
+    """The tree a train state is saved as and restored onto: without its `loss_scale` field when that is
+    None (bfloat16 and float32 runs), so the on-disk tree is the one checkpoints had before float16
+    runs carried a scale, and those checkpoints restore as they always did."""
+    if hasattr(state, "loss_scale") and state.loss_scale is None:
+        return {name: getattr(state, name) for name in ("step", "params", "opt_state", "rng")}
+    return state
+
+
+def _unstored(tree, target):
+    """`tree` restored onto `_stored(target)`, as `target`'s type."""
+    return target.replace(**tree) if isinstance(tree, dict) and hasattr(target, "loss_scale") else tree
 
 
 def _pytree_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:

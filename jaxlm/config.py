@@ -118,7 +118,9 @@ def base_config() -> ml_collections.ConfigDict:
         rope_original_max_len=0,
         init_std=0.02,
         dropout=0.0,
-        dtype="bfloat16",  # compute dtype of matmuls and activations
+        # compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively (CPUs, TPUs,
+        # GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs (jaxlm.precision)
+        dtype="auto",
         param_dtype="float32",
         scan_layers=True,
         # Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of them
@@ -535,7 +537,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(m.n_heads % kv == 0, "model.n_kv_heads", m.n_kv_heads, f"a divisor of model.n_heads={m.n_heads}")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a number in [0, 1)")
     _check(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
-    _check_choice(cfg, "model.dtype", DTYPES)
+    _check_choice(cfg, "model.dtype", ("auto", *DTYPES))
     _check_choice(cfg, "model.param_dtype", DTYPES)
     _check_choice(cfg, "model.remat", REMAT_POLICIES)
     _check_choice(cfg, "model.attention", ATTENTION_IMPLS)

@@ -367,6 +367,10 @@ def check(expect: str = "auto", matmul_size: int | None = None) -> dict[str, Any
 
     device = jax.local_devices()[0]
     report["energy"] = energy_report(jax.local_devices())
+    from jaxlm import precision
+
+    chosen, why = precision.auto_dtype(device.platform, precision.compute_capability(device))
+    report["precision"] = {"auto_chooses": chosen, "why": why}
     report["attention"] = cudnn_attention(device)
     if report["attention"]["usable"] is False:
         findings.append((WARN, f"cuDNN attention {report['attention']['status']}; "
@@ -469,6 +473,9 @@ def format_report(report: dict[str, Any]) -> str:
     if "attention" in report:
         a = report["attention"]
         lines += ["attention", f"  {'cudnn':<16} {a['status']}", f"  {'auto chooses':<16} {a['auto_choice']}"]
+    if "precision" in report:
+        p = report["precision"]
+        lines += ["precision", f"  {'auto chooses':<16} {p['auto_chooses']} ({p['why']})"]
     if "energy" in report:
         e = report["energy"]
         lines += ["energy", f"  {'source':<16} {e['source']} ({'measured' if e['measured'] else 'not measured'})",

@@ -44,11 +44,11 @@ class LossScale:
         return LossScale(scale=scale.astype(jnp.float32), good_steps=good.astype(jnp.int32))
 
 
-def enabled(cfg: ml_collections.ConfigDict) -> bool:
+def enabled(cfg: ml_collections.ConfigDict, compute_dtype) -> bool:
     """Whether the run scales its loss: `optim.loss_scale` dynamic, or auto with float16 compute
-    (`model.dtype` as resolved)."""
+    (`compute_dtype`: the model's, `model.dtype=auto` resolved)."""
     mode = cfg.optim.loss_scale
-    return mode == "dynamic" or (mode == "auto" and cfg.model.dtype == "float16")
+    return mode == "dynamic" or (mode == "auto" and jnp.dtype(compute_dtype) == jnp.float16)
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:

@@ -54,6 +54,8 @@ def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]
         f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"
         for key in sorted(set(old) | set(new))
         if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES)
+        # model.dtype=auto resumes a run in the dtype it was trained in (jaxlm.train._compute_dtype)
+        and not (key == "model.dtype" and "auto" in (old.get(key), new.get(key)))
     ]
 
 

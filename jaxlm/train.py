@@ -25,9 +25,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from jaxlm import axes, checkpoint, distributed, energy, init_from, memory, train_setup, xla_flags
+from jaxlm import (
+    axes,
+    checkpoint,
+    distributed,
+    energy,
+    init_from,
+    loss_scale,
+    memory,
+    precision,
+    train_setup,
+    xla_flags,
+)
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
@@ -346,7 +358,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
 def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data, resume_step: int,
                    saved: dict, meter: energy.RunMeter) -> dict[str, Any]:
     # A resumed state is restored, never initialised; a new one with run.init_from holds that run's parameters.
-    setup = train_setup.build(cfg, abstract=bool(resume_step))
+    build_cfg, dtype_line = _compute_dtype(cfg, saved)
+    setup = train_setup.build(build_cfg, abstract=bool(resume_step))
     _check_process_rows(setup, data)
     state, origin = setup.state, setup.init_from  # origin: {"run_dir", "step"} its step-0 parameters came from
     if resume_step:
@@ -372,6 +385,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
            if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
+    console(f"jaxlm: {dtype_line}")
     console(f"jaxlm: {meter.line}")
     device = setup.mesh.devices.flat[0]
     remaining = (cfg.run.steps - resume_step) * derived.tokens_per_step
@@ -401,6 +415,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
             "config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * derived.tokens_per_step, "wall_s": wall_before + time.time() - log.start,
             "data_shards": data.shards, "process_count": jax.process_count(),
+            "compute_dtype": jnp.dtype(model_cfg.dtype).name,  # what model.dtype=auto chose: a resume keeps it
             # the run's energy up to this step (a collective, like the save): a resumed run counts on from it
             "energy_j": meter.run_joules(), "device_s": meter.device_seconds(),
         }
@@ -505,6 +520,23 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         f"checkpoint {summary['checkpoint_dir']}"
     )
     return summary
+
+
+def _compute_dtype(cfg: ml_collections.ConfigDict, saved: dict) -> tuple[ml_collections.ConfigDict, str]:
+    """(the config to build the run with, a line saying its compute dtype). `model.dtype=auto` resolves for
+    this machine's devices (`jaxlm.precision`), except in a resumed run, which keeps the dtype its
+    checkpoint was trained in (a float16 run carries a loss scale in its state)."""
+    device = jax.local_devices()[0]
+    if cfg.model.dtype != "auto":
+        scaled = " with dynamic loss scaling" if loss_scale.enabled(cfg, cfg.model.dtype) else ""
+        return cfg, f"compute {cfg.model.dtype}{scaled} (model.dtype)"
+    chosen, why = precision.auto_dtype(device.platform, precision.compute_capability(device))
+    earlier = saved.get("config", {}).get("model", {}).get("dtype")  # a run from before auto existed
+    kept = saved.get("compute_dtype") or (earlier if earlier not in (None, "auto") else None)
+    if kept and kept != chosen:
+        return (memory.with_overrides(cfg, {"model.dtype": kept}),
+                f"compute {kept} (model.dtype=auto: kept from this run's checkpoints; here auto would choose {chosen})")
+    return memory.with_overrides(cfg, {"model.dtype": chosen}), f"compute {chosen} (model.dtype=auto: {why})"
 
 
 def _check_process_rows(setup: TrainSetup, data: Data) -> None:

@@ -105,7 +105,7 @@ def build(
     co = cfg.compress
     gradual = dict(final=co.sparsity, start=co.prune_start, end=co.prune_end, every=co.prune_every) \
         if co.prune_end > 0 else None
-    scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg) else 0.0
+    scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg, model_cfg.dtype) else 0.0
     if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
                                                             loss_scale=scale)

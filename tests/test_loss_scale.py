@@ -83,13 +83,41 @@ def test_bad_loss_scale_settings_are_one_line(overrides, words):
 
 
 def test_bfloat16_and_float32_runs_carry_no_scale():
-    for dtype in ("bfloat16", "float32"):
-        cfg = config.load_recipe("tiny")
-        config.apply_overrides(cfg, [("model.dtype", dtype)])
-        assert not loss_scale.enabled(cfg)
+    import jax.numpy as jnp
+
     cfg = config.load_recipe("tiny")
-    config.apply_overrides(cfg, [("model.dtype", "bfloat16"), ("optim.loss_scale", "dynamic")])
-    assert loss_scale.enabled(cfg)
+    assert loss_scale.enabled(cfg, jnp.float16)
+    assert not loss_scale.enabled(cfg, jnp.bfloat16) and not loss_scale.enabled(cfg, jnp.float32)
+    config.apply_overrides(cfg, [("optim.loss_scale", "dynamic")])
+    assert loss_scale.enabled(cfg, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("platform, capability, expected", [
+    ("gpu", "7.5", "float16"),  # T4: float16 tensor cores, no bfloat16 ones
+    ("gpu", "7.0", "float16"),  # V100
+    ("gpu", "8.0", "bfloat16"),  # A100
+    ("gpu", "9.0", "bfloat16"),  # H100, H200
+    ("gpu", None, "bfloat16"),  # unknown: the default
+    ("cpu", None, "bfloat16"),
+    ("tpu", None, "bfloat16"),
+])
+def test_auto_dtype_picks_float16_only_below_compute_capability_8(platform, capability, expected):
+    from jaxlm import precision
+
+    dtype, why = precision.auto_dtype(platform, capability)
+    assert dtype == expected and why
+
+
+def test_auto_is_the_recipes_default_and_resolves_for_this_machine():
+    import jax.numpy as jnp
+
+    from jaxlm.models.transformer import ModelConfig
+
+    cfg = config.load_recipe("tiny")
+    assert cfg.model.dtype == "auto"
+    assert ModelConfig.from_config(cfg.model, "cpu").dtype == jnp.bfloat16
+    setup = train_setup.build(cfg, jax.devices()[:1], abstract=True)
+    assert setup.model_cfg.dtype == jnp.bfloat16 and setup.state.loss_scale is None
 
 
 def unchanged_after_one_step(dtype: str, scaling: str) -> tuple[int, float]:
@@ -171,3 +199,29 @@ def test_a_killed_float16_run_resumes_its_scale_and_equals_the_uninterrupted_one
         at_5 = ckpt.read_meta(5)["energy_j"] if 5 in ckpt.all_steps() else None
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["energy_j"] > 0 and (at_5 is None or summary["energy_j"] > at_5)
+
+
+@pytest.mark.slow
+def test_a_resumed_auto_run_keeps_the_dtype_it_was_trained_in(tmp_path, monkeypatch):
+    """A run started where auto meant float16 (a T4, simulated) and resumed where it means bfloat16 goes on
+    in float16 with its loss scale: its state has one, and its config still says auto."""
+    from jaxlm import checkpoint, precision, train
+
+    def run(steps):
+        cfg = config.load_recipe("tiny")
+        config.apply_overrides(cfg, [("run.steps", str(steps)), ("run.output_dir", str(tmp_path)), ("run.name", "t4"),
+                                     ("data.cache_dir", str(tmp_path / "cache")), ("checkpoint.every_steps", "3")])
+        return train.run(cfg)
+
+    real = precision.auto_dtype
+    monkeypatch.setattr(precision, "auto_dtype", lambda platform, capability: ("float16", "a T4, simulated"))
+    run(3)
+    monkeypatch.setattr(precision, "auto_dtype", real)
+    summary = run(6)
+    with checkpoint.Checkpointer(tmp_path / "t4" / "checkpoints") as ckpt:
+        meta = ckpt.read_meta(6)
+    assert meta["compute_dtype"] == "float16" and meta["config"]["model"]["dtype"] == "auto"
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "t4" / "metrics.jsonl").read_text().splitlines()]
+    assert all("loss_scale" in r for r in records if "loss" in r) and summary["resumed_from"] == 3

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import precision
 from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
@@ -198,13 +199,16 @@ class ModelConfig:
             **{key: m[key] for key in ROPE_SCALING_KEYS if key in m},
             init_std=m["init_std"],
             dropout=m["dropout"],
-            dtype=DTYPES[m["dtype"]],
+            dtype=DTYPES.get(m["dtype"]),  # None for "auto": resolved for the platform below
             param_dtype=DTYPES[m["param_dtype"]],
             scan_layers=m["scan_layers"],
             remat=m["remat"],
         )
         fields.update(overrides)
         platform = platform or jax.default_backend()
+        if fields["dtype"] is None:  # model.dtype=auto (jaxlm.precision)
+            capability = precision.compute_capability() if platform == "gpu" and jax.default_backend() == "gpu" else None
+            fields["dtype"] = DTYPES[precision.auto_dtype(platform, capability)[0]]
         matmul = m.get("matmul", "auto")
         fields["accumulating_dots"] = matmul == "accumulate" or (
             matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)

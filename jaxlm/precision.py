@@ -1,0 +1,40 @@
+"""`model.dtype=auto`: the compute dtype the device runs fast and safely.
+
+bfloat16 where the device computes it natively: NVIDIA GPUs of compute capability 8.0 and newer
+(Ampere, Hopper, Blackwell), TPUs, and CPUs (as jaxlm always has). float16, with dynamic loss scaling
+(`jaxlm.loss_scale`), on older NVIDIA GPUs: their tensor cores run float16 and not bfloat16 (a T4 is
+7.5, a V100 7.0), so bfloat16 there is slow, and float16 without a scale loses small gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+
+BF16_MIN_CAPABILITY = 8.0
+
+
+def compute_capability(device=None) -> str | None:
+    """The CUDA compute capability of `device` (default: the first local device) as "major.minor"; None
+    off NVIDIA GPUs or where JAX does not say."""
+    try:
+        device = device or jax.local_devices()[0]
+    except RuntimeError:
+        return None
+    if device.platform != "gpu":
+        return None
+    cc = getattr(device, "compute_capability", None)
+    return str(cc) if cc else None
+
+
+def auto_dtype(platform: str, capability: str | None) -> tuple[str, str]:
+    """(the dtype `model.dtype=auto` means on this device, why)."""
+    if platform == "gpu" and capability:
+        try:
+            major_minor = float(capability)
+        except ValueError:
+            major_minor = None
+        if major_minor is not None and major_minor < BF16_MIN_CAPABILITY:
+            return "float16", (f"compute capability {capability} has float16 tensor cores and no bfloat16 ones: "
+                               f"float16 with dynamic loss scaling")
+        return "bfloat16", f"compute capability {capability} computes bfloat16 natively"
+    return "bfloat16", f"{platform} computes bfloat16"
