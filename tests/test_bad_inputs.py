@@ -241,6 +241,8 @@ CASES = [
     Case("pipeline-fewer-microbatches-than-stages", "train",
          T("--config.mesh.stage=2", "--config.pipeline.microbatches=1"), 2,
          ("pipeline.microbatches=1", "at least mesh.stage=2")),
+    Case("loss-scale-with-float32", "train", T("--config.optim.loss_scale=dynamic", "--config.model.dtype=float32"), 2,
+         ("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed",), slow=True),
     Case("energy-negative-price", "train", T("--config.energy.price_per_device_hour=-2"), 2,
          ("config.energy.price_per_device_hour=-2.0 is not allowed", "0 or more")),
     Case("energy-bad-device-watts", "train", T("--config.energy.device_watts=H100"), 2,
