@@ -47,7 +47,7 @@ def build(recipe: str, param_dtype: str, devices, dtype: str | None = None) -> t
         params = jax.tree.map(lambda x: x.astype(DTYPES[param_dtype]), params)
     gen = Generator(model_cfg, params, mesh, rules, shardings.params, graphdef=model_spec.graphdef)
     info = {"recipe": recipe, "params_m": round(param_count(model_cfg)["total"] / 1e6, 2),
-            "dtype": dtype or cfg.model.dtype, "param_dtype": param_dtype}
+            "dtype": np.dtype(model_cfg.dtype).name, "param_dtype": param_dtype}
     return gen, info
 
 

@@ -199,6 +199,7 @@ def _gb(n: float) -> str:
 def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: int, lowered_only: bool,
           hlo_dir: str | None) -> dict:
     import jax
+    import numpy as np
 
     from jaxlm import config, memory, plan, train_setup
     from jaxlm.models.transformer import flops_per_token
@@ -224,7 +225,7 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
         pipeline=f"XLA:{device.platform.upper()}",
         mesh="x".join(map(str, setup.derived.mesh_shape)), batch=f"{d.global_batch_size}x{d.seq_len}",
         micro_batches=cfg.optim.micro_batches, remat=cfg.model.remat, attention=m.attention,
-        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, lower_s=round(lower_s, 1),
+        dtype=np.dtype(m.dtype).name, param_dtype=cfg.model.param_dtype, lower_s=round(lower_s, 1),
         matmuls=matmul_report(matmuls(pre)), unknown_trip_counts_lowered=pre.unknown_trip_counts,
         model_matmul_flops_per_step=model_flops + causal_half,
     )

@@ -68,7 +68,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, warmup: int) -> di
         "overrides": overrides,
         "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
         "batch": f"{d.global_batch_size}x{d.seq_len}",
-        "dtype": cfg.model.dtype,
+        "dtype": np.dtype(setup.model_cfg.dtype).name,  # model.dtype=auto resolved
         "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
         "compile_s": round(compile_s, 2),
         "step_s": round(step_s, 4),

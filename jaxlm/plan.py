@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from jaxlm import axes, energy, hlo, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
@@ -295,7 +296,7 @@ def plan(
         "micro_batches_auto": auto,
         "per_device_batch": est.per_device_batch,
         "remat": cfg.model.remat,
-        "dtype": cfg.model.dtype,
+        "dtype": np.dtype(transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False).dtype).name,
         "param_dtype": cfg.model.param_dtype,
         "attention": est.attention,
         "analytic": {"per_device_bytes": est.per_device_bytes, "rows": [dataclasses.asdict(r) for r in est.rows]},

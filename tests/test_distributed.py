@@ -167,6 +167,10 @@ def test_two_processes_of_4_devices_train_like_one_process_of_8(reference):
     assert meta["data_shards"] == 2 and meta["process_count"] == 2
     assert sorted(p.name for p in (tmp / "two" / "checkpoints" / "4" / "data").glob("*.json")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
+    # the run's energy is both processes' (summed at each logging step, a collective) and in the checkpoint
+    summary = json.loads((tmp / "two" / "summary.json").read_text())
+    assert summary["energy_j"] > 0 and summary["energy_source"] in ("rapl", "estimate")
+    assert 0 < meta["energy_j"] <= summary["energy_j"]
 
 
 @pytest.mark.slow
