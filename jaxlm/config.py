@@ -32,7 +32,7 @@ RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
-MATMUL_IMPLS = ("auto", "xla", "accumulate")
+MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -133,6 +133,8 @@ def base_config() -> ml_collections.ConfigDict:
         # The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla (jnp.einsum
         # as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own gradients: on a
         # CPU, the form XLA runs natively in bfloat16: a step 1.4x faster; jaxlm.models.layers.accumulating_einsum)
+        # | fp8 (float8 operands with per-tensor scales, e4m3 forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum;
+        # GPUs of compute capability 8.9+, emulated on a CPU)
         matmul="auto",
         # Make the logits and the loss this many positions at a time (0 = the whole sequence at once):
         # only [batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].

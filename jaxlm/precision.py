@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 BF16_MIN_CAPABILITY = 8.0
+FP8_MIN_CAPABILITY = 8.9  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 
 
 def compute_capability(device=None) -> str | None:

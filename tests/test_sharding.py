@@ -101,6 +101,7 @@ def test_uneven_shards_are_a_clear_error():
         train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 1, 8)), rules)
 
 
+@pytest.mark.slow  # 15 s: the default suite's budget (make test-slow runs it)
 def test_the_1b_recipe_compiles_for_8_devices_with_its_state_sharded_and_donated():
     """Ahead of time, nothing allocated: each device's arguments are 1/8 of the state (plus its
     rows of the batch), and the new state reuses the donated buffers."""

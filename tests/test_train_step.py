@@ -307,7 +307,7 @@ def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
                      params, ref_params)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 2, 1), (2, 1, 1, 1)])
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 2, 1), pytest.param((2, 1, 1, 1), marks=pytest.mark.slow)])
 def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     """With micro-batches, the weights the forward only casts to bfloat16 are cast once per step
     (`ModelSpec.cast_for_compute`), not in every micro-batch: the same losses, gradients and update,

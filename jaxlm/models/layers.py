@@ -107,6 +107,57 @@ def _accumulating_einsum_bwd(equation, residuals, g):
 
 
 accumulating_einsum.defvjp(_accumulating_einsum_fwd, _accumulating_einsum_bwd)
+
+
+# float8 formats of the projections' matmuls (Micikevicius et al. 2022, as torchtitan's float8 training and
+# MaxText's use them): e4m3 (more precision) for weights and activations, e5m2 (more range) for gradients
+FP8_FORWARD, FP8_BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def to_fp8(t: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(t scaled so that its largest magnitude is the format's largest finite value, in float8; the scale):
+    per-tensor current scaling. t ~= q / scale."""
+    top = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, top / jnp.maximum(amax, jnp.finfo(jnp.float32).tiny), 1.0)
+    q = jnp.clip(t.astype(jnp.float32) * scale, -top, top).astype(dtype)
+    return q, scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """`jnp.einsum(equation, x, kernel)` with float8 operands: x and the kernel in e4m3, each with its own
+    per-tensor scale (current scaling: this step's maximum), products summed in float32, the result
+    rescaled and rounded to x's dtype; the backward pass's two matmuls take the gradient in e5m2 the same
+    way. The `EinsumOp` of `model.matmul=fp8` (Hopper's float8 tensor cores: twice bfloat16's peak; on a
+    CPU XLA runs the same program emulated)."""
+    return _fp8_forward(equation, x, kernel)[0]
+
+
+def _fp8_forward(equation, x, kernel):
+    xq, sx = to_fp8(x, FP8_FORWARD)
+    kq, sk = to_fp8(kernel, FP8_FORWARD)
+    y = jnp.einsum(equation, xq, kq, preferred_element_type=jnp.float32) / (sx * sk)
+    # the float8 operands are what the backward pass reads (a quarter of float32's bytes); an empty array
+    # carries the kernel's dtype, which its gradient must have
+    return y.astype(x.dtype), (xq, sx, kq, sk, jnp.zeros((0,), kernel.dtype))
+
+
+def _fp8_einsum_fwd(equation, x, kernel):
+    return _fp8_forward(equation, x, kernel)
+
+
+def _fp8_einsum_bwd(equation, residuals, g):
+    xq, sx, kq, sk, kernel_dtype = residuals
+    lhs, out = equation.split("->")
+    x_idx, kernel_idx = lhs.split(",")
+    gq, sg = to_fp8(g, FP8_BACKWARD)
+    dx = jnp.einsum(f"{out},{kernel_idx}->{x_idx}", gq, kq, preferred_element_type=jnp.float32) / (sg * sk)
+    dkernel = jnp.einsum(f"{x_idx},{out}->{kernel_idx}", xq, gq, preferred_element_type=jnp.float32) / (sx * sg)
+    return dx.astype(g.dtype), dkernel.astype(kernel_dtype.dtype)
+
+
+fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 # The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
 LORA_RANK_AXIS = "lora_rank"
 

@@ -104,6 +104,7 @@ class ModelConfig:
     # True = `layers.accumulating_einsum`, float32 accumulation made explicit, the form XLA:CPU runs natively
     # in bfloat16 (`from_config` resolves matmul=auto to it on a CPU with bfloat16 compute).
     accumulating_dots: bool = False
+    fp8_dots: bool = False  # config.model.matmul=fp8: `layers.fp8_einsum` (float8 operands, per-tensor scales)
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
     # LoRA adapters (config.lora, `with_lora`): the projections that get one, by attribute name ("all"
     # resolved), their rank (lora_ranks overrides it per name), alpha (the update is scaled by alpha / rank)
@@ -154,6 +155,8 @@ class ModelConfig:
     @property
     def einsum_op(self) -> layers.EinsumOp:
         """The projections' (and the tied unembedding's) contraction."""
+        if self.fp8_dots:
+            return layers.fp8_einsum
         return layers.accumulating_einsum if self.accumulating_dots else jnp.einsum
 
     def projection_kw(self, name: str) -> dict:
@@ -212,6 +215,13 @@ class ModelConfig:
         matmul = m.get("matmul", "auto")
         fields["accumulating_dots"] = matmul == "accumulate" or (
             matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)
+        fields["fp8_dots"] = matmul == "fp8"
+        if matmul == "fp8" and platform == "gpu" and jax.default_backend() == "gpu":
+            capability = precision.compute_capability()
+            if capability and float(capability) < precision.FP8_MIN_CAPABILITY:
+                raise UserError(f"config.model.matmul='fp8' needs float8 tensor cores (compute capability "
+                                f"{precision.FP8_MIN_CAPABILITY}+: Ada, Hopper, Blackwell); this GPU is {capability}: "
+                                f"use model.matmul=auto")
         # auto: unrolled on a CPU, unless remat asks to save memory (an unrolled program keeps more alive)
         unroll_all = platform == "cpu" and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
