@@ -39,3 +39,12 @@ def auto_dtype(platform: str, capability: str | None) -> tuple[str, str]:
                                f"float16 with dynamic loss scaling")
         return "bfloat16", f"compute capability {capability} computes bfloat16 natively"
     return "bfloat16", f"{platform} computes bfloat16"
+
+
+def check_fp8(platform: str, capability: str | None) -> None:
+    """`model.matmul=fp8` refused in one line on a GPU without float8 tensor cores (a CPU runs it emulated)."""
+    from jaxlm.errors import UserError
+
+    if platform == "gpu" and capability and float(capability) < FP8_MIN_CAPABILITY:
+        raise UserError(f"config.model.matmul='fp8' needs float8 tensor cores (compute capability {FP8_MIN_CAPABILITY}+: "
+                        f"Ada, Hopper, Blackwell); this GPU is {capability}: use model.matmul=auto")

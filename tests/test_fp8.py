@@ -76,3 +76,17 @@ def test_fp8_trains_the_tiny_recipe_within_5_percent_of_bfloat16(tmp_path):
 
     bf16, fp8 = run("auto"), run("fp8")
     assert abs(fp8["val_loss"] - bf16["val_loss"]) <= 0.05 * bf16["val_loss"], (fp8["val_loss"], bf16["val_loss"])
+
+
+@pytest.mark.parametrize("platform, capability, refused", [
+    ("gpu", "7.5", True), ("gpu", "8.0", True), ("gpu", "8.9", False), ("gpu", "9.0", False), ("cpu", None, False),
+])
+def test_fp8_is_refused_in_one_line_on_gpus_without_float8_tensor_cores(platform, capability, refused):
+    from jaxlm import precision
+    from jaxlm.errors import UserError
+
+    if refused:
+        with pytest.raises(UserError, match=f"this GPU is {capability}: use model.matmul=auto"):
+            precision.check_fp8(platform, capability)
+    else:
+        precision.check_fp8(platform, capability)

@@ -217,11 +217,7 @@ class ModelConfig:
             matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)
         fields["fp8_dots"] = matmul == "fp8"
         if matmul == "fp8" and platform == "gpu" and jax.default_backend() == "gpu":
-            capability = precision.compute_capability()
-            if capability and float(capability) < precision.FP8_MIN_CAPABILITY:
-                raise UserError(f"config.model.matmul='fp8' needs float8 tensor cores (compute capability "
-                                f"{precision.FP8_MIN_CAPABILITY}+: Ada, Hopper, Blackwell); this GPU is {capability}: "
-                                f"use model.matmul=auto")
+            precision.check_fp8(platform, precision.compute_capability())
         # auto: unrolled on a CPU, unless remat asks to save memory (an unrolled program keeps more alive)
         unroll_all = platform == "cpu" and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
