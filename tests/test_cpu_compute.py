@@ -123,6 +123,7 @@ def test_training_with_accumulating_dots_follows_the_plain_einsum():
     np.testing.assert_allclose(losses["accumulate"], losses["xla"], rtol=5e-3)
 
 
+@pytest.mark.slow  # 8 s: the default suite's budget
 def test_the_layer_scan_is_unrolled_on_a_cpu_and_computes_the_same():
     def resolved(platform, **model):
         m = config.recipe("tiny", **{f"model__{k}": v for k, v in model.items()}).model

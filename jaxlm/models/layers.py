@@ -137,7 +137,9 @@ def fp8_einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
 def _fp8_forward(equation, x, kernel):
     xq, sx = to_fp8(x, FP8_FORWARD)
     kq, sk = to_fp8(kernel, FP8_FORWARD)
-    y = jnp.einsum(equation, xq, kq, preferred_element_type=jnp.float32) / (sx * sk)
+    # the product summed in float32 inside the matmul and written in x's dtype: what remat's "dots" policy saves
+    # is then as large as a bfloat16 matmul's output, not twice that
+    y = jnp.einsum(equation, xq, kq, preferred_element_type=x.dtype).astype(jnp.float32) / (sx * sk)
     # the float8 operands are what the backward pass reads (a quarter of float32's bytes); an empty array
     # carries the kernel's dtype, which its gradient must have
     return y.astype(x.dtype), (xq, sx, kq, sk, jnp.zeros((0,), kernel.dtype))
