@@ -239,6 +239,7 @@ def _train(args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # 12 s: the default suite's budget (make test-slow runs it)
 def test_a_pruned_run_fine_tunes_with_its_pruned_weights_exactly_zero(facts_run, tmp_path):
     from tiny_run import finetune_args
 
