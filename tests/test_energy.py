@@ -291,3 +291,18 @@ def test_ablation_tables_show_energy_per_variant_marked_when_estimated():
     assert table.columns[-2:] == ["energy (Wh)", "Wh per nat of loss"]
     cells = {r[0].strip("*"): r for r in table.rows}
     assert cells["a"][-2:] == ["3", "1"] and cells["b"][-2:] == ["9 (est.)", "3 (est.)"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(price_per_kwh=-0.1), "config.energy.price_per_kwh=-0.1 is not allowed: 0 or more"),
+    (dict(grid_gco2e_per_kwh=-1.0), "grid_gco2e_per_kwh=-1.0"),
+    (dict(device_watts="H100=-5"), "kind=watts pairs with watts > 0"),
+    (dict(device_watts="H100"), "kind=watts pairs"),
+    (dict(device="Z80"), "config.energy.device='Z80' is not in the power table"),
+    (dict(source="smart-plug"), "config.energy.source='smart-plug' is not allowed"),
+    (dict(assume_mfu=1.5), "assume_mfu=1.5"),
+])
+def test_bad_energy_settings_are_one_line(overrides, words):
+    with pytest.raises(energy.UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        energy_cfg(**overrides)
+    assert energy_cfg(device="Z80", device_watts="Z80=40").energy.device == "Z80"  # a device the user adds is known
