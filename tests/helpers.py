@@ -20,6 +20,17 @@ def small_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def train_tiny(directory, name: str, *overrides: tuple[str, str]) -> dict:
+    """Train the tiny recipe in this process as `python -m jaxlm.train` would, into `directory`/`name`
+    (its data cache beside it), with config overrides; returns the run's summary."""
+    from jaxlm import config, train
+
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("run.output_dir", str(directory)), ("run.name", name),
+                                 ("data.cache_dir", str(pathlib.Path(directory) / "cache")), *overrides])
+    return train.run(cfg)
+
+
 def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, np.ndarray]:
     """Random tokens; with `packed`, each row holds two documents and a little padding."""
     rng = np.random.default_rng(seed)

@@ -232,15 +232,13 @@ def test_a_run_reports_its_energy_and_a_resume_counts_on(tmp_path):
     from its checkpoint's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jaxlm import checkpoint, train
+    from helpers import train_tiny
+    from jaxlm import checkpoint
 
     def run(steps):
-        cfg = config.load_recipe("tiny")
-        config.apply_overrides(cfg, [("run.steps", str(steps)), ("run.log_every", "4"), ("run.output_dir", str(tmp_path)),
-                                     ("run.name", "e"), ("data.cache_dir", str(tmp_path / "cache")),
-                                     ("checkpoint.every_steps", "4"), ("energy.price_per_device_hour", "3.0"),
-                                     ("energy.poll_s", "0.05")])
-        return train.run(cfg)
+        return train_tiny(tmp_path, "e", ("run.steps", str(steps)), ("run.log_every", "4"),
+                          ("checkpoint.every_steps", "4"), ("energy.price_per_device_hour", "3.0"),
+                          ("energy.poll_s", "0.05"))
 
     first = run(8)
     assert first["energy_source"] in ("rapl", "estimate") and first["energy_j"] > 0

@@ -65,14 +65,10 @@ def test_the_lowered_train_step_runs_the_projections_in_float8():
 
 @pytest.mark.slow
 def test_fp8_trains_the_tiny_recipe_within_5_percent_of_bfloat16(tmp_path):
-    from jaxlm import train
+    from helpers import train_tiny
 
     def run(matmul):
-        cfg = config.load_recipe("tiny")
-        config.apply_overrides(cfg, [("model.matmul", matmul), ("run.steps", "200"), ("run.log_every", "100"),
-                                     ("run.output_dir", str(tmp_path)), ("run.name", matmul),
-                                     ("data.cache_dir", str(tmp_path / "cache"))])
-        return train.run(cfg)
+        return train_tiny(tmp_path, matmul, ("model.matmul", matmul), ("run.steps", "200"), ("run.log_every", "100"))
 
     bf16, fp8 = run("auto"), run("fp8")
     assert abs(fp8["val_loss"] - bf16["val_loss"]) <= 0.05 * bf16["val_loss"], (fp8["val_loss"], bf16["val_loss"])

@@ -3,6 +3,8 @@ compiled step, and the config's bad combinations."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -156,19 +158,15 @@ def test_float16_without_scaling_loses_small_gradients_and_scaling_keeps_them():
 def test_float16_with_scaling_trains_the_tiny_recipe_like_bfloat16(tmp_path):
     """200 steps of the tiny recipe on its built-in corpus: float16 with the dynamic scale ends within 2% of
     bfloat16's validation loss, and says what its scale did."""
-    from jaxlm import train
+    from helpers import train_tiny
 
     def run(dtype):
-        cfg = config.load_recipe("tiny")
-        config.apply_overrides(cfg, [("model.dtype", dtype), ("run.steps", "200"), ("run.log_every", "100"),
-                                     ("run.output_dir", str(tmp_path)), ("run.name", dtype),
-                                     ("data.cache_dir", str(tmp_path / "cache"))])
-        return train.run(cfg)
+        return train_tiny(tmp_path, dtype, ("model.dtype", dtype), ("run.steps", "200"), ("run.log_every", "100"))
 
     bf16, fp16 = run("bfloat16"), run("float16")
     assert abs(fp16["val_loss"] - bf16["val_loss"]) <= 0.02 * bf16["val_loss"], (fp16["val_loss"], bf16["val_loss"])
     assert fp16["skipped_steps"] == [] and bf16["overflow_steps"] == 0
-    records = [__import__("json").loads(line) for line in (tmp_path / "float16" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "float16" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss_scale"] >= 1 for r in records if "loss" in r)
 
 
@@ -176,10 +174,11 @@ def test_float16_with_scaling_trains_the_tiny_recipe_like_bfloat16(tmp_path):
 def test_a_killed_float16_run_resumes_its_scale_and_equals_the_uninterrupted_one(tmp_path):
     """The scale changes every 3 steps here; SIGKILL at step 7, resumed from the step-5 checkpoint: every
     step's loss and scale equal the uninterrupted run's, and the run's energy counts on from the checkpoint."""
-    import json
     import signal
 
     from test_resume import args, losses, run, run_until
+
+    from jaxlm import checkpoint
 
     extra = ("--config.model.dtype=float16", "--config.optim.loss_scale_period=3")
     code, _, err = run(args(tmp_path, "full", *extra, steps=12))
@@ -196,7 +195,7 @@ def test_a_killed_float16_run_resumes_its_scale_and_equals_the_uninterrupted_one
         return [(r["step"], r["loss_scale"]) for r in records if "loss" in r]
 
     assert scales("killed") == scales("full") and len({s for _, s in scales("full")}) > 1
-    with __import__("jaxlm.checkpoint", fromlist=["x"]).Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
+    with checkpoint.Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
         at_5 = ckpt.read_meta(5)["energy_j"] if 5 in ckpt.all_steps() else None
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["energy_j"] > 0 and (at_5 is None or summary["energy_j"] > at_5)
@@ -206,13 +205,11 @@ def test_a_killed_float16_run_resumes_its_scale_and_equals_the_uninterrupted_one
 def test_a_resumed_auto_run_keeps_the_dtype_it_was_trained_in(tmp_path, monkeypatch):
     """A run started where auto meant float16 (a T4, simulated) and resumed where it means bfloat16 goes on
     in float16 with its loss scale: its state has one, and its config still says auto."""
-    from jaxlm import checkpoint, precision, train
+    from helpers import train_tiny
+    from jaxlm import checkpoint, precision
 
     def run(steps):
-        cfg = config.load_recipe("tiny")
-        config.apply_overrides(cfg, [("run.steps", str(steps)), ("run.output_dir", str(tmp_path)), ("run.name", "t4"),
-                                     ("data.cache_dir", str(tmp_path / "cache")), ("checkpoint.every_steps", "3")])
-        return train.run(cfg)
+        return train_tiny(tmp_path, "t4", ("run.steps", str(steps)), ("checkpoint.every_steps", "3"))
 
     real = precision.auto_dtype
     monkeypatch.setattr(precision, "auto_dtype", lambda platform, capability: ("float16", "a T4, simulated"))
@@ -222,7 +219,5 @@ def test_a_resumed_auto_run_keeps_the_dtype_it_was_trained_in(tmp_path, monkeypa
     with checkpoint.Checkpointer(tmp_path / "t4" / "checkpoints") as ckpt:
         meta = ckpt.read_meta(6)
     assert meta["compute_dtype"] == "float16" and meta["config"]["model"]["dtype"] == "auto"
-    import json
-
     records = [json.loads(line) for line in (tmp_path / "t4" / "metrics.jsonl").read_text().splitlines()]
     assert all("loss_scale" in r for r in records if "loss" in r) and summary["resumed_from"] == 3

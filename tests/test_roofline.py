@@ -11,6 +11,7 @@ installed (`make h100-env`), on the H100 program itself.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -246,8 +247,6 @@ def test_choose_compiles_each_policy_and_picks_the_best_it_measured():
 def test_a_program_with_a_loop_of_unknown_trip_count_gets_no_mfu():
     """XLA's pipelined all-gathers peel the layer loop into one whose trip count the parser cannot read:
     its kernels would count once and flatter the MFU (6.1 for 7b). The figure is withheld and says why."""
-    import os
-
     env = {**os.environ, "XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=true"}
     result = subprocess.run([str(H100_PYTHON), "-m", "jaxlm.plan", "--config=configs/7b.py", "--target=h100",
                              "--devices=8", "--config.model.scan_layers=true", "--json"],
@@ -283,7 +282,7 @@ def test_the_init_program_keeps_each_random_generator_its_own_kernel():
     is compiled without that pass, and then no generator fusion makes more than two parameters (the
     optimizer's zeros may still be made together: they compile fast)."""
     result = subprocess.run([str(H100_PYTHON), "-c", INIT_FUSIONS], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+                            timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     fused_default, fused_ours = map(int, result.stdout.split())
     assert fused_default >= 4 and fused_ours <= 2, (fused_default, fused_ours)
