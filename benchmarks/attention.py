@@ -4,8 +4,9 @@
     python benchmarks/attention.py --recipe 1b --batch 8 --doc_len 512 --json attention.json
     python benchmarks/attention.py --recipe tiny --seq 64 --batch 2   # CPU: XLA and the interpreted Pallas kernel
 
-jaxlm's GPU path today gives cuDNN the document mask, which jax turns into a dense [B, 1, T, T] bias
-that the kernel reads for every head; this script measures what that costs against the alternatives.
+jaxlm's GPU path gives cuDNN packed documents in its packed layout on Hopper GPUs and the document
+mask (a dense [B, 1, T, T] bias the kernel reads for every head) on older ones; this script measures
+them against each other and the alternatives.
 Each candidate is first checked: the forward output and the gradients of q, k and v (for a random
 output cotangent, zero at padding) against the float32 reference
 (`jaxlm.models.attention.reference_attention`) on the same random inputs, at every non-padding
@@ -16,11 +17,10 @@ compiled program's temporary memory.
 
 Candidates (--impls):
   xla                  jax.nn.dot_product_attention on XLA, with the document mask (the reference path in tests)
-  cudnn                cuDNN flash attention with the document mask (jaxlm's GPU path)
-  cudnn_packed         cuDNN's packed ("ragged") layout, one segment per run of a segment id
-                       (`attention.packed_segments`, at most --max_segments per row), mask type PADDING_CAUSAL,
-                       no mask tensor (Hopper or later); through a private jax module (`jax._src.cudnn`)
-  cudnn_packed_causal  the same with mask type CAUSAL
+  cudnn                cuDNN flash attention with the document mask (jaxlm's path before Hopper)
+  cudnn_packed         cuDNN's packed ("ragged") layout, one segment per run of a segment id, at most
+                       --max_segments per row, no mask tensor (Hopper or later): jaxlm's path there,
+                       `attention.attend(..., max_segments=...)` with its masked fallback behind a conditional
   pallas               jax's Pallas (Triton) flash attention with segment ids (`model.attention=pallas`,
                        `attention.pallas_attention`), key/value heads repeated for grouped queries;
                        interpreted on a CPU (correct, not fast)
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -54,8 +53,8 @@ from jaxlm.models import attention  # noqa: E402
 from jaxlm.models.transformer import ModelConfig  # noqa: E402
 from jaxlm.table import Table  # noqa: E402
 
-IMPLS = ("xla", "cudnn", "cudnn_packed", "cudnn_packed_causal", "pallas", "cudnn_causal")
-CUDNN = {"cudnn", "cudnn_packed", "cudnn_packed_causal", "cudnn_causal"}
+IMPLS = ("xla", "cudnn", "cudnn_packed", "pallas", "cudnn_causal")
+CUDNN = {"cudnn", "cudnn_packed", "cudnn_causal"}
 
 
 def packed_rows(batch: int, seq: int, doc_len: float, pad: int, seed: int) -> np.ndarray:
@@ -82,18 +81,9 @@ def candidate(name: str, *, max_segments: int):
         return lambda q, k, v, seg: attention.attend(q, k, v, segment_ids=seg, implementation=name)
     if name == "cudnn_causal":
         return lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    if name.startswith("cudnn_packed"):
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-
-        mask_type = cudnn_attention.MaskType.CAUSAL if name.endswith("_causal") else cudnn_attention.MaskType.PADDING_CAUSAL
-
-        def packed(q, k, v, seg):
-            seqlens, offsets, _ = attention.packed_segments(seg, max_segments)
-            return cudnn_attention.dot_product_attention(
-                q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
-                scale=1.0 / math.sqrt(q.shape[-1]), mask_type=mask_type)
-
-        return packed
+    if name == "cudnn_packed":
+        return lambda q, k, v, seg: attention.attend(q, k, v, segment_ids=seg, implementation="cudnn",
+                                                     max_segments=max_segments)
     raise SystemExit(f"attention.py: unknown candidate {name!r}; choose from {', '.join(IMPLS)}")
 
 

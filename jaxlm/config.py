@@ -130,6 +130,10 @@ def base_config() -> ml_collections.ConfigDict:
         remat="none",  # none | full | dots | dots_no_batch
         # auto (cudnn on GPU, else xla) | xla | cudnn | pallas (Triton flash attention with segment ids)
         attention="auto",
+        # cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed layout,
+        # compiled for at most this many documents per row; a batch with a row of more takes the masked kernel
+        # (same result, slower). 0: always the document mask (jaxlm.models.attention.cudnn_packed_attention)
+        attention_segments=16,
         # The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla (jnp.einsum
         # as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own gradients: on a
         # CPU, the form XLA runs natively in bfloat16: a step 1.4x faster; jaxlm.models.layers.accumulating_einsum)
@@ -544,6 +548,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_choice(cfg, "model.remat", REMAT_POLICIES)
     _check_choice(cfg, "model.attention", ATTENTION_IMPLS)
     _check_choice(cfg, "model.matmul", MATMUL_IMPLS)
+    _check(m.attention_segments >= 0, "model.attention_segments", m.attention_segments,
+           "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
     _check(m.scan_unroll >= 0, "model.scan_unroll", m.scan_unroll, "0 (auto) or a positive number of layers")
     pl = cfg.pipeline
     _check_choice(cfg, "pipeline.schedule", PIPELINE_SCHEDULES)

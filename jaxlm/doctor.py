@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import distributed, metrics
+from jaxlm import distributed, metrics, precision
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import attention
@@ -175,10 +175,12 @@ def _relative_error(got, want) -> float:
 ATTENTION_TOLERANCE = 5e-2  # relative error of bf16 kernels against each other; a wrong mask or scale gives ~1
 
 
-def attention_errors(device: jax.Device, implementation: str, reference: str = "xla") -> dict[str, float]:
+def attention_errors(device: jax.Device, implementation: str, reference: str = "xla",
+                     max_segments: int = 0) -> dict[str, float]:
     """Relative errors of one attention kernel against another (`reference`: a kernel name, or
     'float32' for the plain einsum reference) in the output and the gradients, through the model's
-    own `attend`: causal, grouped-query heads, packed documents, bf16."""
+    own `attend`: causal, grouped-query heads, packed documents, bf16; with `max_segments`, cuDNN's
+    packed layout for `implementation`."""
     batch, seq, heads, kv_heads, head_dim = 2, 256, 8, 4, 64
     keys = jax.random.split(jax.random.key(0), 4)
     with jax.default_device(device):
@@ -188,18 +190,18 @@ def attention_errors(device: jax.Device, implementation: str, reference: str = "
         cotangent = jax.random.normal(keys[3], (batch, seq, heads, head_dim), jnp.float32)
         segments = jnp.asarray(np.repeat([[1] * 160 + [2] * 80 + [0] * 16], batch, 0), jnp.int32)
 
-    def forward_backward(name):
+    def forward_backward(name, bound=0):
         def loss(q, k, v):
             if name == "float32":
                 out = attention.reference_attention(q, k, v, segment_ids=segments)
             else:
-                out = attention.attend(q, k, v, segment_ids=segments, implementation=name)
+                out = attention.attend(q, k, v, segment_ids=segments, implementation=name, max_segments=bound)
             return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return (out, *grads)
 
-    got, want = forward_backward(implementation), forward_backward(reference)
+    got, want = forward_backward(implementation, max_segments), forward_backward(reference)
     return {name: _relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
 
 
@@ -211,6 +213,9 @@ def cudnn_attention(device: jax.Device) -> dict[str, Any]:
         return {"usable": None, "status": "not applicable (no GPU)", "auto_choice": choice}
     try:
         errors = attention_errors(device, "cudnn", reference="xla")
+        if attention.packed_layout_supported(precision.compute_capability(device)):  # the layout training uses
+            packed = attention_errors(device, "cudnn", reference="xla", max_segments=4)
+            errors.update({f"packed {name}": error for name, error in packed.items()})
     except Exception as e:
         return {"usable": False, "status": f"not usable: {_first_line(e)}", "auto_choice": choice}
     worst = max(errors, key=errors.get)
@@ -367,7 +372,6 @@ def check(expect: str = "auto", matmul_size: int | None = None) -> dict[str, Any
 
     device = jax.local_devices()[0]
     report["energy"] = energy_report(jax.local_devices())
-    from jaxlm import precision
 
     chosen, why = precision.auto_dtype(device.platform, precision.compute_capability(device))
     report["precision"] = {"auto_chooses": chosen, "why": why}

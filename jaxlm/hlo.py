@@ -182,16 +182,21 @@ class Module:
         return 1
 
     def _runs(self, trip_counts_from: str) -> dict[str, int]:
-        """Executions of each computation per step: its callers' executions times loop trip counts."""
+        """Executions of each computation per step: its callers' executions times loop trip counts.
+
+        A conditional runs one branch: counted is the expected one, by jaxlm's convention the true branch
+        of a `lax.cond` (the last of an indexed conditional's branches); the others count 0."""
         edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
         for name, insts in self.computations.items():
             for inst in insts:
                 calls = CALLS.findall(inst["attrs"])
                 trips = self._trip_count(inst, trip_counts_from) if inst["op"] == "while" else 1
                 for kind, callee in calls:
-                    edges[name].append((callee, trips if kind in ("body", "condition") else 1))
+                    edges[name].append((callee, 0 if kind == "false_computation" else
+                                        trips if kind in ("body", "condition") else 1))
                 for group in BRANCHES.findall(inst["attrs"]):
-                    edges[name] += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
+                    branches = [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+                    edges[name] += [(b, int(i == len(branches) - 1)) for i, b in enumerate(branches)]
         # Topological order from the entry (a call graph is acyclic), then push counts down.
         order, seen = [], set()
 

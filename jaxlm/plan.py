@@ -23,6 +23,7 @@ fits; 1: does not fit; 2: a user error (config, flags).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -107,7 +108,8 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     the compiled program (`jaxlm.roofline`)."""
     setup = train_setup.build(cfg, devices, abstract=True)
     start = time.perf_counter()
-    compiled = setup.compile_train_step()
+    with roofline.cudnn_checks_for(target) if target is not None else contextlib.nullcontext():
+        compiled = setup.compile_train_step()
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     if analysis is None:

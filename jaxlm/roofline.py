@@ -26,6 +26,7 @@ autotuning and kernel efficiency do not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -78,9 +79,27 @@ class Target:
     network_bytes_per_s: float  # one device's send bandwidth between hosts (InfiniBand / RoCE NIC)
     devices_per_host: int
     config: str  # XLA's target description (text proto)
+    capability: str = "9.0"  # CUDA compute capability, as in `config`
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bf16"])
+
+
+@contextlib.contextmanager
+def cudnn_checks_for(target: Target):
+    """While lowering for compile-only `target` devices: jax's cuDNN attention asks the default backend
+    (here the CPU) for the GPU's compute capability, finds none, and refuses what needs Hopper (the
+    packed layout); within this, it is told the target's instead."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    have = tuple(int(x) for x in target.capability.split("."))
+    saved = cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal
+    cudnn.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    cudnn.is_cuda_compute_capability_equal = lambda c: have == tuple(int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = saved
 
 
 H100 = Target(
@@ -221,7 +240,9 @@ def _cudnn_attention(module: hlo.Module, inst: dict, backward: bool) -> tuple[fl
     full = 2 * 2.0 * math.prod(bhts) * head_dim
     if backward:
         full *= 2.5
-    causal = config.get("mask_type", "") == "CAUSAL"
+    # causal; PADDING_CAUSAL is causal within each packed segment, counted as causal over the row (the
+    # model's count; documents shorter than the row skip blocks, so the kernel does no more than this)
+    causal = config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL")
     return (full / 2 if causal else full), full, q_t
 
 

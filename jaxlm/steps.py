@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.compress import prune
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
+from jaxlm.models import attention
 from jaxlm.train_state import ModelSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -156,7 +157,7 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
 
     def accumulate(carry, xs):
         mb, mkey = xs
-        with spmd.logical_axis_rules(_without(rules, "data")):
+        with spmd.logical_axis_rules(_without(rules, "data")), attention.whole_batch_segments(mb["segment_ids"]):
             in_axes = (0, None if mkey is None else 0)
             (loss, tokens), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(mb, mkey)
         g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
@@ -216,13 +217,16 @@ def make_train_step(
     gradual_pruning: dict | None = None,
     loss_scale_period: int = 2000,
     grad_numerics: bool = False,
+    attention_segments: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
 
     Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
     (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
-    per layer and top-level group (`norms_by_group`).
+    per layer and top-level group (`norms_by_group`). With `attention_segments` (cuDNN's packed layout,
+    `ModelConfig.attention_segments`), `attention_masked`: the fraction of micro-batches with a row of more
+    documents than that, whose attention fell back to the masked kernel.
 
     Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
     `prune.keep_pruned`); `gradual_pruning` (`prune.gradual_step`'s final, start, end, every) rewrites
@@ -323,6 +327,10 @@ def make_train_step(
             metrics["grad_nonfinite_fraction"] = sum(jnp.sum(~jnp.isfinite(g), dtype=jnp.float32) for g in leaves) / size
         if grad_norm_per_layer:
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
+        if attention_segments:  # the micro-batches whose cuDNN attention fell back to the masked kernel
+            rows = _split_micro({"s": batch["segment_ids"]}, micro_batches)["s"]
+            fits = jax.vmap(lambda r: attention.packed_segments(r, attention_segments)[2])(rows)
+            metrics["attention_masked"] = 1.0 - jnp.mean(fits.astype(jnp.float32))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scaling)
         return new_state, metrics
 

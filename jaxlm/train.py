@@ -82,6 +82,8 @@ class StepLog:
         self.progress = Progress(cfg.run.steps, resume_step, cfg.metrics.progress)
         self.skipped_steps: list[int] = []  # steps whose non-finite update was dropped
         self.overflow_steps = 0  # float16 loss scaling: steps whose scaled gradient overflowed (dropped, scale halved)
+        self.attention_segments = setup.model_cfg.attention_segments
+        self.warned_masked_attention = False
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
@@ -105,6 +107,12 @@ class StepLog:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
         self.losses.append(values["loss"])
         self.overflow_steps += int(values.get("overflow", 0))
+        if values.get("attention_masked", 0) > 0 and not self.warned_masked_attention:
+            self.warned_masked_attention = True
+            self.progress.line(
+                f"attention: at step {step}, {100 * values['attention_masked']:.0f}% of the micro-batches had a row of "
+                f"more than {self.attention_segments} documents and ran cuDNN's masked kernel (about 2x slower than "
+                f"the packed layout); raise --config.model.attention_segments if this recurs (metric attention_masked)")
         tokens_per_s = self.tokens_per_step / step_s
         values.update(
             tokens_seen=step * self.tokens_per_step,

@@ -119,6 +119,7 @@ def build(
         grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
         loss_chunk_len=cfg.model.loss_chunk_len, gradual_pruning=gradual,
         loss_scale_period=cfg.optim.loss_scale_period, grad_numerics=cfg.metrics.grad_numerics,
+        attention_segments=model_cfg.attention_segments,
     )
     setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,

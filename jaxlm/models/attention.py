@@ -12,6 +12,8 @@ Decoding goes through `attend_cached` instead: keys and values of earlier tokens
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 from typing import NamedTuple
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec
+from jaxlm.models import cudnn_batching
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +39,8 @@ def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
     return None
 
 
-# Why cuDNN's attention cannot run in pipeline stages (jaxlm.models.pipeline_parallel): jax 0.10's batching rule
-# for it reshapes a [stages, batch, 1, T, T] mask to [stages * batch, heads, T, T] and fails, and inside a
-# shard_map manual over the stage axis its partitioner fails on the shardings it is given (both tried).
-PIPELINE_NO_CUDNN = "jax's cuDNN attention cannot be batched over pipeline stages with a document mask"
-
-
 def select_implementation(requested: str, platform: str | None = None, *, dtype=jnp.bfloat16, head_dim: int = 64,
-                          log_choice: bool = True, pipelined: bool = False) -> str:
+                          log_choice: bool = True) -> str:
     """Resolve 'auto' for the backend, dtype and head size: the one place that decides what 'auto'
     means. The choice and any fallback are logged (unless `log_choice` is false: the planner).
 
@@ -54,8 +51,6 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     if requested not in ("auto", *IMPLEMENTATIONS):
         raise UserError(f"config.model.attention={requested!r}: use one of auto, {', '.join(IMPLEMENTATIONS)}")
     reason = "the backend is not a GPU" if platform != "gpu" else cudnn_unsupported_reason(dtype, head_dim)
-    if pipelined and not reason:
-        reason = PIPELINE_NO_CUDNN
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
     chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")
@@ -94,6 +89,12 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     return seqlens, offsets, jnp.all(run[:, -1] < max_segments)
 
 
+def packed_layout_supported(capability: str | None) -> bool:
+    """Whether jax's cuDNN attention takes the packed layout on a GPU of this compute capability
+    (jax requires Hopper, 9.0, or newer)."""
+    return capability is not None and tuple(int(x) for x in capability.split(".")) >= (9, 0)
+
+
 def attend(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H], K divides N (grouped-query)
@@ -101,10 +102,18 @@ def attend(
     *,
     segment_ids: jax.Array | None = None,  # [B, T]
     implementation: str = "xla",
+    max_segments: int = 0,
 ) -> jax.Array:  # [B, T, N, H]
-    """Causal softmax attention; with segment ids, no attention across documents."""
+    """Causal softmax attention; with segment ids, no attention across documents.
+
+    `max_segments` > 0 (cuDNN only, GPUs of compute capability 9.0+): packed documents go to cuDNN in its
+    packed layout, at most that many segments per row (`cudnn_packed_attention`), instead of as a mask."""
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
+    if implementation == "cudnn":
+        cudnn_batching.install()  # jax's own batching rules fail under the data-replica and stage vmaps
+        if segment_ids is not None and max_segments > 0:
+            return cudnn_packed_attention(q, k, v, segment_ids, max_segments)
     # The mask follows the batch, never the sequence: made whole where the attention runs.
     mask = None if segment_ids is None else constrain(document_mask(segment_ids), ("act_batch", None, None, None))
     if q.dtype == jnp.float16 and implementation == "xla" and jax.default_backend() == "cpu":
@@ -116,14 +125,87 @@ def attend(
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
+_WHOLE_BATCH_SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("whole_batch_segments",
+                                                                                          default=None)
+
+
+@contextlib.contextmanager
+def whole_batch_segments(segment_ids: jax.Array):
+    """While tracing a model call vmapped over slices of a batch (`jaxlm.steps`' data replicas, the
+    pipeline's stages), the segment ids of all the slices ([..., T], outside the vmap):
+    `cudnn_packed_attention` chooses the packed or masked kernel on them, once for all slices. The
+    outermost call wins (its rows include an inner one's)."""
+    if _WHOLE_BATCH_SEGMENTS.get() is not None:
+        yield
+        return
+    token = _WHOLE_BATCH_SEGMENTS.set(segment_ids)
+    try:
+        yield
+    finally:
+        _WHOLE_BATCH_SEGMENTS.reset(token)
+
+
+def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                           max_segments: int) -> jax.Array:
+    """cuDNN flash attention with the documents in its packed ("ragged") layout: each row's runs of
+    equal segment ids (`packed_segments`, at most `max_segments`) are attended separately, causal from
+    their start, with no [B, 1, T, T] mask for the kernel to read: 2.1x the masked kernel's speed at the
+    1b recipe's shapes on an H200 (benchmarks/BENCHMARKS.md). A batch with a row of more runs than
+    `max_segments` takes the masked kernel instead (`lax.cond`, the same branch on every shard: same
+    result, slower), so the bound is a speed setting, never a correctness one. Uses jax's cuDNN wrapper
+    directly (`jax.nn.dot_product_attention` does not take segment offsets); jax allows the layout on
+    compute capability 9.0+ only. Under a mesh it runs per shard (`per_shard`): partitioned by XLA,
+    the conditional gathered the whole batch onto every
+    device (compiled for 8 H100s: 87 GiB per device against 32)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    # Whether every row of the whole batch fits (all shards take the same branch), as a per-row array so
+    # that it reaches each shard with its rows. Under a vmap (the data replicas), decided on all the
+    # replicas' rows (`whole_batch_segments`): a predicate that differs per vmapped slice would turn the
+    # conditional into a select that runs both kernels.
+    whole = _WHOLE_BATCH_SEGMENTS.get()
+    rows = segment_ids if whole is None else whole.reshape(-1, whole.shape[-1])
+    fits = jnp.broadcast_to(packed_segments(rows, max_segments)[2], segment_ids.shape[:1])
+
+    def local(q, k, v, segment_ids, fits):
+        def packed(q, k, v, segment_ids):
+            seqlens, offsets, _ = packed_segments(segment_ids, max_segments)
+            return cudnn.dot_product_attention(q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets,
+                                               kv_offsets=offsets, scale=1.0 / math.sqrt(q.shape[-1]),
+                                               mask_type=cudnn.MaskType.PADDING_CAUSAL)
+
+        def masked(q, k, v, segment_ids):
+            return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids), is_causal=True,
+                                                implementation="cudnn")
+
+        # the true branch is the one the roofline counts (jaxlm.hlo: the expected case)
+        return jax.lax.cond(fits[0], packed, masked, q, k, v, segment_ids)
+
+    return per_shard(local, q, k, v, segment_ids, fits)
+
+
+def per_shard(fn, q: jax.Array, k: jax.Array, v: jax.Array, *rows: jax.Array) -> jax.Array:
+    """`fn(q, k, v, *rows)` on each device's shard (shard_map) under the model's mesh, batch and heads
+    split as the activations are, the sequence whole; `rows` are [B, ...] per-row arrays (segment ids,
+    offsets), split with the batch. Without a mesh, `fn` itself."""
+    from flax.linen import spmd
+
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return fn(q, k, v, *rows)
+    q_spec = logical_to_spec(("act_batch", None, "act_heads", None), rules)
+    kv_spec = logical_to_spec(("act_batch", None, "act_kv_heads", None), rules)
+    row_specs = tuple(logical_to_spec(("act_batch",) + (None,) * (r.ndim - 1), rules) for r in rows)
+    return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, *row_specs), out_specs=q_spec,
+                         check_vma=False)(q, k, v, *rows)
+
+
 PALLAS_BLOCK = 16  # the smallest block Triton's matmuls take: sequences must be a multiple of it
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     """jax's Pallas (Triton) flash attention, causal, with segment ids; key/value heads repeated per
-    query group. Under a mesh it runs per shard (shard_map): batch and heads split as the activations
-    are, the sequence whole, as for the other kernels."""
-    from flax.linen import spmd
+    query group. Under a mesh it runs per shard (`per_shard`), the sequence whole, as for the other kernels."""
     from jax.experimental.pallas.ops.gpu import attention as kernel
 
     b, t, n, h = q.shape
@@ -144,14 +226,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         return kernel.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
                           interpret=interpret)
 
-    rules = spmd.get_logical_axis_rules()
-    if not rules or jax.sharding.get_abstract_mesh().empty:
-        return local(q, k, v, segment_ids)
-    q_spec = logical_to_spec(("act_batch", None, "act_heads", None), rules)
-    kv_spec = logical_to_spec(("act_batch", None, "act_kv_heads", None), rules)
-    row_spec = logical_to_spec(("act_batch", None), rules)
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, segment_ids)
+    return per_shard(local, q, k, v, segment_ids)
 
 
 class KVCache(NamedTuple):

@@ -454,7 +454,8 @@ class Attention(nnx.Module):
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         if cache is None:
-            out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention)  # [B, T, N, H]
+            out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention,  # [B, T, N, H]
+                             max_segments=cfg.attention_segments)
         else:
             out, cache = attend_cached(q, k, v, cache)
         # Heads stay split into the output projection, and (the constraint's transpose) its

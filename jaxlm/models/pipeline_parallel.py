@@ -6,8 +6,9 @@ layers per group]; one loop iteration runs every stage at once (a `vmap` over th
 the rules shard over the mesh's `stage` axis through the logical names `layers` and `act_stage`), then
 hands each stage's output to the next by rotating the stage-sharded buffer, which XLA compiles to a
 collective permute. JAX differentiates the loop, so the backward pass runs the same schedule in reverse.
-Nothing here names a mesh axis. jax's cuDNN attention cannot be batched over the stages with a document
-mask (`attention.PIPELINE_NO_CUDNN`), so pipelined models use XLA's attention.
+Nothing here names a mesh axis. cuDNN attention runs in the stages through jaxlm's batching rules for it
+(`jaxlm.models.cudnn_batching`; jax's own fail under the stage vmap), its packed-or-masked choice made
+once for the whole batch (`attention.whole_batch_segments`).
 
 Schedules (`Schedule`): with `repeats=1`, GPipe (all micro-batches through stage 0, then 1, ...; the
 backward in reverse); with `repeats=R > 1`, circular (interleaved): stage s holds the layer groups
@@ -18,6 +19,7 @@ R. Either way pass k of stage s happens at iteration s + k, and the idle fractio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -27,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.mesh import constrain, mesh_axes_of
+from jaxlm.models import attention
 
 STAGE = "act_stage"  # the logical name of the stage dimension of activations (rules: -> the stage axis)
 
@@ -150,6 +153,7 @@ def run(
         stream = stream.at[m[-1]].set(last)
         return (stream, constrain(jnp.roll(out, 1, axis=0), (STAGE, *act))), active
 
-    (stream, _), activity = jax.lax.scan(iteration, (stream, ring), jnp.arange(schedule.iterations))
+    with attention.whole_batch_segments(segment_ids) if segment_ids is not None else contextlib.nullcontext():
+        (stream, _), activity = jax.lax.scan(iteration, (stream, ring), jnp.arange(schedule.iterations))
     out = constrain(stream.swapaxes(0, 1).reshape(x.shape), act)
     return (out, activity) if return_activity else out

@@ -23,7 +23,7 @@ from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import layers, pipeline_parallel
-from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, select_implementation
+from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, packed_layout_supported, select_implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,9 @@ class ModelConfig:
     accumulating_dots: bool = False
     fp8_dots: bool = False  # config.model.matmul=fp8: `layers.fp8_einsum` (float8 operands, per-tensor scales)
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
+    # cuDNN's packed layout for packed documents, at most this many per row (0: the document mask instead);
+    # config.model.attention_segments where the kernel is cuDNN on a GPU that takes it, else 0 (`from_config`)
+    attention_segments: int = 0
     # LoRA adapters (config.lora, `with_lora`): the projections that get one, by attribute name ("all"
     # resolved), their rank (lora_ranks overrides it per name), alpha (the update is scaled by alpha / rank)
     # and the dropout on their input. No targets = no adapters.
@@ -222,12 +225,23 @@ class ModelConfig:
         unroll_all = platform == "cpu" and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
-                                                    head_dim=head_dim, log_choice=log_choice,
-                                                    pipelined=fields.get("pipeline_stages", 1) > 1)
+                                                    head_dim=head_dim, log_choice=log_choice)
+        fields["attention_segments"] = packed_attention_segments(m, fields["attention"], platform)
         cfg = cls(**fields)
         if lora is not None:
             cfg = dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
         return cfg if compress is None else with_compress(cfg, compress)
+
+
+def packed_attention_segments(m, implementation: str, platform: str) -> int:
+    """config.model.attention_segments where cuDNN's packed layout applies (the cuDNN kernel on a GPU of
+    compute capability 9.0+; for compile-only GPU devices, `jaxlm.roofline`'s Hopper targets), else 0."""
+    segments = int(m.get("attention_segments", 0))
+    if implementation != "cudnn" or platform != "gpu" or segments <= 0:
+        return 0
+    if jax.default_backend() == "gpu" and not packed_layout_supported(precision.compute_capability()):
+        return 0
+    return segments
 
 
 def _lora_ranks(text: str) -> dict[str, int]:
