@@ -124,3 +124,24 @@ def test_the_h100_program_with_data_replicas_and_stages_has_packed_cudnn_attenti
     out = json.loads(result.stdout.strip().splitlines()[-1])
     for name, program in out.items():
         assert program["conditionals"] > 0 and program["packed"] > 0 and program["masked"] > 0, (name, program)
+
+
+def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
+    """`attention_masked`: the fraction of micro-batches with a row of more documents than the packed
+    layout's bound (micro-batch i holds rows i, i + k, ...)."""
+    import numpy as np
+
+    from jaxlm import steps, train_setup
+    from tests.helpers import random_batch
+
+    setup = train_setup.build(config.recipe("tiny", model__n_layers=1, data__global_batch_size=4, data__seq_len=32,
+                                            model__max_seq_len=32), jax.devices()[:1])
+    batch = random_batch(4, 32, setup.model_cfg.vocab_size)  # two documents and padding: 3 runs per row
+    batch["segment_ids"][1] = np.repeat(np.arange(1, 9), 4)  # row 1 (micro-batch 1 of 2): 8 documents
+    step = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
+                                         attention_segments=4))
+    _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch))
+    assert float(metrics["attention_masked"]) == 0.5
+    _, metrics = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
+                                               attention_segments=8))(setup.state, jax.tree.map(jnp.asarray, batch))
+    assert float(metrics["attention_masked"]) == 0.0
