@@ -705,6 +705,16 @@ class Derived:
                                            pipeline_repeats=self.pipeline_repeats)
 
 
+def inert_settings(cfg: ml_collections.ConfigDict, derived: Derived) -> list[str]:
+    """Lines for settings that change nothing in this run (set, but what they act on is absent)."""
+    default = base_config().pipeline
+    changed = [f"pipeline.{key}={cfg.pipeline[key]}" for key in default if cfg.pipeline[key] != default[key]]
+    if changed and sizes_of(derived.mesh_shape)["stage"] == 1:
+        return [f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with one pipeline "
+                f"stage (mesh.stage={cfg.mesh.stage}): set mesh.stage to the number of stages to pipeline"]
+    return []
+
+
 def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> MeshShape:
     """The size of each mesh axis for `num_devices`; with mesh.hybrid, data = `groups` (the hosts or
     processes of the run, from the live layout when not given) and fsdp the devices left in each."""

@@ -387,12 +387,17 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
         f"parameters, {derived.num_devices} {setup.mesh.devices.flat[0].platform} device(s), mesh "
         f"{axes.describe(derived.mesh_shape)}, "
-        f"attention={model_cfg.attention}, batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
+        f"attention={model_cfg.attention}"
+        + (f" (packed layout, up to {model_cfg.attention_segments} documents per row)"
+           if model_cfg.attention_segments else "")
+        + f", batch {cfg.data.global_batch_size}x{cfg.data.seq_len} = "
         f"{derived.tokens_per_step:,} tokens/step"
         + (f" in {setup.cfg.optim.micro_batches} micro-batches of {derived.per_device_batch} sequence(s) per device"
            + (" (optim.micro_batches=0: as few as fit)" if not cfg.optim.micro_batches else "")
            if setup.cfg.optim.micro_batches > 1 or not cfg.optim.micro_batches else "")
     )
+    for line in config_lib.inert_settings(cfg, derived):
+        console(f"jaxlm: warning: {line}")
     console(f"jaxlm: {dtype_line}")
     console(f"jaxlm: {meter.line}")
     device = setup.mesh.devices.flat[0]

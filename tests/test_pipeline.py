@@ -170,6 +170,17 @@ def test_pipeline_settings_that_cannot_work_are_one_line():
         _build(mesh__stage=2, mesh__fsdp=4, pipeline__microbatches=3)
 
 
+def test_pipeline_settings_without_stages_are_said_to_do_nothing():
+    """Set without stages, the pipeline's keys change nothing: the run says so at start-up (a warning
+    line from `config.inert_settings`), and says nothing when they are at their defaults or pipelining."""
+    cfg = config.recipe("tiny", **SMALL, pipeline__schedule="circular", pipeline__repeats=2)
+    (line,) = config.inert_settings(cfg, config.derive(cfg, 8))
+    assert "pipeline.repeats=2, pipeline.schedule=circular have no effect" in line and "mesh.stage=1" in line
+    assert config.inert_settings(config.recipe("tiny", **SMALL), config.derive(config.recipe("tiny", **SMALL), 8)) == []
+    staged = config.recipe("tiny", **SMALL, mesh__stage=2, pipeline__schedule="circular", pipeline__repeats=2)
+    assert config.inert_settings(staged, config.derive(staged, 8)) == []
+
+
 def test_the_planner_reports_the_bubble_the_traffic_and_less_memory_per_device():
     from jaxlm import memory, plan
 
