@@ -45,8 +45,13 @@ class TrainSetup:
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp). With
+        several processes, `batch` holds `loader.process_rows`, which processes that share rows (the
+        batch replicated over stages or tensor parallelism across them) hold alike."""
+        if jax.process_count() == 1:
+            return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+        shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, shape) for k, v in batch.items()}
 
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as abstract arrays, for ahead-of-time compilation."""

@@ -299,6 +299,19 @@ def test_micro_batches_over_two_processes_train_like_one_process(tmp_path):
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
 
 
+@pytest.mark.slow  # ~60 s: two runs
+def test_a_pipelined_run_over_two_processes_trains_like_one_process(tmp_path):
+    """Pipeline stages across processes (issue 22): stage=2 x fsdp=4 with the stage axis spanning the two
+    processes, so the activations handed between stages cross a process boundary; the losses equal
+    one process's. Both processes feed the same rows (the batch is replicated over the stages)."""
+    extra = ["--config.data.global_batch_size=16", "--config.mesh.stage=2", "--config.mesh.fsdp=4",
+             "--config.model.scan_layers=true", "--config.data.shards=2"]
+    train(args(tmp_path, "one", 4, *extra), 1)
+    results = train(args(tmp_path, "two", 4, *extra), 2)
+    close(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    assert "stage 2" in results[0][1] or "stage=2" in results[0][1], results[0][1][-2000:]
+
+
 JAX_DETECTS_A_CLUSTER = """
 import sys
 from jax._src import clusters  # only here: a cluster kind jaxlm does not know, as JAX registers its own

@@ -54,7 +54,10 @@ class Data:
             return local
         from jax.experimental import multihost_utils
 
-        return int(np.sum(multihost_utils.process_allgather(np.array([local], np.int64))))
+        total = int(np.sum(multihost_utils.process_allgather(np.array([local], np.int64))))
+        # processes that share rows (the batch replicated over stages or tensor parallelism) hold them alike
+        held = self.train.rows.stop - self.train.rows.start
+        return total * self.train.per_shard * self.train.shards // (jax.process_count() * held)
 
 
 def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
@@ -264,22 +267,45 @@ def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where
 
 
 def resolve_shards(cfg: ml_collections.ConfigDict, resumed: int | None = None) -> int:
-    """data.shards, or the resumed run's count, or one per process; checked against the batch."""
+    """data.shards, or the resumed run's count, or one per block of rows a process holds (one per process,
+    unless processes share rows: the batch is replicated over pipeline stages and tensor parallelism);
+    checked against the batch."""
     d = cfg.data
-    count = d.shards or resumed or jax.process_count()
-    if d.global_batch_size % count or d.global_batch_size % jax.process_count():
+    rows = process_rows(cfg)
+    blocks = d.global_batch_size // (rows.stop - rows.start)
+    count = d.shards or resumed or blocks
+    if d.global_batch_size % count or d.global_batch_size % blocks:
         raise UserError(
             f"config.data.global_batch_size={d.global_batch_size} does not divide into {count} data shards and "
-            f"{jax.process_count()} processes; use a batch that is a multiple of both (or set data.shards)"
+            f"{blocks} processes' blocks of rows; use a batch that is a multiple of both (or set data.shards)"
         )
     return count
 
 
 def process_rows(cfg: ml_collections.ConfigDict) -> slice:
-    """The rows of each global batch this process holds: one contiguous block per process, in
-    process order (what `jax.make_array_from_process_local_data` assembles)."""
-    per_process = cfg.data.global_batch_size // jax.process_count()
-    return slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
+    """The rows of each global batch this process's devices hold under the run's mesh (what
+    `jax.make_array_from_process_local_data` assembles): one contiguous block per process, in process
+    order, the same block for processes whose devices differ only along axes the batch is replicated
+    over (pipeline stages, tensor parallelism spanning processes)."""
+    batch = cfg.data.global_batch_size
+    if jax.process_count() == 1:
+        return slice(0, batch)
+    from jaxlm import config as config_lib
+    from jaxlm import mesh as mesh_lib
+
+    devices = jax.devices()
+    mesh = mesh_lib.make_mesh(config_lib.derive(cfg, len(devices)).mesh_shape, devices, hybrid=cfg.mesh.hybrid)
+    sharding = mesh_lib.batch_sharding(mesh, mesh_lib.rules_from_config(cfg.mesh.rules))
+    held = {(index[0].start or 0, index[0].stop or batch)
+            for index in sharding.addressable_devices_indices_map((batch, cfg.data.seq_len)).values()}
+    lo, hi = min(a for a, _ in held), max(b for _, b in held)
+    if sum(b - a for a, b in held) != hi - lo or batch % (hi - lo):
+        raise UserError(
+            f"process {jax.process_index()}'s devices hold batch rows {sorted(held)} of the global batch, not one "
+            f"contiguous block; order config.mesh so that each process's devices are contiguous along data x fsdp "
+            f"(e.g. mesh.hybrid)"
+        )
+    return slice(lo, hi)
 
 
 def _stream_options(cfg: ml_collections.ConfigDict, shard: int, count: int) -> dict[str, Any]:
