@@ -101,7 +101,8 @@ import json, sys
 from jaxlm import config, plan, roofline
 devices = roofline.target_devices(roofline.H100, 8)
 out = {}
-for name, mesh in (("data2", dict(mesh__data=2, mesh__fsdp=4)), ("stage2", dict(mesh__stage=2, mesh__fsdp=4))):
+for name, mesh in (("data2", dict(mesh__data=2, mesh__fsdp=4)), ("stage2", dict(mesh__stage=2, mesh__fsdp=4)),
+                   ("circular", dict(mesh__stage=2, mesh__fsdp=4, pipeline__schedule="circular", pipeline__repeats=2))):
     cfg = config.recipe("tiny", model__attention="cudnn", model__scan_layers=True, **mesh)
     from jaxlm import train_setup
     setup = train_setup.build(cfg, devices, abstract=True)
@@ -116,8 +117,10 @@ print(json.dumps(out))
 @pytest.mark.slow
 @needs_h100_env
 def test_the_h100_program_with_data_replicas_and_stages_has_packed_cudnn_attention():
-    """The tiny recipe compiled for 8 H100s with data=2 and with 2 pipeline stages: it compiles (jax's own
-    batching rules failed on both), and holds the packed kernel and its masked fallback behind conditionals."""
+    """The tiny recipe compiled for 8 H100s with data=2, with 2 pipeline stages, and with 2 stages of the
+    circular schedule: each compiles (jax's own cuDNN batching rules failed on the first two; XLA's GPU
+    compiler rejected the circular schedule's per-stage gather of its layer groups, now a select), and
+    holds the packed kernel and its masked fallback behind conditionals."""
     result = subprocess.run([str(H100_PYTHON), "-c", COMPILE_TINY], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -136,16 +137,25 @@ def run(
 
     spmd = mesh_axes_of(STAGE)
     stages = jax.vmap(stage, spmd_axis_name=spmd or None)
-    pick = jax.vmap(lambda a, r: a[r], in_axes=(1, 0))  # [R, S, ...] and [S] -> each stage's repeat, [S, ...]
+    def pick(a, r):  # [R, S, ...] and [S] -> each stage's repeat, [S, ...]
+        # A select over the R static slices, not a gather: XLA's GPU compiler rejects the scatter that the
+        # gather of a per-stage index (vmapped a[r]) becomes in the backward pass (compiled for H100s)
+        r = r.reshape(r.shape + (1,) * (a.ndim - 2))
+        return functools.reduce(lambda acc, j: jnp.where(r == j, a[j], acc), range(1, a.shape[0]), a[0])
+
+    # GPipe: every pass of a stage runs the same layers, taken once, outside the loop; picked per iteration
+    # (circular), its backward keeps a copy of each stage's weights per iteration
+    fixed = jax.tree.map(lambda a: a[0], params) if R == 1 else None
+    fixed_keys = None if layer_keys is None or R > 1 else layer_keys[0]
 
     def iteration(carry, i):
         stream, ring = carry
         m, r, active = schedule.work(i, jnp)
         ring = ring.at[0].set(stream[m[0]])  # stage 0 takes its next pass from the stream
-        p = jax.tree.map(lambda a: pick(a, r), params)
+        p = fixed if R == 1 else jax.tree.map(lambda a: pick(a, r), params)
         # each layer's dropout key, folded with the micro-batch (the unpipelined step draws one mask per layer)
-        k = None if layer_keys is None else jax.vmap(
-            lambda ks, mb: jax.vmap(lambda key: jax.random.fold_in(key, mb))(ks))(pick(layer_keys, r), m)
+        ks = None if layer_keys is None else (fixed_keys if R == 1 else pick(layer_keys, r))
+        k = None if ks is None else jax.vmap(lambda g, mb: jax.vmap(lambda key: jax.random.fold_in(key, mb))(g))(ks, m)
         out = stages(p, ring, k, positions[m], None if segments is None else segments[m])
         out = constrain(out, (STAGE, *act))
         # the last stage's pass goes back into the stream: the next repeat's input, or the result
