@@ -318,6 +318,8 @@ def estimate(
             saved += s.scores  # the attention mask, one for all layers
         if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer
             saved += 2 * a * s.x * (1 + 1 / schedule.microbatches)
+            if schedule.repeats > 1:  # circular: the layer group each iteration picks, kept for its backward
+                saved += schedule.iterations * a * layer_params[i] * m.n_layers / schedule.repeats
             s = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
                                  mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
