@@ -316,6 +316,7 @@ def estimate(
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if m.attention != "cudnn":
             saved += s.scores  # the attention mask, one for all layers
+        whole = s  # the loss runs outside the pipelined stack, on the whole micro-batch
         if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer
             saved += 2 * a * s.x * (1 + 1 / schedule.microbatches)
             if schedule.repeats > 1:  # circular: the layer group each iteration picks, kept for its backward
@@ -325,7 +326,7 @@ def estimate(
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
         chunk = cfg.model.loss_chunk_len
         fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
-        logits = (a + LOGITS_EXTRA_BYTES) * s.vocab * fraction + full_embedding[i]
+        logits = (a + LOGITS_EXTRA_BYTES) * whole.vocab * fraction + full_embedding[i]
         return saved, layer, logits
 
     saved, layer, logits = activations(sizes, 0)

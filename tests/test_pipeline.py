@@ -199,15 +199,20 @@ def test_the_planner_reports_the_bubble_the_traffic_and_less_memory_per_device()
     assert rows["parameters"] < flat_rows["parameters"] and rows["activations saved"] < flat_rows["activations saved"]
 
 
-@pytest.mark.slow  # 8 s: two compiles
-def test_the_compiled_pipelined_program_holds_less_per_device():
-    """XLA's memory analysis: 4 stages x fsdp=2 on 8 CPU devices against fsdp=2 on 2, the same rows per shard."""
+@pytest.mark.slow  # 12 s: three compiles
+def test_the_compiled_pipelined_program_holds_less_per_device_as_the_planner_predicts():
+    """XLA's memory analysis: 4 stages x fsdp=2 on 8 CPU devices against fsdp=2 on 2, the same rows per
+    shard; and the planner's analytic figure within its tolerance of the compiled one, GPipe and
+    circular (it was 1.25-1.54x under before it counted the loss's logits for the whole micro-batch)."""
     from jaxlm import memory, plan
 
-    compiled = {n: plan.plan(config.recipe("tiny", **mesh), n, 80 * memory.GIB, compile=True,
-                             devices=jax.devices()[:n])["compiled"]
-                for n, mesh in ((8, dict(mesh__stage=4, mesh__fsdp=2)), (2, dict(mesh__fsdp=2)))}
-    assert compiled[8]["per_device_bytes"] < 0.8 * compiled[2]["per_device_bytes"]
+    meshes = {"stage4": (8, dict(mesh__stage=4, mesh__fsdp=2)), "flat": (2, dict(mesh__fsdp=2)),
+              "circular": (8, dict(mesh__stage=2, mesh__fsdp=4, pipeline__schedule="circular", pipeline__repeats=2))}
+    compiled = {name: plan.plan(config.recipe("tiny", **mesh), n, 80 * memory.GIB, compile=True,
+                                devices=jax.devices()[:n])["compiled"] for name, (n, mesh) in meshes.items()}
+    assert compiled["stage4"]["per_device_bytes"] < 0.8 * compiled["flat"]["per_device_bytes"]
+    for name in ("stage4", "circular"):
+        assert compiled[name]["within_tolerance"], (name, compiled[name]["ratio"])
 
 
 @pytest.mark.slow  # 18 s: three CLI processes
