@@ -32,8 +32,9 @@
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
 #   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
-#   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order
-#                           (default: xla:0 pallas:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU
+#   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
+#                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout
+#                           (default: cudnn-mask:0 xla:0 pallas:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU
 #                           flags, see below; dry "xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
 #   MFU_STEPS/MFU_WARMUP    timed/warm-up steps of the mfu step (default 5/2; dry 2/1)
 #   SWEEP_STEPS/SWEEP_WARMUP  the same per sweep point (default 2/1; dry 1/1)
@@ -58,7 +59,7 @@ if [ "$DRY" = 1 ]; then
     OUT=${OUT:-/tmp/gpu_dry}
     BUDGET=${GPU_SESSION_BUDGET_S:-300}
     BIG=tiny; CKPT_RECIPE=tiny; EXPECT=cpu
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false"}
+    SWEEP=${GPU_SESSION_SWEEP:-"cudnn-mask:0 xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
@@ -74,7 +75,7 @@ else
     BIG=1b; CKPT_RECIPE=125m; EXPECT=gpu
     # XLA GPU flags MaxText and others set (each alone, against XLA's defaults): cuBLAS instead of Triton
     # for GEMMs, no CUDA graphs, the latency-hiding scheduler (for one GPU: overlap of copies, if any)
-    SWEEP=${GPU_SESSION_SWEEP:-"xla:0 pallas:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
+    SWEEP=${GPU_SESSION_SWEEP:-"cudnn-mask:0 xla:0 pallas:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
 cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding_scheduler=true"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
@@ -168,9 +169,12 @@ if wanted sweep; then
         i=$((i + 1))
         IFS=: read -r attn chunk flags <<< "$point"
         flags=${flags//,/ }
+        kernel=$attn; segments=16  # cudnn-mask: cuDNN with the document mask, not its packed layout
+        if [ "$attn" = cudnn-mask ]; then kernel=cudnn; segments=0; fi
         step "sweep $attn/$chunk${flags:+ $flags}" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG \
             --steps "$SWEEP_STEPS" --warmup "$SWEEP_WARMUP" \
-            --set model.attention="$attn" model.loss_chunk_len="$chunk" ${flags:+"run.xla_flags=$flags"} \
+            --set model.attention="$kernel" model.attention_segments="$segments" model.loss_chunk_len="$chunk" \
+            ${flags:+"run.xla_flags=$flags"} \
             --json "$SCRATCH/sweep_$i.json"
         if [ ! -s "$SCRATCH/sweep_$i.json" ]; then
             status=${SUMMARY[-1]#*|}; status=${status%%|*}

@@ -185,7 +185,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_one_of_1_resumes_on_2(refe
     train(args(tmp, "one-then-two", 4, "--config.data.shards=2"), 1)
     # ... on a hybrid mesh: fsdp within each process, data across the two (one key, mesh.hybrid).
     results = train(args(tmp, "one-then-two", 8, "--config.data.shards=2", "--config.mesh.hybrid=process"), 2)
-    assert "resuming from step 4" in results[0][1] and "mesh data=2 fsdp=4 tensor=1" in results[0][1]
+    assert "resuming from step 4" in results[0][1] and "mesh data=2 stage=1 fsdp=4 tensor=1" in results[0][1]
     close(losses(tmp / "one-then-two"), want)
 
 
