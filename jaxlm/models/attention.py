@@ -155,8 +155,8 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     result, slower), so the bound is a speed setting, never a correctness one. Uses jax's cuDNN wrapper
     directly (`jax.nn.dot_product_attention` does not take segment offsets); jax allows the layout on
     compute capability 9.0+ only. Under a mesh it runs per shard (`per_shard`): partitioned by XLA,
-    the conditional gathered the whole batch onto every
-    device (compiled for 8 H100s: 87 GiB per device against 32)."""
+    the conditional gathered the whole batch onto every device (compiled for 8 H100s: 87 GiB per
+    device against 32)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     # Whether every row of the whole batch fits (all shards take the same branch), as a per-row array so
