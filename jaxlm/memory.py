@@ -245,6 +245,7 @@ class Estimate:
     # Pipeline stages (mesh.stage > 1): the schedule, and the bytes each device sends to the next stage per
     # step (activations forward, their gradients backward, every loop iteration of every micro-batch)
     pipeline: pipeline_parallel.Schedule | None = None
+    attention_segments: int = 0  # cuDNN's packed layout, its bound of documents per row (0: not used)
     stage_bytes_per_step: float = 0.0
 
     @property
@@ -358,6 +359,7 @@ def estimate(
     return Estimate(
         rows=rows, param_count=transformer.param_count(m)["total"], mesh_shape=derived.mesh_shape,
         per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention, pipeline=schedule,
+        attention_segments=m.attention_segments,
         stage_bytes_per_step=stage_bytes,
     )
 

@@ -301,6 +301,7 @@ def plan(
         "dtype": np.dtype(transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False).dtype).name,
         "param_dtype": cfg.model.param_dtype,
         "attention": est.attention,
+        "attention_segments": est.attention_segments,
         "analytic": {"per_device_bytes": est.per_device_bytes, "rows": [dataclasses.asdict(r) for r in est.rows]},
         "pipeline": None if est.pipeline is None else {
             "stages": est.pipeline.stages, "microbatches": est.pipeline.microbatches,
@@ -367,7 +368,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"devices ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
         f"  batch {r['global_batch_size']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es) of "
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
-        f"{r['param_dtype']}; attention {r['attention']} (planned for {r['platform']})",
+        f"{r['param_dtype']}; attention {r['attention']}"
+        + (f" (packed layout, up to {r['attention_segments']} documents per row)" if r.get("attention_segments") else "")
+        + f" (planned for {r['platform']})",
         *([f"  {r['micro_batches_auto']}"] if r.get("micro_batches_auto") else []),
         *([format_pipeline(r["pipeline"])] if r.get("pipeline") else []),
         "",
