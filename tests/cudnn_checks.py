@@ -81,9 +81,16 @@ def _attention_case(docs: int, bound: int, q, k, v, cot) -> dict:
         vmapped_text = str(jax.make_jaxpr(jax.vmap(replica))(*args))
     alone = [jax.jit(replica)(*(x[i] for x in args)) for i in (0, 1)]
     stacked = jax.tree.map(lambda a, c: jnp.stack([a, c]), *alone)
+    # the same rows' segment ids shared by every vmapped slice (unbatched: the rules broadcast them)
+    shared_args = (halves(q), halves(k), halves(v), seg[: b // 2], halves(cot))
+    with attention.whole_batch_segments(seg[: b // 2]):
+        shared = jax.jit(jax.vmap(replica, in_axes=(0, 0, 0, None, 0)))(*shared_args)
+    shared_alone = [jax.jit(replica)(*(x if j == 3 else x[i] for j, x in enumerate(shared_args))) for i in (0, 1)]
+    shared_stacked = jax.tree.map(lambda a, c: jnp.stack([a, c]), *shared_alone)
     return {
         "error": relative_error(jax.tree.leaves(got), jax.tree.leaves(want)),
         "vmap_error": relative_error(jax.tree.leaves(vmapped), jax.tree.leaves(stacked)),
+        "shared_segments_vmap_error": relative_error(jax.tree.leaves(shared), jax.tree.leaves(shared_stacked)),
         "forward_calls": text.count("dot_product_attention_fwd"),
         "conditionals": text.count("cond["),
         "vmapped_conditionals": vmapped_text.count("cond["),

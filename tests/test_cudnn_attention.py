@@ -76,6 +76,7 @@ def test_cudnn_attention_packed_fallback_and_vmapped_equals_the_reference():
     assert out["packed"]["fits"] is True and out["fallback"]["fits"] is False
     for name in ("packed", "fallback", "masked"):
         assert out[name]["error"] < 1e-2 and out[name]["vmap_error"] < 1e-5, (name, out[name])
+        assert out[name]["shared_segments_vmap_error"] < 1e-5, (name, out[name])
     for name in ("packed", "fallback"):  # one cuDNN call per branch, one conditional (forward, and its transpose)
         assert out[name]["forward_calls"] == 2 and out[name]["conditionals"] == 2
         assert out[name]["vmapped_conditionals"] == 2  # the whole batch decides: not a select of both kernels
@@ -144,7 +145,4 @@ def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
     step = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
                                          attention_segments=4))
     _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch))
-    assert float(metrics["attention_masked"]) == 0.5
-    _, metrics = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
-                                               attention_segments=8))(setup.state, jax.tree.map(jnp.asarray, batch))
-    assert float(metrics["attention_masked"]) == 0.0
+    assert float(metrics["attention_masked"]) == 0.5  # micro-batch 0 fits (3 runs a row), 1 does not
