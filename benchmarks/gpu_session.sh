@@ -81,7 +81,7 @@ cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
-    ATTN_ARGS=(--recipe 1b)
+    ATTN_ARGS=(--recipe 1b --max_segments 16)  # the packed layout at the model's default bound
 fi
 STEPS=" ${GPU_SESSION_STEPS:-doctor mfu attention sweep ckpt hlo notebook} "
 
