@@ -211,11 +211,16 @@ def cudnn_attention(device: jax.Device) -> dict[str, Any]:
     choice = attention.select_implementation("auto", device.platform, dtype=jnp.bfloat16, head_dim=64)
     if device.platform != "gpu":
         return {"usable": None, "status": "not applicable (no GPU)", "auto_choice": choice}
+    out = _checked_attention(device, 0, choice)
+    if out["usable"] and attention.packed_layout_supported(precision.compute_capability(device)):
+        out["packed"] = _checked_attention(device, 4, choice)  # the layout training uses here
+    return out
+
+
+def _checked_attention(device: jax.Device, max_segments: int, choice: str) -> dict[str, Any]:
+    """cuDNN attention against XLA's (`max_segments` > 0: its packed layout): usable, status, errors."""
     try:
-        errors = attention_errors(device, "cudnn", reference="xla")
-        if attention.packed_layout_supported(precision.compute_capability(device)):  # the layout training uses
-            packed = attention_errors(device, "cudnn", reference="xla", max_segments=4)
-            errors.update({f"packed {name}": error for name, error in packed.items()})
+        errors = attention_errors(device, "cudnn", reference="xla", max_segments=max_segments)
     except Exception as e:
         return {"usable": False, "status": f"not usable: {_first_line(e)}", "auto_choice": choice}
     worst = max(errors, key=errors.get)
@@ -379,6 +384,9 @@ def check(expect: str = "auto", matmul_size: int | None = None) -> dict[str, Any
     if report["attention"]["usable"] is False:
         findings.append((WARN, f"cuDNN attention {report['attention']['status']}; "
                                "train with --config.model.attention=xla"))
+    elif report["attention"].get("packed", {}).get("usable") is False:
+        findings.append((WARN, f"cuDNN attention's packed layout {report['attention']['packed']['status']}; "
+                               "train with --config.model.attention_segments=0 (the document mask)"))
     try:
         mm = bf16_matmul(device, matmul_size)
         mm["per_device_relative_error"] = matmul_on_every_device(jax.local_devices())
@@ -476,7 +484,10 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  {'layout':<16} {report['layout']}")
     if "attention" in report:
         a = report["attention"]
-        lines += ["attention", f"  {'cudnn':<16} {a['status']}", f"  {'auto chooses':<16} {a['auto_choice']}"]
+        lines += ["attention", f"  {'cudnn':<16} {a['status']}"]
+        if "packed" in a:
+            lines.append(f"  {'packed layout':<16} {a['packed']['status']}")
+        lines.append(f"  {'auto chooses':<16} {a['auto_choice']}")
     if "precision" in report:
         p = report["precision"]
         lines += ["precision", f"  {'auto chooses':<16} {p['auto_chooses']} ({p['why']})"]

@@ -108,9 +108,15 @@ def check_attention() -> dict:
     k = jax.random.normal(keys[1], (b, t, kv, h), jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, t, kv, h), jnp.bfloat16)
     cot = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    from jaxlm import doctor
+
     with roofline.cudnn_checks_for(roofline.H100):
-        return {name: _attention_case(docs, bound, q, k, v, cot)
-                for name, docs, bound in (("packed", 3, 8), ("fallback", 6, 4), ("masked", 5, 0))}
+        out = {name: _attention_case(docs, bound, q, k, v, cot)
+               for name, docs, bound in (("packed", 3, 8), ("fallback", 6, 4), ("masked", 5, 0))}
+        # the doctor's checks of the two cuDNN paths against XLA's attention (what it runs on a Hopper GPU)
+        out["doctor"] = {str(bound): doctor._checked_attention(jax.devices()[0], bound, "cudnn")["status"]
+                         for bound in (0, 4)}
+    return out
 
 
 TRAIN = dict(model__vocab_size=128, model__d_model=64, model__n_heads=4, model__n_kv_heads=2, model__mlp_dim=128,

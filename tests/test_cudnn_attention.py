@@ -81,6 +81,8 @@ def test_cudnn_attention_packed_fallback_and_vmapped_equals_the_reference():
         assert out[name]["forward_calls"] == 2 and out[name]["conditionals"] == 2
         assert out[name]["vmapped_conditionals"] == 2  # the whole batch decides: not a select of both kernels
     assert out["masked"]["forward_calls"] == 1 and out["masked"]["conditionals"] == 0
+    # the doctor's checks of the masked and packed paths (jaxlm.doctor, on a Hopper GPU) pass
+    assert all(status.startswith("usable") for status in out["doctor"].values()), out["doctor"]
 
 
 @pytest.mark.slow
