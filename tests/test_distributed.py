@@ -309,7 +309,9 @@ def test_a_pipelined_run_over_two_processes_trains_like_one_process(tmp_path):
     train(args(tmp_path, "one", 4, *extra), 1)
     results = train(args(tmp_path, "two", 4, *extra), 2)
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
-    assert "stage 2" in results[0][1] or "stage=2" in results[0][1], results[0][1][-2000:]
+    out = results[0][1]
+    assert "mesh data=1 stage=2 fsdp=4 tensor=1" in out, out[-2000:]
+    assert "2 data shard(s), each process reads 2" in out, out[-2000:]  # the whole batch on each process
 
 
 JAX_DETECTS_A_CLUSTER = """
