@@ -329,7 +329,7 @@ def make_train_step(
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
         if attention_segments:  # the micro-batches whose cuDNN attention fell back to the masked kernel
             rows = _split_micro({"s": batch["segment_ids"]}, micro_batches)["s"]
-            fits = jax.vmap(lambda r: attention.packed_segments(r, attention_segments)[2])(rows)
+            fits = jax.vmap(lambda r: attention.packed_fits(r, attention_segments))(rows)
             metrics["attention_masked"] = 1.0 - jnp.mean(fits.astype(jnp.float32))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scaling)
         return new_state, metrics

@@ -43,7 +43,7 @@ from jaxlm import (
 from jaxlm import config as config_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
-from jaxlm.data.loader import Data, load_data
+from jaxlm.data.loader import Data, load_data, rows_held
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
@@ -556,15 +556,11 @@ def _check_process_rows(setup: TrainSetup, data: Data) -> None:
     """The rows this process reads must be the rows its devices hold in the global batch."""
     if jax.process_count() == 1:
         return
-    shape = (setup.cfg.data.global_batch_size, setup.cfg.data.seq_len)
-    held = {(index[0].start or 0, index[0].stop or shape[0])
-            for index in setup.batch_sharding.addressable_devices_indices_map(shape).values()}
-    lo, hi = min(a for a, _ in held), max(b for _, b in held)
-    covered = sum(b - a for a, b in held)
-    if (lo, hi) != (data.train.rows.start, data.train.rows.stop) or covered != hi - lo:
+    held = rows_held(setup.batch_sharding, (setup.cfg.data.global_batch_size, setup.cfg.data.seq_len))
+    if held != data.train.rows:
         raise UserError(
-            f"process {jax.process_index()}'s devices hold batch rows {sorted(held)} of the global batch, not the "
-            f"block {data.train.rows.start}:{data.train.rows.stop} it reads; order config.mesh so that each "
+            f"process {jax.process_index()}'s devices hold batch rows {held.start}:{held.stop} of the global batch, "
+            f"not the block {data.train.rows.start}:{data.train.rows.stop} it reads; order config.mesh so that each "
             f"process's devices are contiguous along data x fsdp (e.g. mesh.hybrid)"
         )
 

@@ -202,6 +202,7 @@ def test_packed_segments_cover_each_document_causally(max_segments):
     document mask and the causal mask together, and `fits` is False once a row has too many runs."""
     seg = jnp.array([[1] * 5 + [2] * 3 + [3] * 6 + [0] * 2, [1] * 16, [1, 1, 2, 2, 3, 3] + [0] * 10])
     seqlens, offsets, fits = attention.packed_segments(seg, max_segments)
+    assert bool(attention.packed_fits(seg, max_segments)) == bool(fits)  # the check alone, without the layout
     if max_segments == 4:
         assert bool(fits)
         np.testing.assert_array_equal(offsets, [[0, 5, 8, 14, -1], [0, -1, -1, -1, -1], [0, 2, 4, 6, -1]])

@@ -295,11 +295,17 @@ def process_rows(cfg: ml_collections.ConfigDict) -> slice:
 
     devices = jax.devices()
     mesh = mesh_lib.make_mesh(config_lib.derive(cfg, len(devices)).mesh_shape, devices, hybrid=cfg.mesh.hybrid)
-    sharding = mesh_lib.batch_sharding(mesh, mesh_lib.rules_from_config(cfg.mesh.rules))
-    held = {(index[0].start or 0, index[0].stop or batch)
-            for index in sharding.addressable_devices_indices_map((batch, cfg.data.seq_len)).values()}
+    return rows_held(mesh_lib.batch_sharding(mesh, mesh_lib.rules_from_config(cfg.mesh.rules)),
+                     (batch, cfg.data.seq_len))
+
+
+def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> slice:
+    """The block of a [B, T] batch's rows that this process's devices hold under `sharding`; one line
+    when they are not one contiguous block."""
+    held = {(index[0].start or 0, index[0].stop or shape[0])
+            for index in sharding.addressable_devices_indices_map(shape).values()}
     lo, hi = min(a for a, _ in held), max(b for _, b in held)
-    if sum(b - a for a, b in held) != hi - lo or batch % (hi - lo):
+    if sum(b - a for a, b in held) != hi - lo or shape[0] % (hi - lo):
         raise UserError(
             f"process {jax.process_index()}'s devices hold batch rows {sorted(held)} of the global batch, not one "
             f"contiguous block; order config.mesh so that each process's devices are contiguous along data x fsdp "

@@ -2,8 +2,9 @@
 
 `attend` is the only place that knows which kernel runs. Packed documents are given as segment ids
 (0 = padding, 1.. = document within the row); a query attends to earlier keys of its own document.
-Kernels: XLA's attention (the reference, any backend); cuDNN flash attention (GPUs; the document mask
-reaches it as a dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
+Kernels: XLA's attention (the reference, any backend); cuDNN flash attention (GPUs; on Hopper the
+documents reach it in its packed layout, `cudnn_packed_attention`, elsewhere the document mask as a
+dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
 themselves (GPUs; interpreted elsewhere: correct and slow, for tests). `benchmarks/attention.py`
 checks and times them against each other.
 Decoding goes through `attend_cached` instead: keys and values of earlier tokens come from a
@@ -65,6 +66,13 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
 def document_mask(segment_ids: jax.Array) -> jax.Array:
     """[B, T] segment ids -> [B, 1, T, T] bool: True where query and key are in the same document."""
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
+
+
+def packed_fits(segment_ids: jax.Array, max_segments: int) -> jax.Array:
+    """Whether every row of [B, T] segment ids has at most `max_segments` runs of equal ids (what the
+    packed layout of `packed_segments` can express): a bool scalar, without building the layout."""
+    starts = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.all(1 + jnp.sum(starts, axis=1) <= max_segments)
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -165,7 +173,7 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     # conditional into a select that runs both kernels.
     whole = _WHOLE_BATCH_SEGMENTS.get()
     rows = segment_ids if whole is None else whole.reshape(-1, whole.shape[-1])
-    fits = jnp.broadcast_to(packed_segments(rows, max_segments)[2], segment_ids.shape[:1])
+    fits = jnp.broadcast_to(packed_fits(rows, max_segments), segment_ids.shape[:1])
 
     def local(q, k, v, segment_ids, fits):
         def packed(q, k, v, segment_ids):
