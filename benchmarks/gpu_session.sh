@@ -16,6 +16,10 @@
 #            point, in priority order, while the time budget allows                  -> $OUT/mfu_sweep.json
 #            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU; the
 #            points with XLA flags compare against it, one candidate flag each)
+#   fp8      mfu.py with model.matmul=fp8 (float8 projections, issue 24), as a sweep point -> $OUT/mfu_fp8.json
+#   train    `make train`'s job (python -m jaxlm.train --config=configs/tiny.py) on the GPU, its energy meter
+#            reading NVML, then the same run with model.dtype=float16 (dynamic loss scaling, issue 24);
+#            both runs' summary.json                                                   -> $OUT/train.json
 #   ckpt     benchmarks/checkpoint.py --recipes 125m (issue 4)                       -> $OUT/checkpoint.json
 #   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left   -> $OUT/hlo_audit.json, $OUT/hlo/*.hlo.gz
 #   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
@@ -30,12 +34,14 @@
 #   PYTHON                  interpreter (default python3)
 #   GPU_SESSION_DRY=1       same as --dry-run
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
-#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep ckpt hlo notebook")
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep fp8 train ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
 #                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout
 #                           (default: cudnn-mask:0 xla:0 pallas:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU
 #                           flags, see below; dry "xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
+#   MFU_DOC_LEN             the mfu, sweep and fp8 steps' batches: documents of this mean length packed in each
+#                           row (default 512; 0 = one document per row, as in the H200 call)
 #   MFU_STEPS/MFU_WARMUP    timed/warm-up steps of the mfu step (default 5/2; dry 2/1)
 #   SWEEP_STEPS/SWEEP_WARMUP  the same per sweep point (default 2/1; dry 1/1)
 #   JAX_COMPILATION_CACHE_DIR  persistent XLA cache (default /tmp/jaxlm_xla_cache): a program compiled
@@ -63,8 +69,10 @@ if [ "$DRY" = 1 ]; then
     MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
+    MFU_DOC_LEN=${MFU_DOC_LEN:-20}; TRAIN_ARGS=(--config.run.steps=20 --config.run.eval_every=10)
     #        cap min reserve (seconds)
     DOCTOR=(60 10 0); MFU=(120 20 0); ATTN=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
+    TRAIN=(150 30 0); FP8=(90 20 30)
     ATTN_ARGS=(--recipe tiny --seq 64 --batch 2 --doc_len 20 --pad 5)
 else
     if [ -z "${OUT:-}" ]; then
@@ -80,10 +88,12 @@ cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
+    MFU_DOC_LEN=${MFU_DOC_LEN:-512}; TRAIN_ARGS=()
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
+    TRAIN=(120 30 0); FP8=(150 90 80)
     ATTN_ARGS=(--recipe 1b --max_segments 16)  # the packed layout at the model's default bound
 fi
-STEPS=" ${GPU_SESSION_STEPS:-doctor mfu attention sweep ckpt hlo notebook} "
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu attention sweep fp8 train ckpt hlo notebook} "
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -156,7 +166,7 @@ wanted doctor && step doctor "${DOCTOR[@]}" -- $PYTHON -m jaxlm.doctor --expect=
 
 # 3. MFU of the big recipe (micro-batches resolved automatically) ------------------------------------------
 wanted mfu && step mfu "${MFU[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$MFU_STEPS" \
-    --warmup "$MFU_WARMUP" --json "$OUT/mfu_1b.json"
+    --warmup "$MFU_WARMUP" --doc_len "$MFU_DOC_LEN" --json "$OUT/mfu_1b.json"
 
 # 3b. attention kernels at the big recipe's shapes, with packed documents --------------------------------
 wanted attention && step attention "${ATTN[@]}" -- $PYTHON benchmarks/attention.py "${ATTN_ARGS[@]}" \
@@ -172,7 +182,7 @@ if wanted sweep; then
         kernel=$attn; segments=16  # cudnn-mask: cuDNN with the document mask, not its packed layout
         if [ "$attn" = cudnn-mask ]; then kernel=cudnn; segments=0; fi
         step "sweep $attn/$chunk${flags:+ $flags}" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG \
-            --steps "$SWEEP_STEPS" --warmup "$SWEEP_WARMUP" \
+            --steps "$SWEEP_STEPS" --warmup "$SWEEP_WARMUP" --doc_len "$MFU_DOC_LEN" \
             --set model.attention="$kernel" model.attention_segments="$segments" model.loss_chunk_len="$chunk" \
             ${flags:+"run.xla_flags=$flags"} \
             --json "$SCRATCH/sweep_$i.json"
@@ -190,6 +200,32 @@ import json, sys
 rows = [r for path in sys.argv[2:] for r in json.load(open(path))]
 json.dump(rows, open(sys.argv[1], "w"), indent=2)
 print(f"# {len(rows)} sweep points -> {sys.argv[1]}")
+EOF
+fi
+
+# 4b. float8 projections: the mfu step with model.matmul=fp8 (a sweep point's steps) ---------------------
+wanted fp8 && step fp8 "${FP8[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$SWEEP_STEPS" \
+    --warmup "$SWEEP_WARMUP" --doc_len "$MFU_DOC_LEN" --set model.matmul=fp8 --json "$OUT/mfu_fp8.json"
+
+# 4c. `make train`'s job on this machine (energy meter on NVML), then in float16 with loss scaling ----------
+if wanted train; then
+    for dtype in auto float16; do
+        step "train $dtype" "${TRAIN[@]}" -- $PYTHON -m jaxlm.train --config=configs/tiny.py \
+            --config.run.output_dir="$SCRATCH/runs" --config.run.name="$dtype" --config.model.dtype=$dtype \
+            "${TRAIN_ARGS[@]}"
+    done
+    $PYTHON - "$OUT/train.json" "$SCRATCH/runs" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path(sys.argv[2]).glob("*/summary.json")):
+    runs[path.parent.name] = json.loads(path.read_text())
+    metrics = path.parent / "metrics.jsonl"
+    if metrics.exists():  # the last training record (loss scale, energy), for the log
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        runs[path.parent.name]["last_metrics"] = next((r for r in reversed(rows) if "loss" in r), rows[-1] if rows else {})
+json.dump(runs, open(sys.argv[1], "w"), indent=2)
+for name, summary in runs.items():
+    print(f"# train {name}:", json.dumps(summary)[:1500])
 EOF
 fi
 
@@ -230,13 +266,13 @@ $PYTHON - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, os, sys
 out = sys.argv[1]
 rows = []
-for name in ("mfu_1b.json", "mfu_sweep.json"):
+for name in ("mfu_1b.json", "mfu_sweep.json", "mfu_fp8.json"):
     try:
         rows += [(name, r) for r in json.load(open(os.path.join(out, name)))]
     except (OSError, ValueError):
         pass
 if rows:
-    cols = ["attention", "loss_chunk_len", "xla_flags", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
+    cols = ["attention", "loss_chunk_len", "xla_flags", "doc_len", "attention_masked", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
             "peak_memory_gib", "status"]
     print("\n| file | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, r in rows:

@@ -3,6 +3,7 @@
     python benchmarks/mfu.py --recipe 1b                                  # one H100: the MFU issue's number
     python benchmarks/mfu.py --recipe 1b --sweep data.global_batch_size=8,16 model.remat=none,dots
     python benchmarks/mfu.py --recipe tiny --steps 3 --set data.global_batch_size=8   # CPU smoke run
+    python benchmarks/mfu.py --recipe 1b --doc_len 512   # rows packed with documents (mean 512 tokens)
     python benchmarks/mfu.py --recipe 1b --sweep "run.xla_flags=,--xla_gpu_enable_triton_gemm=false"  # vs XLA's defaults
 
 Per configuration: compile time (the first step), mean step time over `--steps` steps after
@@ -10,6 +11,10 @@ Per configuration: compile time (the first step), mean step time over `--steps` 
 (FLOPs from `flops_per_token`: all matmuls + causal attention, no remat), MFU against the device's
 dense bf16 peak (`jaxlm.metrics.PEAK_BF16_FLOPS`, or `--peak_tflops`; unknown device -> n/a), and
 peak memory (the device's own counter where it has one, else the compiled step's memory analysis).
+Batches are random tokens, one document per row, or with `--doc_len` documents of exponential length
+packed in each row as the data pipeline packs them (attention within documents; cuDNN's packed layout
+on Hopper, `attention_masked` in the results says whether the masked kernel ran instead); the model
+FLOPs count causal attention over whole rows either way, as MFU conventionally does.
 A sweep is the cartesian product of its `key=v1,v2` lists; each point runs in its own process, so an
 out-of-memory point is reported as such and the sweep goes on. The table of all points is printed
 last; `--json` writes the full results.
@@ -26,11 +31,27 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float) -> dict:
-    """One configuration, in this process."""
+def packed_batch(batch: dict, doc_len: float, seed: int) -> dict:
+    """`batch` with its rows cut into documents of exponential length (mean `doc_len` tokens,
+    `benchmarks/attention.py`'s generator): segment ids per document, positions restarting at each."""
+    from attention import packed_rows
+
+    segment_ids = packed_rows(*batch["segment_ids"].shape, doc_len, 0, seed)
+    index = np.arange(segment_ids.shape[1])
+    starts = np.concatenate([np.ones((len(segment_ids), 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {**batch, "segment_ids": segment_ids, "positions": positions.astype(np.int32)}
+
+
+def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
+            doc_len: float = 0) -> dict:
+    """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
+    (attention within documents only; 0: one document per row)."""
     import jax
 
     sys.path.insert(0, HERE)
@@ -48,7 +69,11 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     setup = train_setup.build(cfg)
     d = cfg.data
     per_process = d.global_batch_size // jax.process_count()
-    batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    host = [random_batch(per_process, d.seq_len, cfg.model.vocab_size, i) for i in range(2)]
+    if doc_len:
+        host = [packed_batch(b, doc_len, i) for i, b in enumerate(host)]
+    segments = max(int((np.diff(b["segment_ids"], axis=1) != 0).sum(axis=1).max()) + 1 for b in host)
+    batches = [setup.put_batch(b) for b in host]
     device = jax.devices()[0]
     state = setup.state
     with jax.set_mesh(setup.mesh):
@@ -95,6 +120,10 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         "mfu": None if util is None else round(util, 4),
         "peak_memory_gib": round(peak_bytes / 2**30, 3),
         "memory_source": memory_source,
+        "doc_len": doc_len,
+        "segments_per_row_max": segments,
+        # cuDNN's packed layout: the fraction of micro-batches that fell back to the document mask
+        "attention_masked": float(out["attention_masked"]) if "attention_masked" in out else None,
         "loss": loss,
         "status": "ok",
     }
@@ -114,7 +143,7 @@ def sweep_points(sweep: list[str]) -> list[dict[str, str]]:
 def run_isolated(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
     """One configuration in a child process (a crash or out-of-memory is reported, not fatal)."""
     command = [sys.executable, os.path.abspath(__file__), "--recipe", args.recipe, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--peak_tflops", str(args.peak_tflops), "--one",
+               "--warmup", str(args.warmup), "--peak_tflops", str(args.peak_tflops), "--doc_len", str(args.doc_len), "--one",
                "--set", *[f"{k}={v}" for k, v in overrides.items()]]
     result = subprocess.run(command, capture_output=True, text=True)
     for line in reversed(result.stdout.splitlines()):
@@ -153,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak_tflops", type=float, default=0.0, help="per-device peak; 0 = the device table")
+    parser.add_argument("--doc_len", type=float, default=0,
+                        help="documents of this mean length (tokens) packed in each row; 0 = one per row")
     parser.add_argument("--json", help="write all results to this file")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one point, JSON out
     args = parser.parse_args(argv)
     base = dict(kv.split("=", 1) for kv in args.set)
     if args.one:
-        print(json.dumps(measure(args.recipe, base, args.steps, args.warmup, args.peak_tflops)))
+        print(json.dumps(measure(args.recipe, base, args.steps, args.warmup, args.peak_tflops, args.doc_len)))
         return 0
     if "run.xla_flags" in base:  # before the header below starts JAX; the points' processes inherit them
         from jaxlm import xla_flags
@@ -172,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for overrides in points:
         result = run_isolated(args, overrides) if len(points) > 1 else measure(
-            args.recipe, overrides, args.steps, args.warmup, args.peak_tflops)
+            args.recipe, overrides, args.steps, args.warmup, args.peak_tflops, args.doc_len)
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.json:

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -193,3 +194,19 @@ def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     assert torch_row["params"] == jax_row["params"] > 800_000  # every weight and bias, tied embedding once
     assert torch_row["step_ms"] > 0 and jax_row["step_ms"] > 0
     assert "| nanogpt | torch |" in result.stdout and "| nanogpt | jax |" in result.stdout
+
+
+def test_mfu_packed_batches_cut_rows_into_documents_with_positions_restarting():
+    """`benchmarks/mfu.py --doc_len`: rows of several documents, each one's positions from 0, as the
+    data pipeline packs them (the packed attention's speed depends on it)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mfu
+    from train_throughput import random_batch
+
+    batch = mfu.packed_batch(random_batch(4, 256, 100, 0), 40, seed=0)
+    seg, pos = batch["segment_ids"], batch["positions"]
+    starts = np.diff(seg, axis=1) != 0
+    assert seg.shape == pos.shape == (4, 256) and (seg > 0).all() and starts.sum(axis=1).min() >= 1 and starts.sum() >= 12
+    assert (pos[:, 0] == 0).all() and (pos[:, 1:][starts] == 0).all()
+    assert (pos[:, 1:][~starts] == pos[:, :-1][~starts] + 1).all()
+    assert batch["inputs"] is not None and batch["inputs"].shape == (4, 256)

@@ -16,6 +16,8 @@ absent (jax passes empty placeholders) or broadcast over the batch (a bias of ba
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 
 _installed = False
@@ -71,10 +73,17 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-    from jax._src.interpreters import batching
+    try:  # jax internals: a jax that renamed them keeps its own rules (fine where nothing is vmapped)
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+        from jax._src.interpreters import batching
 
-    for primitive in (cudnn._dot_product_attention_fwd_p_wrapper, cudnn._dot_product_attention_bwd_p_wrapper):
+        primitives = (cudnn._dot_product_attention_fwd_p_wrapper, cudnn._dot_product_attention_bwd_p_wrapper)
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"jaxlm: cuDNN attention keeps jax's own batching rules ({e}): runs with mesh.data > 1 "
+                      "or pipeline stages may not compile with model.attention=cudnn", stacklevel=2)
+        _installed = True
+        return
+    for primitive in primitives:
         batching.primitive_batchers[primitive] = (
             lambda args, dims, _p=primitive, **params: _fold_call(_p, args, dims, params))
     _installed = True
