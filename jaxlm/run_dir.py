@@ -92,6 +92,12 @@ class Sinks:
         for sink in self.sinks:
             sink.write(step, values)
 
+    def flush(self) -> None:
+        """Everything written so far onto disk (before a checkpoint: the steps it covers are never lost)."""
+        for sink in self.sinks:
+            if hasattr(sink, "flush"):
+                sink.flush()
+
     def histograms(self, step: int, stats: dict[str, dict[str, Any]]) -> None:
         """`param_histograms` statistics (host values) to the sinks that draw histograms."""
         for sink in self.sinks:

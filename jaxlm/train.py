@@ -434,6 +434,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         }
         if origin:
             meta["init_from"] = origin
+        sinks.flush()  # the metrics of every step this checkpoint covers are on disk before it is
         ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
 
     eval_target_bytes = data.eval_target_bytes
@@ -487,6 +488,9 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                     agreement.propose("save", step)
                 due = ckpt.step_due(step) or agreement.due("save", step)
                 if step == total_steps or due or (evaluated is not None and cfg.checkpoint.keep_best):
+                    if pending:  # this step's metrics go to disk with the checkpoint (the save waits for it anyway)
+                        log.record(*pending)
+                        pending = None
                     save(step, force=True, val_loss=evaluated)
             ckpt.wait()
     except NonFiniteError as e:

@@ -28,6 +28,13 @@ from absl import flags
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 
+# Chunks are read in the consuming thread: each is a slice of an in-memory or memory-mapped array, and
+# grain's default (16 threads, 500 elements read ahead) spent more time handing elements between
+# threads than reading them: 3.5 -> 1.2 ms per 16 x 128 batch, 7.8 -> 1.9 ms per 16 x 2048
+# (benchmarks/BENCHMARKS.md, data throughput). Iterator states are the same ({'next_index'}), so
+# checkpoints resume across the change. Worker processes (`data.num_workers`) read ahead instead.
+READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
 Batch = dict[str, np.ndarray]
 
 
@@ -278,7 +285,7 @@ def make_train_dataset(
         raise UserError("no training examples: every document has fewer than 2 tokens; give more text")
     ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_epoch, len(chunks)))[shard_index::shard_count]
-    return _packed_stream(ds.to_iter_dataset(), seq_len, batch_size, num_workers, chunks.has_weights)
+    return _packed_stream(ds.to_iter_dataset(READ_OPTIONS), seq_len, batch_size, num_workers, chunks.has_weights)
 
 
 class _TokenizeAndChunk(grain.experimental.FlatMapTransform):
@@ -323,7 +330,7 @@ def make_text_train_dataset(
         raise UserError("no training documents: the corpus is empty; give non-empty text")
     ds = grain.MapDataset.source(list(texts)).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_text_epoch, len(texts)))[shard_index::shard_count]
-    chunks = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _TokenizeAndChunk(tok, seq_len))
+    chunks = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(READ_OPTIONS), _TokenizeAndChunk(tok, seq_len))
     return _packed_stream(chunks, seq_len, batch_size, num_workers)
 
 
@@ -347,8 +354,8 @@ def make_eval_batches(
     the same shape and no evaluation token is dropped.
     """
     chunks = _Chunks(doc_tokens, seq_len)
-    ds = _pack_and_batch(grain.MapDataset.source(chunks).to_iter_dataset(), seq_len, batch_size, drop_remainder=False,
-                         with_weights=chunks.has_weights)
+    ds = _pack_and_batch(grain.MapDataset.source(chunks).to_iter_dataset(READ_OPTIONS), seq_len, batch_size,
+                         drop_remainder=False, with_weights=chunks.has_weights)
     batches = []
     for batch in ds:
         if len(batches) == max_batches:
