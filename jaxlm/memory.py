@@ -211,11 +211,15 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     # cuDNN's fused attention forward is saved with the dots (transformer._fused_attention_saveable):
     # its output and softmax statistics
     fused = a * s.q + F32 * s.head_stats if m.attention == "cudnn" else 0.0
+    # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
+    # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
+    # output and the MLP's product; the float8 weights are counted in `estimate`
+    fp8 = (2 * s.x + s.q + s.mlp) if m.fp8_dots else 0.0
     if policy == "dots_no_batch":
-        return block_input + projections + fused
+        return block_input + projections + fused + fp8
     if policy == "dots":  # also the attention's batched matmuls (XLA attention only)
         batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
-        return block_input + projections + batched + fused
+        return block_input + projections + batched + fused + fp8
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
@@ -314,6 +318,8 @@ def estimate(
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
+        if m.fp8_dots and m.remat in ("dots", "dots_no_batch"):  # each layer's weights in float8, gathered
+            saved += m.n_layers * layer_params[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if m.attention != "cudnn":
             saved += s.scores  # the attention mask, one for all layers

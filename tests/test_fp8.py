@@ -86,3 +86,25 @@ def test_fp8_is_refused_in_one_line_on_gpus_without_float8_tensor_cores(platform
             precision.check_fp8(platform, capability)
     else:
         precision.check_fp8(platform, capability)
+
+
+def test_remat_dots_keeps_the_float8_operands_for_the_backward_pass():
+    """Under `model.remat=dots` the projections' float8 inputs and weights (with their scales) are saved, not
+    quantized again in the backward pass: on an H100 each amax is a reduction kernel of its own, 704 per
+    1b step per projection input (benchmarks/BENCHMARKS.md, the H100 entry). `full` saves none of them."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.models import transformer
+
+    x = jnp.ones((2, 16, 64), jnp.bfloat16)
+    k = jnp.full((64, 96), 0.01, jnp.bfloat16)
+
+    def saved(policy):
+        f = jax.checkpoint(lambda x, k: layers.fp8_einsum("btd,df->btf", jax.nn.silu(x), k).astype(jnp.float32).sum(),
+                           policy=transformer.REMAT_POLICIES[policy])
+        return sorted((str(aval.dtype), aval.shape) for aval, _ in saved_residuals(f, x, k))
+
+    dots = saved("dots")
+    assert ("float8_e4m3fn", (2, 16, 64)) in dots and ("float8_e4m3fn", (64, 96)) in dots
+    assert sum(dtype == "float32" and shape == () for dtype, shape in dots) >= 2  # the two scales
+    assert not any(dtype.startswith("float8") for dtype, _ in saved("full"))

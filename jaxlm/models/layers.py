@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import quant as quant_lib
 from jaxlm.mesh import constrain
@@ -134,9 +135,12 @@ def fp8_einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
     return _fp8_forward(equation, x, kernel)[0]
 
 
+FP8_OPERANDS = "fp8_operands"  # the name remat's "dots" policy saves float8 operands by (transformer.REMAT_POLICIES)
+
+
 def _fp8_forward(equation, x, kernel):
-    xq, sx = to_fp8(x, FP8_FORWARD)
-    kq, sk = to_fp8(kernel, FP8_FORWARD)
+    xq, sx = jax.tree.map(lambda t: checkpoint_name(t, FP8_OPERANDS), to_fp8(x, FP8_FORWARD))
+    kq, sk = jax.tree.map(lambda t: checkpoint_name(t, FP8_OPERANDS), to_fp8(kernel, FP8_FORWARD))
     # the product summed in float32 inside the matmul and written in x's dtype: what remat's "dots" policy saves
     # is then as large as a bfloat16 matmul's output, not twice that
     y = jnp.einsum(equation, xq, kq, preferred_element_type=x.dtype).astype(jnp.float32) / (sx * sk)

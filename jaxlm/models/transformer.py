@@ -54,8 +54,9 @@ def _fused_attention_saveable(prim, *_, **__) -> bool:
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # the matmuls' outputs saved (fused attention's too), the elementwise work between them recomputed
-    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable,
-                                                            _fused_attention_saveable),
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _fused_attention_saveable),
+        jax.checkpoint_policies.save_only_these_names(layers.FP8_OPERANDS)),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
 }
