@@ -16,7 +16,7 @@
 #            point, in priority order, while the time budget allows                  -> $OUT/mfu_sweep.json
 #            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU; the
 #            points with XLA flags compare against it, one candidate flag each)
-#   fp8      mfu.py with model.matmul=fp8 (float8 projections, issue 24), as a sweep point -> $OUT/mfu_fp8.json
+#   fp8      mfu.py with model.matmul=fp8 (float8 projections, issue 24), as a sweep point -> $OUT/mfu_sweep.json
 #   train    `make train`'s job (python -m jaxlm.train --config=configs/tiny.py) on the GPU, its energy meter
 #            reading NVML, then the same run with model.dtype=float16 (dynamic loss scaling, issue 24);
 #            both runs' summary.json                                                   -> $OUT/train.json
@@ -37,8 +37,9 @@
 #   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep fp8 train ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
-#                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout
-#                           (default: cudnn-mask:0 xla:0 pallas:0 cudnn:512 xla:512, then cudnn:0 with each of three XLA GPU
+#                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout,
+#                           cudnn-segN = the packed layout compiled for N documents per row (the default is 16)
+#                           (default: cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0 cudnn:512, then cudnn:0 with each of three XLA GPU
 #                           flags, see below; dry "xla:0 pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
 #   MFU_DOC_LEN             the mfu, sweep and fp8 steps' batches: documents of this mean length packed in each
 #                           row (default 512; 0 = one document per row, as in the H200 call)
@@ -83,8 +84,8 @@ else
     BIG=1b; CKPT_RECIPE=125m; EXPECT=gpu
     # XLA GPU flags MaxText and others set (each alone, against XLA's defaults): cuBLAS instead of Triton
     # for GEMMs, no CUDA graphs, the latency-hiding scheduler (for one GPU: overlap of copies, if any)
-    SWEEP=${GPU_SESSION_SWEEP:-"cudnn-mask:0 xla:0 pallas:0 cudnn:512 xla:512 cudnn:0:--xla_gpu_enable_triton_gemm=false \
-cudnn:0:--xla_gpu_enable_command_buffer= cudnn:0:--xla_gpu_enable_latency_hiding_scheduler=true"}
+    # measured on an H100 (2026-11-26): the mask (cudnn-mask), XLA's flags; the packed layout's bound of 8 is next
+    SWEEP=${GPU_SESSION_SWEEP:-"cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0 cudnn:512 cudnn:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
@@ -181,6 +182,7 @@ if wanted sweep; then
         flags=${flags//,/ }
         kernel=$attn; segments=16  # cudnn-mask: cuDNN with the document mask, not its packed layout
         if [ "$attn" = cudnn-mask ]; then kernel=cudnn; segments=0; fi
+        if [[ "$attn" == cudnn-seg* ]]; then kernel=cudnn; segments=${attn#cudnn-seg}; fi
         step "sweep $attn/$chunk${flags:+ $flags}" "${POINT[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG \
             --steps "$SWEEP_STEPS" --warmup "$SWEEP_WARMUP" --doc_len "$MFU_DOC_LEN" \
             --set model.attention="$kernel" model.attention_segments="$segments" model.loss_chunk_len="$chunk" \
@@ -191,10 +193,16 @@ if wanted sweep; then
             if [ "$status" != skipped ] && [ -s "$SCRATCH/step.log" ]; then  # the error's last line
                 status="$status: $(grep -v '^###' "$SCRATCH/step.log" | tail -1 | cut -c1-200 | tr -d '"\\')"
             fi
-            printf '[{"recipe": "%s", "overrides": {"model.attention": "%s", "model.loss_chunk_len": "%s", "run.xla_flags": "%s"}, "status": "%s"}]\n' \
-                "$BIG" "$attn" "$chunk" "$flags" "$status" > "$SCRATCH/sweep_$i.json"
+            printf '[{"recipe": "%s", "overrides": {"model.attention": "%s", "model.attention_segments": "%s", "model.loss_chunk_len": "%s", "run.xla_flags": "%s"}, "status": "%s"}]\n' \
+                "$BIG" "$attn" "$segments" "$chunk" "$flags" "$status" > "$SCRATCH/sweep_$i.json"
         fi
     done
+fi
+
+# 4b. float8 projections: the mfu step with model.matmul=fp8 (a sweep point's steps) ---------------------
+wanted fp8 && step fp8 "${FP8[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$SWEEP_STEPS" \
+    --warmup "$SWEEP_WARMUP" --doc_len "$MFU_DOC_LEN" --set model.matmul=fp8 --json "$SCRATCH/sweep_fp8.json"
+if ls "$SCRATCH"/sweep_*.json >/dev/null 2>&1; then  # the sweep's points and fp8's, one file (8 come back at most)
     $PYTHON - "$OUT/mfu_sweep.json" "$SCRATCH"/sweep_*.json <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
 rows = [r for path in sys.argv[2:] for r in json.load(open(path))]
@@ -202,10 +210,6 @@ json.dump(rows, open(sys.argv[1], "w"), indent=2)
 print(f"# {len(rows)} sweep points -> {sys.argv[1]}")
 EOF
 fi
-
-# 4b. float8 projections: the mfu step with model.matmul=fp8 (a sweep point's steps) ---------------------
-wanted fp8 && step fp8 "${FP8[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$SWEEP_STEPS" \
-    --warmup "$SWEEP_WARMUP" --doc_len "$MFU_DOC_LEN" --set model.matmul=fp8 --json "$OUT/mfu_fp8.json"
 
 # 4c. `make train`'s job on this machine (energy meter on NVML), then in float16 with loss scaling ----------
 if wanted train; then
@@ -238,6 +242,7 @@ if wanted hlo; then
     step hlo "${HLO[@]}" -- $PYTHON benchmarks/hlo_audit.py --recipe $BIG --json "$OUT/hlo_audit.json" --hlo_dir "$OUT/hlo"
     if [ -d "$OUT/hlo" ]; then
         gzip -f "$OUT"/hlo/*.hlo 2>/dev/null
+        rm -f "$OUT"/hlo/lowered.hlo.gz  # the same on every platform (made on a CPU too); 8 files come back at most
         ls -l "$OUT/hlo" | tee -a "$LOG"
     fi
 fi
@@ -266,19 +271,20 @@ $PYTHON - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, os, sys
 out = sys.argv[1]
 rows = []
-for name in ("mfu_1b.json", "mfu_sweep.json", "mfu_fp8.json"):
+for name in ("mfu_1b.json", "mfu_sweep.json"):
     try:
         rows += [(name, r) for r in json.load(open(os.path.join(out, name)))]
     except (OSError, ValueError):
         pass
 if rows:
-    cols = ["attention", "loss_chunk_len", "xla_flags", "doc_len", "attention_masked", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
+    cols = ["attention", "segments", "matmul", "loss_chunk_len", "xla_flags", "doc_len", "attention_masked", "batch", "micro_batches", "compile_s", "step_s", "tokens_per_s", "mfu",
             "peak_memory_gib", "status"]
     print("\n| file | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, r in rows:
         o = r.get("overrides", {})
         vals = {**r, "attention": r.get("attention", o.get("model.attention", "")),
-                "loss_chunk_len": o.get("model.loss_chunk_len", "0"), "xla_flags": o.get("run.xla_flags", "")}
+                "loss_chunk_len": o.get("model.loss_chunk_len", "0"), "xla_flags": o.get("run.xla_flags", ""),
+                "segments": o.get("model.attention_segments", "16"), "matmul": o.get("model.matmul", "")}
         cells = []
         for c in cols:
             v = vals.get(c, "")
