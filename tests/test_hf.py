@@ -74,11 +74,22 @@ def save(model, directory: pathlib.Path, dtype=None) -> pathlib.Path:
     return directory
 
 
+class _Models(dict):
+    """arch -> (transformers model, its saved directory), each made when a test first asks for it."""
+
+    def __init__(self, root: pathlib.Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        model = make_model(arch)
+        self[arch] = (model, save(model, self.root / arch))
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """arch -> (transformers model, its saved directory)."""
-    root = tmp_path_factory.mktemp("hf")
-    return {arch: (model, save(model, root / arch)) for arch in ARCHS for model in [make_model(arch)]}
+    return _Models(tmp_path_factory.mktemp("hf"))
 
 
 IDS = np.random.default_rng(0).integers(0, VOCAB, (8, 40))
@@ -101,7 +112,8 @@ def close(got: np.ndarray, want: np.ndarray, tol: float = 1e-4) -> float:
     return err
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [  # Llama's near relatives in the slow suite (the default suite's time)
+    pytest.param(a, marks=pytest.mark.slow) if a in ("llama3_scaled", "mistral") else a for a in ARCHS])
 def test_imported_model_gives_transformers_logits_and_exports_back(models, arch, tmp_path):
     model, hf_dir = models[arch]
     run_dir = hf.import_checkpoint(hf_dir, tmp_path / "run")

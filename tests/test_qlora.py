@@ -100,6 +100,7 @@ def test_dequantization_error_is_within_the_documented_bound_on_random_weights(f
     assert quant.error_bound(spec) == pytest.approx(0.1519, abs=1e-4) if fmt == "nf4" else 1 / 14
 
 
+@pytest.mark.slow  # ~12 s; the bound itself is checked on random weights in the default suite (above)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantization_error_is_within_the_bound_on_trained_weights(facts_run, fmt):
     params = jax.device_get(inference.load_run(facts_run).params)
