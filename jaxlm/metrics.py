@@ -138,8 +138,8 @@ class TensorBoardSink:
         self._flushed = time.monotonic()
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        """A step's scalars as one event (one `add_scalar` each cost 13x the time, 0.8 against 0.06 ms
-        for 14 scalars: a step of a small model on a GPU is a few ms)."""
+        """A step's scalars as one event (one `add_scalar` each took 10x the time, 0.61 against 0.06 ms
+        for 14 scalars, and a flush per step 0.2 ms more: a small model's step on a GPU is a few ms)."""
         from tensorboardX.proto.summary_pb2 import Summary
 
         scalars = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
