@@ -9,6 +9,8 @@
 #   install  the carried wheels (.whl/*.whl) into /tmp/site; PYTHONPATH=/tmp/site:$PWD
 #   doctor   python -m jaxlm.doctor --expect=gpu
 #   mfu      benchmarks/mfu.py --recipe 1b (micro-batches resolved by the planner)   -> $OUT/mfu_1b.json
+#   profile  benchmarks/profile_step.py --recipe 1b: one profiled step, its kernels summed by category
+#            (GEMMs, attention, fusions, copies, collectives) and the largest       -> $OUT/profile.json
 #   attention  benchmarks/attention.py at 1b's shapes (8 x 2048, documents of mean length 512): each kernel
 #            checked against the float32 reference, then timed: cuDNN with the document mask (jaxlm's path),
 #            cuDNN's packed layout, Pallas with segment ids, XLA, cuDNN causal-only  -> $OUT/attention.json
@@ -21,7 +23,7 @@
 #            reading NVML, then the same run with model.dtype=float16 (dynamic loss scaling, issue 24);
 #            both runs' summary.json                                                   -> $OUT/train.json
 #   ckpt     benchmarks/checkpoint.py --recipes 125m (issue 4)                       -> $OUT/checkpoint.json
-#   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left   -> $OUT/hlo_audit.json, $OUT/hlo/*.hlo.gz
+#   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left                -> $OUT/hlo_audit.json
 #   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
 #            wheels in .whl/nb (nbclient, ipykernel, matplotlib, ...) installed to /tmp/nbsite (issue 8:
 #            the notebooks run on a GPU unchanged); its text outputs go into session.log
@@ -34,7 +36,8 @@
 #   PYTHON                  interpreter (default python3)
 #   GPU_SESSION_DRY=1       same as --dry-run
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
-#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu attention sweep fp8 train ckpt hlo notebook")
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu profile attention sweep fp8 train ckpt hlo
+#                           notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
 #                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout,
@@ -73,7 +76,7 @@ if [ "$DRY" = 1 ]; then
     MFU_DOC_LEN=${MFU_DOC_LEN:-20}; TRAIN_ARGS=(--config.run.steps=20 --config.run.eval_every=10)
     #        cap min reserve (seconds)
     DOCTOR=(60 10 0); MFU=(120 20 0); ATTN=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
-    TRAIN=(150 30 0); FP8=(90 20 30)
+    TRAIN=(150 30 0); FP8=(90 20 30); PROFILE=(90 20 0)
     ATTN_ARGS=(--recipe tiny --seq 64 --batch 2 --doc_len 20 --pad 5)
 else
     if [ -z "${OUT:-}" ]; then
@@ -91,10 +94,10 @@ else
     CKPT_ARGS=()
     MFU_DOC_LEN=${MFU_DOC_LEN:-512}; TRAIN_ARGS=()
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
-    TRAIN=(120 30 0); FP8=(150 90 80)
+    TRAIN=(120 30 0); FP8=(150 90 80); PROFILE=(120 40 0)
     ATTN_ARGS=(--recipe 1b --max_segments 16)  # the packed layout at the model's default bound
 fi
-STEPS=" ${GPU_SESSION_STEPS:-doctor mfu attention sweep fp8 train ckpt hlo notebook} "
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu profile attention sweep fp8 train ckpt hlo notebook} "
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -169,6 +172,10 @@ wanted doctor && step doctor "${DOCTOR[@]}" -- $PYTHON -m jaxlm.doctor --expect=
 wanted mfu && step mfu "${MFU[@]}" -- $PYTHON benchmarks/mfu.py --recipe $BIG --steps "$MFU_STEPS" \
     --warmup "$MFU_WARMUP" --doc_len "$MFU_DOC_LEN" --json "$OUT/mfu_1b.json"
 
+# 3a. one profiled step of the same program (the compile is in the cache by now): kernels by category ------
+wanted profile && step profile "${PROFILE[@]}" -- $PYTHON benchmarks/profile_step.py --recipe $BIG --steps 2 \
+    --doc_len "$MFU_DOC_LEN" --json "$OUT/profile.json"
+
 # 3b. attention kernels at the big recipe's shapes, with packed documents --------------------------------
 wanted attention && step attention "${ATTN[@]}" -- $PYTHON benchmarks/attention.py "${ATTN_ARGS[@]}" \
     --json "$OUT/attention.json"
@@ -239,12 +246,8 @@ wanted ckpt && step ckpt "${CKPT[@]}" -- $PYTHON benchmarks/checkpoint.py --reci
 
 # 6. HLO audit of the big recipe's step, if time is left; HLO text gzipped ---------------------------------
 if wanted hlo; then
-    step hlo "${HLO[@]}" -- $PYTHON benchmarks/hlo_audit.py --recipe $BIG --json "$OUT/hlo_audit.json" --hlo_dir "$OUT/hlo"
-    if [ -d "$OUT/hlo" ]; then
-        gzip -f "$OUT"/hlo/*.hlo 2>/dev/null
-        rm -f "$OUT"/hlo/lowered.hlo.gz  # the same on every platform (made on a CPU too); 8 files come back at most
-        ls -l "$OUT/hlo" | tee -a "$LOG"
-    fi
+    # the audit only: with the profile, 8 files already come back (the device tool's limit)
+    step hlo "${HLO[@]}" -- $PYTHON benchmarks/hlo_audit.py --recipe $BIG --json "$OUT/hlo_audit.json"
 fi
 
 # 7. the quickstart notebook in a real kernel, if time is left -------------------------------------------

@@ -210,3 +210,41 @@ def test_mfu_packed_batches_cut_rows_into_documents_with_positions_restarting():
     assert (pos[:, 0] == 0).all() and (pos[:, 1:][starts] == 0).all()
     assert (pos[:, 1:][~starts] == pos[:, :-1][~starts] + 1).all()
     assert batch["inputs"] is not None and batch["inputs"].shape == (4, 256)
+
+
+@pytest.mark.slow
+def test_profile_step_sums_the_steps_kernels_by_category(tmp_path):
+    """benchmarks/profile_step.py on the tiny recipe (CPU: XLA's thunks): the categories add up to the
+    kernels' sum, the matmuls are found among them, and the largest kernels are listed largest first."""
+    out = tmp_path / "profile.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/profile_step.py", "--recipe", "tiny", "--steps", "2", "--set",
+         "data.global_batch_size=8", "--doc_len", "40", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["events"] == "cpu" and r["devices"].startswith("1x") and r["step_s"] > 0
+    categories = {c["category"]: c for c in r["categories"]}
+    assert "matmuls" in categories and categories["matmuls"]["ms"] > 0
+    assert sum(c["ms"] for c in r["categories"]) == pytest.approx(r["kernel_ms"], rel=1e-3, abs=0.01)
+    assert sum(c["share"] for c in r["categories"]) == pytest.approx(1.0, abs=1e-3)
+    largest = [k["ms"] for k in r["largest"]]
+    assert largest == sorted(largest, reverse=True) and len(largest) == 15
+    assert "| category | ms per step |" in result.stdout
+
+
+def test_profile_step_sorts_kernel_names_into_categories():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_step
+
+    expected = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmuls", "gemm_fusion_dot_530": "matmuls",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention", "ynn_fusion.165": "matmuls",
+        "ncclDevKernel_AllGather_RING_LL": "collectives", "input_add_convert_reduce_fusion_64": "reductions (input fusions)",
+        "loop_add_multiply_fusion_9": "elementwise (loop fusions)", "wrapped_transpose_153": "copies and transposes",
+        "wrapped_convert_1": "elementwise (loop fusions)",
+        "add_rsqrt_fusion.7": "elementwise (loop fusions)", "set_case_condition": "other",
+    }
+    assert {name: profile_step.category(name) for name in expected} == expected

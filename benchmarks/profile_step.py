@@ -1,0 +1,180 @@
+"""Where a recipe's train step spends its time, kernel by kernel, from one profiled step.
+
+    python benchmarks/profile_step.py --recipe 1b --doc_len 512          # on a GPU: the step's kernels
+    python benchmarks/profile_step.py --recipe tiny --set model.matmul=fp8 --json profile.json
+
+The step is compiled, run `--warmup` times, timed over `--steps` steps without the profiler, then run
+once under `jax.profiler.trace` (a Perfetto trace; `--trace_dir` keeps it). The trace's device events
+are summed by kernel name: on a GPU the kernels of the `/device:GPU:*` streams (cuBLAS's and Triton's
+GEMMs, cuDNN's attention, XLA's fusions, copies, NCCL's collectives), on a CPU the thunks XLA:CPU's
+executor ran for the step's program (several at once on several cores: their sum can exceed the wall
+time). Each kernel falls into a category by its name (`CATEGORIES`, first match): the table gives the
+milliseconds per step of each, their share of the kernels' sum, and the largest kernels. This is the
+measurement behind the H100 entries of benchmarks/BENCHMARKS.md ("where the step's time goes").
+Batches are `benchmarks/mfu.py`'s (random tokens; `--doc_len`: documents packed in the rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (category, pattern on the kernel's name), first match wins; the names are cuBLAS's (nvjet_*, *gemm*),
+# cuDNN's (cudnn_*, *fmha*, *sdpa*), NCCL's and XLA's own (loop_/input_ fusions on a GPU; the thunks'
+# HLO names on a CPU: ynn_fusion and dot are its matmuls)
+CATEGORIES = (
+    ("attention", r"cudnn|fmha|flash|sdpa|attention"),
+    ("collectives", r"nccl|all-?reduce|all-?gather|reduce-?scatter|all-?to-?all|collective-permute"),
+    ("matmuls", r"nvjet|gemm|cutlass|cublas|xmma|^dot|ynn_fusion|onednn|matmul|convolution"),
+    ("copies and transposes", r"memcpy|memset|copy|transpose"),
+    ("reductions (input fusions)", r"^input_|reduce"),
+    ("elementwise (loop fusions)", r"^loop_|^wrapped_|fusion"),
+    ("other", r""),
+)
+
+
+def category(name: str) -> str:
+    return next(label for label, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+
+
+def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[str, list[float]], str]:
+    """{kernel name: [total microseconds, count]} of the trace's device work, and which kind it was
+    ('gpu': events of the /device:GPU:* processes; 'cpu': XLA:CPU thunks of `module`)."""
+    with gzip.open(trace_file) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in processes.items() if re.match(r"/device:GPU:\d+", name)}
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        args = e.get("args") or {}
+        if gpu:
+            if e["pid"] not in gpu:
+                continue
+        elif args.get("hlo_module") != module or not args.get("hlo_op"):
+            continue
+        entry = kernels[e["name"]]
+        entry[0] += float(e.get("dur", 0))
+        entry[1] += 1
+    return dict(kernels), "gpu" if gpu else "cpu"
+
+
+def summarize(kernels: dict[str, list[float]], top: int) -> dict:
+    """Milliseconds per category and the `top` largest kernels."""
+    by_category: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for name, (us, count) in kernels.items():
+        entry = by_category[category(name)]
+        entry[0] += us / 1e3
+        entry[1] += count
+    total = sum(ms for ms, _ in by_category.values())
+    rows = [{"category": c, "ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0, "kernels": n}
+            for c, (ms, n) in sorted(by_category.items(), key=lambda kv: -kv[1][0])]
+    largest = [{"kernel": name, "category": category(name), "ms": round(us / 1e3, 3), "count": count}
+               for name, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"kernel_ms": round(total, 3), "categories": rows, "largest": largest}
+
+
+def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc_len: float, top: int,
+            trace_dir: str | None) -> dict:
+    import jax
+
+    sys.path.insert(0, HERE)
+    from mfu import packed_batch
+    from train_throughput import CPU_OVERRIDES, random_batch
+
+    from jaxlm import config, train_setup, xla_flags
+
+    cfg = config.load_recipe(recipe)
+    if "run.xla_flags" in overrides:
+        xla_flags.apply(overrides["run.xla_flags"])
+    if jax.default_backend() == "cpu":
+        overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
+    config.apply_overrides(cfg, list(overrides.items()))
+    setup = train_setup.build(cfg)
+    d = cfg.data
+    per_process = d.global_batch_size // jax.process_count()
+    host = [random_batch(per_process, d.seq_len, cfg.model.vocab_size, i) for i in range(2)]
+    if doc_len:
+        host = [packed_batch(b, doc_len, i) for i, b in enumerate(host)]
+    batches = [setup.put_batch(b) for b in host]
+    directory = trace_dir or tempfile.mkdtemp(prefix="jaxlm_profile_")
+    state = setup.state
+    with jax.set_mesh(setup.mesh):
+        compiled = setup.train_step.lower(state, batches[0]).compile()
+        for i in range(max(1, warmup)):
+            state, out = compiled(state, batches[i % 2])
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, out = compiled(state, batches[i % 2])
+        jax.block_until_ready(out)
+        step_s = (time.perf_counter() - t0) / max(1, steps)
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            state, out = compiled(state, batches[0])
+            jax.block_until_ready(out)
+            profiled_s = time.perf_counter() - t0
+    files = sorted(glob.glob(os.path.join(directory, "**", "*perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        raise SystemExit(f"profile_step.py: the profiler wrote no Perfetto trace under {directory}")
+    kernels, kind = device_kernels(files[-1])
+    if trace_dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    device = jax.devices()[0]
+    return {
+        "recipe": recipe, "overrides": overrides, "doc_len": doc_len,
+        "devices": f"{jax.device_count()}x {device.device_kind}", "jax": jax.__version__,
+        "micro_batches": setup.cfg.optim.micro_batches, "step_s": round(step_s, 4),
+        "profiled_step_s": round(profiled_s, 4), "events": kind, "loss": float(out["loss"]),
+        **summarize(kernels, top),
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['recipe']} on {result['devices']} ({result['events']} events), step {result['step_s']:.4f} s "
+             f"(profiled {result['profiled_step_s']:.4f} s), kernels {result['kernel_ms']:,.1f} ms",
+             "| category | ms per step | share | kernels |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['category']} | {r['ms']:,.1f} | {100 * r['share']:.1f}% | {r['kernels']:,} |"
+              for r in result["categories"]]
+    lines += ["", "| largest kernels | category | ms | count |", "|---|---|---:|---:|"]
+    lines += [f"| {k['kernel'][:70]} | {k['category']} | {k['ms']:,.1f} | {k['count']:,} |" for k in result["largest"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="1b")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--steps", type=int, default=3, help="steps timed without the profiler")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--doc_len", type=float, default=0,
+                        help="documents of this mean length (tokens) packed in each row; 0 = one per row")
+    parser.add_argument("--top", type=int, default=15, help="largest kernels listed")
+    parser.add_argument("--trace_dir", help="keep the trace here (default: a temporary directory, removed)")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    result = profile(args.recipe, dict(kv.split("=", 1) for kv in args.set), args.steps, args.warmup,
+                     args.doc_len, args.top, args.trace_dir)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
