@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --recipe 1b --doc_len 512          # on a GPU: the step's kernels
     python benchmarks/profile_step.py --recipe tiny --set model.matmul=fp8 --json profile.json
+    python benchmarks/profile_step.py --trace runs/tiny/profile    # a training run's own trace (profile.steps)
 
 The step is compiled, run `--warmup` times, timed over `--steps` steps without the profiler, then run
 once under `jax.profiler.trace` (a Perfetto trace; `--trace_dir` keeps it). The trace's device events
@@ -12,6 +13,9 @@ time). Each kernel falls into a category by its name (`CATEGORIES`, first match)
 milliseconds per step of each, their share of the kernels' sum, and the largest kernels. This is the
 measurement behind the H100 entries of benchmarks/BENCHMARKS.md ("where the step's time goes").
 Batches are `benchmarks/mfu.py`'s (random tokens; `--doc_len`: documents packed in the rows).
+Busy is the union of the device events' intervals against their span (first start to last end): with
+`--trace`, a trace the trainer wrote (`--config.profile.steps=10:12`), where the device waits for the
+host shows as busy well under the span.
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ def category(name: str) -> str:
     return next(label for label, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE))
 
 
-def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[str, list[float]], str]:
-    """{kernel name: [total microseconds, count]} of the trace's device work, and which kind it was
-    ('gpu': events of the /device:GPU:* processes; 'cpu': XLA:CPU thunks of `module`)."""
+def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[str, list[float]], str, dict]:
+    """{kernel name: [total microseconds, count]} of the trace's device work, which kind it was ('gpu':
+    events of the /device:GPU:* processes; 'cpu': XLA:CPU thunks of `module`), and {'busy_ms', 'span_ms'}."""
     with gzip.open(trace_file) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -58,6 +62,7 @@ def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[s
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in processes.items() if re.match(r"/device:GPU:\d+", name)}
     kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    intervals = []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -70,7 +75,30 @@ def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[s
         entry = kernels[e["name"]]
         entry[0] += float(e.get("dur", 0))
         entry[1] += 1
-    return dict(kernels), "gpu" if gpu else "cpu"
+        intervals.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
+    return dict(kernels), "gpu" if gpu else "cpu", busy_and_span(intervals)
+
+
+def busy_and_span(intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """Milliseconds covered by at least one interval (microseconds in), and from the first start to the last end."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    span = (max(stop for _, stop in intervals) - min(start for start, _ in intervals)) if intervals else 0.0
+    return {"busy_ms": round(busy / 1e3, 3), "span_ms": round(span / 1e3, 3)}
+
+
+def trace_file(path: str) -> str:
+    """`path` itself, or the newest Perfetto trace under it."""
+    if os.path.isfile(path):
+        return path
+    files = sorted(glob.glob(os.path.join(path, "**", "*perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise SystemExit(f"profile_step.py: no *perfetto_trace.json.gz under {path} (a run writes one with "
+                         f"--config.profile.steps=START:END)")
+    return files[-1]
 
 
 def summarize(kernels: dict[str, list[float]], top: int) -> dict:
@@ -128,10 +156,7 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
             state, out = compiled(state, batches[0])
             jax.block_until_ready(out)
             profiled_s = time.perf_counter() - t0
-    files = sorted(glob.glob(os.path.join(directory, "**", "*perfetto_trace.json.gz"), recursive=True))
-    if not files:
-        raise SystemExit(f"profile_step.py: the profiler wrote no Perfetto trace under {directory}")
-    kernels, kind = device_kernels(files[-1])
+    kernels, kind, busy = device_kernels(trace_file(directory))
     if trace_dir is None:
         shutil.rmtree(directory, ignore_errors=True)
     device = jax.devices()[0]
@@ -140,14 +165,16 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
         "devices": f"{jax.device_count()}x {device.device_kind}", "jax": jax.__version__,
         "micro_batches": setup.cfg.optim.micro_batches, "step_s": round(step_s, 4),
         "profiled_step_s": round(profiled_s, 4), "events": kind, "loss": float(out["loss"]),
-        **summarize(kernels, top),
+        **busy, **summarize(kernels, top),
     }
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['recipe']} on {result['devices']} ({result['events']} events), step {result['step_s']:.4f} s "
-             f"(profiled {result['profiled_step_s']:.4f} s), kernels {result['kernel_ms']:,.1f} ms",
-             "| category | ms per step | share | kernels |", "|---|---:|---:|---:|"]
+    head = (f"{result['recipe']} on {result['devices']}, step {result['step_s']:.4f} s (one profiled: "
+            f"{result['profiled_step_s']:.4f} s); " if "recipe" in result else f"{result['trace']} (every step in it): ")
+    lines = [head + f"{result['events']} events: kernels {result['kernel_ms']:,.1f} ms, busy {result['busy_ms']:,.1f} "
+             f"of {result['span_ms']:,.1f} ms",
+             "| category | ms | share | kernels |", "|---|---:|---:|---:|"]
     lines += [f"| {r['category']} | {r['ms']:,.1f} | {100 * r['share']:.1f}% | {r['kernels']:,} |"
               for r in result["categories"]]
     lines += ["", "| largest kernels | category | ms | count |", "|---|---|---:|---:|"]
@@ -165,10 +192,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="documents of this mean length (tokens) packed in each row; 0 = one per row")
     parser.add_argument("--top", type=int, default=15, help="largest kernels listed")
     parser.add_argument("--trace_dir", help="keep the trace here (default: a temporary directory, removed)")
+    parser.add_argument("--trace", help="summarize this trace (a file, or the newest under a directory) instead")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    result = profile(args.recipe, dict(kv.split("=", 1) for kv in args.set), args.steps, args.warmup,
-                     args.doc_len, args.top, args.trace_dir)
+    if args.trace:
+        path = trace_file(args.trace)
+        kernels, kind, busy = device_kernels(path)
+        if not kernels:
+            raise SystemExit(f"profile_step.py: no device events of a train step in {path}")
+        result = {"trace": path, "events": kind, **busy, **summarize(kernels, args.top)}
+    else:
+        result = profile(args.recipe, dict(kv.split("=", 1) for kv in args.set), args.steps, args.warmup,
+                         args.doc_len, args.top, args.trace_dir)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -216,23 +216,38 @@ def test_mfu_packed_batches_cut_rows_into_documents_with_positions_restarting():
 def test_profile_step_sums_the_steps_kernels_by_category(tmp_path):
     """benchmarks/profile_step.py on the tiny recipe (CPU: XLA's thunks): the categories add up to the
     kernels' sum, the matmuls are found among them, and the largest kernels are listed largest first."""
-    out = tmp_path / "profile.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/profile_step.py", "--recipe", "tiny", "--steps", "2", "--set",
-         "data.global_batch_size=8", "--doc_len", "40", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    out, again = tmp_path / "profile.json", tmp_path / "again.json"
+
+    def run(*args):
+        result = subprocess.run([sys.executable, "benchmarks/profile_step.py", *args], cwd=ROOT, capture_output=True,
+                                text=True, timeout=600,
+                                env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU device
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    result = run("--recipe", "tiny", "--steps", "2", "--set", "data.global_batch_size=8", "--doc_len", "40",
+                 "--json", str(out), "--trace_dir", str(tmp_path / "trace"))
     r = json.loads(out.read_text())
     assert r["events"] == "cpu" and r["devices"].startswith("1x") and r["step_s"] > 0
+    assert 0 < r["busy_ms"] <= r["span_ms"] and r["busy_ms"] <= r["kernel_ms"] + 1e-6
+    run("--trace", str(tmp_path / "trace"), "--json", str(again))  # the kept trace, read again: the same sums
+    assert json.loads(again.read_text())["categories"] == r["categories"]
     categories = {c["category"]: c for c in r["categories"]}
     assert "matmuls" in categories and categories["matmuls"]["ms"] > 0
     assert sum(c["ms"] for c in r["categories"]) == pytest.approx(r["kernel_ms"], rel=1e-3, abs=0.01)
     assert sum(c["share"] for c in r["categories"]) == pytest.approx(1.0, abs=1e-3)
     largest = [k["ms"] for k in r["largest"]]
     assert largest == sorted(largest, reverse=True) and len(largest) == 15
-    assert "| category | ms per step |" in result.stdout
+    assert "| category | ms | share | kernels |" in result.stdout
+
+
+def test_profile_step_counts_overlapping_events_once_as_busy():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_step
+
+    # microseconds: [0, 10) and [5, 20) overlap, [30, 40) after a gap
+    assert profile_step.busy_and_span([(30.0, 40.0), (0.0, 10.0), (5.0, 20.0)]) == {"busy_ms": 0.03, "span_ms": 0.04}
+    assert profile_step.busy_and_span([]) == {"busy_ms": 0.0, "span_ms": 0.0}
 
 
 def test_profile_step_sorts_kernel_names_into_categories():
