@@ -21,7 +21,8 @@
 #   fp8      mfu.py with model.matmul=fp8 (float8 projections, issue 24), as a sweep point -> $OUT/mfu_sweep.json
 #   train    `make train`'s job (python -m jaxlm.train --config=configs/tiny.py) on the GPU, its energy meter
 #            reading NVML, then the same run with model.dtype=float16 (dynamic loss scaling, issue 24);
-#            both runs' summary.json                                                   -> $OUT/train.json
+#            both runs' summary.json; the first run's trace of 10 steps summarized (busy against span)
+#                                                                                      -> $OUT/train.json
 #   ckpt     benchmarks/checkpoint.py --recipes 125m (issue 4)                       -> $OUT/checkpoint.json
 #   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left                -> $OUT/hlo_audit.json
 #   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
@@ -73,7 +74,7 @@ if [ "$DRY" = 1 ]; then
     MFU_STEPS=${MFU_STEPS:-2}; MFU_WARMUP=${MFU_WARMUP:-1}
     SWEEP_STEPS=${SWEEP_STEPS:-1}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=(--steps 4 --every 2)
-    MFU_DOC_LEN=${MFU_DOC_LEN:-20}; TRAIN_ARGS=(--config.run.steps=20 --config.run.eval_every=10)
+    MFU_DOC_LEN=${MFU_DOC_LEN:-20}; TRAIN_ARGS=(--config.run.steps=20 --config.run.eval_every=10); TRAIN_PROFILE=10:12
     #        cap min reserve (seconds)
     DOCTOR=(60 10 0); MFU=(120 20 0); ATTN=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
     TRAIN=(150 30 0); FP8=(90 20 30); PROFILE=(90 20 0)
@@ -92,7 +93,7 @@ else
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
-    MFU_DOC_LEN=${MFU_DOC_LEN:-512}; TRAIN_ARGS=()
+    MFU_DOC_LEN=${MFU_DOC_LEN:-512}; TRAIN_ARGS=(); TRAIN_PROFILE=150:159
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(150 45 0); HLO=(300 60 0); NB=(240 60 0)
     TRAIN=(120 30 0); FP8=(150 90 80); PROFILE=(120 40 0)
     ATTN_ARGS=(--recipe 1b --max_segments 16)  # the packed layout at the model's default bound
@@ -223,8 +224,10 @@ if wanted train; then
     for dtype in auto float16; do
         step "train $dtype" "${TRAIN[@]}" -- $PYTHON -m jaxlm.train --config=configs/tiny.py \
             --config.run.output_dir="$SCRATCH/runs" --config.run.name="$dtype" --config.model.dtype=$dtype \
-            "${TRAIN_ARGS[@]}"
+            --config.profile.steps="$TRAIN_PROFILE" "${TRAIN_ARGS[@]}"
     done
+    # the loop's own trace: how busy the device was between steps (the host's share of a small model's step)
+    timeout 60 $PYTHON benchmarks/profile_step.py --trace "$SCRATCH/runs/auto/profile" --top 5 2>&1 | tee -a "$LOG"
     $PYTHON - "$OUT/train.json" "$SCRATCH/runs" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, pathlib, sys
 runs = {}
