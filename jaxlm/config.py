@@ -288,7 +288,7 @@ def base_config() -> ml_collections.ConfigDict:
         price_per_kwh=0.0,  # the electricity's price (0 = not priced)
         price_per_device_hour=0.0,  # the machines' price per device per hour (0 = not priced)
         device="",  # jaxlm.plan's prediction: the device kind to assume ("" = the target's or this machine's)
-        assume_mfu=0.45,  # ... and the MFU (measured: 1b on one H200, 48%)
+        assume_mfu=0.45,  # ... and the MFU (measured, 1b: 48% on one H200; 50-51% on one H100 with the packed layout)
     )
     c.profile = dict(
         steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
