@@ -447,6 +447,16 @@ def _gib(n: int | None) -> str:
     return "unknown" if not n else f"{n / 2**30:.1f} GiB"
 
 
+def memory_share_note(limit: int | None, card: int | None) -> str:
+    """What to add to XLA's per-device memory limit when it leaves a good part of the card unused (jax
+    preallocates 75% of a GPU by default): on an H100, 59.4 of 79.6 GiB, against which `optim.micro_batches=0`
+    planned 1b in 32 micro-batches (16, compiled for an H100, had a roofline 1.2% better: benchmarks/BENCHMARKS.md)."""
+    if not limit or not card or limit >= 0.85 * card:
+        return ""
+    return (f" of the card's {_gib(card)}: jax holds {limit / card:.0%} by default; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 "
+            f"gives it more (the memory optim.micro_batches=0 plans against)")
+
+
 def format_report(report: dict[str, Any]) -> str:
     v = report["versions"]
     lines = ["versions"]
@@ -470,7 +480,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"  {'devices':<16} {d['count']} global, {d['local_count']} local",
             f"  {'kinds':<16} {', '.join(f'{n} x {k}' for k, n in d['kinds'].items())}",
             f"  {'memory':<16} {', '.join(_gib(m) for m in memory)} per device"
-            + (" (not reported on cpu)" if d["platform"] == "cpu" else " (XLA's limit)"),
+            + (" (not reported on cpu)" if d["platform"] == "cpu" else " (XLA's limit)")
+            + (memory_share_note(memory[0], smi["gpus"][0]["memory_bytes"])
+               if d["platform"] == "gpu" and smi["gpus"] and len(memory) == 1 else ""),
         ]
         if d["compute_capability"]:
             lines.append(f"  {'compute cap.':<16} {d['compute_capability']}")

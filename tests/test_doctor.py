@@ -93,3 +93,13 @@ def test_the_attention_comparison_the_gpu_check_uses_measures_real_differences()
     errors = doctor.attention_errors(jax.devices()[0], "xla", reference="float32")
     assert set(errors) == {"out", "dq", "dk", "dv"}
     assert all(0 < e < doctor.ATTENTION_TOLERANCE / 5 for e in errors.values()), errors
+
+
+def test_a_gpu_memory_limit_well_under_the_card_says_how_to_raise_it():
+    from jaxlm import doctor
+
+    gib = 2**30
+    note = doctor.memory_share_note(int(59.4 * gib), int(79.6 * gib))  # jax's default 75% on an H100 80GB
+    assert note.startswith(" of the card's 79.6 GiB: jax holds 75%") and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in note
+    assert doctor.memory_share_note(int(71.6 * gib), int(79.6 * gib)) == ""  # 90%: nothing to say
+    assert doctor.memory_share_note(None, int(79.6 * gib)) == "" and doctor.memory_share_note(int(59.4 * gib), None) == ""
