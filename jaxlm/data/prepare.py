@@ -57,7 +57,7 @@ import tqdm
 
 from jaxlm.data import sft, sources
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in, write_bytes_atomically
-from jaxlm.errors import UserError, report_error, run_command
+from jaxlm.errors import Terminated, UserError, report_error, run_command
 
 if TYPE_CHECKING:
     from jaxlm.data.pipeline import FlatDocuments
@@ -320,6 +320,41 @@ class _InProcess(concurrent.futures.Executor):
         return future
 
 
+class _SignalsBetweenShards:
+    """While shards are written: SIGTERM and Ctrl-C noted, then raised (as `Terminated` and
+    `KeyboardInterrupt`, what `run_command` turns into exit codes 75 and 130) between two shards by
+    `check`, never from inside the process pool's own code, where an exception raised by a signal
+    handler can leave the pool's shutdown waiting for ever (a SIGTERM once hung the command there, in
+    the test suite). Shards are written atomically, so the running ones finish and the rest are left."""
+
+    def __enter__(self):
+        self.received, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.received = self.received or signum
+
+    def check(self) -> None:
+        if self.received == signal.SIGTERM:
+            raise Terminated(signal.SIGTERM.name)
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def result(self, task: concurrent.futures.Future) -> Any:
+        """`task.result()`, checking for a signal every 0.1 s while it runs."""
+        while True:
+            try:
+                return task.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                self.check()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def _write_shards(
     source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool,
     encoder: sft.Encoder | None = None,
@@ -343,7 +378,7 @@ def _write_shards(
     def collect(split: str, task: concurrent.futures.Future | dict[str, Any]) -> None:
         nonlocal written, new_tokens
         is_new = isinstance(task, concurrent.futures.Future)
-        entry = task.result() if is_new else task
+        entry = signals.result(task) if is_new else task
         splits[split]["shards"].append(entry)
         splits[split]["documents"] += entry["documents"]
         splits[split]["tokens"] += entry["tokens"]
@@ -354,17 +389,22 @@ def _write_shards(
             written, new_tokens = written + 1, new_tokens + entry["tokens"]
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s")
 
-    with executor, bar:
+    with _SignalsBetweenShards() as signals, executor, bar:
         pending: collections.deque = collections.deque()
-        for split, name, docs in _plan(source, manifest["options"], encoder.format if encoder else None):
-            task = _existing_shard(out / name, len(docs), 3 if encoder else 2)
-            if task is None:
-                task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"], encoder)
-            pending.append((split, task))
-            while len(pending) > 2 * workers:  # bound the documents held in memory
+        try:
+            for split, name, docs in _plan(source, manifest["options"], encoder.format if encoder else None):
+                signals.check()
+                task = _existing_shard(out / name, len(docs), 3 if encoder else 2)
+                if task is None:
+                    task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"], encoder)
+                pending.append((split, task))
+                while len(pending) > 2 * workers:  # bound the documents held in memory
+                    collect(*pending.popleft())
+            while pending:
                 collect(*pending.popleft())
-        while pending:
-            collect(*pending.popleft())
+        except (Terminated, KeyboardInterrupt):
+            executor.shutdown(wait=True, cancel_futures=True)  # the running shards finish, the queued ones go
+            raise
     if not splits["train"]["documents"] + splits["val"]["documents"]:
         raise UserError(f"the corpus {source.paths!r} holds no documents (every file is empty); give non-empty text")
     if not splits["train"]["documents"]:
