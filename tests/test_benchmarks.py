@@ -42,6 +42,7 @@ def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
     assert "| none |" in table[-3] and "| full |" in table[-2] and "error" in table[-1]
 
 
+@pytest.mark.slow  # a benchmark script's harness (the default suite keeps to its 10 minutes)
 def test_hlo_audit_finds_the_float32_matmuls_and_no_collectives_on_one_device(tmp_path):
     """benchmarks/hlo_audit.py on the tiny recipe: in bf16 the only float32-operand matmuls are the XLA
     attention's two score-gradient dots per layer (bf16 by their dot algorithm), the per-step matmul
@@ -129,6 +130,7 @@ def test_hlo_audit_counts_collectives_times_loop_trips():
     assert pre.unknown_trip_counts == 0 and max(pre.runs.values()) == 3  # the loop body, from its condition
 
 
+@pytest.mark.slow  # a benchmark script's harness (the default suite keeps to its 10 minutes)
 def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
     """On a CPU: XLA and the interpreted Pallas kernel agree with the float32 reference on packed
     documents with padding; the cuDNN candidates say they were skipped; the table comes last."""
