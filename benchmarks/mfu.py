@@ -48,17 +48,16 @@ def packed_batch(batch: dict, doc_len: float, seed: int) -> dict:
     return {**batch, "segment_ids": segment_ids, "positions": positions.astype(np.int32)}
 
 
-def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
-            doc_len: float = 0) -> dict:
-    """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
-    (attention within documents only; 0: one document per row)."""
+def build(recipe: str, overrides: dict[str, str], doc_len: float = 0) -> tuple:
+    """(config, the overrides applied, `train_setup.build`'s setup, two host batches of random tokens) for
+    a recipe in this process: the run's XLA flags set first, CPU_OVERRIDES under the given ones on a CPU,
+    and with `doc_len` > 0 the rows packed with documents (`packed_batch`). Shared with profile_step.py."""
     import jax
 
     sys.path.insert(0, HERE)
     from train_throughput import CPU_OVERRIDES, random_batch
 
-    from jaxlm import config, metrics, train_setup, xla_flags
-    from jaxlm.models.transformer import flops_per_token, param_count
+    from jaxlm import config, train_setup, xla_flags
 
     cfg = config.load_recipe(recipe)
     if "run.xla_flags" in overrides:  # before JAX starts its backends (jax.default_backend() below)
@@ -67,11 +66,24 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
     setup = train_setup.build(cfg)
-    d = cfg.data
-    per_process = d.global_batch_size // jax.process_count()
-    host = [random_batch(per_process, d.seq_len, cfg.model.vocab_size, i) for i in range(2)]
+    per_process = cfg.data.global_batch_size // jax.process_count()
+    host = [random_batch(per_process, cfg.data.seq_len, cfg.model.vocab_size, i) for i in range(2)]
     if doc_len:
         host = [packed_batch(b, doc_len, i) for i, b in enumerate(host)]
+    return cfg, overrides, setup, host
+
+
+def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
+            doc_len: float = 0) -> dict:
+    """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
+    (attention within documents only; 0: one document per row)."""
+    import jax
+
+    from jaxlm import metrics
+    from jaxlm.models.transformer import flops_per_token, param_count
+
+    cfg, overrides, setup, host = build(recipe, overrides, doc_len)
+    d = cfg.data
     segments = max(int((np.diff(b["segment_ids"], axis=1) != 0).sum(axis=1).max()) + 1 for b in host)
     batches = [setup.put_batch(b) for b in host]
     device = jax.devices()[0]
@@ -187,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write all results to this file")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one point, JSON out
     args = parser.parse_args(argv)
+    if args.doc_len < 0:
+        parser.error(f"--doc_len takes a mean document length in tokens (0: one document per row), not {args.doc_len:g}")
     base = dict(kv.split("=", 1) for kv in args.set)
     if args.one:
         print(json.dumps(measure(args.recipe, base, args.steps, args.warmup, args.peak_tflops, args.doc_len)))

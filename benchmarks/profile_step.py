@@ -121,23 +121,9 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
     import jax
 
     sys.path.insert(0, HERE)
-    from mfu import packed_batch
-    from train_throughput import CPU_OVERRIDES, random_batch
+    from mfu import build
 
-    from jaxlm import config, train_setup, xla_flags
-
-    cfg = config.load_recipe(recipe)
-    if "run.xla_flags" in overrides:
-        xla_flags.apply(overrides["run.xla_flags"])
-    if jax.default_backend() == "cpu":
-        overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
-    config.apply_overrides(cfg, list(overrides.items()))
-    setup = train_setup.build(cfg)
-    d = cfg.data
-    per_process = d.global_batch_size // jax.process_count()
-    host = [random_batch(per_process, d.seq_len, cfg.model.vocab_size, i) for i in range(2)]
-    if doc_len:
-        host = [packed_batch(b, doc_len, i) for i, b in enumerate(host)]
+    _, overrides, setup, host = build(recipe, overrides, doc_len)
     batches = [setup.put_batch(b) for b in host]
     directory = trace_dir or tempfile.mkdtemp(prefix="jaxlm_profile_")
     state = setup.state
@@ -195,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", help="summarize this trace (a file, or the newest under a directory) instead")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
+    if args.doc_len < 0:
+        parser.error(f"--doc_len takes a mean document length in tokens (0: one document per row), not {args.doc_len:g}")
     if args.trace:
         path = trace_file(args.trace)
         kernels, kind, busy = device_kernels(path)
