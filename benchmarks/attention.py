@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py                                   # 1b shapes on a GPU, tiny on a CPU
     python benchmarks/attention.py --recipe 1b --batch 8 --doc_len 512 --json attention.json
-    python benchmarks/attention.py --recipe tiny --seq 64 --batch 2   # CPU: XLA and the interpreted Pallas kernel
+    python benchmarks/attention.py --recipe tiny --seq 64 --batch 2   # CPU: XLA, blocked, the interpreted Pallas kernel
 
 jaxlm's GPU path gives cuDNN packed documents in its packed layout on Hopper GPUs and the document
 mask (a dense [B, 1, T, T] bias the kernel reads for every head) on older ones; this script measures
@@ -17,6 +17,8 @@ compiled program's temporary memory.
 
 Candidates (--impls):
   xla                  jax.nn.dot_product_attention on XLA, with the document mask (the reference path in tests)
+  blocked              causal blocks (`model.attention=blocked`, `attention.blocked_attention`, the CPU's `auto`): a
+                       block of queries at a time against only the keys up to it, FlashAttention-2's backward
   cudnn                cuDNN flash attention with the document mask (jaxlm's path before Hopper)
   cudnn_packed         cuDNN's packed ("ragged") layout, one segment per run of a segment id, at most
                        --max_segments per row, no mask tensor (Hopper or later): jaxlm's path there,
@@ -53,7 +55,7 @@ from jaxlm.models import attention  # noqa: E402
 from jaxlm.models.transformer import ModelConfig  # noqa: E402
 from jaxlm.table import Table  # noqa: E402
 
-IMPLS = ("xla", "cudnn", "cudnn_packed", "pallas", "cudnn_causal")
+IMPLS = ("xla", "blocked", "cudnn", "cudnn_packed", "pallas", "cudnn_causal")
 CUDNN = {"cudnn", "cudnn_packed", "cudnn_causal"}
 
 
@@ -77,7 +79,7 @@ def segment_runs(segment_ids: np.ndarray) -> int:
 
 def candidate(name: str, *, max_segments: int):
     """(q, k, v, segment_ids) -> attention output, for one of IMPLS."""
-    if name in ("xla", "cudnn", "pallas"):  # the model's own kernels
+    if name in ("xla", "blocked", "cudnn", "pallas"):  # the model's own kernels
         return lambda q, k, v, seg: attention.attend(q, k, v, segment_ids=seg, implementation=name)
     if name == "cudnn_causal":
         return lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

@@ -31,7 +31,7 @@ RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "blocked", "cudnn", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -128,7 +128,8 @@ def base_config() -> ml_collections.ConfigDict:
         # else 1: a loop, whose buffers XLA reuses from layer to layer)
         scan_unroll=0,
         remat="none",  # none | full | dots | dots_no_batch
-        # auto (cudnn on GPU, else xla) | xla | cudnn | pallas (Triton flash attention with segment ids)
+        # auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the
+        # diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)
         attention="auto",
         # cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed layout,
         # compiled for at most this many documents per row; a batch with a row of more takes the masked kernel

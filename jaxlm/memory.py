@@ -32,10 +32,11 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import pipeline_parallel, transformer
+from jaxlm.models.attention import attention_block
 
 GIB = 2**30
 F32 = 4
-FLASH = ("cudnn", "pallas")  # kernels that keep no [T, S] scores (Pallas's repeated key/value heads not counted)
+FLASH = ("cudnn", "pallas", "blocked")  # kernels that keep no [T, S] scores (Pallas's repeated key/value heads not counted)
 TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1.11 measured)
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
@@ -192,6 +193,9 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     # gather and gradient overlap both.
     if m.attention in FLASH:  # q, k, v, the output, their gradients, the softmax statistics
         attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
+        if m.attention == "blocked":  # one query block's scores, probabilities and gradients; f32 dk, dv
+            seq_len = s.scores / s.head_stats
+            attention += (3 * F32 + a) * s.scores * attention_block(round(seq_len)) / seq_len + 2 * F32 * s.kv
     else:  # f32 logits and softmax, the probabilities, and the gradients of both
         attention = (3 * F32 + a) * s.scores
     rest = layer_forward_bytes(m, s, a, recomputed=False) - attention_forward_bytes(m, s, a)

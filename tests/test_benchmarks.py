@@ -49,7 +49,9 @@ def test_hlo_audit_finds_the_float32_matmuls_and_no_collectives_on_one_device(tm
     FLOPs (loop trip counts included) are exactly the model's, and 1 device has no collectives; in
     float32 every matmul is reported as a float32 one (the check can fail)."""
     bf16, f32 = tmp_path / "bf16.json", tmp_path / "f32.json"
-    for out, extra in ((bf16, []), (f32, ["--lowered_only", "--set", "model.dtype=float32"])):
+    # XLA's attention (the CPU's `auto` is the causal blocks, whose matmuls all take bfloat16 operands)
+    for out, extra in ((bf16, ["--set", "model.attention=xla"]),
+                       (f32, ["--lowered_only", "--set", "model.dtype=float32", "model.attention=xla"])):
         result = subprocess.run([sys.executable, "benchmarks/hlo_audit.py", "--recipe", "tiny", "--json", str(out), *extra],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -132,7 +134,7 @@ def test_hlo_audit_counts_collectives_times_loop_trips():
 
 @pytest.mark.slow  # a benchmark script's harness (the default suite keeps to its 10 minutes)
 def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
-    """On a CPU: XLA and the interpreted Pallas kernel agree with the float32 reference on packed
+    """On a CPU: XLA, the causal blocks and the interpreted Pallas kernel agree with the float32 reference on packed
     documents with padding; the cuDNN candidates say they were skipped; the table comes last."""
     out = tmp_path / "attention.json"
     result = subprocess.run(
@@ -144,7 +146,7 @@ def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["impl"]: r for r in report["rows"]}
-    for name in ("xla", "pallas"):
+    for name in ("xla", "blocked", "pallas"):
         assert rows[name]["check"] == "ok" and 0 < rows[name]["err_grad"] < 0.03 and rows[name]["ms"] > 0
     assert {rows[n]["check"] for n in ("cudnn", "cudnn_packed", "cudnn_causal")} == {
         "skipped: not a GPU"}

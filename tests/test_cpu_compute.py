@@ -147,3 +147,25 @@ def test_the_layer_scan_is_unrolled_on_a_cpu_and_computes_the_same():
         results[unroll] = (" while(" in hlo, float(metrics["loss"]), float(metrics["grad_norm"]))
     assert results[1][0] and not results[0][0], "the loop over layers is there with scan_unroll=1 only"
     np.testing.assert_allclose(results[0][1:], results[1][1:], rtol=1e-5)
+
+
+@pytest.mark.slow  # 13 s: the default suite's budget (tests/test_model.py holds the kernel to the reference)
+def test_training_with_the_causal_blocks_follows_xlas_attention():
+    """The CPU's `auto` attention (`blocked`) trains as XLA's masked attention does: float32 to its rounding
+    over 4 steps of packed documents with padding; the default bfloat16 to bfloat16's."""
+    for dtype, rtol in (("float32", 1e-5), ("bfloat16", 5e-3)):
+        losses = {}
+        for kernel in ("xla", "blocked"):
+            cfg = config.recipe("tiny", model__attention=kernel, model__n_layers=2, model__dtype=dtype,
+                                data__global_batch_size=4, data__seq_len=64)
+            t = train_setup.build(cfg, jax.devices()[:1])
+            assert t.model_cfg.attention == kernel
+            batch = t.put_batch(random_batch(4, 64, cfg.model.vocab_size))  # two documents a row, and padding
+            state, out = t.state, []
+            with jax.set_mesh(t.mesh):
+                for _ in range(4):
+                    state, metrics = t.train_step(state, batch)
+                    out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+            losses[kernel] = np.array(out)
+        assert losses["xla"][-1, 0] < losses["xla"][0, 0] - 0.1  # it learns the batch
+        np.testing.assert_allclose(losses["blocked"], losses["xla"], rtol=rtol)

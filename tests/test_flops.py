@@ -18,6 +18,7 @@ import pytest
 
 from jaxlm import config as config_lib
 from jaxlm import train_setup
+from jaxlm.models import attention
 from jaxlm.models.transformer import flops_per_token, matmul_params
 
 # Elementwise FLOPs as a fraction of the matmul FLOPs, measured on jax 0.10.2, CPU: 3.3% (llama-gqa
@@ -63,8 +64,9 @@ def _hlo_dot_flops(hlo: str) -> int:
     ids=["llama-gqa", "gpt2-tied"],
 )
 def test_flops_per_token_agrees_with_xla_cost_analysis(overrides):
-    cfg = config_lib.recipe(
-        "tiny", model__scan_layers=False, model__remat="none", optim__micro_batches=1, **overrides
+    cfg = config_lib.recipe(  # XLA's attention: the full square under a mask (the blocked kind: below)
+        "tiny", model__scan_layers=False, model__remat="none", optim__micro_batches=1, model__attention="xla",
+        **overrides
     )
     setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
     compiled = setup.compile_train_step()
@@ -83,3 +85,21 @@ def test_flops_per_token_agrees_with_xla_cost_analysis(overrides):
     elementwise = xla_flops - matmul_flops
     assert 0 < elementwise <= ELEMENTWISE_TOLERANCE * matmul_flops, (xla_flops, matmul_flops, model_flops)
     assert model_flops < xla_flops
+
+
+def test_blocked_attention_computes_only_the_blocks_at_or_before_the_diagonal():
+    """`model.attention=blocked` (the CPU's `auto`): each query block multiplies only the keys up to its
+    end, twice forward (scores, values) and five times backward (the scores recomputed, then the gradients
+    of the values, the probabilities, the queries and the keys); the projections are as with XLA's. In one
+    program without remat (here: layers unrolled) XLA merges the recomputed scores with the forward's: 6."""
+    cfg = config_lib.recipe("tiny", model__scan_layers=False, model__remat="none", optim__micro_batches=1,
+                            model__attention="blocked")
+    setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
+    m, t, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
+    assert m.attention == "blocked"
+    block = attention.attention_block(t)
+    assert 1 < block < t  # more than one block, or nothing would be skipped
+    pairs = sum((min(start + block, t) - start) * min(start + block, t) for start in range(0, t, block))
+    attention_flops = m.n_layers * 6 * 2 * m.n_heads * m.head_dim * pairs * (tokens // t)
+    assert pairs <= t * t * 0.75  # two blocks or more: at most 3/4 of the square
+    assert _hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * matmul_params(m) * tokens + attention_flops

@@ -155,10 +155,81 @@ def test_xla_attention_matches_the_reference(kv_heads, packed):
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [16, 0, 40])  # partial last block; attention_block's (one block); one block
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_blocked_attention_matches_the_reference_and_its_gradients(kv_heads, block):
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (2, 40, 8, 16))
+    k = jax.random.normal(keys[1], (2, 40, kv_heads, 16))
+    v = jax.random.normal(keys[2], (2, 40, kv_heads, 16))
+    seg = jnp.array([[1] * 7 + [2] * 20 + [3] * 13, [1] * 30 + [0] * 10])  # documents, and padding
+    valid = (np.asarray(seg) > 0)[:, :, None, None]
+    w = jax.random.normal(keys[3], q.shape) * valid  # padding's outputs are unused
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    def blocked(q, k, v):
+        return attention.blocked_attention(q, k, v, seg, block)
+
+    def ref(q, k, v):
+        return attention.reference_attention(q, k, v, segment_ids=seg)
+
+    out, expected = jax.jit(blocked)(q, k, v), jax.jit(ref)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out) * valid, np.asarray(expected) * valid, atol=1e-5)
+    grads = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_blocked_attention_in_bfloat16_multiplies_bfloat16_in_both_passes():
+    """Every matmul of the forward and of the custom backward takes bfloat16 operands (summed in float32):
+    JAX's own gradient of a float32-result dot would take float32 ones, which XLA:CPU runs as float32 dots.
+    And the values stay within bfloat16's rounding of the float32 reference."""
+    keys = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(key, (2, 64, 4, 16), jnp.bfloat16) for key in keys)
+    seg = jnp.array([[1] * 20 + [2] * 44, [1] * 64])
+
+    def loss(q, k, v):
+        return jnp.sum(attention.blocked_attention(q, k, v, seg, 16).astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    dots = []
+
+    def collect(jpr):
+        for eqn in jpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                collect(sub)
+
+    collect(jaxpr.jaxpr)
+    assert len(dots) == 4 * 2 + 4 * 5  # 4 blocks: 2 matmuls forward, 5 backward (scores recomputed)
+    for eqn in dots:
+        assert [x.aval.dtype for x in eqn.invars] == [jnp.bfloat16] * 2, eqn
+        assert eqn.params["preferred_element_type"] == jnp.float32
+    f32 = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    ref = jax.jit(attention.reference_attention)(*f32, segment_ids=seg)
+    out = jax.jit(attention.blocked_attention, static_argnums=4)(q, k, v, seg, 16).astype(jnp.float32)
+    np.testing.assert_allclose(out, ref, atol=0.03)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.reference_attention(q, k, v, segment_ids=seg) ** 2),
+                                 argnums=(0, 1, 2)))(*f32)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) <= 0.03 * float(jnp.max(jnp.abs(r)))
+
+
+def test_attention_block_sizes():
+    assert [attention.attention_block(t) for t in (16, 32, 33, 64, 65, 128, 256, 512, 1024, 4096)] == [
+        16, 32, 32, 32, 64, 64, 64, 64, 128, 512]
+
+
 def test_attention_selection_is_explicit():
     from jaxlm.errors import UserError
 
-    assert attention.select_implementation("auto", "cpu") == "xla"
+    assert attention.select_implementation("auto", "cpu") == "blocked"
+    assert attention.select_implementation("blocked", "gpu") == "blocked"
     assert attention.select_implementation("auto", "gpu", dtype=jnp.bfloat16, head_dim=128) == "cudnn"
     assert attention.select_implementation("xla", "gpu") == "xla"
     # cuDNN cannot run float32 or odd head sizes: 'auto' falls back to XLA, an explicit 'cudnn' is an error.

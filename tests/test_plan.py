@@ -63,23 +63,25 @@ def test_a_1b_float32_adamw_model_needs_16_bytes_per_parameter_before_activation
 
 
 def test_activations_follow_the_remat_policy_and_the_micro_batches():
-    def saved(policy, platform):
-        est = memory.estimate(recipe("125m", model__remat=policy), 8, platform=platform)
+    def saved(policy, platform, attention="auto"):
+        est = memory.estimate(recipe("125m", model__remat=policy, model__attention=attention), 8, platform=platform)
         return est.row("activations saved").per_device_bytes
 
-    xla = {policy: saved(policy, "cpu") for policy in plan.REMAT_ORDER}
+    xla = {policy: saved(policy, "cpu", "xla") for policy in plan.REMAT_ORDER}
     assert xla["none"] > xla["dots"] > xla["dots_no_batch"] > xla["full"]
-    cudnn = {policy: saved(policy, "gpu") for policy in plan.REMAT_ORDER}  # no batched matmuls to save
-    assert cudnn["none"] > cudnn["dots"] == cudnn["dots_no_batch"] > cudnn["full"]
+    for platform in ("gpu", "cpu"):  # cuDNN's flash attention, the CPU's causal blocks: no batched matmuls to save
+        flash = {policy: saved(policy, platform) for policy in plan.REMAT_ORDER}
+        assert flash["none"] > flash["dots"] == flash["dots_no_batch"] > flash["full"]
     est_1 = memory.estimate(recipe("125m", optim__micro_batches=1, model__remat="full"), 8)
     est_4 = memory.estimate(recipe("125m", optim__micro_batches=4, model__remat="full"), 8)
     ratio = est_1.row("activations saved").per_device_bytes / est_4.row("activations saved").per_device_bytes
     assert ratio == pytest.approx(4.0, rel=0.01)
     assert est_4.row("grad accumulator").per_device_bytes == est_4.row("gradients").per_device_bytes
-    # on a GPU the 125m recipe gets cuDNN flash attention: no [B, N, T, T] scores
+    # on a GPU the 125m recipe gets cuDNN flash attention, on a CPU the causal blocks: no [B, N, T, T] scores
     gpu, cpu = memory.estimate(recipe("125m"), 8, platform="gpu"), memory.estimate(recipe("125m"), 8, platform="cpu")
-    assert (gpu.attention, cpu.attention) == ("cudnn", "xla")
-    assert gpu.per_device_bytes < cpu.per_device_bytes / 3
+    xla = memory.estimate(recipe("125m", model__attention="xla"), 8, platform="cpu")
+    assert (gpu.attention, cpu.attention, xla.attention) == ("cudnn", "blocked", "xla")
+    assert gpu.per_device_bytes < xla.per_device_bytes / 3 and cpu.per_device_bytes < xla.per_device_bytes / 3
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,7 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     cfg = recipe("tiny", **overrides)
     report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=devices)
     compiled = report["compiled"]
-    assert compiled["platform"] == "cpu" and compiled["num_devices"] == 8 and compiled["attention"] == "xla"
+    assert compiled["platform"] == "cpu" and compiled["num_devices"] == 8 and compiled["attention"] == "blocked"
     # XLA's memory analysis is per device: the arguments are the donated state's shards (+ the batch)
     state = sum(r["per_device_bytes"] for r in report["analytic"]["rows"]
                 if r["name"] in ("parameters", "optimizer state", "step, rng, batch"))

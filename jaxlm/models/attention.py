@@ -2,7 +2,9 @@
 
 `attend` is the only place that knows which kernel runs. Packed documents are given as segment ids
 (0 = padding, 1.. = document within the row); a query attends to earlier keys of its own document.
-Kernels: XLA's attention (the reference, any backend); cuDNN flash attention (GPUs; on Hopper the
+Kernels: XLA's attention (the reference, any backend); causal blocks (`blocked_attention`: plain XLA
+ops that skip the matmuls above the diagonal, with a FlashAttention-2 backward; `auto` on a CPU); cuDNN
+flash attention (GPUs; on Hopper the
 documents reach it in its packed layout, `cudnn_packed_attention`, elsewhere the document mask as a
 dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
 themselves (GPUs; interpreted elsewhere: correct and slow, for tests). `benchmarks/attention.py`
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 from typing import NamedTuple
@@ -28,7 +31,7 @@ from jaxlm.models import cudnn_batching
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
+IMPLEMENTATIONS = ("xla", "blocked", "cudnn", "pallas")
 
 
 def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
@@ -54,7 +57,9 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     reason = "the backend is not a GPU" if platform != "gpu" else cudnn_unsupported_reason(dtype, head_dim)
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
-    chosen = requested if requested != "auto" else ("xla" if reason else "cudnn")
+    # off a GPU, the causal blocks (measured on CPUs; on a GPU without cuDNN XLA's attention stays: unmeasured)
+    fallback = "blocked" if platform == "cpu" else "xla"
+    chosen = requested if requested != "auto" else (fallback if reason else "cudnn")
     if chosen == "pallas" and platform != "gpu" and log_choice:
         log.warning("attention: 'pallas' on %s runs the kernel interpreted: correct, and far slower than 'xla'", platform)
     if requested == "auto" and log_choice:
@@ -118,6 +123,8 @@ def attend(
     packed layout, at most that many segments per row (`cudnn_packed_attention`), instead of as a mask."""
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
+    if implementation == "blocked":
+        return blocked_attention(q, k, v, segment_ids)
     if implementation == "cudnn":
         cudnn_batching.install()  # jax's own batching rules fail under the data-replica and stage vmaps
         if segment_ids is not None and max_segments > 0:
@@ -292,6 +299,106 @@ def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache) -> t
     mask = mask | (key_slot == query_slot)  # a padding query sees itself, so no row of the softmax is empty
     out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="xla")
     return out, cache._replace(k=k_all, v=v_all)
+
+
+# ------------------------------------------------------------------------------------------ causal blocks
+def attention_block(seq_len: int) -> int:
+    """The query block of `blocked_attention` for a sequence length: at most 8 blocks of at least 64 tokens
+    (32 up to 64 tokens, one block up to 32). Each block is its own matmuls in the program, so more blocks
+    skip more of the square (n blocks compute (n + 1) / 2n of it) but take longer to compile: on a 2-core
+    CPU blocks of 32 and 64 ran equally fast at 256 tokens, 64 was 12% faster than 128 at 1024 tokens,
+    and the tiny recipe's step (128 tokens) compiled in 4.5-5.3 s with 4 blocks, 3.6-3.9 s with 2, 3.2-3.4
+    s under XLA's attention (benchmarks/BENCHMARKS.md)."""
+    if seq_len <= 32:
+        return seq_len
+    if seq_len <= 64:
+        return 32
+    return max(64, -(-seq_len // 8))
+
+
+def _block_scores(q, k, segment_ids, start: int, stop: int, scale: float) -> jax.Array:
+    """Scaled float32 scores of queries [start, stop) against keys [0, stop), those not allowed (later
+    keys, other documents) at float32's lowest: [B, K, G, stop - start, stop]."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q[:, start:stop], k[:, :stop], preferred_element_type=jnp.float32) * scale
+    allowed = jnp.arange(start, stop)[:, None] >= jnp.arange(stop)[None, :]
+    if segment_ids is not None:
+        same = segment_ids[:, start:stop, None] == segment_ids[:, None, :stop]
+        allowed = allowed[None] & same
+        allowed = allowed[:, None, None]
+    return jnp.where(allowed, s, jnp.finfo(jnp.float32).min)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocked(q, k, v, segment_ids, block: int):
+    return _blocked_fwd(q, k, v, segment_ids, block)[0]
+
+
+def _blocked_fwd(q, k, v, segment_ids, block: int):
+    b, t, kv, g, h = q.shape
+    scale = 1.0 / math.sqrt(h)
+    outs, lses = [], []
+    for start in range(0, t, block):
+        stop = min(start + block, t)
+        s = _block_scores(q, k, segment_ids, start, stop, scale)
+        top = jnp.max(s, axis=-1, keepdims=True)
+        e = jnp.exp(s - top)
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        p = (e / total).astype(v.dtype)
+        o = jnp.einsum("bkgts,bskh->btkgh", p, v[:, :stop], preferred_element_type=jnp.float32)
+        outs.append(o.astype(q.dtype))
+        lses.append((top + jnp.log(total))[..., 0])  # [B, K, G, block]
+    out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=-1)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _blocked_bwd(block: int, residuals, d_out):
+    q, k, v, segment_ids, out, lse = residuals
+    b, t, kv, g, h = q.shape
+    scale = 1.0 / math.sqrt(h)
+    # FlashAttention-2's backward, a query block at a time against the keys up to it: the probabilities
+    # recomputed from the saved log-sum-exp, every matmul with low-precision operands summed in float32
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 3, 1)  # [B,K,G,T]
+    dq_blocks = []
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    for start in range(0, t, block):
+        stop = min(start + block, t)
+        s = _block_scores(q, k, segment_ids, start, stop, scale)
+        p = jnp.exp(s - lse[..., start:stop, None])
+        do = d_out[:, start:stop]
+        dv = dv.at[:, :stop].add(jnp.einsum("bkgts,btkgh->bskh", p.astype(v.dtype), do,
+                                            preferred_element_type=jnp.float32))
+        dp = jnp.einsum("btkgh,bskh->bkgts", do, v[:, :stop], preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta[..., start:stop, None]) * scale).astype(q.dtype)
+        dq_blocks.append(jnp.einsum("bkgts,bskh->btkgh", ds, k[:, :stop], preferred_element_type=jnp.float32))
+        dk = dk.at[:, :stop].add(jnp.einsum("bkgts,btkgh->bskh", ds, q[:, start:stop],
+                                            preferred_element_type=jnp.float32))
+    dq = jnp.concatenate(dq_blocks, axis=1).astype(q.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+                      block: int = 0) -> jax.Array:
+    """Causal attention a block of queries at a time, each against only the keys at or before it: the
+    matmuls above the diagonal blocks are skipped (at 256 tokens and blocks of 64, 5/8 of the full square
+    is computed, against all of it under a mask), softmax in float32, every matmul with the inputs'
+    (low-precision) operands summed in float32, and a custom backward (FlashAttention-2's, the
+    probabilities recomputed from the saved log-sum-exp) whose matmuls take low-precision operands too:
+    JAX's own gradient of a float32-result dot takes float32 cotangents, which XLA:CPU runs as float32
+    dots. Plain XLA ops, any backend; `auto`'s choice on a CPU (`benchmarks/attention.py` times it
+    against XLA's attention). `block` 0: `attention_block(T)`."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    if k.shape[1] != t:
+        raise ValueError(f"blocked_attention: keys ({k.shape[1]}) and queries ({t}) must have one length")
+    dtype = q.dtype
+    if dtype == jnp.float16 and jax.default_backend() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    out = _blocked(q.reshape(b, t, kv, n // kv, h), k, v, segment_ids, block or attention_block(t))
+    return out.reshape(b, t, n, h).astype(dtype)
 
 
 def reference_attention(q, k, v, *, segment_ids=None) -> jax.Array:
