@@ -155,15 +155,18 @@ def test_xla_attention_matches_the_reference(kv_heads, packed):
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=1e-5)
 
 
-@pytest.mark.parametrize("block", [16, 0, 40])  # partial last block; attention_block's (one block); one block
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_blocked_attention_matches_the_reference_and_its_gradients(kv_heads, block):
+@pytest.mark.parametrize("kv_heads, block, packed", [
+    (8, 16, True), (2, 16, True),  # a partial last block
+    (8, 0, True), (2, 40, True),  # attention_block's (32 and a partial one); one block
+    (2, 16, False),  # no segment ids: causal only
+])
+def test_blocked_attention_matches_the_reference_and_its_gradients(kv_heads, block, packed):
     keys = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(keys[0], (2, 40, 8, 16))
     k = jax.random.normal(keys[1], (2, 40, kv_heads, 16))
     v = jax.random.normal(keys[2], (2, 40, kv_heads, 16))
-    seg = jnp.array([[1] * 7 + [2] * 20 + [3] * 13, [1] * 30 + [0] * 10])  # documents, and padding
-    valid = (np.asarray(seg) > 0)[:, :, None, None]
+    seg = jnp.array([[1] * 7 + [2] * 20 + [3] * 13, [1] * 30 + [0] * 10]) if packed else None  # and padding
+    valid = (np.ones((2, 40), bool) if seg is None else np.asarray(seg) > 0)[:, :, None, None]
     w = jax.random.normal(keys[3], q.shape) * valid  # padding's outputs are unused
 
     def loss(fn):

@@ -346,7 +346,7 @@ def _blocked_fwd(q, k, v, segment_ids, block: int):
         p = (e / total).astype(v.dtype)
         o = jnp.einsum("bkgts,bskh->btkgh", p, v[:, :stop], preferred_element_type=jnp.float32)
         outs.append(o.astype(q.dtype))
-        lses.append((top + jnp.log(total))[..., 0])  # [B, K, G, block]
+        lses.append((top + jnp.log(total))[..., 0])  # [B, K, G, stop - start]
     out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=-1)
     return out, (q, k, v, segment_ids, out, lse)
 
