@@ -9,7 +9,11 @@ backward pass's peak; the constants below were fitted to XLA's buffer assignment
 step, and `TOLERANCE` states how far a compiled step may be from the estimate. Elements are counted
 on one device for one micro-batch of B sequences of T tokens, split as `config.mesh.rules` splits
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
-sequences; cuDNN flash attention never materializes them. The measurements behind all of this are
+sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
+counted as it is, though without remat in one program (layers unrolled, the CPU's default) XLA keeps
+each block's forward scores for the backward: an estimate below the compiled figure there (tiny at 1024
+tokens: 337 MiB planned, 881 MiB compiled; 492 MiB with the layer loop, where XLA's attention compiled to
+1,744 against 1,231 MiB planned). The measurements behind all of this are
 in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
 
