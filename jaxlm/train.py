@@ -87,6 +87,8 @@ class StepLog:
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
+        # steps whose intervals the mean step time leaves out (a profiled window: `Profile.window`)
+        self.untimed: range = range(0)
         self.losses: list[float] = []
 
     @property
@@ -103,7 +105,7 @@ class StepLog:
         first = self.compile_s is None
         if first:
             self.compile_s = step_s
-        else:
+        elif step not in self.untimed:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
         self.losses.append(values["loss"])
         self.overflow_steps += int(values.get("overflow", 0))
@@ -178,6 +180,15 @@ class Profile:
 
     def __init__(self, cfg: ml_collections.ConfigDict, run_dir: pathlib.Path):
         self.steps, self.directory, self.active = config_lib.profile_steps(cfg), run_dir / "profile", False
+
+    @property
+    def window(self) -> range:
+        """The steps whose recorded intervals the trace distorts. The loop records step N's metrics after
+        dispatching step N + 1, so the interval recorded for the step before the first traced one holds
+        the trace's start, the traced steps' run slower, the one before the last holds writing the trace
+        out (seconds) and the last's is cut short (its step had finished). The run's mean step time and
+        tokens/s leave them out; metrics.jsonl keeps their intervals."""
+        return range(self.steps[0] - 1, self.steps[1] + 1) if self.steps else range(0)
 
     def before(self, step: int) -> None:
         if self.steps and step == self.steps[0]:
@@ -420,6 +431,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     sinks = Sinks(run_dir, cfg, resume_step)
     log = StepLog(sinks, setup, resume_step, meter)
     profile = Profile(cfg, run_dir)
+    log.untimed = profile.window
     histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)
 

@@ -115,6 +115,20 @@ def test_profile_trace_holds_the_requested_steps(observed_run):
     assert "profile of steps 3-4 written to" in result.stdout
 
 
+def test_run_throughput_leaves_out_the_profiled_steps(observed_run):
+    """The summary's tokens/s is the mean over the timed steps: not the first (compilation), nor the
+    intervals the trace distorts (steps 2-4 for a trace of 3:4: its start, the traced steps, writing it out)."""
+    run_dir, _ = observed_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seconds = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+    tokens_per_step = rows[0]["tokens"]
+    timed = [seconds[s] for s in range(5, STEPS + 1)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_per_s"] == pytest.approx(tokens_per_step * len(timed) / sum(timed), rel=1e-9)
+    with_trace = [seconds[s] for s in range(2, STEPS + 1)]
+    assert summary["tokens_per_s"] != pytest.approx(tokens_per_step * len(with_trace) / sum(with_trace), rel=1e-6)
+
+
 @pytest.mark.skipif(not _has_wandb(), reason="wandb is not installed (pip install -e '.[dev]' installs it)")
 def test_wandb_offline_run_has_the_same_values(observed_run):
     run_dir, _ = observed_run
