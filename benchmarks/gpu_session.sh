@@ -43,8 +43,9 @@
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
 #                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout,
 #                           cudnn-segN = the packed layout compiled for N documents per row (the default is 16)
-#                           (default: cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0, cudnn:0 with cuBLAS for every
-#                           GEMM, see below; dry "cudnn-mask:0 xla:0
+#                           (default: cudnn:0 with XLA's second GEMM fusion and cuDNN's GEMM fusions, the same
+#                           with Triton forced, cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0, cudnn:0 with cuBLAS for
+#                           every GEMM, see below; dry "cudnn-mask:0 xla:0
 #                           pallas:0 cudnn:64 xla:64 xla:0:--xla_gpu_enable_triton_gemm=false")
 #   MFU_DOC_LEN             the mfu, sweep and fp8 steps' batches: documents of this mean length packed in each
 #                           row (default 512; 0 = one document per row, as in the H200 call)
@@ -90,9 +91,13 @@ else
     # XLA GPU flags MaxText and others set (each alone, against XLA's defaults): cuBLAS instead of Triton
     # for GEMMs, no CUDA graphs, the latency-hiding scheduler (for one GPU: overlap of copies, if any)
     # measured on an H100 (2026-11-26): the mask (cudnn-mask), XLA's flags, XLA's second GEMM fusion
-    # (--xla_gpu_experimental_gemm_fusion_v2=true: no change, the autotuner keeps cuBLAS). Next: the packed
-    # layout's bound of 8
-    SWEEP=${GPU_SESSION_SWEEP:-"cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0 cudnn:0:--xla_gpu_enable_triton_gemm=false"}
+    # (--xla_gpu_experimental_gemm_fusion_v2=true: no change, the autotuner keeps cuBLAS, which fuses
+    # nothing; with --xla_gpu_cublas_fallback=false the autotuner's correctness check failed). Next: the
+    # second GEMM fusion with cuDNN's GEMM fusions allowed (cuDNN takes elementwise prologues and
+    # epilogues), then with Triton forced and the autotuner's check off (level 3: compare the row's loss
+    # with the default's), then the packed layout's bound of 8
+    V2=--xla_gpu_experimental_gemm_fusion_v2=true
+    SWEEP=${GPU_SESSION_SWEEP:-"cudnn:0:$V2,--xla_gpu_cudnn_gemm_fusion_level=3 cudnn:0:$V2,--xla_gpu_cublas_fallback=false,--xla_gpu_autotune_level=3 cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0 cudnn:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
     CKPT_ARGS=()
