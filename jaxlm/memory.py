@@ -10,11 +10,9 @@ step, and `TOLERANCE` states how far a compiled step may be from the estimate. E
 on one device for one micro-batch of B sequences of T tokens, split as `config.mesh.rules` splits
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
-counted as it is, though without remat in one program (layers unrolled, the CPU's default) XLA keeps
-each block's forward scores for the backward: an estimate below the compiled figure there (tiny at 1024
-tokens: 337 MiB planned, 881 MiB compiled; 492 MiB with the layer loop, where XLA's attention compiled to
-1,744 against 1,231 MiB planned). The measurements behind all of this are
-in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
+counted as it is, except that without remat in one program (layers unrolled, the CPU's default) XLA
+keeps each block's float32 forward scores for the backward (`blocked_scores_kept`). The measurements
+behind all of this are in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
 
 from __future__ import annotations
@@ -184,6 +182,23 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + mlp
 
 
+def one_program(m) -> bool:
+    """Whether the layers' forward and backward passes are one straight program (layers unrolled, or a
+    layer scan unrolled whole: XLA removes a loop of one trip), where XLA can merge a recomputation in
+    the backward pass with the forward's values and keep those alive instead."""
+    return not m.scan_layers or m.scan_unroll >= m.n_layers
+
+
+def blocked_scores_kept(s: ActivationSizes) -> float:
+    """The causal blocks' float32 scores that XLA keeps for the backward pass without remat in one
+    program (`one_program`): the backward recomputes each block's scores to get its probabilities from
+    the saved log-sum-exp, and XLA merges that with the forward's scores. n blocks of queries against
+    the keys up to them: (n + 1) / 2n of the [T, T] square."""
+    seq_len = round(s.scores / s.head_stats)
+    n = -(-seq_len // attention_block(seq_len))
+    return F32 * s.scores * (n + 1) / (2 * n)
+
+
 def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float) -> float:
     """The peak of one layer's backward pass beyond what is saved (per device); `full_weights`: the
     layer's weights at full size over fsdp, gathered copy and unreduced gradient (f32)."""
@@ -210,7 +225,10 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
     a = act_bytes
     if policy == "none":
-        return layer_forward_bytes(m, s, a, recomputed=m.scan_layers)
+        saved = layer_forward_bytes(m, s, a, recomputed=m.scan_layers)
+        if m.attention == "blocked" and one_program(m):
+            saved += blocked_scores_kept(s)
+        return saved
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
