@@ -24,7 +24,7 @@ train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.
 
 test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices, under 10 minutes)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(ARGS)
+	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(ARGS)
 
 check: install  ## the lint, then every test, slow ones included (about 27 minutes on 2 cores); CI runs `make test`
 	$(BIN)/ruff check .
