@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,17 @@ def test_should_save_every_steps_and_minutes(tmp_path):
 
 def _data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d")
+
+
+def test_a_files_checksum_is_zlibs_crc32_of_its_bytes(tmp_path):
+    """What manifests record (a local file summed in place, mapped): zlib's CRC-32 of the whole file, so
+    manifests written by the 16 MiB reads before verify the same; an empty file and one past 16 MiB too."""
+    from etils import epath
+
+    for size in (0, 1, 4097, (16 << 20) + 3):
+        data = np.random.default_rng(size).bytes(size)
+        (tmp_path / f"f{size}").write_bytes(data)
+        assert checkpoint._crc32(epath.Path(tmp_path / f"f{size}")) == zlib.crc32(data)
 
 
 def test_manifest_catches_damage_that_orbax_reads_without_complaint(tmp_path, caplog, capfd):
