@@ -87,6 +87,7 @@ class StepLog:
         self.start = self.last = time.time()
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
+        self.timed_data_s = 0.0  # of timed_s: the loop reading batches and handing them to the devices
         # steps whose intervals the mean step time leaves out (a profiled window: `Profile.window`)
         self.untimed: range = range(0)
         self.losses: list[float] = []
@@ -95,10 +96,17 @@ class StepLog:
     def tokens_per_s(self) -> float | None:
         return self.tokens_per_step * self.timed_steps / self.timed_s if self.timed_s else None
 
-    def record(self, step: int, metrics: dict[str, jax.Array], data_progress: dict[str, int],
+    @property
+    def data_time_fraction(self) -> float | None:
+        """The share of the timed steps' time the loop spent on their batches (`data_time_s`): near 0 when the
+        devices set the pace, large when the input pipeline does."""
+        return self.timed_data_s / self.timed_s if self.timed_s else None
+
+    def record(self, step: int, metrics: dict[str, jax.Array], data_progress: dict[str, float],
                histograms: dict | None = None) -> None:
         """`data_progress`: the data iterator's epoch and this host's real tokens after this step's
-        batch; `histograms`: `param_histograms` of the state after this step, when due."""
+        batch, and the seconds the loop took for that batch (`data_time_s`); `histograms`:
+        `param_histograms` of the state after this step, when due."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
@@ -107,6 +115,7 @@ class StepLog:
             self.compile_s = step_s
         elif step not in self.untimed:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
+            self.timed_data_s += values.get("data_time_s", 0.0)
         self.losses.append(values["loss"])
         self.overflow_steps += int(values.get("overflow", 0))
         if values.get("attention_masked", 0) > 0 and not self.warned_masked_attention:
@@ -459,11 +468,17 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
             for step in range(resume_step + 1, total_steps + 1):
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = setup.train_step(state, setup.put_batch(next(data.train)))
+                    data_start = time.perf_counter()
+                    batch = setup.put_batch(next(data.train))
+                    data_time_s = time.perf_counter() - data_start
+                    state, metrics = setup.train_step(state, batch)
                 profile.after(step, metrics)
                 if pending:
                     log.record(*pending)
-                progress = {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen}
+                # data_time_s: this host's seconds to read the step's batch and hand it to the devices, which
+                # the loop waits for (the devices may still be busy with the step before)
+                progress = {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen,
+                            "data_time_s": data_time_s}
                 histograms = None
                 if histograms_every and step % histograms_every == 0:
                     histograms = metrics_lib.param_histograms(state.params)
@@ -527,6 +542,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         "val_loss": val_loss,
         "tokens_seen": total_steps * derived.tokens_per_step,
         "tokens_per_s": log.tokens_per_s,
+        "data_time_fraction": log.data_time_fraction,
         "compile_s": log.compile_s,
         "skipped_steps": log.skipped_steps,
         "overflow_steps": log.overflow_steps,  # float16 loss scaling's skipped overflows (0 without scaling)

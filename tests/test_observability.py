@@ -117,7 +117,8 @@ def test_profile_trace_holds_the_requested_steps(observed_run):
 
 def test_run_throughput_leaves_out_the_profiled_steps(observed_run):
     """The summary's tokens/s is the mean over the timed steps: not the first (compilation), nor the
-    intervals the trace distorts (steps 2-4 for a trace of 3:4: its start, the traced steps, writing it out)."""
+    intervals the trace distorts (steps 2-4 for a trace of 3:4: its start, the traced steps, writing it out);
+    its data_time_fraction is the share of those steps' time the loop spent on their batches."""
     run_dir, _ = observed_run
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     seconds = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
@@ -127,6 +128,11 @@ def test_run_throughput_leaves_out_the_profiled_steps(observed_run):
     assert summary["tokens_per_s"] == pytest.approx(tokens_per_step * len(timed) / sum(timed), rel=1e-9)
     with_trace = [seconds[s] for s in range(2, STEPS + 1)]
     assert summary["tokens_per_s"] != pytest.approx(tokens_per_step * len(with_trace) / sum(with_trace), rel=1e-6)
+    # each step's seconds spent on its batch, and over the same timed steps their share of the time
+    data = {r["step"]: r["data_time_s"] for r in rows if "data_time_s" in r}
+    assert sorted(data) == list(range(1, STEPS + 1)) and all(v > 0 for v in data.values())
+    assert summary["data_time_fraction"] == pytest.approx(sum(data[s] for s in range(5, STEPS + 1)) / sum(timed),
+                                                          rel=1e-9)
 
 
 @pytest.mark.skipif(not _has_wandb(), reason="wandb is not installed (pip install -e '.[dev]' installs it)")
