@@ -103,30 +103,35 @@ class JsonlSink:
         self._file.close()
 
 
-def _summary_writer():
-    """tensorboardX's `SummaryWriter`, imported without PyTorch: tensorboardX imports torch when it is
-    installed (the test extras install it), only to accept torch tensors, which jaxlm never passes;
-    that import alone took 1.4 s of a run's start here."""
-    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
+def _tensorboardx():
+    """tensorboardX, imported without PyTorch: tensorboardX imports torch when it is installed (the test
+    extras install it), only to accept torch tensors, which jaxlm never passes; that import alone took
+    1.4 s of a run's start here."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            del sys.modules["torch"]
+    import tensorboardX.event_file_writer
+    import tensorboardX.summary
 
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+    return tensorboardX
 
 
 class TensorBoardSink:
-    """Scalars, histograms and text in TensorBoard event files, written through tensorboardX's
-    `SummaryWriter` (a step's scalars as one event through its file writer; read back by TensorBoard's
-    own reader in the tests).
+    """Scalars, histograms and text in a TensorBoard event file, written in this thread through
+    tensorboardX's `EventsWriter` (read back by TensorBoard's own reader in the tests).
 
-    `purge_step`: a resumed run's first step. The writer marks it, and TensorBoard then drops the
-    points of earlier event files from that step on: the steps lost with the killed process are
-    trained again and each appears once.
+    Not through tensorboardX's `SummaryWriter`: it hands events to a background thread through a queue,
+    and its `flush` flushes the file without waiting for that queue, so a point "flushed" before a
+    checkpoint could still be in the queue when the process was killed (seen: a resumed run's
+    TensorBoard missing the step its checkpoint was saved at). Here `flush` puts every point written so
+    far into the file.
+
+    `purge_step`: a resumed run's first step. The writer marks it (a session-start event), and
+    TensorBoard then drops the points of earlier event files from that step on: the steps lost with the
+    killed process are trained again and each appears once.
     """
 
     # Scalars reach the file at most this late, and at every checkpoint (`flush`): a killed run loses
@@ -134,8 +139,19 @@ class TensorBoardSink:
     FLUSH_EVERY_S = 1.0
 
     def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
-        self._writer = _summary_writer()(str(logdir), purge_step=purge_step)
-        self._flushed = time.monotonic()
+        tbx = _tensorboardx()
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._summary, self._event = tbx.summary, Event
+        pathlib.Path(logdir).mkdir(parents=True, exist_ok=True)
+        self._events = tbx.event_file_writer.EventsWriter(str(pathlib.Path(logdir) / "events"))
+        if purge_step is not None:
+            self._events.write_event(Event(step=purge_step, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def _add(self, step: int, summary) -> None:
+        self._events.write_event(self._event(step=step, wall_time=time.time(), summary=summary))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         """A step's scalars as one event (one `add_scalar` each took 10x the time, 0.61 against 0.06 ms
@@ -145,31 +161,29 @@ class TensorBoardSink:
         scalars = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)]
         if scalars:
-            self._writer._get_file_writer().add_summary(Summary(value=scalars), step)
+            self._add(step, Summary(value=scalars))
         if time.monotonic() - self._flushed >= self.FLUSH_EVERY_S:
             self.flush()
 
     def flush(self) -> None:
-        self._writer.flush()
+        self._events.flush()
         self._flushed = time.monotonic()
 
     def histogram(self, step: int, tag: str, stats: dict[str, Any]) -> None:
         """One histogram from `param_histograms` statistics (host values)."""
         lo, hi, counts = float(stats["min"]), float(stats["max"]), np.asarray(stats["counts"], np.float64)
         limits = [lo + (hi - lo) * (i + 1) / len(counts) for i in range(len(counts))]
-        self._writer.add_histogram_raw(
+        self._add(step, self._summary.histogram_raw(
             tag, min=lo, max=hi, num=float(stats["num"]), sum=float(stats["sum"]),
-            sum_squares=float(stats["sum_squares"]), bucket_limits=limits, bucket_counts=counts.tolist(),
-            global_step=step,
-        )
-        self._writer.flush()
+            sum_squares=float(stats["sum_squares"]), bucket_limits=limits, bucket_counts=counts.tolist()))
+        self.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        self._writer.add_text(tag, text, step)
-        self._writer.flush()
+        self._add(step, self._summary.text(tag, text))
+        self.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self._events.close()
 
 
 class WandbSink:

@@ -51,6 +51,19 @@ def test_tensorboard_scalars_and_text_read_back(tmp_path):
     assert events.Tensors("config/text_summary")[0].tensor_proto.string_val == [b"lr = 3e-4"]
 
 
+def test_a_flush_puts_every_point_written_so_far_into_the_file(tmp_path):
+    """What the trainer relies on before each checkpoint: after `flush`, with the sink still open (a process
+    killed next), the file holds every point, the resumed run's purge marker first."""
+    sink = metrics.TensorBoardSink(tmp_path, purge_step=7)
+    for step in range(7, 207):
+        sink.write(step, {"loss": float(step)})
+    sink.flush()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, float(s)) for s in range(7, 207)]
+    sink.close()
+
+
 def test_parameter_histograms_read_back_from_tensorboard(tmp_path):
     import jax
     import numpy as np
