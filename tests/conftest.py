@@ -8,7 +8,7 @@ XLA_FLAGS_GIVEN = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_count=8"
 # `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation. The HLO passes,
 # fusions, layouts and buffers are the same, the machine code unoptimized: the default suite compiles hundreds of
-# small programs and runs each a few times, so compiling is most of its time (a cold run, as in CI, 596 -> 430 s
+# small programs and runs each a few times, so compiling is most of its time (a cold run, as in CI, 596 -> 457-463 s
 # on 2 cores; a tiny training step runs 3x slower, which is why the slow suite keeps the optimized code). Its
 # floating point differs from the optimized code's in the last bits (summation order): a test that compares to
 # the bit with numbers the optimized code computed elsewhere is marked `optimized_codegen` and runs in its own
