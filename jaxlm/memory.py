@@ -189,12 +189,17 @@ def one_program(m) -> bool:
     return not m.scan_layers or m.scan_unroll >= m.n_layers
 
 
+def _seq_len(s: ActivationSizes) -> int:
+    """The sequence length the attention's scores span ([.., T, T] per head)."""
+    return round(s.scores / s.head_stats)
+
+
 def blocked_scores_kept(s: ActivationSizes) -> float:
     """The causal blocks' float32 scores that XLA keeps for the backward pass without remat in one
     program (`one_program`): the backward recomputes each block's scores to get its probabilities from
     the saved log-sum-exp, and XLA merges that with the forward's scores. n blocks of queries against
     the keys up to them: (n + 1) / 2n of the [T, T] square."""
-    seq_len = round(s.scores / s.head_stats)
+    seq_len = _seq_len(s)
     n = -(-seq_len // attention_block(seq_len))
     return F32 * s.scores * (n + 1) / (2 * n)
 
@@ -213,8 +218,8 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     if m.attention in FLASH:  # q, k, v, the output, their gradients, the softmax statistics
         attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
         if m.attention == "blocked":  # one query block's scores, probabilities and gradients; f32 dk, dv
-            seq_len = s.scores / s.head_stats
-            attention += (3 * F32 + a) * s.scores * attention_block(round(seq_len)) / seq_len + 2 * F32 * s.kv
+            seq_len = _seq_len(s)
+            attention += (3 * F32 + a) * s.scores * attention_block(seq_len) / seq_len + 2 * F32 * s.kv
     else:  # f32 logits and softmax, the probabilities, and the gradients of both
         attention = (3 * F32 + a) * s.scores
     rest = layer_forward_bytes(m, s, a, recomputed=False) - attention_forward_bytes(m, s, a)

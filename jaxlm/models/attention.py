@@ -334,7 +334,7 @@ def _blocked(q, k, v, segment_ids, block: int):
 
 
 def _blocked_fwd(q, k, v, segment_ids, block: int):
-    b, t, kv, g, h = q.shape
+    t, h = q.shape[1], q.shape[-1]  # q: [B, T, K, G, H]
     scale = 1.0 / math.sqrt(h)
     outs, lses = [], []
     for start in range(0, t, block):
@@ -353,7 +353,7 @@ def _blocked_fwd(q, k, v, segment_ids, block: int):
 
 def _blocked_bwd(block: int, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
-    b, t, kv, g, h = q.shape
+    t, h = q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(h)
     # FlashAttention-2's backward, a query block at a time against the keys up to it: the probabilities
     # recomputed from the saved log-sum-exp, every matmul with low-precision operands summed in float32
