@@ -63,7 +63,7 @@ def run_window(setup, state, batches, steps: int, ckpt: Checkpointer | None, met
     """Mean step time of `steps` steps, saving on steps 1, 1+every, ... of the window when `ckpt`."""
     t0 = time.perf_counter()
     for i in range(steps):
-        state, metrics = setup.train_step(state, batches[i % 2])
+        state, metrics = setup.train_step(state, batches[i % 2], setup.expected_attention_choice())
         if ckpt is not None and i % ckpt.every_steps == 0:
             ckpt.save(first_step + i, state, meta=meta, force=True)
     jax.block_until_ready(metrics)
@@ -91,7 +91,8 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             state = jax.block_until_ready(setup.state)
             r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
             r["first_save_blocked_s"], r["first_save_total_s"], _ = timed_save(ckpt, 0, state, meta)
-            state, metrics = setup.train_step(state, batches[0])  # compiles the step
+            # compiles the step (one document per row: the program the trainer runs for it)
+            state, metrics = setup.train_step(state, batches[0], setup.expected_attention_choice())
             state = jax.block_until_ready(state)
             r["save_blocked_s"], r["save_total_s"], r["save_cpu_s"] = timed_save(ckpt, 1, state, meta)
             r["disk_gib"] = round(sum(f.stat().st_size for f in pathlib.Path(workdir, "a", "1").rglob("*")

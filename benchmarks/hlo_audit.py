@@ -211,7 +211,7 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), setup.state)
     start = time.perf_counter()
     with jax.set_mesh(setup.mesh):
-        lowered = setup.train_step.lower(state, setup.batch_spec())
+        lowered = setup.train_step.lower(state, setup.batch_spec(), setup.expected_attention_choice())
     lower_s = time.perf_counter() - start
     pre_text = lowered.as_text(dialect="hlo", debug_info=True)
     pre = Module(pre_text, trip_counts_from="condition")

@@ -73,6 +73,12 @@ def build(recipe: str, overrides: dict[str, str], doc_len: float = 0) -> tuple:
     return cfg, overrides, setup, host
 
 
+def attention_choice(setup, host: list[dict]):
+    """The train step's attention kernel for these host batches, as the trainer chooses it (cuDNN's
+    packed layout where every row of both fits: `TrainSetup.attention_choice`)."""
+    return setup.attention_choice({"segment_ids": np.concatenate([b["segment_ids"] for b in host])})
+
+
 def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
             doc_len: float = 0) -> dict:
     """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
@@ -90,7 +96,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     state = setup.state
     with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
-        compiled = setup.train_step.lower(state, batches[0]).compile()
+        compiled = setup.train_step.lower(state, batches[0], attention_choice(setup, host)).compile()
         compile_s = time.perf_counter() - t0
         for i in range(warmup):
             state, out = compiled(state, batches[i % 2])

@@ -121,14 +121,14 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
     import jax
 
     sys.path.insert(0, HERE)
-    from mfu import build
+    from mfu import attention_choice, build
 
     _, overrides, setup, host = build(recipe, overrides, doc_len)
     batches = [setup.put_batch(b) for b in host]
     directory = trace_dir or tempfile.mkdtemp(prefix="jaxlm_profile_")
     state = setup.state
     with jax.set_mesh(setup.mesh):
-        compiled = setup.train_step.lower(state, batches[0]).compile()
+        compiled = setup.train_step.lower(state, batches[0], attention_choice(setup, host)).compile()
         for i in range(max(1, warmup)):
             state, out = compiled(state, batches[i % 2])
         jax.block_until_ready(out)

@@ -47,18 +47,19 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, warmup: int) -> di
     d = cfg.data
     per_process = d.global_batch_size // jax.process_count()
     batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
+    packed = setup.expected_attention_choice()  # one document per row: what the trainer runs for it
     state = setup.state
     with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
-        state, metrics = setup.train_step(state, batches[0])
+        state, metrics = setup.train_step(state, batches[0], packed)
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - t0
         for i in range(warmup):
-            state, metrics = setup.train_step(state, batches[i % 2])
+            state, metrics = setup.train_step(state, batches[i % 2], packed)
         jax.block_until_ready(metrics)
         t0 = time.perf_counter()
         for i in range(steps):
-            state, metrics = setup.train_step(state, batches[i % 2])
+            state, metrics = setup.train_step(state, batches[i % 2], packed)
         jax.block_until_ready(metrics)
         step_s = (time.perf_counter() - t0) / steps
     tokens = d.global_batch_size * d.seq_len

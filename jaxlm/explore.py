@@ -347,7 +347,9 @@ def train_steps(setup: train_setup.TrainSetup, data: loader.Data, steps: int) ->
     """
     with jax.set_mesh(setup.mesh):
         for _ in range(steps):
-            setup.state, metrics = setup.train_step(setup.state, setup.put_batch(next(data.train)))
+            batch = next(data.train)
+            packed = setup.attention_choice(batch)  # cuDNN's kernel for the batch, as the trainer chooses it
+            setup.state, metrics = setup.train_step(setup.state, setup.put_batch(batch), packed)
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values["step"] = int(jax.device_get(setup.state.step))
             values["epoch"] = data.train.epoch

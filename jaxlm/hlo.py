@@ -222,6 +222,15 @@ class Module:
         for insts in self.computations.values():
             yield from insts
 
+    def host_syncs(self) -> int:
+        """Per step, the times an optimized GPU program stops to wait for the host: every execution of
+        a conditional (XLA's GPU runtime copies the predicate to the host and waits for the device to
+        reach it before it launches a branch) and of a while loop whose trip count XLA does not know
+        (the same for its condition, every iteration: counted once here). Conditionals inside branches
+        other than the expected one count 0, as their kernels do."""
+        return sum(self.runs.get(inst["computation"], 0) for inst in self.instructions()
+                   if inst["op"] == "conditional" or (inst["op"] == "while" and not TRIP.search(inst["attrs"])))
+
     @staticmethod
     def callee(inst: dict, kind: str = "calls") -> str | None:
         """The computation an instruction calls as `kind` (a fusion's body: "calls"), None if none."""

@@ -108,8 +108,11 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     the compiled program (`jaxlm.roofline`)."""
     setup = train_setup.build(cfg, devices, abstract=True)
     start = time.perf_counter()
+    # The attention kernel the trainer runs for batches that fit cuDNN's packed layout; a run across
+    # hosts (several processes) keeps the conditional that chooses it on the device (TrainSetup.attention_choice).
+    packed = None if target is not None and len(devices) > target.devices_per_host else "expected"
     with roofline.cudnn_checks_for(target) if target is not None else contextlib.nullcontext():
-        compiled = setup.compile_train_step()
+        compiled = setup.compile_train_step(packed)
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     if analysis is None:
@@ -131,6 +134,7 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
         module = hlo.Module(compiled.as_text())
         r = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
         r["unknown_trip_counts"] = module.unknown_trip_counts
+        r["host_syncs"] = module.host_syncs()
         # A loop whose trip count could not be read counts its kernels once: the program's matmul FLOPs
         # then fall short of the model's, and the MFU would be flattered; say so instead of a number.
         if module.unknown_trip_counts or r["matmul_flops"] < model_flops * (1 - 1e-6):

@@ -443,6 +443,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['matmul_flops'] / 1e12:.2f} TFLOP; roofline-bound MFU "
         + (f"{mfu:.3f}" if mfu is not None else "n/a")
         + (f" (not counted: {summary['incomplete']})" if summary.get("incomplete") else ""),
+        *([f"the device waits for the host {summary['host_syncs']} time(s) per step (conditionals: each copies "
+           f"its predicate to the host, which then launches a branch)"] if summary.get("host_syncs") else []),
         "",
         str(Table(["kind", "kernels", "launches", "ms", "share", "TFLOP", "GB"],
                        [[kind, int(r["kernels"]), int(r["launches"]), f"{r['seconds'] * ms:.2f}",

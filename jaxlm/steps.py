@@ -226,7 +226,10 @@ def make_train_step(
     (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
     per layer and top-level group (`norms_by_group`). With `attention_segments` (cuDNN's packed layout,
     `ModelConfig.attention_segments`), `attention_masked`: the fraction of micro-batches with a row of more
-    documents than that, whose attention fell back to the masked kernel.
+    documents than that, whose attention fell back to the masked kernel. The step's `packed` argument
+    (static) compiles one of cuDNN's two kernels for the whole step, chosen by the caller on the host's
+    copy of the batch (`TrainSetup.attention_choice`), instead of a conditional per layer that makes a
+    GPU wait for the host (`attention.packed_kernel`); `attention_masked` is then 0 or 1.
 
     Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
     `prune.keep_pruned`); `gradual_pruning` (`prune.gradual_step`'s final, start, end, every) rewrites
@@ -241,7 +244,11 @@ def make_train_step(
     """
     plain_grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
 
-    def step_fn(state: TrainState, batch: Batch):
+    def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
+        with attention.packed_kernel(packed):
+            return _step(state, batch, packed)
+
+    def _step(state: TrainState, batch: Batch, packed: bool | None):
         scaling = state.loss_scale
         if scaling is None:
             grad_fn = plain_grad_fn
@@ -328,9 +335,12 @@ def make_train_step(
         if grad_norm_per_layer:
             metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
         if attention_segments:  # the micro-batches whose cuDNN attention fell back to the masked kernel
-            rows = _split_micro({"s": batch["segment_ids"]}, micro_batches)["s"]
-            fits = jax.vmap(lambda r: attention.packed_fits(r, attention_segments))(rows)
-            metrics["attention_masked"] = 1.0 - jnp.mean(fits.astype(jnp.float32))
+            if packed is None:
+                rows = _split_micro({"s": batch["segment_ids"]}, micro_batches)["s"]
+                fits = jax.vmap(lambda r: attention.packed_fits(r, attention_segments))(rows)
+                metrics["attention_masked"] = 1.0 - jnp.mean(fits.astype(jnp.float32))
+            else:  # the caller's choice, for every micro-batch
+                metrics["attention_masked"] = jnp.asarray(0.0 if packed else 1.0, jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scaling)
         return new_state, metrics
 
@@ -348,13 +358,16 @@ def make_eval_step(model_spec: ModelSpec, rules: Rules = (), loss_chunk_len: int
 
 
 def jit_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSharding):
-    """jit with explicit shardings; the state is donated so its buffers are reused in place."""
+    """jit with explicit shardings; the state is donated so its buffers are reused in place. The third
+    argument, `packed` (positional and static: one program per value), is the attention kernel chosen
+    on the host, or None (`attention.packed_kernel`)."""
     replicated = NamedSharding(batch_sharding.mesh, P())
     return jax.jit(
         step_fn,
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
+        static_argnums=2,
     )
 
 

@@ -88,8 +88,10 @@ class StepLog:
         self.compile_s: float | None = None  # the first step's time, which includes compilation
         self.timed_steps, self.timed_s = 0, 0.0
         self.timed_data_s = 0.0  # of timed_s: the loop reading batches and handing them to the devices
-        # steps whose intervals the mean step time leaves out (a profiled window: `Profile.window`)
+        # steps whose intervals the mean step time leaves out: a profiled window (`Profile.window`), and
+        # steps whose intervals held the compilation of another program (`untimed_steps`)
         self.untimed: range = range(0)
+        self.untimed_steps: set[int] = set()
         self.losses: list[float] = []
 
     @property
@@ -113,7 +115,7 @@ class StepLog:
         first = self.compile_s is None
         if first:
             self.compile_s = step_s
-        elif step not in self.untimed:
+        elif step not in self.untimed and step not in self.untimed_steps:
             self.timed_steps, self.timed_s = self.timed_steps + 1, self.timed_s + step_s
             self.timed_data_s += values.get("data_time_s", 0.0)
         self.losses.append(values["loss"])
@@ -121,9 +123,10 @@ class StepLog:
         if values.get("attention_masked", 0) > 0 and not self.warned_masked_attention:
             self.warned_masked_attention = True
             self.progress.line(
-                f"attention: at step {step}, {100 * values['attention_masked']:.0f}% of the micro-batches had a row of "
-                f"more than {self.attention_segments} documents and ran cuDNN's masked kernel (about 2x slower than "
-                f"the packed layout); raise --config.model.attention_segments if this recurs (metric attention_masked)")
+                f"attention: at step {step}, rows of more than {self.attention_segments} documents sent "
+                f"{100 * values['attention_masked']:.0f}% of the micro-batches to cuDNN's masked kernel (about 2x "
+                f"slower than the packed layout; in one process the step with it is compiled on first use); raise "
+                f"--config.model.attention_segments if this recurs (metric attention_masked)")
         tokens_per_s = self.tokens_per_step / step_s
         values.update(
             tokens_seen=step * self.tokens_per_step,
@@ -461,6 +464,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     eval_target_bytes = data.eval_target_bytes
 
     pending, val_loss, step = None, None, resume_step
+    kernels: set[bool | None] = set()  # the `packed` arguments of the steps compiled so far
     # Every process acts on a signal, or on process 0's clock saying a save is due, at the same step.
     agreement = distributed.StepAgreement()
     try:
@@ -469,9 +473,16 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     data_start = time.perf_counter()
-                    batch = setup.put_batch(next(data.train))
+                    host_batch = next(data.train)
+                    packed = setup.attention_choice(host_batch)  # cuDNN's kernel for this batch, or None
+                    batch = setup.put_batch(host_batch)
                     data_time_s = time.perf_counter() - data_start
-                    state, metrics = setup.train_step(state, batch)
+                    if packed not in kernels and kernels:
+                        # This step compiles its program first (the other attention kernel): the interval
+                        # that holds the compilation, the next one recorded, is not timed.
+                        log.untimed_steps.add(pending[0] if pending else step)
+                    kernels.add(packed)
+                    state, metrics = setup.train_step(state, batch, packed)
                 profile.after(step, metrics)
                 if pending:
                     log.record(*pending)

@@ -20,7 +20,7 @@ from jaxlm import config as config_lib
 from jaxlm import init_from, loss_scale, optim, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm.models import transformer
+from jaxlm.models import attention, transformer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class TrainSetup:
     shardings: Any
     batch_sharding: jax.sharding.NamedSharding
     schedule: Any
-    train_step: Any  # compiled (state, batch) -> (state, metrics); donates the state
+    train_step: Any  # compiled (state, batch[, packed]) -> (state, metrics); donates the state (`attention_choice`)
     eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
     tx: Any = None  # the optimizer (optax), for a state built around given parameters (`train_state.from_params`)
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
@@ -60,12 +60,31 @@ class TrainSetup:
                   "weights": np.float32}
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
 
-    def compile_train_step(self):
+    def attention_choice(self, batch: dict[str, np.ndarray]) -> bool | None:
+        """The `packed` argument of `train_step` for this host batch (before `put_batch`): with cuDNN's
+        packed layout (`model_cfg.attention_segments`), whether every row fits it, read from the host's
+        segment ids, so that the step holds one attention kernel and no conditional that a GPU would
+        stop at to read its predicate (`attention.packed_kernel`). None (the conditional on the device)
+        without the packed layout, and with several processes, each of which holds only its own rows."""
+        if not self.model_cfg.attention_segments or jax.process_count() > 1:
+            return None
+        return bool(attention.packed_fits(np.asarray(batch["segment_ids"]), self.model_cfg.attention_segments))
+
+    def expected_attention_choice(self) -> bool | None:
+        """The `packed` argument of the step the trainer runs for a batch whose rows fit (the expected
+        case): True with the packed layout in one process, else None."""
+        return True if self.model_cfg.attention_segments and jax.process_count() == 1 else None
+
+    def compile_train_step(self, packed: bool | None | str = "expected"):
         """Compile the train step ahead of time (works on an abstract state): `.memory_analysis()`,
-        `.cost_analysis()` and `.as_text()` of the result tell what the step will cost."""
+        `.cost_analysis()` and `.as_text()` of the result tell what the step will cost. `packed`: the
+        attention kernel (`train_step`'s argument); by default the one the trainer runs for batches
+        whose rows fit (`expected_attention_choice`)."""
+        if packed == "expected":
+            packed = self.expected_attention_choice()
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         with jax.set_mesh(self.mesh):
-            return self.train_step.lower(state, self.batch_spec()).compile()
+            return self.train_step.lower(state, self.batch_spec(), packed).compile()
 
 
 def resolve_config(

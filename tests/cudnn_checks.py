@@ -13,7 +13,11 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# No YNNPACK fusions: with them, XLA:CPU (jax 0.10.2) left one bfloat16 dot with a float32 result outside any
+# fusion in the pipeline-stage mesh's step with one cuDNN kernel and no conditional, and its plain dot
+# thunk cannot run that ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_cpu_experimental_ynn_fusion_type=")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -133,8 +137,8 @@ MESHES = {
 
 def check_train() -> dict:
     """Three train steps of a small model on packed documents under each mesh, with cuDNN attention
-    (packed layout, 16 segments; and with a bound of 1, so every batch takes the masked fallback)
-    against XLA's attention: the losses."""
+    (packed layout, 16 segments; and with a bound of 1, so every batch takes the masked fallback; and
+    each kernel alone, chosen on the host) against XLA's attention: the losses."""
     from jaxlm import config, train_setup
     from jaxlm.models import transformer
 
@@ -151,7 +155,7 @@ def check_train() -> dict:
 
     original = transformer.ModelConfig.from_config.__func__
 
-    def losses(kernel: str, segments: int, mesh: dict) -> list[float]:
+    def losses(kernel: str, segments: int, mesh: dict, packed: bool | None = None) -> list[float]:
         def from_config(cls, m, platform=None, **kw):  # the kernel a Hopper GPU would get, on these CPUs
             cfg = original(cls, m, platform, **kw)
             return cfg if kernel == "xla" else dataclasses.replace(cfg, attention="cudnn", attention_segments=segments)
@@ -164,12 +168,15 @@ def check_train() -> dict:
         state, out = t.state, []
         with jax.set_mesh(t.mesh), roofline.cudnn_checks_for(roofline.H100):
             for _ in range(3):
-                state, metrics = t.train_step(state, t.put_batch(batch))
+                state, metrics = t.train_step(state, t.put_batch(batch), packed)
                 out.append(float(metrics["loss"]))
         return out
 
+    # packed, fallback: the conditional on the device; host_packed, host_masked: the kernel chosen on the
+    # host (the step's static `packed`, as the trainer passes it in one process)
     return {name: {"xla": losses("xla", 0, mesh), "packed": losses("cudnn", 16, mesh),
-                   "fallback": losses("cudnn", 1, mesh)} for name, mesh in MESHES.items()}
+                   "fallback": losses("cudnn", 1, mesh), "host_packed": losses("cudnn", 16, mesh, True),
+                   "host_masked": losses("cudnn", 16, mesh, False)} for name, mesh in MESHES.items()}
 
 
 if __name__ == "__main__":

@@ -65,6 +65,44 @@ def test_a_conditional_counts_its_true_branch_only():
     assert flops == 2 * (2 * 32 ** 3)  # two matmuls (the true branch), not three (both)
 
 
+def test_the_host_checks_the_packed_layout_as_the_device_does():
+    """`packed_fits` on the host's NumPy segment ids (the trainer's choice of kernel) gives the answer the
+    device's check gives, for rows of 1 to 12 runs (documents and padding) against bounds 1 to 12."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        rows = np.zeros((3, 48), np.int32)
+        for row in rows:
+            cuts = np.sort(rng.choice(np.arange(1, 48), rng.integers(0, 11), replace=False))
+            for i, (a, b) in enumerate(zip([0, *cuts], [*cuts, 48])):
+                row[a:b] = i + 1 if trial % 3 or i % 4 else 0  # some runs are padding (0)
+        for bound in range(1, 13):
+            host = attention.packed_fits(rows, bound)
+            assert isinstance(host, np.bool_)
+            assert bool(host) == bool(attention.packed_fits(jnp.asarray(rows), bound)), (rows, bound)
+
+
+def test_a_conditional_is_a_host_sync_per_execution_and_a_known_loop_is_not():
+    """`Module.host_syncs`: a GPU stops for the host at every conditional it runs (its predicate is copied
+    back before a branch is launched) and at a loop of unknown trip count; a scan does not."""
+    def body(x, _):
+        return jax.lax.cond(x[0, 0] > 0, lambda x: x @ x @ x, lambda x: x @ x, x), None
+
+    def scanned(x):
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    def open_ended(x):  # a while loop on a value: its trip count is unknown
+        return jax.lax.while_loop(lambda x: x[0, 0] < 100.0, lambda x: x @ x + 1.0, x)
+
+    x = jnp.ones((32, 32))
+    module = hlo.Module(jax.jit(lambda x: open_ended(scanned(x))).lower(x).compile().as_text())
+    assert module.host_syncs() == 3 + 1  # the conditional in each of 3 iterations; the loop (once)
+    plain = hlo.Module(jax.jit(lambda x: jax.lax.scan(lambda c, _: (c @ c, None), x, None, length=3)[0])
+                       .lower(x).compile().as_text())
+    assert plain.host_syncs() == 0
+
+
 @pytest.mark.slow
 @needs_h100_env
 def test_cudnn_attention_packed_fallback_and_vmapped_equals_the_reference():
@@ -94,7 +132,7 @@ def test_train_steps_with_cudnn_attention_equal_xlas_on_data_replica_and_pipelin
     data > 1 and stages did not compile with cuDNN attention at all."""
     out = _checks("train")
     for name, runs in out.items():
-        for kernel in ("packed", "fallback"):
+        for kernel in ("packed", "fallback", "host_packed", "host_masked"):
             assert runs[kernel] == pytest.approx(runs["xla"], rel=2e-3), (name, kernel, runs)
         assert runs["xla"][-1] < runs["xla"][0]  # it trains
 
@@ -109,10 +147,12 @@ for name, mesh in (("data2", dict(mesh__data=2, mesh__fsdp=4)), ("stage2", dict(
     cfg = config.recipe("tiny", model__attention="cudnn", model__scan_layers=True, **mesh)
     from jaxlm import train_setup
     setup = train_setup.build(cfg, devices, abstract=True)
-    with roofline.cudnn_checks_for(roofline.H100):
-        text = setup.compile_train_step().as_text()
-    out[name] = dict(conditionals=text.count(" conditional("), packed=text.count('"max_seg_per_batch": 16'),
-                     masked=text.count("fmhaScaleBiasSoftmax\\""))
+    for packed in ("expected", None, False):
+        with roofline.cudnn_checks_for(roofline.H100):
+            text = setup.compile_train_step(packed).as_text()
+        out[f"{name} {packed}"] = dict(conditionals=text.count(" conditional("),
+                                       packed=text.count('"max_seg_per_batch": 16'),
+                                       masked=text.count("fmhaScaleBiasSoftmax\\""))
 print(json.dumps(out))
 """
 
@@ -122,14 +162,20 @@ print(json.dumps(out))
 def test_the_h100_program_with_data_replicas_and_stages_has_packed_cudnn_attention():
     """The tiny recipe compiled for 8 H100s with data=2, with 2 pipeline stages, and with 2 stages of the
     circular schedule: each compiles (jax's own cuDNN batching rules failed on the first two; XLA's GPU
-    compiler rejected the circular schedule's per-stage gather of its layer groups, now a select), and
-    holds the packed kernel and its masked fallback behind conditionals."""
+    compiler rejected the circular schedule's per-stage gather of its layer groups, now a select). The
+    program the trainer runs for batches that fit (`compile_train_step`'s default) holds the packed
+    kernel and no conditional; with the choice left to the device (`packed=None`, several processes),
+    the packed kernel and its masked fallback behind conditionals; for a batch that does not fit, the
+    masked kernel alone."""
     result = subprocess.run([str(H100_PYTHON), "-c", COMPILE_TINY], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(out) == 9
     for name, program in out.items():
-        assert program["conditionals"] > 0 and program["packed"] > 0 and program["masked"] > 0, (name, program)
+        kernels = (program["conditionals"] > 0, program["packed"] > 0, program["masked"] > 0)
+        want = {"expected": (False, True, False), "None": (True, True, True), "False": (False, False, True)}
+        assert kernels == want[name.split()[1]], (name, program)
 
 
 def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
@@ -148,3 +194,46 @@ def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
                                          attention_segments=4))
     _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch))
     assert float(metrics["attention_masked"]) == 0.5  # micro-batch 0 fits (3 runs a row), 1 does not
+    # the kernel chosen on the host (the step's static `packed`): every micro-batch ran it
+    step = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
+                                         attention_segments=4), static_argnums=2)
+    for packed, masked in ((True, 0.0), (False, 1.0)):
+        _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch), packed)
+        assert float(metrics["attention_masked"]) == masked
+    assert setup.attention_choice(batch) is None  # no packed layout on this CPU: the step decides (it has none)
+    import dataclasses
+
+    packed_setup = dataclasses.replace(setup, model_cfg=dataclasses.replace(setup.model_cfg, attention_segments=4))
+    assert packed_setup.attention_choice(batch) is False  # row 1's 8 documents: the masked kernel
+    assert packed_setup.attention_choice(random_batch(4, 32, 64)) is True  # 3 runs a row fit
+    assert packed_setup.expected_attention_choice() is True
+
+
+def test_the_trainer_passes_each_batchs_kernel_and_leaves_a_recompiling_interval_untimed(tmp_path, monkeypatch):
+    """The trainer hands each step the kernel `TrainSetup.attention_choice` picks for its host batch; a
+    choice not seen before compiles another program in that step's dispatch, whose interval (logged as
+    the step before) the run's mean step time leaves out, as it leaves out the first. On this CPU there is
+    no packed layout, so the choices are stood in: None for steps 1-3, then False (the masked kernel)."""
+    import json
+
+    from jaxlm import train_setup
+    from tests.helpers import train_tiny
+
+    choices = []
+
+    def choice(self, batch):
+        choices.append(None if len(choices) < 3 else False)
+        return choices[-1]
+
+    monkeypatch.setattr(train_setup.TrainSetup, "attention_choice", choice)
+    steps = 8
+    summary = train_tiny(tmp_path, "k", ("run.steps", str(steps)), ("run.log_every", "4"), ("run.eval_every", "0"),
+                         ("data.builtin_max_bytes", "400000"), ("model.vocab_size", "512"))
+    assert choices == [None] * 3 + [False] * (steps - 3)  # one choice per step
+    rows = [json.loads(line) for line in (tmp_path / "k" / "metrics.jsonl").read_text().splitlines()]
+    seconds = {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+    assert sorted(seconds) == list(range(1, steps + 1))
+    timed = [seconds[s] for s in range(2, steps + 1) if s != 3]  # step 4's compilation fell in step 3's interval
+    tokens_per_step = rows[0]["tokens"]
+    assert summary["tokens_per_s"] == pytest.approx(tokens_per_step * len(timed) / sum(timed), rel=1e-9)
+    assert summary["final_loss"] < summary["first_loss"]

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec
@@ -73,11 +74,14 @@ def document_mask(segment_ids: jax.Array) -> jax.Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
 
 
-def packed_fits(segment_ids: jax.Array, max_segments: int) -> jax.Array:
+def packed_fits(segment_ids: jax.Array | np.ndarray, max_segments: int) -> jax.Array | np.bool_:
     """Whether every row of [B, T] segment ids has at most `max_segments` runs of equal ids (what the
-    packed layout of `packed_segments` can express): a bool scalar, without building the layout."""
+    packed layout of `packed_segments` can express): a bool scalar, without building the layout. A
+    NumPy array (a batch still on the host, `jaxlm.train_setup.TrainSetup.attention_choice`) is
+    checked with NumPy."""
+    xp = np if isinstance(segment_ids, np.ndarray) else jnp
     starts = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.all(1 + jnp.sum(starts, axis=1) <= max_segments)
+    return xp.all(1 + xp.sum(starts, axis=1) <= max_segments)
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,6 +146,23 @@ def attend(
 
 _WHOLE_BATCH_SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("whole_batch_segments",
                                                                                           default=None)
+_PACKED_KERNEL: contextvars.ContextVar[bool | None] = contextvars.ContextVar("packed_kernel", default=None)
+
+
+@contextlib.contextmanager
+def packed_kernel(choice: bool | None):
+    """While tracing, which kernel `cudnn_packed_attention` runs: True the packed layout, False the
+    masked kernel, each alone; None (the default) both, behind a `lax.cond` on the rows. A GPU reads a
+    conditional's predicate back to the host and waits for the device to reach it (XLA's
+    `ConditionalThunk`: a copy, then `BlockHostUntilDone`), once per layer and direction in every
+    micro-batch, so a caller that knows the batch (the trainer: `TrainSetup.attention_choice`, on the
+    host's copy of the segment ids) compiles the one kernel it needs. A choice of True on rows that do
+    not fit is wrong: the caller's to check."""
+    token = _PACKED_KERNEL.set(choice)
+    try:
+        yield
+    finally:
+        _PACKED_KERNEL.reset(token)
 
 
 @contextlib.contextmanager
@@ -167,13 +188,15 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     their start, with no [B, 1, T, T] mask for the kernel to read: 2.1x the masked kernel's speed at the
     1b recipe's shapes on an H200 (benchmarks/BENCHMARKS.md). A batch with a row of more runs than
     `max_segments` takes the masked kernel instead (`lax.cond`, the same branch on every shard: same
-    result, slower), so the bound is a speed setting, never a correctness one. Uses jax's cuDNN wrapper
+    result, slower), so the bound is a speed setting, never a correctness one; under `packed_kernel`
+    the caller has made that choice on the host and only its kernel is compiled. Uses jax's cuDNN wrapper
     directly (`jax.nn.dot_product_attention` does not take segment offsets); jax allows the layout on
     compute capability 9.0+ only. Under a mesh it runs per shard (`per_shard`): partitioned by XLA,
     the conditional gathered the whole batch onto every device (compiled for 8 H100s: 87 GiB per
     device against 32)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    choice = _PACKED_KERNEL.get()
     # Whether every row of the whole batch fits (all shards take the same branch), as a per-row array so
     # that it reaches each shard with its rows. Under a vmap (the data replicas), decided on all the
     # replicas' rows (`whole_batch_segments`): a predicate that differs per vmapped slice would turn the
@@ -193,6 +216,8 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
             return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segment_ids), is_causal=True,
                                                 implementation="cudnn")
 
+        if choice is not None:  # decided by the caller, on the host (`packed_kernel`): no conditional
+            return (packed if choice else masked)(q, k, v, segment_ids)
         # the true branch is the one the roofline counts (jaxlm.hlo: the expected case)
         return jax.lax.cond(fits[0], packed, masked, q, k, v, segment_ids)
 
