@@ -267,3 +267,43 @@ def test_profile_step_sorts_kernel_names_into_categories():
         "add_rsqrt_fusion.7": "elementwise (loop fusions)", "set_case_condition": "other",
     }
     assert {name: profile_step.category(name) for name in expected} == expected
+
+
+THUNKS = """\
+000: kCommandBuffer [source | next=010 (1)]
+    001: kCustomKernel [source | sink] a grid: [1, 1, 1]
+    002: kCustomKernel [source | sink] b grid: [1, 1, 1]
+    003: kCopy         [source | sink] kCopy
+010: kWhile [prev=000 (1) | sink]
+condition:
+    011: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    012: kCustomKernel [source | next=013 (1)] c grid: [1, 1, 1]
+    013: kConditional [prev=012 (1) | next=020 (1)]
+      false_branch:
+        014: kCustomKernel [source | sink] d grid: [1, 1, 1]
+      true_branch:
+        000: kCommandBuffer [source | sink]
+            015: kCustomKernel [source | sink] e grid: [1, 1, 1]
+            016: kCuDnn [source | sink] kCuDnn
+    020: kWhile [prev=013 (1) | sink]
+condition:
+        021: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1]
+      body:
+        022: kDynamicSliceFusion [source | sink] params=1, results=1
+            023: kCopy [source | sink] kCopy
+"""
+
+
+def test_host_launches_counts_graphs_once_loops_by_trips_and_conditionals_as_waits():
+    """benchmarks/host_launches.py reads XLA's thunk sequence: a command buffer is one launch of the
+    kernels it holds; a loop's body counts its trip count times (the nested loop's unindented
+    "condition:" as XLA writes it); a conditional is a host wait and its expected (true) branch."""
+    from helpers import load_benchmark
+
+    bench = load_benchmark("host_launches")
+    got = bench.count(THUNKS, {10: 3, 20: 2})
+    # launches: the first graph, then per outer iteration c, the true branch's graph and 2 slices
+    assert got == {"launches": 1 + 3 * (1 + 1 + 2), "kernels": 3 + 3 * (1 + 2 + 2), "waits": 3}
+    assert bench.thunk_names('thunk_metadata {\n  thunk_info {\n    profile_annotation: "while.7"\n'
+                             '    thunk_id: 10\n  }\n  thunk_kind: "kWhile"\n}\n') == {10: "while.7"}

@@ -129,8 +129,9 @@ def test_the_layer_scan_is_unrolled_on_a_cpu_and_computes_the_same():
         m = config.recipe("tiny", **{f"model__{k}": v for k, v in model.items()}).model
         return transformer.ModelConfig.from_config(m, platform, log_choice=False).scan_unroll
 
-    assert resolved("cpu") == 4 and resolved("gpu") == 1  # tiny: 4 layers
-    assert resolved("cpu", remat="full") == 1  # remat asks for memory: the loop reuses its buffers
+    assert resolved("cpu") == 4 and resolved("gpu") == 4 and resolved("tpu") == 1  # tiny: 4 layers
+    assert resolved("cpu", remat="full") == 1 and resolved("gpu", remat="dots") == 1  # remat asks for memory:
+    # the loop reuses its buffers
     assert resolved("cpu", scan_unroll=2) == 2 and resolved("gpu", scan_unroll=9) == 4
     with pytest.raises(UserError, match=r"model\.scan_unroll"):
         config.recipe("tiny", model__scan_unroll=-1)

@@ -287,3 +287,21 @@ def test_the_init_program_keeps_each_random_generator_its_own_kernel():
     assert result.returncode == 0, result.stderr[-3000:]
     fused_default, fused_ours = map(int, result.stdout.split())
     assert fused_default >= 4 and fused_ours <= 2, (fused_default, fused_ours)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_tiny_h100_step_is_a_few_host_launches_with_its_layers_unrolled():
+    """benchmarks/host_launches.py on the tiny recipe's H100 program: unrolled (scan_unroll auto on a GPU
+    without remat) the step is a few CUDA graphs and cuDNN calls around hundreds of kernels, with no host
+    wait (the attention kernel chosen on the host); as a loop over layers, many more host launches."""
+    def launches(*overrides):
+        result = subprocess.run([str(H100_PYTHON), "benchmarks/host_launches.py", "--recipe", "tiny", *overrides],
+                                cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    unrolled, loop = launches(), launches("model.scan_unroll=1")
+    assert unrolled["waits"] == 0 and unrolled["host_syncs_hlo"] == 0
+    assert unrolled["kernels"] > 10 * unrolled["launches"]  # most kernels inside CUDA graphs
+    assert loop["launches"] > 5 * unrolled["launches"]

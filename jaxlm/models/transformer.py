@@ -182,7 +182,7 @@ class ModelConfig:
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
         (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
         `log_choice` is false; `m["matmul"]='auto'` too (accumulating dots on a CPU with bfloat16 compute), and
-        `m["scan_unroll"]=0` (every layer unrolled on a CPU without remat, a loop elsewhere)."""
+        `m["scan_unroll"]=0` (every layer unrolled on a CPU or GPU without remat, a loop elsewhere)."""
         variant = VARIANTS[m["variant"]]
         mlp = m["mlp"] or variant.mlp
         head_dim = m["head_dim"] or m["d_model"] // m["n_heads"]
@@ -222,8 +222,11 @@ class ModelConfig:
         fields["fp8_dots"] = matmul == "fp8"
         if matmul == "fp8" and platform == "gpu" and jax.default_backend() == "gpu":
             precision.check_fp8(platform, precision.compute_capability())
-        # auto: unrolled on a CPU, unless remat asks to save memory (an unrolled program keeps more alive)
-        unroll_all = platform == "cpu" and fields["remat"] == "none"
+        # auto: unrolled on a CPU or GPU, unless remat asks to save memory (an unrolled program keeps more
+        # alive). On GPUs the loop's per-layer copies in and out of the stacked buffers and its host-side
+        # launches go: compiled for one H100, 125m's roofline 0.469 -> 0.617 and 350m's 0.515 -> 0.674, both
+        # in less memory (benchmarks/BENCHMARKS.md)
+        unroll_all = platform in ("cpu", "gpu") and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
