@@ -348,10 +348,11 @@ def make_train_step(
 
 
 def make_eval_step(model_spec: ModelSpec, rules: Rules = (), loss_chunk_len: int = 0):
-    """(params, batch) -> (sum of token losses, tokens): summed so batches combine exactly."""
+    """(params, batch[, packed]) -> (sum of token losses, tokens): summed so batches combine exactly.
+    `packed`: the attention kernel chosen on the host, as for the train step (`attention.packed_kernel`)."""
 
-    def eval_fn(params, batch: Batch):
-        with spmd.logical_axis_rules(rules):
+    def eval_fn(params, batch: Batch, packed: bool | None = None):
+        with spmd.logical_axis_rules(rules), attention.packed_kernel(packed):
             return summed_loss(params, model_spec, batch, None, 0.0, loss_chunk_len)
 
     return eval_fn
@@ -373,5 +374,6 @@ def jit_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSh
 
 def jit_eval_step(eval_fn, params_shardings, batch_sharding: NamedSharding):
     replicated = NamedSharding(batch_sharding.mesh, P())
-    return jax.jit(eval_fn, in_shardings=(params_shardings, batch_sharding), out_shardings=replicated)
+    return jax.jit(eval_fn, in_shardings=(params_shardings, batch_sharding), out_shardings=replicated,
+                   static_argnums=2)
 

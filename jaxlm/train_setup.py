@@ -40,7 +40,7 @@ class TrainSetup:
     batch_sharding: jax.sharding.NamedSharding
     schedule: Any
     train_step: Any  # compiled (state, batch[, packed]) -> (state, metrics); donates the state (`attention_choice`)
-    eval_step: Any  # compiled (params, batch) -> (sum of token losses, tokens)
+    eval_step: Any  # compiled (params, batch[, packed]) -> (sum of token losses, tokens)
     tx: Any = None  # the optimizer (optax), for a state built around given parameters (`train_state.from_params`)
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
 
@@ -166,7 +166,8 @@ def evaluate(setup: TrainSetup, params, batches: list[dict[str, np.ndarray]],
     `target_bytes` is given. Empty when there are no batches."""
     if not batches:
         return {}
-    sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch)) for batch in batches])
+    sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch), setup.attention_choice(batch))
+                           for batch in batches])
     total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
     loss = total / max(tokens, 1.0)
     out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}

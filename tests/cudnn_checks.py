@@ -138,7 +138,7 @@ MESHES = {
 def check_train() -> dict:
     """Three train steps of a small model on packed documents under each mesh, with cuDNN attention
     (packed layout, 16 segments; and with a bound of 1, so every batch takes the masked fallback; and
-    each kernel alone, chosen on the host) against XLA's attention: the losses."""
+    each kernel alone, chosen on the host) against XLA's attention: the losses, and an evaluation's after them."""
     from jaxlm import config, train_setup
     from jaxlm.models import transformer
 
@@ -170,6 +170,8 @@ def check_train() -> dict:
             for _ in range(3):
                 state, metrics = t.train_step(state, t.put_batch(batch), packed)
                 out.append(float(metrics["loss"]))
+            # then the evaluation's loss, its kernel chosen on the host (`TrainSetup.attention_choice`)
+            out.append(train_setup.evaluate(t, state.params, [batch])["val_loss"])
         return out
 
     # packed, fallback: the conditional on the device; host_packed, host_masked: the kernel chosen on the
