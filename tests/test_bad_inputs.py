@@ -42,7 +42,9 @@ class Case:
     words: tuple[str, ...]  # all in the one `jaxlm: error:` line (code 2, 74), in stderr (75, 130), or in a warning (0)
     setup: Callable[[pathlib.Path, dict], None] | None = None
     unchanged: str = ""  # a placeholder whose files must be byte-identical afterwards
-    signal_after: tuple[str, str] | None = None  # (signal, a stdout line prefix): sent when that line appears
+    # (signal, a stdout line prefix): sent when that line appears; a prefix "stderr:<text>" waits for a line of
+    # stderr that starts with <text> instead (a command that reports its progress there)
+    signal_after: tuple[str, str] | None = None
     signal_delay: float = 2.0  # with an empty prefix: sent this many seconds after the start
     file_size_limit: int = 0  # RLIMIT_FSIZE for the command: files cannot grow past it, as on a full disk
     then: str = ""  # "resumes": the same command afterwards exits 0
@@ -525,7 +527,8 @@ CASES = [
          one_device=True, slow=True),
     Case("prepare-interrupted", "data.prepare", ("--input=builtin", "--tokenizer={tok}", "--output={case}/o",
                                                  "--shard_docs=64"), 130, ("interrupted",),
-         signal_after=("SIGINT", ""), then="resumes", slow=True),
+         # at its first progress line: a fixed delay raced the whole preparation (under 2 s on a quiet machine)
+         signal_after=("SIGINT", "stderr:prepare: "), then="resumes", slow=True),
     Case("evaluate-interrupted", "evaluate", ("--run_dir={run}", "--corpus=builtin", "--max_tokens=0"), 130,
          ("interrupted", "run the same command again"), signal_after=("SIGINT", ""), signal_delay=4.0, unchanged="{run}",
          slow=True),
@@ -593,19 +596,21 @@ def _run_case(case: Case, case_dir: pathlib.Path, world: dict) -> dict:
 
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=limit)
-    seen = []
+    seen, seen_err = [], []
     if case.signal_after:
         name, prefix = case.signal_after
         if not prefix:
             time.sleep(case.signal_delay)  # a moment into the work, after the imports
         else:
-            for line in proc.stdout:
-                seen.append(line)
+            stream, lines = (proc.stderr, seen_err) if prefix.startswith("stderr:") else (proc.stdout, seen)
+            prefix = prefix.removeprefix("stderr:")
+            for line in stream:
+                lines.append(line)
                 if line.startswith(prefix):
                     break
         proc.send_signal(getattr(signal, name))
     out, err = proc.communicate(timeout=600)
-    result = {"code": proc.returncode, "out": "".join(seen) + out, "err": err, "argv": argv,
+    result = {"code": proc.returncode, "out": "".join(seen) + out, "err": "".join(seen_err) + err, "argv": argv,
               "changed": watched is not None and _snapshot(watched) != before}
     if isinstance(held, RunLock):
         held.release()
