@@ -1,7 +1,8 @@
 """cuDNN attention as a Hopper GPU runs it (issue 21's packed layout; issue 22's pipeline stages).
 
 Packed documents reach cuDNN in its packed layout (`attention.cudnn_packed_attention`), with the masked
-kernel as the fallback of a `lax.cond` when a row holds more documents than the compiled bound; jaxlm's
+kernel as the fallback when a row holds more documents than the compiled bound: chosen on the host by the
+trainer in one process (a static argument of the step, no conditional), else by a `lax.cond`; jaxlm's
 batching rules for jax's cuDNN primitives (`jaxlm.models.cudnn_batching`) let the data-replica and
 pipeline-stage vmaps run them. Without a GPU the kernels are emulated (tests/cudnn_emulation.py: the
 same primitives, jax's own wrappers and partitioning, lowered to float32 XLA on the CPU), in the H100
