@@ -66,7 +66,7 @@ class TrainSetup:
         segment ids, so that the step holds one attention kernel and no conditional that a GPU would
         stop at to read its predicate (`attention.packed_kernel`). None (the conditional on the device)
         without the packed layout, and with several processes, each of which holds only its own rows."""
-        if not self.model_cfg.attention_segments or jax.process_count() > 1:
+        if self.expected_attention_choice() is None:
             return None
         return bool(attention.packed_fits(np.asarray(batch["segment_ids"]), self.model_cfg.attention_segments))
 
