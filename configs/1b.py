@@ -11,8 +11,9 @@ def get_config():
         # of the scan's buffers, and XLA schedules the weights' collectives across layers. Rematerialization
         # keeps the matmuls' outputs and recomputes the elementwise work between them (no matmul
         # recomputed). The H100 program compiled here (`python -m jaxlm.plan --target=h100 --choose`,
-        # benchmarks/BENCHMARKS.md): roofline-bound MFU 0.765 on one H100 and 0.769 on eight (0.767 and
-        # 0.772 since the attention kernel is chosen on the host), against
+        # benchmarks/BENCHMARKS.md): roofline-bound MFU 0.765 on one H100 and 0.769 on eight (0.782 and
+        # 0.790 since the attention kernel is chosen on the host, its rotated inputs are saved and q, k, v
+        # are one matmul), against
         # 0.617 and 0.653 scanned without remat. Compiling takes longer (about 20 s here for eight).
         scan_layers=False, remat="dots",
     )

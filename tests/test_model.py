@@ -344,3 +344,91 @@ def test_remat_saves_memory_with_unrolled_layers_too():
 
     plain = temp_bytes(small_config(n_layers=4, scan_layers=False))
     assert temp_bytes(small_config(n_layers=4, scan_layers=False, remat="full")) < 0.97 * plain
+
+
+def _dot_generals(jaxpr) -> int:
+    """dot_general equations in a jaxpr, inner jaxprs (remat, custom VJPs, scans) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _dot_generals(sub)
+    return count
+
+
+@pytest.mark.parametrize("kw, joint", [
+    (dict(n_kv_heads=2), True),  # grouped-query heads: q, k and v in one matmul
+    (dict(n_kv_heads=2, remat="dots"), True),
+    (dict(n_kv_heads=8), False),  # every head its own key and value: three
+    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("wq",)), False),  # an adapter on q: three
+])
+def test_grouped_qkv_projections_are_one_matmul_with_the_same_values_and_gradients(kw, joint, monkeypatch):
+    """`layers.project_qkv`: the joint matmul computes what three do (loss and every gradient), and it is
+    taken exactly where it should be (counted in the jaxpr: two fewer dot_generals per layer)."""
+    from jaxlm.models import layers
+
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+    graphdef, params = nnx.split(build_model(small_config(scan_layers=False, **kw)))  # each layer in the jaxpr
+
+    def run():  # a new function each time: JAX caches traces by function
+        def loss(p):
+            return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+
+        return _dot_generals(jax.make_jaxpr(loss)(params).jaxpr), jax.jit(jax.value_and_grad(loss))(params)
+
+    dots, (value, grads) = run()
+    monkeypatch.setattr(layers.Projection, "fusable", property(lambda self: False))
+    three_dots, (three_value, three_grads) = run()
+    layers_ = small_config().n_layers
+    assert three_dots - dots == (2 * layers_ if joint else 0)
+    np.testing.assert_allclose(value, three_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, three_grads)
+
+
+@pytest.mark.parametrize("policy", ["dots", "dots_no_batch"])
+def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_rotation(policy):
+    """Under remat's `dots` policies the attention's inputs are saved by name (`layers.ATTENTION_INPUTS`) after
+    the rotary embedding, and the unrotated projections are not kept besides them: the same bytes saved as
+    keeping the projections, and the backward pass holds no sine or cosine of the positions."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.models import layers, transformer
+
+    cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+    graphdef, params = nnx.split(build_model(cfg))
+
+    def loss(p):
+        return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+
+    residuals = saved_residuals(loss, params)
+    named = [aval for aval, why in residuals if layers.ATTENTION_INPUTS in str(why)]
+    b, t, n, k, h = 2, 16, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    assert sorted(a.shape for a in named) == sorted([(b, t, n, h), (b, t, k, h), (b, t, k, h)] * cfg.n_layers)
+    saved = sum(a.size for a, _ in residuals)
+    # the policy without the name saves the unrotated projections instead: as many elements
+    plain = {"dots": jax.checkpoint_policies.dots_saveable,
+             "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
+    old = jax.checkpoint_policies.save_from_both_policies(plain, transformer._fused_attention_saveable)
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(transformer.REMAT_POLICIES, policy, old)
+        graphdef_old, params_old = nnx.split(build_model(cfg))
+        old_residuals = saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2), params_old)
+    assert saved == sum(a.size for a, _ in old_residuals)
+
+    # The rotation's concatenations of q and k's halves (`layers.apply_rope`): once in the forward pass,
+    # once in its transpose (the split's), and, under the old policy, a third time to recompute it
+    def rotations(f, *args) -> int:
+        def count(jaxpr) -> int:
+            n = sum(e.primitive.name == "concatenate" and e.outvars[0].aval.shape[:2] == (b, t)
+                    and e.outvars[0].aval.shape[-1] == h for e in jaxpr.eqns)  # [B, T, heads, H]
+            return n + sum(count(sub) for e in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(e.params))
+        return count(jax.make_jaxpr(f)(*args).jaxpr)
+
+    forward = rotations(loss, params)
+    assert forward == 2 * cfg.n_layers
+    assert rotations(jax.grad(loss), params) == 2 * forward
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(transformer.REMAT_POLICIES, policy, old)
+        graphdef_old, params_old = nnx.split(build_model(cfg))
+        assert rotations(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2)), params_old) == 3 * forward

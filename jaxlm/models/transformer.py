@@ -51,14 +51,15 @@ def _fused_attention_saveable(prim, *_, **__) -> bool:
     return prim.name.startswith("dot_product_attention_fwd")
 
 
+_both = jax.checkpoint_policies.save_from_both_policies
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    # the matmuls' outputs saved (fused attention's too), the elementwise work between them recomputed
-    "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _fused_attention_saveable),
-        jax.checkpoint_policies.save_only_these_names(layers.FP8_OPERANDS)),
-    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
+    # the matmuls' outputs saved (fused attention's too), the elementwise work between them recomputed; the
+    # attention's rotated inputs saved by name in place of the q and k projections (layers.ATTENTION_INPUTS)
+    "dots": _both(_both(jax.checkpoint_policies.dots_saveable, _fused_attention_saveable),
+                  jax.checkpoint_policies.save_only_these_names(layers.FP8_OPERANDS, layers.ATTENTION_INPUTS)),
+    "dots_no_batch": _both(_both(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
+                           jax.checkpoint_policies.save_only_these_names(layers.ATTENTION_INPUTS)),
 }
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_len")
