@@ -93,6 +93,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     segments = max(int((np.diff(b["segment_ids"], axis=1) != 0).sum(axis=1).max()) + 1 for b in host)
     batches = [setup.put_batch(b) for b in host]
     device = jax.devices()[0]
+    before = metrics.device_memory(device)  # the state and two batches on the device, nothing compiled yet
     state = setup.state
     with jax.set_mesh(setup.mesh):
         t0 = time.perf_counter()
@@ -114,13 +115,14 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     peak = metrics.peak_flops(device.device_kind, peak_tflops * 1e12)
     util = metrics.mfu(flops / tokens, tokens / step_s, n, peak)
     memory = metrics.device_memory(device)
+    analysis = compiled.memory_analysis()
+    compiled_bytes = None if analysis is None else (
+        analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes)
     if memory:
         peak_bytes, memory_source = memory["peak_memory_bytes"], "device"
     else:
-        analysis = compiled.memory_analysis()
-        peak_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                      - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-        memory_source = "compiled"
+        peak_bytes, memory_source = compiled_bytes, "compiled"
     return {
         "recipe": recipe,
         "overrides": overrides,
@@ -138,6 +140,11 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         "mfu": None if util is None else round(util, 4),
         "peak_memory_gib": round(peak_bytes / 2**30, 3),
         "memory_source": memory_source,
+        # what the device held before the step compiled (state and batches), and XLA's own figure for the
+        # compiled step (arguments + outputs - aliases + temporaries): with the device's peak they show
+        # what the real program adds to the compile-only one `jaxlm.plan --target` reads
+        "state_memory_gib": None if before is None else round(before["memory_bytes"] / 2**30, 3),
+        "compiled_memory_gib": None if compiled_bytes is None else round(compiled_bytes / 2**30, 3),
         "doc_len": doc_len,
         "segments_per_row_max": segments,
         # cuDNN's packed layout: the fraction of micro-batches that fell back to the document mask
@@ -174,7 +181,7 @@ def run_isolated(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
 
 
 COLUMNS = ["batch", "micro_batches", "remat", "attention", "compile_s", "step_s", "tokens_per_s", "tflops_per_device", "mfu",
-           "peak_memory_gib", "status"]
+           "peak_memory_gib", "compiled_memory_gib", "status"]
 
 
 def table(results: list[dict], swept: list[str]) -> str:

@@ -35,6 +35,9 @@ def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(8 * 128 / r["step_s"], rel=1e-3)
         assert r["tflops_per_device"] == pytest.approx(flops / r["step_s"] / devices / 1e12, rel=2e-2, abs=1e-3)
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5, rel=2e-2, abs=2e-3)  # against --peak_tflops
+        # a CPU keeps no memory counters: the peak is XLA's figure for the compiled step, nothing before it
+        assert r["memory_source"] == "compiled" and r["compiled_memory_gib"] == r["peak_memory_gib"] > 0
+        assert r["state_memory_gib"] is None
     assert full["loss"] == pytest.approx(none["loss"], rel=1e-3)  # remat recomputes, it does not change the math
     assert full["peak_memory_gib"] < none["peak_memory_gib"]  # and it is what saves memory
     table = result.stdout.strip().splitlines()
