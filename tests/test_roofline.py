@@ -197,6 +197,10 @@ def test_the_h100_program_counts_the_models_flops_and_fits(devices):
     assert {"gemm", "attention", "attention backward"} <= set(r["by_kind"])
     assert r["matmul_flops"] - r["attention_recompute_flops"] == pytest.approx(r["model_flops"], rel=1e-9)
     assert 0 < r["roofline_mfu"] < 1
+    # compile-only: every cuDNN call (forward and backward in each of tiny's 4 layers) without its workspace,
+    # and the verdict on the larger of the compiled and analytic figures
+    assert compiled["compile_only"] and compiled["cudnn_calls_without_workspace"] == 2 * 4
+    assert report["per_device_bytes"] == max(compiled["per_device_bytes"], report["analytic"]["per_device_bytes"])
     if devices == 8:
         assert r["by_kind"]["all-gather"]["bytes"] > 0 and r["communication_seconds"] > 0
 
