@@ -136,10 +136,11 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     }
     if target is not None:
         # XLA sizes each cuDNN call's workspace by asking cuDNN on a real GPU; compiled here, they are empty
-        out["cudnn_calls_without_workspace"] = len(CUDNN_EMPTY_WORKSPACE.findall(compiled.as_text()))
+        text = compiled.as_text()
+        out["cudnn_calls_without_workspace"] = len(CUDNN_EMPTY_WORKSPACE.findall(text))
         tokens = setup.derived.tokens_per_step
         model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
-        module = hlo.Module(compiled.as_text())
+        module = hlo.Module(text)
         r = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
         r["unknown_trip_counts"] = module.unknown_trip_counts
         r["host_syncs"] = module.host_syncs()

@@ -596,13 +596,6 @@ class Embed(nnx.Module):
     def _leaves(self) -> dict[str, jax.Array]:
         return {key: getattr(self, f"embedding_{key}")[...] for key in self.quant.keys}
 
-    @property
-    def fusable(self) -> bool:
-        """Whether this projection is a plain `jnp.einsum` of its cast kernel (not quantized or fake-quantized,
-        no adapter, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it can
-        share one matmul with others of the same input (`project_qkv`)."""
-        return self.quant is None and self.qat is None and self.lora_a is None and self.einsum_op is jnp.einsum
-
     def cast_leaves(self) -> dict[str, object]:
         """As `Projection.cast_leaves`: the float table, neither quantized nor fake-quantized."""
         return {} if self.quant is not None or self.qat is not None else {"embedding": self.dtype}
