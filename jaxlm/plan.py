@@ -14,7 +14,8 @@ Will a run fit in device memory, by how much, and which knob would make it fit. 
   analytic figure for the same program (XLA attention, the activations' bytes XLA:CPU keeps).
 
 The verdict uses the compiled figure when it was compiled on the platform planned for, else the
-analytic one. When the run does not fit, the analytic estimate is re-run with one knob changed
+analytic one; for compile-only devices (`--target`), whose program lacks what a real GPU adds (cuDNN's
+workspaces), the larger of the two. When the run does not fit, the analytic estimate is re-run with one knob changed
 (FSDP over all devices, a cheaper remat policy, more micro-batches, a smaller global batch), then
 two or three together, and the changes that fit are listed as `--config` overrides. Exit code 0:
 fits; 1: does not fit; 2: a user error (config, flags).
