@@ -30,7 +30,7 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_mlp", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "blocked", "cudnn", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
@@ -128,7 +128,7 @@ def base_config() -> ml_collections.ConfigDict:
         # compiled step has a 0.617 roofline against 0.469 as a loop, benchmarks/BENCHMARKS.md; else 1: a
         # loop, whose buffers XLA reuses from layer to layer)
         scan_unroll=0,
-        remat="none",  # none | full | dots | dots_no_batch
+        remat="none",  # none | full | dots | dots_mlp | dots_no_batch
         # auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the
         # diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)
         attention="auto",

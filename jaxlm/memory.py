@@ -248,9 +248,10 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     fp8 = (2 * s.x + s.q + s.mlp) if m.fp8_dots else 0.0
     if policy == "dots_no_batch":
         return block_input + projections + fused + fp8
-    if policy == "dots":  # also the attention's batched matmuls (XLA attention only)
+    if policy in ("dots", "dots_mlp"):  # also the attention's batched matmuls (XLA attention only)
         batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
-        return block_input + projections + batched + fused + fp8
+        hidden = a * s.mlp if policy == "dots_mlp" else 0.0  # the MLP's hidden activation (layers.MLP_HIDDEN)
+        return block_input + projections + batched + fused + fp8 + hidden
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
@@ -349,7 +350,7 @@ def estimate(
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
-        if m.fp8_dots and m.remat in ("dots", "dots_no_batch"):  # each layer's weights in float8, gathered
+        if m.fp8_dots and m.remat in ("dots", "dots_mlp", "dots_no_batch"):  # each layer's weights in float8, gathered
             saved += m.n_layers * layer_params[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if m.attention != "cudnn":

@@ -46,7 +46,7 @@ from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
 from jaxlm.models import transformer
 
-REMAT_ORDER = ("none", "dots", "dots_no_batch", "full")  # most memory first
+REMAT_ORDER = ("none", "dots_mlp", "dots", "dots_no_batch", "full")  # most memory first
 
 
 def format_count(n: float) -> str:

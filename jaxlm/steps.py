@@ -33,14 +33,48 @@ from jaxlm.train_state import ModelSpec, TrainState
 Batch = dict[str, jax.Array]
 
 
-def token_losses(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Array:
-    """Per-token cross-entropy in float32 [B, T], plus z_loss * log(Z)^2 when z_loss > 0."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    # A masked sum, not a gather: with the vocabulary split over `tensor` it is a local reduction
-    # plus a [B, T] all-reduce, where a gather makes XLA reshard the whole logits.
+@jax.custom_vjp
+def peak_and_target(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the largest logit, the target's logit) per position [B, T] from logits [B, T, V], in one pass over
+    the logits: one reduction of two operands (the logits' maximum beside the sum of the target's masked
+    logit), where two reductions read the logits twice (XLA does not fuse a max and a sum of one operand).
+
+    The target's logit is a masked sum, not a gather: with the vocabulary split over `tensor` it is a
+    local reduction plus a [B, T] collective, where a gather makes XLA reshard the whole logits. A target
+    outside the vocabulary picks nothing (0). The maximum has no gradient: it is logsumexp's shift, which
+    the result does not depend on (`jax.nn.logsumexp` stops its gradient too)."""
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    picked = jnp.where(vocab == targets[..., None], logits, 0.0)
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype))
+    return jax.lax.reduce((logits, picked), init, lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]),
+                          (logits.ndim - 1,))
+
+
+def _peak_and_target_fwd(logits, targets):
+    # an empty [V, 0] array carries the vocabulary's size and the logits' dtype to the backward pass
+    return peak_and_target(logits, targets), (targets, jnp.zeros((logits.shape[-1], 0), logits.dtype))
+
+
+def _peak_and_target_bwd(residuals, cotangents):
+    targets, empty = residuals
+    shape = (*targets.shape, empty.shape[0])
+    vocab = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+    return jnp.where(vocab == targets[..., None], cotangents[1][..., None], 0.0).astype(empty.dtype), None
+
+
+peak_and_target.defvjp(_peak_and_target_fwd, _peak_and_target_bwd)
+
+
+def token_losses(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Array:
+    """Per-token cross-entropy in float32 [B, T], plus z_loss * log(Z)^2 when z_loss > 0.
+
+    log(Z) as `jax.nn.logsumexp` computes it (shifted by the largest logit, a non-finite one shifting
+    by 0); the logits are read twice in the forward pass (the largest and the target's logit in one
+    pass, `peak_and_target`; the shifted exponentials' sum in another) and once in the backward pass."""
+    logits = logits.astype(jnp.float32)
+    peak, target_logit = peak_and_target(logits, targets)
+    peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    log_z = peak + jnp.log(jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1))
     loss = log_z - target_logit
     if z_loss > 0:
         loss = loss + z_loss * jnp.square(log_z)

@@ -356,15 +356,20 @@ def _dot_generals(jaxpr) -> int:
     return count
 
 
-@pytest.mark.parametrize("kw, joint", [
-    (dict(n_kv_heads=2), True),  # grouped-query heads: q, k and v in one matmul
-    (dict(n_kv_heads=2, remat="dots"), True),
-    (dict(n_kv_heads=8), False),  # every head its own key and value: three
-    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("wq",)), False),  # an adapter on q: three
+@pytest.mark.parametrize("kw, qkv, gate_up", [
+    (dict(n_kv_heads=2), True, True),  # grouped-query heads: q, k and v in one matmul; no remat: gate and up too
+    (dict(n_kv_heads=2, remat="dots"), True, False),  # the MLP's hidden activation recomputed: gate, up apart
+    (dict(n_kv_heads=2, remat="dots_mlp"), True, True),  # ... and kept
+    (dict(n_kv_heads=2, remat="full"), True, False),
+    (dict(n_kv_heads=8), False, True),  # every head its own key and value: three
+    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("wq",)), False, True),  # an adapter on q: three
+    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("w_up",)), True, False),  # an adapter on up: two
 ])
-def test_grouped_qkv_projections_are_one_matmul_with_the_same_values_and_gradients(kw, joint, monkeypatch):
-    """`layers.project_qkv`: the joint matmul computes what three do (loss and every gradient), and it is
-    taken exactly where it should be (counted in the jaxpr: two fewer dot_generals per layer)."""
+def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_and_gradients(kw, qkv, gate_up,
+                                                                                            monkeypatch):
+    """`layers.project_qkv` and `layers.project_gate_up`: a joint matmul computes what the separate ones do
+    (loss and every gradient), and each is taken exactly where it should be (counted in the jaxpr: two
+    fewer dot_generals per layer for q, k and v, one fewer for gate and up)."""
     from jaxlm.models import layers
 
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
@@ -380,9 +385,43 @@ def test_grouped_qkv_projections_are_one_matmul_with_the_same_values_and_gradien
     monkeypatch.setattr(layers.Projection, "fusable", property(lambda self: False))
     three_dots, (three_value, three_grads) = run()
     layers_ = small_config().n_layers
-    assert three_dots - dots == (2 * layers_ if joint else 0)
+    assert three_dots - dots == 2 * layers_ * qkv + layers_ * gate_up
     np.testing.assert_allclose(value, three_value, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, three_grads)
+
+
+def test_dots_mlp_keeps_the_mlp_hidden_activation_as_well_as_what_dots_keeps():
+    """remat=dots_mlp saves each layer's SwiGLU product by name (`layers.MLP_HIDDEN`) beside what `dots` saves,
+    and nothing else: [B, T, F] more per layer. The backward pass then does not recompute the product (one
+    logistic function fewer per layer in the gradient's jaxpr than under `dots`)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.models import layers
+
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+
+    def residuals_and_logistics(policy):
+        cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
+        graphdef, params = nnx.split(build_model(cfg))
+
+        def loss(p):
+            return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+
+        def count(jaxpr) -> int:
+            n = sum(e.primitive.name == "logistic" for e in jaxpr.eqns)
+            return n + sum(count(sub) for e in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(e.params))
+
+        return cfg, saved_residuals(loss, params), count(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+
+    cfg, kept, kept_logistics = residuals_and_logistics("dots_mlp")
+    _, dots, dots_logistics = residuals_and_logistics("dots")
+    named = f"named '{layers.MLP_HIDDEN}'"
+    hidden = [aval.shape for aval, why in kept if named in str(why)]
+    assert hidden == [(2, 16, cfg.mlp_dim)] * cfg.n_layers
+    assert not any(named in str(why) for _, why in dots)
+    assert sum(a.size for a, _ in kept) == sum(a.size for a, _ in dots) + cfg.n_layers * 2 * 16 * cfg.mlp_dim
+    # per layer: the forward's and the one in silu's derivative; `dots` recomputes the product once more
+    assert kept_logistics == 2 * cfg.n_layers and dots_logistics == 3 * cfg.n_layers
 
 
 @pytest.mark.parametrize("policy", ["dots", "dots_no_batch"])

@@ -68,10 +68,10 @@ def test_activations_follow_the_remat_policy_and_the_micro_batches():
         return est.row("activations saved").per_device_bytes
 
     xla = {policy: saved(policy, "cpu", "xla") for policy in plan.REMAT_ORDER}
-    assert xla["none"] > xla["dots"] > xla["dots_no_batch"] > xla["full"]
+    assert xla["none"] > xla["dots_mlp"] > xla["dots"] > xla["dots_no_batch"] > xla["full"]
     for platform in ("gpu", "cpu"):  # cuDNN's flash attention, the CPU's causal blocks: no batched matmuls to save
         flash = {policy: saved(policy, platform) for policy in plan.REMAT_ORDER}
-        assert flash["none"] > flash["dots"] == flash["dots_no_batch"] > flash["full"]
+        assert flash["none"] > flash["dots_mlp"] > flash["dots"] == flash["dots_no_batch"] > flash["full"]
     est_1 = memory.estimate(recipe("125m", optim__micro_batches=1, model__remat="full"), 8)
     est_4 = memory.estimate(recipe("125m", optim__micro_batches=4, model__remat="full"), 8)
     ratio = est_1.row("activations saved").per_device_bytes / est_4.row("activations saved").per_device_bytes

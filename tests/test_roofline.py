@@ -235,7 +235,7 @@ def test_choose_compiles_each_policy_and_picks_the_best_it_measured():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     rows, best = report["choice"]["rows"], report["choice"]["best"]
-    assert {r["remat"] for r in rows} == {"none", "dots", "dots_no_batch", "full"}
+    assert {r["remat"] for r in rows} == {"none", "dots_mlp", "dots", "dots_no_batch", "full"}
     for policy in {r["remat"] for r in rows}:
         mine = [r for r in rows if r["remat"] == policy]
         assert [r["micro_batches"] for r in mine] == sorted((r["micro_batches"] for r in mine), reverse=True)

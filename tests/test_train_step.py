@@ -106,6 +106,41 @@ def test_z_loss_adds_log_z_squared():
     np.testing.assert_allclose(plain, -jax.nn.log_softmax(logits)[..., 0], rtol=1e-5)
 
 
+def test_the_loss_reads_the_logits_in_two_reductions_and_matches_log_softmax():
+    """`steps.token_losses`: the largest and the target's logit come out of one reduction
+    (`steps.peak_and_target`), the shifted exponentials' sum out of the other, where logsumexp and a masked
+    sum take three; the values and the gradient are log-softmax's, and a target outside the vocabulary
+    (padding) picks no logit."""
+    logits = (jax.random.normal(jax.random.key(0), (2, 5, 11)) * 3).at[0, 0, 3].set(40.0)
+    targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 11).at[1, 4].set(11).at[1, 3].set(-1)
+    inside = (targets >= 0) & (targets < 11)  # a target outside the vocabulary (padding) picks nothing
+    peak, picked = steps.peak_and_target(logits, targets)
+    np.testing.assert_array_equal(peak, logits.max(-1))
+    gathered = jnp.take_along_axis(logits, targets[..., None] % 11, -1)[..., 0]
+    np.testing.assert_array_equal(picked, jnp.where(inside, gathered, 0.0))
+
+    weights = jax.random.uniform(jax.random.key(2), (2, 5))
+
+    def reference(x):  # logsumexp and a masked sum of the target's logit: the loss before one reduction did both
+        log_z = jax.nn.logsumexp(x, -1)
+        target = jnp.sum(jnp.where(jnp.arange(11) == targets[..., None], x, 0.0), -1)
+        return jnp.sum((log_z - target + 1e-2 * log_z ** 2) * weights)
+
+    def ours(x):
+        return jnp.sum(steps.token_losses(x, targets, 1e-2) * weights)
+
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
+
+    def reductions_of_the_logits(jaxpr) -> int:
+        return sum(e.primitive.name.startswith("reduce") and e.invars[0].aval.shape == logits.shape
+                   for e in jaxpr.eqns) + sum(reductions_of_the_logits(sub) for e in jaxpr.eqns
+                                              for sub in jax.extend.core.jaxprs_in_params(e.params))
+
+    assert reductions_of_the_logits(jax.make_jaxpr(ours)(logits).jaxpr) == 2
+    assert reductions_of_the_logits(jax.make_jaxpr(reference)(logits).jaxpr) == 3
+
+
 def _optim_cfg(**kw):
     o = dict(peak_lr=1.0, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2, cycle_steps=20, schedule="cosine")
     o.update(kw)

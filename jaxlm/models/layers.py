@@ -141,6 +141,10 @@ FP8_OPERANDS = "fp8_operands"  # the name remat's "dots" policy saves float8 ope
 # rotated ones; the rotation's own backward needs neither), at the same memory: the unrotated q and k then have
 # no use left in the backward pass and are not kept (transformer.REMAT_POLICIES).
 ATTENTION_INPUTS = "attention_inputs"
+# The name of the MLP's hidden activation, the down (output) projection's input: remat's "dots_mlp" policy saves
+# it as well as the matmuls' outputs, so the backward pass reads it instead of recomputing it from gate and up
+# (one [B, T, F] tensor per layer more memory, one less written in each layer's backward pass).
+MLP_HIDDEN = "mlp_hidden"
 
 
 def _fp8_forward(equation, x, kernel):
@@ -516,11 +520,42 @@ class Attention(nnx.Module):
         return y if cache is None else (y, cache)
 
 
+def project_gate_up(x: jax.Array, w_gate: Projection, w_up: Projection, keys) -> tuple[jax.Array, jax.Array]:
+    """gate and up [B, T, F] from x [B, T, D]: with two plain projections (`Projection.fusable`) one matmul;
+    otherwise each on its own (`keys`: their adapters' dropout keys).
+
+    The one matmul takes the two kernels interleaved, [D, F, 2] (each hidden unit's gate and up column side
+    by side), so its output's gate and up values of a unit are neighbours: SwiGLU reads both from one place
+    and its gradient writes both to one place, and splitting the hidden units over `tensor` splits this
+    kernel the same way as the two. In the backward pass x's gradient then comes out of one matmul instead
+    of two partial products that the norm's backward reads twice each. `GatedMLP` takes it where the hidden
+    activation is saved (`GatedMLP.joint_gate_up`); the parameters stay two (checkpoints, conversion,
+    adapters and quantization see gate and up as before).
+    """
+    if not (w_gate.fusable and w_up.fusable):
+        return w_gate(x, keys[0]), w_up(x, keys[1])
+    kernel = jnp.stack([w_gate.weight(), w_up.weight()], axis=-1)  # [D, F, 2]
+    y = jnp.einsum("btd,dfc->btfc", x, kernel)
+    return y[..., 0], y[..., 1]
+
+
+# Remat policies under which the MLP's hidden activation is kept for the backward pass, not recomputed
+# (transformer.REMAT_POLICIES; without remat autodiff keeps it for the down projection's gradient)
+HIDDEN_KEPT = ("none", "dots_mlp")
+
+
 class GatedMLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    `joint_gate_up`: gate and up as one matmul (`project_gate_up`), where the remat policy keeps the hidden
+    activation (`HIDDEN_KEPT`). Compiled for H100s (benchmarks/BENCHMARKS.md) it pays there; where the
+    backward pass recomputes the hidden activation, XLA splits that recomputation and SwiGLU's gradient
+    into two kernels that each read gate and up, and the joint matmul came out slower (1b under remat=dots).
+    """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
+        self.joint_gate_up = getattr(cfg, "remat", "none") in HIDDEN_KEPT
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
                                  **cfg.projection_kw("w_gate"))
@@ -532,8 +567,12 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         x = tensor_parallel_entry(x)
         key_gate, key_up, key_down = split_keys(dropout_key, 3)  # the adapters' dropout (LoRA)
-        gate, up = self.w_gate(x, key_gate), self.w_up(x, key_up)
-        h = constrain(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), ("act_batch", "act_seq", "act_mlp"))
+        if self.joint_gate_up:
+            gate, up = project_gate_up(x, self.w_gate, self.w_up, (key_gate, key_up))
+        else:
+            gate, up = self.w_gate(x, key_gate), self.w_up(x, key_up)
+        h = checkpoint_name(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), MLP_HIDDEN)
+        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         return constrain(self.w_down(h, key_down), ("act_batch", "act_seq", "act_embed"))
 
 
@@ -559,7 +598,8 @@ class GeluMLP(nnx.Module):
         h = self.w_in(x, key_in)
         if self.use_bias:
             h = h + self.b_in[...].astype(dt)
-        h = constrain(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), ("act_batch", "act_seq", "act_mlp"))
+        h = checkpoint_name(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), MLP_HIDDEN)
+        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         y = self.w_out(h, key_out)
         if self.use_bias:
             y = y + self.b_out[...].astype(dt)

@@ -58,6 +58,11 @@ REMAT_POLICIES = {
     # attention's rotated inputs saved by name in place of the q and k projections (layers.ATTENTION_INPUTS)
     "dots": _both(_both(jax.checkpoint_policies.dots_saveable, _fused_attention_saveable),
                   jax.checkpoint_policies.save_only_these_names(layers.FP8_OPERANDS, layers.ATTENTION_INPUTS)),
+    # dots, and the MLP's hidden activation (the down projection's input: layers.MLP_HIDDEN) kept rather than
+    # recomputed: one [B, T, F] tensor per layer more memory, less elementwise work in the backward pass
+    "dots_mlp": _both(_both(jax.checkpoint_policies.dots_saveable, _fused_attention_saveable),
+                      jax.checkpoint_policies.save_only_these_names(layers.FP8_OPERANDS, layers.ATTENTION_INPUTS,
+                                                                    layers.MLP_HIDDEN)),
     "dots_no_batch": _both(_both(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _fused_attention_saveable),
                            jax.checkpoint_policies.save_only_these_names(layers.ATTENTION_INPUTS)),
 }
