@@ -555,7 +555,7 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
-        self.joint_gate_up = getattr(cfg, "remat", "none") in HIDDEN_KEPT
+        self.joint_gate_up = cfg.remat in HIDDEN_KEPT
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
                                  **cfg.projection_kw("w_gate"))
