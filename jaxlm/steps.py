@@ -14,6 +14,8 @@ parameter shards, as FSDP must (a local copy of the whole gradient would undo it
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -182,30 +184,74 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
     def acc_spec(names):  # [R, *param]: replicas over data, the rest as the parameter
         return logical_to_spec(("replica", *names), inner)
 
-    acc_specs = jax.tree.map(acc_spec, model_spec.trainable_names, is_leaf=lambda x: isinstance(x, tuple))
+    acc_specs = jax.tree.map(acc_spec, model_spec.compute_names(), is_leaf=lambda x: isinstance(x, tuple))
     micro = jax.tree.map(split, batch)
-    compute = model_spec.cast_for_compute(params)  # once per step, not in every micro-batch
+    weights, fixed, kernels = _compute_inputs(model_spec, params)
 
-    def replica_grad(mb, mkey):
-        return grad_fn(compute, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+    def replica_grad(diff, mb, mkey):
+        return grad_fn(diff, fixed, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
 
     def accumulate(carry, xs):
         mb, mkey = xs
-        with spmd.logical_axis_rules(_without(rules, "data")), attention.whole_batch_segments(mb["segment_ids"]):
-            in_axes = (0, None if mkey is None else 0)
-            (loss, tokens), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(mb, mkey)
-        g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
         loss_acc, tok_acc, grad_acc = carry
+        # the kernels' float32 arrays are the accumulator's own (their values unread: `layers.ComputeKernel`)
+        diff = jax.tree.map(lambda k, a, w: a if k else w, kernels, grad_acc, weights)
+        diff_axes = jax.tree.map(lambda k: 0 if k else None, kernels)
+        with spmd.logical_axis_rules(_without(rules, "data")), attention.whole_batch_segments(mb["segment_ids"]):
+            in_axes = (diff_axes, 0, None if mkey is None else 0)
+            (loss, tokens), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(diff, mb, mkey)
+        g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
         return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
 
     zeros = jax.tree.map(
-        lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s), params, acc_specs
+        lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s),
+        model_spec.compute_layout(params, cast=False), acc_specs,
     )
     init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), zeros)
     keys = None if keys is None else jax.random.split(keys, (k, replicas))
     (loss_sum, tokens, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
-    grads = jax.tree.map(lambda g, p: jnp.sum(g, axis=0).astype(p.dtype), grads, params)
+    grads = model_spec.param_layout(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return jnp.sum(loss_sum), jnp.sum(tokens), grads
+
+
+def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> ModelSpec:
+    """`model_spec` as the micro-batches use it: with its `layers.ComputeKernel`s (float32 weight gradients
+    from the matmuls, joints joined once per step) where a micro-batch's weight gradients are whole on
+    every device, none where the batch is split over mesh axes whose gradients are reduced in every
+    micro-batch (fsdp; data, unless its replicas accumulate locally: `replicas` > 1). There a float32
+    gradient would double the bytes of every reduce-scatter: 7b on eight H100s, fsdp=8, compiled here,
+    0.882 -> 0.865 (benchmarks/BENCHMARKS.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = axes_of(dict(rules).get("act_batch"))
+    split = 1 if mesh.empty else math.prod(
+        mesh.shape[a] for a in batch_axes if a in mesh.axis_names and not (a == "data" and replicas > 1))
+    if split == 1:
+        return model_spec
+    return dataclasses.replace(model_spec, grad_kernels=frozenset(), joints=())
+
+
+def _compute_inputs(model_spec: ModelSpec, trainable):
+    """Once per step, for the micro-batches: the trainable parameters in the compute layout
+    (`ModelSpec.compute_layout`: cast to the compute dtype, a joint's kernels joined); the same with only
+    the `layers.ComputeKernel` weights (None elsewhere), which are not differentiated; and where those are
+    (`ModelSpec.kernel_mask`)."""
+    weights = model_spec.compute_layout(trainable)
+    kernels = model_spec.kernel_mask(weights)
+    fixed = jax.tree.map(lambda k, w: w if k else None, kernels, weights)
+    return weights, fixed, kernels
+
+
+def micro_batch_loss(loss_fn):
+    """`loss_fn(trainable, frozen, model_spec, batch, ...)` as a micro-batch differentiates it:
+    `(diff, fixed, frozen, model_spec, batch, ...)`, the trainable parameters in the compute layout split
+    in two (`ModelSpec.model_params`), whose gradient is `diff`'s: float32 weight gradients where the
+    model takes a `layers.ComputeKernel`, the others' as the forward uses them."""
+
+    def loss(diff, fixed, frozen, model_spec: ModelSpec, *rest):
+        return loss_fn(model_spec.model_params(diff, fixed), frozen, model_spec, *rest)
+
+    return loss
 
 
 def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
@@ -276,8 +322,6 @@ def make_train_step(
     the step's gradient entries that are exactly zero (`grad_zero_fraction`: flushed to zero, or a true
     zero) and not finite (`grad_nonfinite_fraction`), over the trainable parameters.
     """
-    plain_grad_fn = jax.value_and_grad(trainable_loss, has_aux=True)
-
     def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
         with attention.packed_kernel(packed):
             return _step(state, batch, packed)
@@ -285,15 +329,15 @@ def make_train_step(
     def _step(state: TrainState, batch: Batch, packed: bool | None):
         scaling = state.loss_scale
         if scaling is None:
-            grad_fn = plain_grad_fn
+            loss_fn = trainable_loss
         else:
-            def scaled_loss(trainable, frozen, model_spec, batch, *rest):
+            def loss_fn(trainable, frozen, model_spec, batch, *rest):
                 # The backward pass starts from scale / positions (the micro-batch's token slots): the scale is
                 # relative to the mean loss, as in PyTorch's GradScaler, whatever the micro-batch's size
                 total, tokens = trainable_loss(trainable, frozen, model_spec, batch, *rest)
                 return total * (scaling.scale / batch["inputs"].size), tokens
 
-            grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn if micro_batches == 1 else micro_batch_loss(loss_fn), has_aux=True)
         with spmd.logical_axis_rules(rules):
             key = jax.random.fold_in(state.rng, state.step) if dropout else None
             trainable, frozen = model_spec.split(state.params)
@@ -303,27 +347,35 @@ def make_train_step(
             elif (replicas := data_replicas(model_spec, rules)) > 1:
                 positions = batch["inputs"].size // (micro_batches * replicas)
                 loss_sum, tokens, grads = _replica_local_grads(
-                    grad_fn, trainable, frozen, model_spec, batch, key, micro_batches, replicas, rules, z_loss,
-                    loss_chunk_len,
+                    grad_fn, trainable, frozen, compute_kernels(model_spec, rules, replicas), batch, key,
+                    micro_batches, replicas, rules, z_loss, loss_chunk_len,
                 )
             else:
+                spec = compute_kernels(model_spec, rules, 1)
                 positions = batch["inputs"].size // micro_batches
                 micro = _split_micro(batch, micro_batches)
                 keys = jax.random.split(key, micro_batches) if dropout else None
-                # The weights the forward casts to the compute dtype, cast once per step: each micro-batch
-                # then slices and reads them in that dtype (half of float32's bytes in bfloat16); their
-                # gradients come in it, as before the cast's transpose, and add up in float32.
-                compute = model_spec.cast_for_compute(trainable)
+                # The weights the forward casts to the compute dtype, cast once per step (and a joint's
+                # kernels joined once): each micro-batch then reads them in that dtype (half of float32's
+                # bytes in bfloat16). A plain projection's weight gradient comes from its GEMM in float32,
+                # added to the accumulator in the GEMM's epilogue (`layers.ComputeKernel`); the others'
+                # come in the compute dtype, as before the cast's transpose, and add up in float32.
+                weights, fixed, kernels = _compute_inputs(spec, trainable)
 
                 def accumulate(carry, xs):
                     loss_acc, tok_acc, grad_acc = carry
                     mb, mkey = xs
-                    (loss, tokens), g = grad_fn(compute, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+                    diff = jax.tree.map(lambda k, a, w: a if k else w, kernels, grad_acc, weights)
+                    (loss, tokens), g = grad_fn(diff, fixed, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
                     return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
 
-                zeros = jax.tree.map(jnp.zeros_like, trainable)
+                zeros = jax.tree.map(
+                    lambda k, p, n: constrain(jnp.zeros(p.shape, jnp.float32 if k else p.dtype), n),
+                    kernels, spec.compute_layout(trainable, cast=False), spec.compute_names(),
+                )
                 init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
                 loss_sum, tokens, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
+                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), spec.param_layout(grads), trainable)
             denom = jnp.maximum(tokens, 1.0)
             if scaling is not None:  # back to the loss's own units, in float32
                 multiplier = scaling.scale / positions

@@ -53,6 +53,12 @@ class ModelSpec:
     # dict tree like params: the compute dtype a leaf's forward use casts it to and nothing else (the
     # projections' kernels, the embedding: `layers.cast_leaves`), None for the others
     cast_dtypes: Any = None
+    # Paths of the trainable kernels of plain projections (`layers.Projection.fusable`): a step with
+    # micro-batches hands each to the model as a `layers.ComputeKernel`, whose weight gradient comes in
+    # float32 from the matmul itself; and `layers.Joint`s, groups of them the model runs as one matmul,
+    # joined once per step (a group with a part that does not train is left out of both)
+    grad_kernels: frozenset = frozenset()
+    joints: tuple = ()
 
     def cast_for_compute(self, trainable):
         """The trainable parameters with the `cast_dtypes` leaves cast to their compute dtype (the others
@@ -62,6 +68,58 @@ class ModelSpec:
             return trainable
         dtypes = self.split(self.cast_dtypes)[0]
         return jax.tree.map(lambda x, dt: x if dt is None else x.astype(dt), trainable, dtypes)
+
+    # ---- the compute layout: what a step with micro-batches differentiates in each micro-batch
+
+    def compute_layout(self, trainable, cast: bool = True):
+        """Once per step: the trainable parameters as the micro-batches use them. `cast_for_compute` (with
+        `cast`), and each joint's kernels joined into its first part's place (`layers.Joint.join`), the
+        other parts None. Gradients in this layout go back with `param_layout`."""
+        tree = _copy(self.cast_for_compute(trainable) if cast else trainable)
+        for joint in self.joints:
+            _set_path(tree, joint.paths[0], joint.join([_get_path(tree, path) for path in joint.paths]))
+            for path in joint.paths[1:]:
+                _set_path(tree, path, None)
+        return tree
+
+    def param_layout(self, tree):
+        """The inverse of `compute_layout`'s joins (`layers.Joint.split`)."""
+        tree = _copy(tree)
+        for joint in self.joints:
+            for path, part in zip(joint.paths, joint.split(_get_path(tree, joint.paths[0])), strict=True):
+                _set_path(tree, path, part)
+        return tree
+
+    def compute_names(self):
+        """`trainable_names` in the compute layout (a joint's kernel named by `layers.Joint.names`)."""
+        names = _copy(self.trainable_names)
+        for joint in self.joints:
+            _set_path(names, joint.paths[0], joint.names([_get_path(names, path) for path in joint.paths]))
+            for path in joint.paths[1:]:
+                _set_path(names, path, None)
+        return names
+
+    def kernel_mask(self, layout):
+        """A tree like `layout` (compute layout): True where the model takes a `layers.ComputeKernel`."""
+        firsts = {joint.paths[0] for joint in self.joints}
+        joined = {path for joint in self.joints for path in joint.paths[1:]}
+        flat = jax.tree_util.tree_flatten_with_path(layout)[0]
+        keys = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path) for path, _ in flat]
+        mask = [(key in self.grad_kernels and key not in joined) or key in firsts for key in keys]
+        return jax.tree.unflatten(jax.tree.structure(layout), mask)
+
+    def model_params(self, diff, fixed):
+        """Per micro-batch, the trainable tree the model runs, from the compute layout split in two: where
+        `kernel_mask` holds, `layers.ComputeKernel(fixed's weight, diff's float32 array)` (joined for a
+        joint's first part; its other parts an empty joined one); elsewhere `diff`'s values."""
+        out = jax.tree.map(lambda d, w: d if w is None else layers.ComputeKernel(w, d), diff, fixed,
+                           is_leaf=lambda x: x is None)
+        for joint in self.joints:
+            first = _get_path(out, joint.paths[0])
+            _set_path(out, joint.paths[0], layers.ComputeKernel(first.w, first.grad, joined=True))
+            for path in joint.paths[1:]:
+                _set_path(out, path, layers.ComputeKernel(None, None, joined=True))
+        return out
 
     def split(self, tree) -> tuple[Any, Any]:
         """A params-like tree -> (its trainable part, its frozen part), each a nested dict holding
@@ -141,7 +199,8 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
     names, decay, trains, casts = {}, {}, {}, {}
-    cast = layers.cast_leaves(nnx.merge(graphdef, state))
+    model = nnx.merge(graphdef, state)
+    cast = layers.cast_leaves(model)
     selected = trainable_filter(trainable)
     for path, var in nnx.to_flat_state(state):
         meta = var.get_metadata()
@@ -154,8 +213,27 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     if not any(jax.tree.leaves(trains)):
         example = "/".join(map(str, next(iter(nnx.to_flat_state(state)))[0]))
         raise UserError(f"config.optim.trainable={trainable!r} matches no parameter (paths look like {example!r})")
-    model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts)
+    # Trained kernels of plain projections, not stacked for a layer scan: a scan's weight gradients come out
+    # stacked, and XLA adds a float32 stack to the accumulator in a kernel of its own (350m on one H100,
+    # compiled here: 0.699 -> 0.6985), where unstacked ones add up in the GEMMs (1b: 0.776 -> 0.804)
+    kernels = {(*path, "kernel") for path, p in layers.projections(model) if p.fusable}
+    kernels = {path for path in kernels if _get_path(trains, path) and "layers" not in _get_path(names, path)}
+    joints = tuple(j for j in layers.joints(model) if all(path in kernels for path in j.paths))
+    kernels -= {path for j in layers.joints(model) if j not in joints for path in j.paths}
+    model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts,
+                           grad_kernels=frozenset(kernels), joints=joints)
     return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
+
+
+def _get_path(tree: dict, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _copy(tree):
+    """The nested dicts of `tree` copied (the leaves shared), for `_set_path` to change."""
+    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _set_path(tree: dict, path: tuple, value: Any) -> None:

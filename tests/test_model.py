@@ -1,5 +1,7 @@
 """The decoder's forward pass: shapes, dtypes, causality, packed documents, sizes and FLOPs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -471,3 +473,71 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
         m.setitem(transformer.REMAT_POLICIES, policy, old)
         graphdef_old, params_old = nnx.split(build_model(cfg))
         assert rotations(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2)), params_old) == 3 * forward
+
+
+def test_weight_grad_einsum_gives_the_kernel_gradient_in_float32_as_the_grad_arrays():
+    """`layers.weight_grad_einsum`: the forward is `jnp.einsum`; the kernel's gradient, made in float32 by
+    the matmul, comes back as the `grad` argument's (whose value is never read); the kernel's own is zero."""
+    from jaxlm.models import layers
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.bfloat16)
+    g = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.bfloat16)
+    eq = "btd,dnh->btnh"
+    y, vjp = jax.vjp(lambda x, k, a: layers.weight_grad_einsum(eq, x, k, a), x, kernel, jnp.full((8, 3, 4), 7.0))
+    np.testing.assert_array_equal(y, jnp.einsum(eq, x, kernel))
+    dx, dkernel, dgrad = vjp(g)
+    _, ref_vjp = jax.vjp(lambda x, k: jnp.einsum(eq, x, k), x, kernel)
+    np.testing.assert_array_equal(dx, ref_vjp(g)[0])
+    assert dgrad.dtype == jnp.float32 and not np.any(dkernel)
+    ref = jnp.einsum("btd,btnh->dnh", x.astype(jnp.float32), g.astype(jnp.float32))
+    np.testing.assert_allclose(dgrad, ref, rtol=1e-5, atol=1e-5)
+    # the bfloat16 kernel gradient autodiff gives is that, rounded
+    np.testing.assert_array_equal(ref_vjp(g)[1], jnp.einsum("btd,btnh->dnh", x, g))
+    assert ref_vjp(g)[1].dtype == jnp.bfloat16
+
+
+def test_compute_layout_joins_what_the_model_runs_as_one_matmul_and_splits_it_back():
+    """`ModelSpec`: the plain projections' trainable kernels get `ComputeKernel`s; q, k, v (grouped-query heads)
+    and gate, up (hidden activation kept) are joined in the compute layout as the model joins them, named
+    for sharding, and `param_layout` gives the parameters back exactly. Kernels stacked for a layer scan get
+    none (only the unembedding does)."""
+    cfg = small_config(n_kv_heads=4, scan_layers=False, remat="dots_mlp", tie_embeddings=False, dtype=jnp.bfloat16)
+    spec = build_model_spec(cfg)
+    assert not build_model_spec(dataclasses.replace(cfg, scan_layers=True)).joints
+    assert build_model_spec(dataclasses.replace(cfg, scan_layers=True)).grad_kernels == {("unembed", "kernel")}
+    blocks = [("blocks", i) for i in range(cfg.n_layers)]
+    assert [j.kind for j in spec.joints] == ["qkv", "gate_up"] * cfg.n_layers
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    expected = {(*b, group, n, "kernel") for b in blocks for group, ns in (("attn", names[:4]), ("mlp", names[4:]))
+                for n in ns}
+    assert spec.grad_kernels == expected | {("unembed", "kernel")}
+    params = nnx.to_pure_dict(nnx.state(build_model(cfg), nnx.Param))
+    trainable, _ = spec.split(params)
+    layout = spec.compute_layout(trainable, cast=False)
+    block = layout["blocks"][0]
+    assert block["attn"]["wq"]["kernel"].shape == (64, 4, 4, 8)  # [D, K, N/K + 2, H]
+    assert block["attn"]["wk"]["kernel"] is None and block["mlp"]["w_up"]["kernel"] is None
+    assert block["mlp"]["w_gate"]["kernel"].shape == (64, 128, 2)
+    np.testing.assert_array_equal(block["mlp"]["w_gate"]["kernel"][..., 1], trainable["blocks"][0]["mlp"]["w_up"]["kernel"])
+    mask = spec.kernel_mask(layout)
+    assert mask["blocks"][0]["attn"]["wq"]["kernel"] and mask["blocks"][1]["attn"]["wo"]["kernel"]
+    assert mask["unembed"]["kernel"] and not mask["blocks"][0]["attn_norm"]["scale"] and not mask["embed"]["embedding"]
+    layer_names = spec.compute_names()["blocks"][0]
+    assert layer_names["attn"]["wq"]["kernel"] == ("embed", "kv_heads", None, "head_dim")
+    assert layer_names["mlp"]["w_gate"]["kernel"] == ("embed", "mlp", None)
+    jax.tree.map(np.testing.assert_array_equal, spec.param_layout(layout), trainable)
+    # the step's: cast to the compute dtype, then joined
+    assert spec.compute_layout(trainable)["unembed"]["kernel"].dtype == jnp.bfloat16
+    assert spec.compute_layout(trainable)["blocks"][1]["attn"]["wq"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_no_compute_kernels_where_the_weight_is_not_a_plain_trained_kernel():
+    """LoRA (the base frozen, the adapters not plain kernels), a part of a joint group frozen (the group is
+    left to the model's own join, per micro-batch), the accumulating matmul: none or fewer `ComputeKernel`s."""
+    cfg = small_config(n_kv_heads=4, remat="dots_mlp", tie_embeddings=False, scan_layers=False, n_layers=1)
+    assert not build_model_spec(dataclasses.replace(cfg, lora_rank=4, lora_targets=("wq", "wv"))).grad_kernels
+    assert not build_model_spec(dataclasses.replace(cfg, accumulating_dots=True)).grad_kernels
+    only_q = build_model_spec(cfg, trainable="wq|w_gate|w_down")
+    assert only_q.joints == () and only_q.grad_kernels == {("blocks", 0, "mlp", "w_down", "kernel")}

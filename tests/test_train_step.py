@@ -370,3 +370,42 @@ def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     for key in ("loss", "grad_norm"):
         assert m1[key] == m2[key], key
     jax.tree.map(np.testing.assert_array_equal, ours.params, theirs.params)
+
+
+@pytest.mark.parametrize("mesh_shape,dtype", [((1, 1, 1, 2), jnp.float32), ((2, 1, 1, 1), jnp.float32),
+                                              ((1, 1, 1, 2), jnp.bfloat16)])
+def test_compute_kernels_make_the_step_without_them(mesh_shape, dtype):
+    """With micro-batches, the plain projections' kernels reach the model as `layers.ComputeKernel`s (q, k,
+    v and gate, up joined once per step) whose weight gradients come from the matmuls in float32: each
+    micro-batch's weight-gradient matmuls produce float32 (9 here: per layer the joint qkv, o, the joint
+    gate/up and down, and the unembedding), none without them, and the step is the same: in float32 to
+    rounding, in bfloat16 to bfloat16's rounding of the gradients it no longer makes. Tensor-parallel (the
+    plain accumulation) and data-parallel (replica-local) meshes."""
+    import dataclasses
+    import re
+
+    model_cfg = small_config(n_kv_heads=4, scan_layers=False, remat="dots_mlp", dtype=dtype, tie_embeddings=False)
+    batch = random_batch(16, 32, 96, seed=5)
+    mesh, state, step, batch_sharding, model_spec, rules = _setup(mesh_shape, model_cfg, micro_batches=4)
+    assert len(model_spec.joints) == 4 and len(model_spec.grad_kernels) == 15
+    with jax.set_mesh(mesh):
+        assert steps.compute_kernels(model_spec, rules, steps.data_replicas(model_spec, rules)) is model_spec
+    cfg = config.recipe("tiny")
+    tx, schedule = optim.make_optimizer(cfg.optim, 100, model_spec.decay_mask)
+    state2, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, seed=0)  # the step donates its state
+    without = dataclasses.replace(model_spec, grad_kernels=frozenset(), joints=())
+    plain = steps.jit_train_step(steps.make_train_step(without, tx, schedule, micro_batches=4, rules=rules), shardings,
+                                 batch_sharding)
+    gbatch = _put(batch, batch_sharding)
+    with jax.set_mesh(mesh):
+        if dtype == jnp.bfloat16:  # weight gradients (batch and positions contracted) made in float32
+            widening = r"dot_general[^\n]*contracting_dims = \[0, 1\] x \[0, 1\][^\n]*xbf16>\) -> tensor<[^>]*xf32>"
+            assert len(re.findall(widening, step.lower(state, gbatch).as_text())) == 9
+            assert not re.findall(widening, plain.lower(state2, gbatch).as_text())
+        ours, m1 = jax.device_get(step(state, gbatch))
+        theirs, m2 = jax.device_get(plain(state2, gbatch))
+    rtol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6 if dtype == jnp.float32 else 1e-3)
+    np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=rtol)
+    if dtype == jnp.float32:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), ours.params, theirs.params)

@@ -9,9 +9,10 @@ MLP code knowing. Norm statistics and softmax run in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,58 @@ def _fp8_einsum_bwd(equation, residuals, g):
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
+
+
+@jax.tree_util.register_pytree_node_class
+class ComputeKernel:
+    """A projection's kernel as a train step with micro-batches hands it to the model
+    (`train_state.ModelSpec.model_params`): `w`, cast to the compute dtype once per step, and `grad`, a
+    float32 array of `w`'s shape whose value is never read. The projection's matmul (`einsum`) takes its
+    weight gradient in float32 straight from the GEMM and returns it as `grad`'s cotangent, so the step's
+    float32 accumulator adds it in the GEMM's epilogue (XLA fuses `acc + g` into a GEMM that makes
+    float32), instead of a bfloat16 gradient per micro-batch that a separate kernel widens and adds.
+
+    `joined`: `w` is a group's kernels joined as the model runs them in one matmul (`Joint`), kept in the
+    group's first projection; the others hold an empty `ComputeKernel(None, None, joined=True)`.
+    """
+
+    def __init__(self, w, grad, joined: bool = False):
+        self.w, self.grad, self.joined = w, grad, joined
+
+    def tree_flatten(self):
+        return (self.w, self.grad), self.joined
+
+    @classmethod
+    def tree_unflatten(cls, joined, children):
+        return cls(*children, joined=joined)
+
+    def einsum(self, equation: str, x: jax.Array, dtype) -> jax.Array:
+        """`einsum(equation, x, w)` with `w` in `dtype` (the projection's compute dtype: a no-op cast when
+        the step cast it already)."""
+        return weight_grad_einsum(equation, x, self.w.astype(dtype), self.grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def weight_grad_einsum(equation: str, x: jax.Array, kernel: jax.Array, grad: jax.Array) -> jax.Array:
+    """`jnp.einsum(equation, x, kernel)`, whose kernel gradient comes back, in float32, as `grad`'s
+    cotangent (`grad`'s value is not read; `kernel`'s cotangent is zero: `ComputeKernel`)."""
+    return jnp.einsum(equation, x, kernel)
+
+
+def _weight_grad_einsum_fwd(equation, x, kernel, grad):
+    return jnp.einsum(equation, x, kernel), (x, kernel)
+
+
+def _weight_grad_einsum_bwd(equation, residuals, g):
+    x, kernel = residuals
+    inputs, out = equation.split("->")
+    x_idx, kernel_idx = inputs.split(",")
+    dx = jnp.einsum(f"{out},{kernel_idx}->{x_idx}", g, kernel)
+    dkernel = jnp.einsum(f"{x_idx},{out}->{kernel_idx}", x, g, preferred_element_type=jnp.float32)
+    return dx, None, dkernel
+
+
+weight_grad_einsum.defvjp(_weight_grad_einsum_fwd, _weight_grad_einsum_bwd)
 # The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
 LORA_RANK_AXIS = "lora_rank"
 
@@ -259,6 +312,12 @@ class Projection(nnx.Module):
         return self.kernel[...].astype(self.dtype)
 
     @property
+    def compute_kernel(self) -> ComputeKernel | None:
+        """The kernel's `ComputeKernel`, when a train step with micro-batches put one in its place."""
+        value = self.kernel.get_raw_value() if self.quant is None else None
+        return value if isinstance(value, ComputeKernel) else None
+
+    @property
     def fusable(self) -> bool:
         """Whether this projection is a plain `jnp.einsum` of its cast kernel (not quantized or fake-quantized,
         no adapter, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it can
@@ -308,6 +367,8 @@ class Projection(nnx.Module):
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """`dropout_key`: the adapter's dropout (training only); the kernel's contraction has none."""
+        if (kernel := self.compute_kernel) is not None:  # only plain projections get one: no adapter
+            return kernel.einsum(self.equation, x, self.dtype)
         y = self.einsum_op(self.equation, x, self.weight())
         return y if self.lora_a is None else y + self.adapter(x, dropout_key)
 
@@ -327,6 +388,39 @@ def projections(module: nnx.Module) -> Iterator[tuple[tuple, Projection]]:
     for path, node in nnx.iter_graph(module):
         if isinstance(node, Projection):
             yield path, node
+
+
+@dataclasses.dataclass(frozen=True)
+class Joint:
+    """Projections the model runs as one matmul (`project_qkv`, `project_gate_up`): `kind` ("qkv" or
+    "gate_up") and the paths of their kernels, in the order the join takes them (`joints`)."""
+
+    kind: str
+    paths: tuple[tuple, ...]
+
+    def join(self, parts: Sequence[jax.Array]) -> jax.Array:
+        return {"qkv": join_qkv, "gate_up": join_gate_up}[self.kind](*parts)
+
+    def split(self, joint: jax.Array) -> tuple[jax.Array, ...]:
+        return {"qkv": split_qkv, "gate_up": split_gate_up}[self.kind](joint)
+
+    def names(self, part_names: Sequence[tuple]) -> tuple:
+        """The joined kernel's logical names, from its parts' (k's for qkv: the key-value heads lead)."""
+        if self.kind == "qkv":
+            k = part_names[1]
+            return (*k[:-1], None, k[-1])
+        return (*part_names[0], None)
+
+
+def joints(module: nnx.Module) -> list[Joint]:
+    """The groups of projections in `module` that its forward runs as one matmul, with their kernels' paths."""
+    out = []
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, Attention) and joins_qkv(node.wq, node.wk, node.wv):
+            out.append(Joint("qkv", tuple((*path, name, "kernel") for name in ("wq", "wk", "wv"))))
+        elif isinstance(node, GatedMLP) and node.joint_gate_up and node.w_gate.fusable and node.w_up.fusable:
+            out.append(Joint("gate_up", tuple((*path, name, "kernel") for name in ("w_gate", "w_up"))))
+    return out
 
 
 def split_keys(key: jax.Array | None, n: int) -> tuple:
@@ -446,17 +540,41 @@ def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, ke
     in bfloat16), which ran the joint one 6-10% slower per step (a 32M model with 8 heads and 4 key-value
     heads, 2 cores). The parameters stay three (checkpoints, conversion, adapters and quantization see
     q, k and v as before); the concatenation of their compute-dtype kernels (20 MiB per layer and
-    micro-batch at 1b, against 298 MiB for the matmul) is counted in the figures above.
+    micro-batch at 1b, against 298 MiB for the matmul) is counted in the figures above. A train step with
+    micro-batches joins them once per step instead (`ComputeKernel`, `Joint`), and the matmul then takes
+    the joined kernel as a [D, K (N/K + 2) H] matrix.
     """
-    d, n, h = wq.kernel_shape
-    kv = wk.kernel_shape[1]
-    if kv == n or not (wq.fusable and wk.fusable and wv.fusable):
+    if not joins_qkv(wq, wk, wv):
         return tuple(p(x, key) for p, key in zip((wq, wk, wv), keys))
-    group = n // kv
-    kernel = jnp.concatenate([wq.weight().reshape(d, kv, group, h), wk.weight().reshape(d, kv, 1, h),
-                              wv.weight().reshape(d, kv, 1, h)], axis=2)
-    y = jnp.einsum("btd,dkgh->btkgh", x, kernel)  # [B, T, K, N/K + 2, H]
-    return y[:, :, :, :group].reshape(*y.shape[:2], n, h), y[:, :, :, group], y[:, :, :, group + 1]
+    n, group = wq.kernel_shape[1], wq.kernel_shape[1] // wk.kernel_shape[1]
+    if (joined := wq.compute_kernel) is not None:  # joined once per step (`ComputeKernel`)
+        # As a [D, K (N/K + 2) H] matrix: the joined kernel is made outside the micro-batch loop, where XLA
+        # would otherwise pick it a layout that makes the backward pass transpose the gradient instead
+        shape = joined.w.shape
+        flat = ComputeKernel(joined.w.reshape(shape[0], -1), joined.grad.reshape(shape[0], -1))
+        y = flat.einsum("btd,de->bte", x, wq.dtype).reshape(*x.shape[:2], *shape[1:])
+    else:
+        y = jnp.einsum("btd,dkgh->btkgh", x, join_qkv(wq.weight(), wk.weight(), wv.weight()))  # [B, T, K, N/K + 2, H]
+    return y[:, :, :, :group].reshape(*y.shape[:2], n, y.shape[-1]), y[:, :, :, group], y[:, :, :, group + 1]
+
+
+def joins_qkv(wq: Projection, wk: Projection, wv: Projection) -> bool:
+    """Whether `project_qkv` runs q, k and v as one matmul: grouped-query heads, three plain projections."""
+    return wk.kernel_shape[1] < wq.kernel_shape[1] and wq.fusable and wk.fusable and wv.fusable
+
+
+def join_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [..., D, N, H], k and v [..., D, K, H] -> [..., D, K, N/K + 2, H] (`project_qkv`'s one kernel)."""
+    *lead, d, n, h = q.shape
+    kv = k.shape[-2]
+    return jnp.concatenate([q.reshape(*lead, d, kv, n // kv, h), k.reshape(*lead, d, kv, 1, h),
+                            v.reshape(*lead, d, kv, 1, h)], axis=-2)
+
+
+def split_qkv(joint: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of `join_qkv`."""
+    *lead, d, kv, g2, h = joint.shape
+    return joint[..., : g2 - 2, :].reshape(*lead, d, kv * (g2 - 2), h), joint[..., g2 - 2, :], joint[..., g2 - 1, :]
 
 
 class Attention(nnx.Module):
@@ -530,13 +648,26 @@ def project_gate_up(x: jax.Array, w_gate: Projection, w_up: Projection, keys) ->
     kernel the same way as the two. In the backward pass x's gradient then comes out of one matmul instead
     of two partial products that the norm's backward reads twice each. `GatedMLP` takes it where the hidden
     activation is saved (`GatedMLP.joint_gate_up`); the parameters stay two (checkpoints, conversion,
-    adapters and quantization see gate and up as before).
+    adapters and quantization see gate and up as before). A train step with micro-batches interleaves them
+    once per step instead of in every micro-batch (`ComputeKernel`, `Joint`).
     """
     if not (w_gate.fusable and w_up.fusable):
         return w_gate(x, keys[0]), w_up(x, keys[1])
-    kernel = jnp.stack([w_gate.weight(), w_up.weight()], axis=-1)  # [D, F, 2]
-    y = jnp.einsum("btd,dfc->btfc", x, kernel)
+    if (joined := w_gate.compute_kernel) is not None:  # joined once per step (`ComputeKernel`)
+        y = joined.einsum("btd,dfc->btfc", x, w_gate.dtype)
+    else:
+        y = jnp.einsum("btd,dfc->btfc", x, join_gate_up(w_gate.weight(), w_up.weight()))
     return y[..., 0], y[..., 1]
+
+
+def join_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gate and up [..., D, F] -> [..., D, F, 2] (`project_gate_up`'s one kernel)."""
+    return jnp.stack([gate, up], axis=-1)
+
+
+def split_gate_up(joint: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The inverse of `join_gate_up`."""
+    return joint[..., 0], joint[..., 1]
 
 
 # Remat policies under which the MLP's hidden activation is kept for the backward pass, not recomputed
