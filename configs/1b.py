@@ -13,8 +13,9 @@ def get_config():
         # elementwise work (no matmul recomputed; remat=dots_mlp, gate and up one matmul). The H100
         # program compiled here (`python -m jaxlm.plan --target=h100 --choose`, benchmarks/BENCHMARKS.md):
         # roofline-bound MFU 0.804 on eight H100s (0.792 under remat=dots), against 0.653 scanned without
-        # remat. On one H100 the planner fits it in 32 micro-batches (0.776), where remat=dots fits in 16
-        # (0.784: set --config.model.remat=dots on one GPU). Compiling takes about 20 s here for eight.
+        # remat. On one H100 the planner fits it in 32 micro-batches: 0.804, with the weight gradients summed
+        # in the matmuls (`layers.ComputeKernel`; 0.793 under remat=dots at 16). Compiling takes about 20 s
+        # here for eight.
         scan_layers=False, remat="dots_mlp",
     )
     c.data.update(seq_len=2048, global_batch_size=256, builtin_max_bytes=64_000_000)
