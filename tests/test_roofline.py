@@ -309,3 +309,45 @@ def test_the_tiny_h100_step_is_a_few_host_launches_with_its_layers_unrolled():
     assert unrolled["waits"] == 0 and unrolled["host_syncs_hlo"] == 0
     assert unrolled["kernels"] > 10 * unrolled["launches"]  # most kernels inside CUDA graphs
     assert loop["launches"] > 5 * unrolled["launches"]
+
+
+WEIGHT_GRADIENT_GEMMS = r"""
+import dataclasses, json, os, re, sys
+sys.path.insert(0, ".")
+from jaxlm import config as config_lib, roofline, steps, train_setup
+if sys.argv[1] == "off":  # the step without ComputeKernels
+    steps.compute_kernels = lambda spec, rules, replicas: dataclasses.replace(spec, grad_kernels=frozenset(), joints=())
+# tiny's batch and sequence, wider layers: tiny's own weight gradients are split-K GEMMs with a reduction apart
+cfg = config_lib.recipe("tiny", optim__micro_batches=2, model__scan_layers=False, model__remat="dots_mlp",
+                        model__d_model=1024, model__n_heads=8, model__n_kv_heads=2, model__mlp_dim=2816, model__n_layers=2)
+setup = train_setup.build(cfg, roofline.target_devices(roofline.H100, 1), abstract=True)
+with roofline.cudnn_checks_for(roofline.H100):
+    text = setup.compile_train_step("expected").as_text()
+# every GEMM fusion: the dtype it makes and its operand count
+found = []
+for line in text.splitlines():
+    m = re.search(r"%gemm_fusion\S* = (f32|bf16)\[[^ ]* fusion\(([^)]*)\), kind=kCustom", line)
+    if m:
+        found.append((m.group(1), len(m.group(2).split(","))))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_h100_step_sums_the_weight_gradients_in_the_gemms():
+    """With micro-batches (2 unrolled layers of width 1024, q, k, v and gate, up each one matmul), the H100
+    program's weight gradients come from GEMMs that make float32 and take the float32 accumulator as a
+    third operand (XLA fused `acc + g` into them: `layers.ComputeKernel`): per layer qkv, o, gate/up and
+    down, and the unembedding. Without ComputeKernels no GEMM takes a third operand (the weight gradients
+    come in bfloat16 and are added apart)."""
+    def gemms(mode):
+        result = subprocess.run([str(H100_PYTHON), "-c", WEIGHT_GRADIENT_GEMMS, mode], cwd=ROOT, capture_output=True,
+                                text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    on, off = gemms("on"), gemms("off")
+    assert sum(1 for dtype, operands in on if operands == 3) == 4 * 2 + 1, on
+    assert all(dtype == "f32" for dtype, operands in on if operands == 3), on
+    assert not any(operands == 3 for _, operands in off), off
