@@ -100,13 +100,11 @@ class ModelSpec:
         return names
 
     def kernel_mask(self, layout):
-        """A tree like `layout` (compute layout): True where the model takes a `layers.ComputeKernel`."""
-        firsts = {joint.paths[0] for joint in self.joints}
-        joined = {path for joint in self.joints for path in joint.paths[1:]}
+        """A tree like `layout` (compute layout): True where the model takes a `layers.ComputeKernel` (a
+        joint's first part holds the joined kernel; its other parts are None in `layout`)."""
         flat = jax.tree_util.tree_flatten_with_path(layout)[0]
         keys = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path) for path, _ in flat]
-        mask = [(key in self.grad_kernels and key not in joined) or key in firsts for key in keys]
-        return jax.tree.unflatten(jax.tree.structure(layout), mask)
+        return jax.tree.unflatten(jax.tree.structure(layout), [key in self.grad_kernels for key in keys])
 
     def model_params(self, diff, fixed):
         """Per micro-batch, the trainable tree the model runs, from the compute layout split in two: where
