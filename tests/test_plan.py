@@ -196,8 +196,10 @@ def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
 def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch):
     """optim.micro_batches=0: the smallest divisor k whose plan fits AUTO_SHARE of the memory (k/2 did not)."""
     budget = 80 * memory.GIB
-    # the 1b recipe (remat=dots_mlp) on 80 GB GPUs: 16 sequences per device on eight, 8 on one (16 under dots)
-    for devices, remat, want in ((8, "dots_mlp", 2), (1, "dots_mlp", 32), (1, "dots", 16)):
+    # the 1b recipe (no remat) on 80 GB GPUs: 8 sequences per device on eight, 4 on one; 16 and 8 under
+    # dots_mlp, 16 on one under dots
+    for devices, remat, want in ((8, "none", 4), (1, "none", 64), (8, "dots_mlp", 2), (1, "dots_mlp", 32),
+                                 (1, "dots", 16)):
         cfg, line = memory.resolve_micro_batches(recipe("1b", model__remat=remat), devices, budget, "gpu")
         k = cfg.optim.micro_batches
         assert k == want and f"{k} micro-batch(es) of {256 // devices // k} sequence(s)" in line
