@@ -53,7 +53,8 @@ class ModelSpec:
     # dict tree like params: the compute dtype a leaf's forward use casts it to and nothing else (the
     # projections' kernels, the embedding: `layers.cast_leaves`), None for the others
     cast_dtypes: Any = None
-    # Paths of the trainable kernels of plain projections (`layers.Projection.fusable`): a step with
+    # Paths of the trainable kernels of plain projections (`layers.Projection.fusable`) not stacked for a
+    # layer scan (`build_model_spec` says why): a step with
     # micro-batches hands each to the model as a `layers.ComputeKernel`, whose weight gradient comes in
     # float32 from the matmul itself; and `layers.Joint`s, groups of them the model runs as one matmul,
     # joined once per step (a group with a part that does not train is left out of both)
