@@ -76,12 +76,7 @@ class ModelSpec:
         """Once per step: the trainable parameters as the micro-batches use them. `cast_for_compute` (with
         `cast`), and each joint's kernels joined into its first part's place (`layers.Joint.join`), the
         other parts None. Gradients in this layout go back with `param_layout`."""
-        tree = _copy(self.cast_for_compute(trainable) if cast else trainable)
-        for joint in self.joints:
-            _set_path(tree, joint.paths[0], joint.join([_get_path(tree, path) for path in joint.paths]))
-            for path in joint.paths[1:]:
-                _set_path(tree, path, None)
-        return tree
+        return self._joined(self.cast_for_compute(trainable) if cast else trainable, lambda j, parts: j.join(parts))
 
     def param_layout(self, tree):
         """The inverse of `compute_layout`'s joins (`layers.Joint.split`)."""
@@ -93,12 +88,17 @@ class ModelSpec:
 
     def compute_names(self):
         """`trainable_names` in the compute layout (a joint's kernel named by `layers.Joint.names`)."""
-        names = _copy(self.trainable_names)
+        return self._joined(self.trainable_names, lambda j, parts: j.names(parts))
+
+    def _joined(self, tree, combine):
+        """`tree` (params-like) with each joint's parts replaced by `combine(joint, parts)` in its first
+        part's place and None in the others'."""
+        tree = _copy(tree)
         for joint in self.joints:
-            _set_path(names, joint.paths[0], joint.names([_get_path(names, path) for path in joint.paths]))
+            _set_path(tree, joint.paths[0], combine(joint, [_get_path(tree, path) for path in joint.paths]))
             for path in joint.paths[1:]:
-                _set_path(names, path, None)
-        return names
+                _set_path(tree, path, None)
+        return tree
 
     def kernel_mask(self, layout):
         """A tree like `layout` (compute layout): True where the model takes a `layers.ComputeKernel` (a
