@@ -4,6 +4,7 @@
     python benchmarks/checkpoint.py --recipes tiny 125m --json ckpt.json
     python benchmarks/checkpoint.py --recipes 125m --steps 40 --every 10 --dir /mnt/disk/tmp
     python benchmarks/checkpoint.py --set checkpoint.compress=true    # zstd-compressed arrays
+    python benchmarks/checkpoint.py --snapshot off auto   # the host copy in `save`, then where it fits on the devices
 
 With `jaxlm.checkpoint.Checkpointer` (async, as in the train loop) on the recipe's sharded train
 state: how long `save` blocks the loop and how long until the files are committed (`wait`), for
@@ -16,7 +17,9 @@ bytes one checkpoint takes on disk; the time to restore it onto the abstract sta
 written, so from the page cache); and the mean train-step time over `--steps` steps with no checkpointing vs
 with a save every `--every` steps, saves included, the metrics synced once at the end of each
 window. The saves fall on the window's steps 1, 1+every, ...; the wait for the last one to commit,
-after the window, is reported apart (`final_wait_s`). Batches are random tokens (CPU shapes as in
+after the window, is reported apart (`final_wait_s`). `--snapshot` runs each recipe once per
+`checkpoint.snapshot` setting; `snapshot_used` says whether the saves started from a copy on the
+devices (what `auto` decided). Batches are random tokens (CPU shapes as in
 train_throughput.py); no data iterator is saved. Checkpoints go to a temporary folder under `--dir`.
 """
 
@@ -75,7 +78,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
-    compress = cfg.checkpoint.compress
+    compress, snapshot = cfg.checkpoint.compress, cfg.checkpoint.snapshot
     setup = train_setup.build(cfg)
     target = train_setup.build(cfg, abstract=True).state  # what a resumed run restores onto
     d = cfg.data
@@ -83,11 +86,12 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     batches = [setup.put_batch(random_batch(per_process, d.seq_len, cfg.model.vocab_size, i)) for i in range(2)]
     meta = {"config": json.loads(cfg.to_json())}
     workdir = tempfile.mkdtemp(prefix=f"jaxlm-ckpt-bench-{recipe}-", dir=root)
-    r = {"recipe": recipe, "overrides": overrides, "compress": compress,
+    r = {"recipe": recipe, "overrides": overrides, "compress": compress, "snapshot": snapshot,
          "params_m": round(param_count(setup.model_cfg)["total"] / 1e6, 2),
          "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
     try:
-        with jax.set_mesh(setup.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress) as ckpt:
+        with jax.set_mesh(setup.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress,
+                                                                   snapshot=snapshot) as ckpt:
             state = jax.block_until_ready(setup.state)
             r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
             r["first_save_blocked_s"], r["first_save_total_s"], _ = timed_save(ckpt, 0, state, meta)
@@ -115,8 +119,9 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             state, _ = run_window(setup, state, batches, 2, None, meta, 0)  # warm-up
             state, r["step_s_off"] = run_window(setup, state, batches, steps, None, meta, 0)
         with jax.set_mesh(setup.mesh), Checkpointer(
-                os.path.join(workdir, "b"), every_steps=every, compress=compress) as ckpt:
+                os.path.join(workdir, "b"), every_steps=every, compress=compress, snapshot=snapshot) as ckpt:
             state, r["step_s_on"] = run_window(setup, state, batches, steps, ckpt, meta, 1)
+            r["snapshot_used"] = ckpt._snapshot == "device"
             t0 = time.perf_counter()
             ckpt.wait()
             r["final_wait_s"] = time.perf_counter() - t0
@@ -134,6 +139,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--every", type=int, default=5, help="save every this many steps in the checkpointed window")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoints go")
+    parser.add_argument("--snapshot", nargs="*", choices=("auto", "device", "off"), default=[],
+                        help="run each recipe with each of these checkpoint.snapshot settings (default: the config's)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     overrides = dict(kv.split("=", 1) for kv in args.set)
@@ -142,10 +149,13 @@ def main() -> None:
           f"| python {platform.python_version()} | {platform.processor() or platform.machine()}")
     results = []
     for recipe in args.recipes:
-        result = bench(recipe, overrides, args.steps, args.every, args.dir)
-        results.append(result)
-        print(json.dumps(result), file=sys.stderr)
-    cols = ["recipe", "compress", "batch", "state_gib", "disk_gib", "first_save_blocked_s", "first_save_total_s",
+        for snapshot in args.snapshot or [None]:
+            chosen = {**overrides, "checkpoint.snapshot": snapshot} if snapshot else overrides
+            result = bench(recipe, chosen, args.steps, args.every, args.dir)
+            results.append(result)
+            print(json.dumps(result), file=sys.stderr)
+    cols = ["recipe", "compress", "snapshot", "snapshot_used", "batch", "state_gib",
+            "disk_gib", "first_save_blocked_s", "first_save_total_s",
             "save_blocked_s", "save_total_s", "save_cpu_s", "manifest_s", "verify_s", "restore_s", "step_s_off",
             "step_s_on", "overhead_pct", "final_wait_s"]
     report(results, cols, args.json)

@@ -1,5 +1,7 @@
 """Checkpoints: real Orbax checkpoints on disk, restored onto other meshes, kept, skipped when broken."""
 
+import functools
+import gc
 import json
 import logging
 import os
@@ -269,7 +271,8 @@ def test_restore_without_checkpoints_or_of_a_missing_step(tmp_path):
             ckpt.restore(_vector_target(), step=4)
 
 
-def test_data_iterator_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("snapshot", ["off", "device"])
+def test_data_iterator_resumes_exactly(tmp_path, snapshot):
     rng = np.random.default_rng(0)
     docs = [rng.integers(4, 100, rng.integers(5, 60)).astype(np.int32) for _ in range(200)]
 
@@ -279,7 +282,7 @@ def test_data_iterator_resumes_exactly(tmp_path):
     it = new_iterator()
     for _ in range(3):
         next(it)
-    with checkpoint.Checkpointer(tmp_path) as ckpt:
+    with checkpoint.Checkpointer(tmp_path, snapshot=snapshot) as ckpt:
         ckpt.save(3, _vector(3.0), meta={}, data_iter=it, force=True)
         expected, tokens_seen = next(it), it.tokens_seen
         next(it)  # the saved position must not follow the live iterator
@@ -291,6 +294,116 @@ def test_data_iterator_resumes_exactly(tmp_path):
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key])
     assert resumed.tokens_seen == tokens_seen
+
+
+def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate_it(tmp_path):
+    """snapshot="device": `save` returns before the state is on the host, and the next steps donate
+    (and overwrite) the state's buffers; every checkpoint must still hold its own step's state, on
+    an 8-way FSDP mesh, key and optimizer state included."""
+    model_cfg, tx, rules, _ = _model_and_optimizer()
+    mesh = mesh_lib.make_mesh((1, 1, 8, 1))
+    state, _, _ = train_state.create(model_cfg, tx, mesh, rules)
+    initial = jax.device_get(state)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(s):  # a stand-in update: every parameter + 1, the counter + 1, a new key
+        return s.replace(params=jax.tree.map(lambda p: p + 1, s.params), step=s.step + 1,
+                         rng=jax.random.split(s.rng)[0])
+
+    keys, params = [initial.rng], [initial.params]  # each step's, computed apart (float32 sums round)
+    for _ in range(6):
+        keys.append(jax.random.split(keys[-1])[0])
+        params.append(jax.tree.map(lambda p: p + np.float32(1), params[-1]))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    with checkpoint.Checkpointer(tmp_path, snapshot="device") as ckpt:
+        for i in range(1, 7):
+            state = step(state)
+            if i % 2 == 0:
+                live = _live_bytes()
+                assert ckpt.save(i, state, meta={"i": i}, force=True)
+                assert ckpt._saver is not None  # the host copy was left to a thread
+                ckpt._join_saver()
+                # Once on the host, the snapshot's device buffers are freed (Orbax keeps a save's arrays
+                # referenced until the next save: left to it, two states would share the devices).
+                assert _live_bytes() - live < state_bytes / 4, (_live_bytes(), live, state_bytes)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 4, 6]
+        assert all((tmp_path / str(i) / checkpoint.MANIFEST).exists() for i in (2, 4, 6))
+        # The snapshots' device buffers are gone (freed once on the host): only the live state's remain.
+        target = _abstract((1, 1, 8, 1))
+        for i in (2, 4, 6):
+            restored, meta, got_step = ckpt.restore(target, step=i)
+            assert got_step == i and meta["i"] == i and int(restored.step) == i
+            np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(keys[i]))
+            jax.tree.map(lambda got, p: np.testing.assert_array_equal(np.asarray(got), p), restored.params, params[i])
+            jax.tree.map(lambda got, m: np.testing.assert_array_equal(np.asarray(got), m),
+                         restored.opt_state, initial.opt_state)
+            assert restored.params["embed"]["embedding"].sharding.spec == target.params["embed"]["embedding"].sharding.spec
+
+
+def _live_bytes() -> int:
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+class _Device:
+    """A device as `_device_room` sees one: only its allocator's statistics (a GPU's, which this
+    machine has none of)."""
+
+    def __init__(self, peak, limit):
+        self.stats = {"peak_bytes_in_use": peak, "bytes_in_use": peak // 2, "bytes_limit": limit}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_auto_snapshot_only_where_the_copy_fits_beside_the_peak(tmp_path):
+    assert checkpoint._device_room({_Device(60, 100): 30, _Device(10, 100): 80})
+    assert not checkpoint._device_room({_Device(60, 100): 30, _Device(10, 100): 90})  # over 95% of one
+    assert not checkpoint._device_room({jax.devices()[0]: 1})  # a CPU reports no allocator statistics
+    state = _vector(1.0)
+    assert checkpoint._bytes_per_device(state) == {jax.devices()[0]: 32}
+    with checkpoint.Checkpointer(tmp_path) as ckpt:  # auto, on a CPU: the save copies to the host itself
+        ckpt.save(1, state, meta={}, force=True)
+        assert ckpt._saver is None and ckpt._snapshot == "auto"
+    with pytest.raises(ValueError, match="snapshot must be one of auto, device, off"):
+        checkpoint.Checkpointer(tmp_path, snapshot="gpu")
+
+
+_FAILED_SAVE = """
+import resource, sys
+import jax.numpy as jnp
+from jaxlm import checkpoint
+from jaxlm.errors import EnvironmentFailure
+ckpt = checkpoint.Checkpointer(sys.argv[1], snapshot=sys.argv[2])
+ckpt.save(1, {"w": jnp.full((8,), 1.0)}, meta={}, force=True)
+ckpt.wait()
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # as a full disk: no file grows past 1 MiB
+ckpt.save(2, {"w": jnp.ones((4, 1024, 1024))}, meta={}, force=True)  # 16 MiB: its write fails in the background
+# Orbax raises that failure when the next save starts: here (off) or in the save's thread (device), so at `wait`
+for call in (lambda: ckpt.save(3, {"w": jnp.full((8,), 3.0)}, meta={}, force=True), ckpt.wait, ckpt.close):
+    try:
+        call()
+    except EnvironmentFailure as e:
+        print("FAILED:", e)
+"""
+
+
+@pytest.mark.parametrize("snapshot", ["off", "device"])
+def test_a_failed_background_save_is_reported_once_and_keeps_the_last_good_checkpoint(tmp_path, snapshot):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FAILED_SAVE), str(tmp_path), snapshot], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("FAILED:")]
+    assert len(lines) == 1, proc.stdout  # `close` does not repeat it
+    assert f"saving checkpoint {tmp_path / '2'} failed (File too large" in lines[0], lines
+    assert f"newest complete checkpoint is {tmp_path / '1'}" in lines[0], lines
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [1]
+        state, _, step = ckpt.restore(_vector_target())
+    assert step == 1
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.full(8, 1.0))
 
 
 _KILLED_SAVE = """

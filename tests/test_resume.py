@@ -91,6 +91,22 @@ def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted
 
 
 @pytest.mark.slow
+def test_saved_from_device_snapshots_then_resumed_equals_the_uninterrupted_run(uninterrupted):
+    """checkpoint.snapshot=device: each save copies the state on the devices and a thread writes
+    it while the next steps run. Killed at step 12 and resumed (from step 10, or from 5 where the
+    kill came before step 10's write committed), the run computes the uninterrupted run's losses
+    bit for bit: each checkpoint holds the state and data position of its own step."""
+    tmp, expected = uninterrupted
+    argv = args(tmp, "snapshots", "--config.checkpoint.snapshot=device")
+    code, _, _ = run_until(argv, "step     12/", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    code, out, err = run(argv)
+    assert code == 0, err[-3000:]
+    assert "resuming from step 10" in out or "resuming from step 5" in out, out
+    assert losses(tmp / "snapshots") == expected
+
+
+@pytest.mark.slow
 def test_a_finished_run_whose_final_checkpoint_is_damaged_trains_the_lost_steps_again(uninterrupted):
     """The final checkpoint no longer matches the sizes and checksums recorded when it was saved:
     evaluate says so in one line and uses step 20; the same training command moves it aside (kept)
