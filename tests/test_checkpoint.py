@@ -389,7 +389,7 @@ for call in (lambda: ckpt.save(3, {"w": jnp.full((8,), 3.0)}, meta={}, force=Tru
 """
 
 
-@pytest.mark.parametrize("snapshot", ["off", "device"])
+@pytest.mark.parametrize("snapshot", [pytest.param("off", marks=pytest.mark.slow), "device"])
 def test_a_failed_background_save_is_reported_once_and_keeps_the_last_good_checkpoint(tmp_path, snapshot):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FAILED_SAVE), str(tmp_path), snapshot], cwd=REPO,
