@@ -237,6 +237,9 @@ class Checkpointer:
     def _overlaps(self, stored) -> bool:
         """Whether this save starts from a snapshot on the devices (see `snapshot`)."""
         if self._snapshot == "auto":
+            if not all(d.memory_stats() for d in jax.local_devices()):
+                self._snapshot = "off"  # no allocator statistics (CPUs): nothing to check room against, ever
+                return False
             need = _bytes_per_device(stored)
             if _device_room(need):
                 # From now on: the peak the next check would read holds this copy too.
