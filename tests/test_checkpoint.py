@@ -315,21 +315,20 @@ def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate
         keys.append(jax.random.split(keys[-1])[0])
         params.append(jax.tree.map(lambda p: p + np.float32(1), params[-1]))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    live = _live_bytes()  # the state's, before any snapshot
     with checkpoint.Checkpointer(tmp_path, snapshot="device") as ckpt:
         for i in range(1, 7):
             state = step(state)
             if i % 2 == 0:
-                live = _live_bytes()
                 assert ckpt.save(i, state, meta={"i": i}, force=True)
-                assert ckpt._saver is not None  # the host copy was left to a thread
-                ckpt._join_saver()
-                # Once on the host, the snapshot's device buffers are freed (Orbax keeps a save's arrays
-                # referenced until the next save: left to it, two states would share the devices).
-                assert _live_bytes() - live < state_bytes / 4, (_live_bytes(), live, state_bytes)
+                assert ckpt._saver is not None  # the host copy was left to a thread; the next step runs now
+        ckpt._join_saver()
+        # Once on the host, the snapshot's device buffers are freed (Orbax keeps a save's arrays
+        # referenced until the next save: left to it, two states would share the devices).
+        assert _live_bytes() - live < state_bytes / 4, (_live_bytes(), live, state_bytes)
         ckpt.wait()
         assert ckpt.all_steps() == [2, 4, 6]
         assert all((tmp_path / str(i) / checkpoint.MANIFEST).exists() for i in (2, 4, 6))
-        # The snapshots' device buffers are gone (freed once on the host): only the live state's remain.
         target = _abstract((1, 1, 8, 1))
         for i in (2, 4, 6):
             restored, meta, got_step = ckpt.restore(target, step=i)
