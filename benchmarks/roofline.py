@@ -3,6 +3,7 @@
     make roofline                                          # installs .venv-h100 once, then the default set
     .venv-h100/bin/python benchmarks/roofline.py --recipe 1b --devices 1 8 --set optim.micro_batches=32
     .venv-h100/bin/python benchmarks/roofline.py --json roofline.json --top 20
+    .venv-h100/bin/python benchmarks/roofline.py --recipe 125m --recipe 1b --devices 1 --snapshot-copy
 
 For each (recipe, device count) the train step is compiled for compile-only H100s (XLA's own H100
 description, `jaxlm.roofline.H100`) by `python -m jaxlm.plan --target=h100`'s code, with the
@@ -14,6 +15,9 @@ between hosts, overlapped by the kernels scheduled between their start and done.
 MFU is the model's FLOPs over peak x (the kernels' sum + exposed communication): an upper bound of
 what this program can reach, not a measurement. The program's matmul FLOPs are checked against the
 model's count (exact, after cuDNN's recomputed scores) so the bound cannot be flattered by miscounting.
+
+`--snapshot-copy` compiles, instead of the train step, the copy of the train state that a checkpoint
+save makes on the devices (`checkpoint.snapshot`): its kernels and roofline time.
 """
 
 from __future__ import annotations
@@ -68,6 +72,27 @@ def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: in
     )
 
 
+def snapshot_copy(recipe: str, devices: int, overrides: list[tuple[str, str]]) -> dict:
+    """The state copy of `checkpoint.snapshot=device` compiled for `devices` H100s: per-device bytes,
+    kernels by kind, roofline seconds."""
+    from jaxlm import checkpoint, hlo, plan, roofline, train_setup
+    from jaxlm import config as config_lib
+
+    cfg = config_lib.load_recipe(recipe)
+    config_lib.apply_overrides(cfg, overrides)
+    setup = train_setup.build(cfg, plan.target_devices(roofline.H100, devices), abstract=True)
+    stored = checkpoint._stored(setup.state)
+    compiled = checkpoint._device_copy.lower(stored).compile()
+    analysis = compiled.memory_analysis()
+    kernels = roofline.kernels(hlo.Module(compiled.as_text()), roofline.H100, devices)
+    kinds: dict[str, int] = {}
+    for k in kernels:
+        kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
+    return dict(recipe=recipe, devices=devices, output_bytes=analysis.output_size_in_bytes,
+                temp_bytes=analysis.temp_size_in_bytes, kernels=kinds,
+                seconds=sum(k.total_seconds for k in kernels))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", action="append", help="recipe(s); default: 1b on 1 and 8, 7b on 8")
@@ -75,6 +100,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     parser.add_argument("--top", type=int, default=8, help="largest kernels to list per program")
     parser.add_argument("--json", default="", help="write every figure here")
+    parser.add_argument("--snapshot-copy", action="store_true",
+                        help="compile the checkpoint's on-device state copy instead of the train step")
     args = parser.parse_args()
     runs = [(r, n) for r in args.recipe for n in (args.devices or [1, 8])] if args.recipe else DEFAULT
     overrides = [tuple(kv.split("=", 1)) for kv in args.set]
@@ -97,6 +124,13 @@ def main() -> None:
     print(header, flush=True)
     results = []
     for recipe, devices in runs:
+        if args.snapshot_copy:
+            res = snapshot_copy(recipe, devices, overrides)
+            results.append(res)
+            print(f"{recipe} on {devices} H100: state copy {res['output_bytes'] / 2**30:.2f} GiB per device, "
+                  f"temporaries {res['temp_bytes'] / 2**30:.3f} GiB, kernels {res['kernels']}, "
+                  f"roofline {res['seconds'] * 1e3:.2f} ms", flush=True)
+            continue
         res = measure(recipe, devices, overrides, args.top)
         results.append(res)
         r = res["roofline"]

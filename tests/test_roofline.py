@@ -11,6 +11,7 @@ installed (`make h100-env`), on the H100 program itself.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -351,3 +352,22 @@ def test_the_h100_step_sums_the_weight_gradients_in_the_gemms():
     assert sum(1 for dtype, operands in on if operands == 3) == 4 * 2 + 1, on
     assert all(dtype == "f32" for dtype, operands in on if operands == 3), on
     assert not any(operands == 3 for _, operands in off), off
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_checkpoint_snapshot_copy_is_copies_of_the_state_and_nothing_else(tmp_path):
+    """checkpoint.snapshot=device's state copy compiled for 8 H100s (the tiny recipe's FSDP state):
+    one copy kernel per array, outputs the size of each device's shard of the state, no temporaries
+    beyond a few hundred bytes of XLA's bookkeeping."""
+    out = tmp_path / "copy.json"
+    result = subprocess.run([str(H100_PYTHON), "benchmarks/roofline.py", "--recipe", "tiny", "--devices", "8",
+                             "--snapshot-copy", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    setup = train_setup.build(config_lib.recipe("tiny"), devices=jax.devices()[:8], abstract=True)
+    leaves = jax.tree.leaves(setup.state)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    assert r["kernels"] == {"copy": len(leaves)}, r
+    assert r["temp_bytes"] <= 1024 and r["output_bytes"] == per_device and r["seconds"] > 0
