@@ -358,8 +358,8 @@ def test_the_h100_step_sums_the_weight_gradients_in_the_gemms():
 @pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
 def test_the_checkpoint_snapshot_copy_is_copies_of_the_state_and_nothing_else(tmp_path):
     """checkpoint.snapshot=device's state copy compiled for 8 H100s (the tiny recipe's FSDP state):
-    one copy kernel per array, outputs the size of each device's shard of the state, no temporaries
-    beyond a few hundred bytes of XLA's bookkeeping."""
+    one copy kernel per array, outputs the size of each device's shard of the state (plus the output
+    tuple's pointers), no temporaries beyond a few hundred bytes of XLA's bookkeeping."""
     out = tmp_path / "copy.json"
     result = subprocess.run([str(H100_PYTHON), "benchmarks/roofline.py", "--recipe", "tiny", "--devices", "8",
                              "--snapshot-copy", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -370,4 +370,5 @@ def test_the_checkpoint_snapshot_copy_is_copies_of_the_state_and_nothing_else(tm
     leaves = jax.tree.leaves(setup.state)
     per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
     assert r["kernels"] == {"copy": len(leaves)}, r
-    assert r["temp_bytes"] <= 1024 and r["output_bytes"] == per_device and r["seconds"] > 0
+    assert r["temp_bytes"] <= 1024 and per_device <= r["output_bytes"] <= per_device + 8 * len(leaves)
+    assert r["seconds"] > 0
