@@ -109,6 +109,10 @@ class Checkpointer:
             raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOTS)}, got {snapshot!r}")
         # Only an asynchronous save can overlap the next steps, and only one process's (see above).
         self._snapshot = snapshot if async_save and jax.process_count() == 1 else "off"
+        if snapshot == "device" and self._snapshot == "off":
+            log.warning("checkpoint.snapshot=device needs asynchronous saves in a single process (this run: %s); "
+                        "saving with snapshot=off", "async_save=False" if not async_save
+                        else f"{jax.process_count()} processes")
         self._saver: threading.Thread | None = None  # the thread of a save from a device snapshot
         self._saver_error: BaseException | None = None
         self._failure_reported = False  # a failed save was raised once: `close` does not raise it again
