@@ -19,7 +19,10 @@ with a save every `--every` steps, saves included, the metrics synced once at th
 window. The saves fall on the window's steps 1, 1+every, ...; the wait for the last one to commit,
 after the window, is reported apart (`final_wait_s`). `--snapshot` runs each recipe once per
 `checkpoint.snapshot` setting; `snapshot_used` says whether the saves started from a copy on the
-devices (what `auto` decided). Batches are random tokens (CPU shapes as in
+devices (what `auto` decided). Where the checkpointed window's time goes: `save_call_s` (mean/max
+of the `save` calls, the loop blocked), and Orbax's own durations of its saves there, read from
+`jax.monitoring` (`orbax_*`, mean/max: waiting for the previous save, the blocking part of a save,
+the commit, the removal of checkpoints retention dropped). Batches are random tokens (CPU shapes as in
 train_throughput.py); no data iterator is saved. Checkpoints go to a temporary folder under `--dir`.
 """
 
@@ -62,15 +65,41 @@ def timed_save(ckpt: Checkpointer, step: int, state, meta: dict) -> tuple[float,
     return blocked, time.perf_counter() - t0, cpu_s() - c0
 
 
+# Orbax's durations (jax.monitoring events) of the saves in a checkpointed window, by short name
+ORBAX_EVENTS = {
+    "/jax/checkpoint/write/wait_for_prev_duration_secs": "wait_prev",
+    "/jax/checkpoint/write/async/blocking_duration_secs": "blocking",
+    "/jax/checkpoint/write/async/commit_duration_sec": "commit",
+    "/jax/checkpoint/write/remove_steps_duration_secs": "remove_steps",
+}
+_events: dict[str, list[float]] | None = None  # collecting while not None
+
+
+def _listen(event: str, duration: float, **_) -> None:
+    if _events is not None and event in ORBAX_EVENTS:
+        _events.setdefault(ORBAX_EVENTS[event], []).append(duration)
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def _mean_max(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.3f}/{max(values):.3f}" if values else "-"
+
+
 def run_window(setup, state, batches, steps: int, ckpt: Checkpointer | None, meta: dict, first_step: int):
-    """Mean step time of `steps` steps, saving on steps 1, 1+every, ... of the window when `ckpt`."""
+    """(state, mean step time, seconds of each `save` call) of `steps` steps, saving on steps 1,
+    1+every, ... of the window when `ckpt`."""
+    calls = []
     t0 = time.perf_counter()
     for i in range(steps):
         state, metrics = setup.train_step(state, batches[i % 2], setup.expected_attention_choice())
         if ckpt is not None and i % ckpt.every_steps == 0:
+            c0 = time.perf_counter()
             ckpt.save(first_step + i, state, meta=meta, force=True)
+            calls.append(time.perf_counter() - c0)
     jax.block_until_ready(metrics)
-    return state, (time.perf_counter() - t0) / steps
+    return state, (time.perf_counter() - t0) / steps, calls
 
 
 def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: str) -> dict:
@@ -116,15 +145,23 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             r["restore_s"] = time.perf_counter() - t0
             del restored
 
-            state, _ = run_window(setup, state, batches, 2, None, meta, 0)  # warm-up
-            state, r["step_s_off"] = run_window(setup, state, batches, steps, None, meta, 0)
+            state, _, _ = run_window(setup, state, batches, 2, None, meta, 0)  # warm-up
+            state, r["step_s_off"], _ = run_window(setup, state, batches, steps, None, meta, 0)
         with jax.set_mesh(setup.mesh), Checkpointer(
                 os.path.join(workdir, "b"), every_steps=every, compress=compress, snapshot=snapshot) as ckpt:
-            state, r["step_s_on"] = run_window(setup, state, batches, steps, ckpt, meta, 1)
-            r["snapshot_used"] = ckpt._snapshot == "device"
-            t0 = time.perf_counter()
-            ckpt.wait()
-            r["final_wait_s"] = time.perf_counter() - t0
+            global _events
+            _events = {}
+            try:
+                state, r["step_s_on"], calls = run_window(setup, state, batches, steps, ckpt, meta, 1)
+                r["snapshot_used"] = ckpt._snapshot == "device"
+                t0 = time.perf_counter()
+                ckpt.wait()
+                r["final_wait_s"] = time.perf_counter() - t0
+                r["save_call_s"] = _mean_max(calls)
+                for name in ORBAX_EVENTS.values():  # (the window's saves, the last one's after its end)
+                    r[f"orbax_{name}_s"] = _mean_max(_events.get(name, []))
+            finally:
+                _events = None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     r["saves_in_window"] = -(-steps // every)
@@ -157,7 +194,8 @@ def main() -> None:
     cols = ["recipe", "compress", "snapshot", "snapshot_used", "batch", "state_gib",
             "disk_gib", "first_save_blocked_s", "first_save_total_s",
             "save_blocked_s", "save_total_s", "save_cpu_s", "manifest_s", "verify_s", "restore_s", "step_s_off",
-            "step_s_on", "overhead_pct", "final_wait_s"]
+            "step_s_on", "overhead_pct", "final_wait_s", "save_call_s",
+            *(f"orbax_{name}_s" for name in ORBAX_EVENTS.values())]
     report(results, cols, args.json)
 
 

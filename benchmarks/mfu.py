@@ -23,10 +23,12 @@ last; `--json` writes the full results.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -79,10 +81,14 @@ def attention_choice(setup, host: list[dict]):
     return setup.attention_choice({"segment_ids": np.concatenate([b["segment_ids"] for b in host])})
 
 
+CUDNN_WORKSPACE = re.compile(r"u8\[(\d+)\]\{0\}\) custom-call\([^\n]*custom_call_target=\"__cudnn\$")
+
+
 def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
-            doc_len: float = 0) -> dict:
+            doc_len: float = 0, hlo: str | None = None) -> dict:
     """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
-    (attention within documents only; 0: one document per row)."""
+    (attention within documents only; 0: one document per row); `hlo`: write the compiled step's HLO
+    text there (gzipped), to set beside the compile-only program `jaxlm.plan --target` reads."""
     import jax
 
     from jaxlm import metrics
@@ -119,6 +125,10 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
     compiled_bytes = None if analysis is None else (
         analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         + analysis.temp_size_in_bytes)
+    text = compiled.as_text()
+    if hlo:
+        with gzip.open(hlo, "wt") as f:
+            f.write(text)
     if memory:
         peak_bytes, memory_source = memory["peak_memory_bytes"], "device"
     else:
@@ -145,6 +155,11 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         # what the real program adds to the compile-only one `jaxlm.plan --target` reads
         "state_memory_gib": None if before is None else round(before["memory_bytes"] / 2**30, 3),
         "compiled_memory_gib": None if compiled_bytes is None else round(compiled_bytes / 2**30, 3),
+        # of which XLA's temporaries (activations, gradients, workspaces), and the cuDNN calls' workspaces
+        # summed (each call's own; XLA may share the bytes): a compile-only program has them all empty
+        "temp_memory_gib": None if analysis is None else round(analysis.temp_size_in_bytes / 2**30, 3),
+        "cudnn_workspace_gib": round(sum(int(n) for n in CUDNN_WORKSPACE.findall(text)) / 2**30, 3),
+        "cudnn_calls": len(CUDNN_WORKSPACE.findall(text)),
         "doc_len": doc_len,
         "segments_per_row_max": segments,
         # cuDNN's packed layout: the fraction of micro-batches that fell back to the document mask
@@ -210,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc_len", type=float, default=0,
                         help="documents of this mean length (tokens) packed in each row; 0 = one per row")
     parser.add_argument("--json", help="write all results to this file")
+    parser.add_argument("--hlo", help="write the compiled step's HLO text to this file, gzipped (one point only)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one point, JSON out
     args = parser.parse_args(argv)
     if args.doc_len < 0:
@@ -230,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for overrides in points:
         result = run_isolated(args, overrides) if len(points) > 1 else measure(
-            args.recipe, overrides, args.steps, args.warmup, args.peak_tflops, args.doc_len)
+            args.recipe, overrides, args.steps, args.warmup, args.peak_tflops, args.doc_len, args.hlo)
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.json:

@@ -127,6 +127,38 @@ def test_keep_last_and_every(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "4", "8", "9"]
 
 
+def test_retention_renames_in_the_commit_and_deletes_beside_training(tmp_path, caplog):
+    trash = tmp_path / checkpoint.TRASH
+    (trash / "99" / "state").mkdir(parents=True)  # left by a run killed before it emptied the folder
+    (trash / "99" / "state" / "d").write_bytes(b"x" * 4096)
+    with checkpoint.Checkpointer(tmp_path) as reader:  # a reader (evaluate) leaves a saving run's trash alone
+        assert reader.all_steps() == []
+    assert (trash / "99" / "state" / "d").exists()
+
+    caplog.set_level(logging.INFO, logger="absl")
+    with checkpoint.Checkpointer(tmp_path, keep_last=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _vector(step), meta={}, force=True)
+        ckpt._manager.wait_until_finished()  # Orbax's commits of 3 and 4 dropped 1 and 2
+        ckpt._recorder.join()
+        assert ckpt.all_steps() == [3, 4] and checkpoint.complete_steps(tmp_path) == [3, 4]
+        ckpt.save(5, _vector(5), meta={}, force=True)  # then, after 4's commit, deletes what was dropped
+        ckpt._recorder.join()
+        assert set(p.name for p in trash.iterdir()) <= {"3"}  # (3: dropped by 5's commit, maybe after that)
+        assert (tmp_path / "4" / checkpoint.MANIFEST).exists()
+        ckpt.wait()  # no save in flight: the folder goes too
+        assert not trash.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["4", "5"]
+        # (a restore quiets Orbax's log while it runs: not beside a commit here, which logs its renames)
+        np.testing.assert_array_equal(np.asarray(ckpt.restore(_vector_target(), step=4)[0]["w"]), np.full(8, 4.0))
+        ckpt.save(6, _vector(6), meta={}, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "6"]
+    assert checkpoint.verify_step(tmp_path / "6")
+    # Orbax dropped each by a rename into the trash, inside its commit, not by deleting the files there
+    renamed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Renamed step")]
+    assert [m.split()[2] for m in renamed] == ["1", "2", "3", "4"]
+    assert all(m.endswith(os.path.join(checkpoint.TRASH, m.split()[2])) for m in renamed)
+
+
 def test_keep_best_by_validation_loss_survives_a_restart(tmp_path):
     val = {2: 3.0, 4: 1.5, 6: 2.5, 8: 1.0, 10: 4.0}  # evaluated steps; odd steps are plain saves
     with checkpoint.Checkpointer(tmp_path, keep_last=1, keep_best=2) as ckpt:
