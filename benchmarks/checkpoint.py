@@ -107,7 +107,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
     if jax.default_backend() == "cpu":
         overrides = {**{k: str(v) for k, v in CPU_OVERRIDES.get(recipe, {}).items()}, **overrides}
     config.apply_overrides(cfg, list(overrides.items()))
-    compress, snapshot = cfg.checkpoint.compress, cfg.checkpoint.snapshot
+    compress, snapshot, ocdbt = cfg.checkpoint.compress, cfg.checkpoint.snapshot, cfg.checkpoint.ocdbt
     setup = train_setup.build(cfg)
     target = train_setup.build(cfg, abstract=True).state  # what a resumed run restores onto
     d = cfg.data
@@ -120,7 +120,8 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
          "batch": f"{d.global_batch_size}x{d.seq_len}", "devices": f"{jax.device_count()}x {jax.devices()[0].device_kind}"}
     try:
         with jax.set_mesh(setup.mesh), Checkpointer(os.path.join(workdir, "a"), compress=compress,
-                                                                   snapshot=snapshot) as ckpt:
+                                                                   snapshot=snapshot, ocdbt=ocdbt) as ckpt:
+            r["ocdbt"] = ckpt.ocdbt  # the layout `checkpoint.ocdbt` chose
             state = jax.block_until_ready(setup.state)
             r["state_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30, 3)
             r["first_save_blocked_s"], r["first_save_total_s"], _ = timed_save(ckpt, 0, state, meta)
@@ -148,7 +149,8 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             state, _, _ = run_window(setup, state, batches, 2, None, meta, 0)  # warm-up
             state, r["step_s_off"], _ = run_window(setup, state, batches, steps, None, meta, 0)
         with jax.set_mesh(setup.mesh), Checkpointer(
-                os.path.join(workdir, "b"), every_steps=every, compress=compress, snapshot=snapshot) as ckpt:
+                os.path.join(workdir, "b"), every_steps=every, compress=compress, snapshot=snapshot,
+                ocdbt=ocdbt) as ckpt:
             global _events
             _events = {}
             try:
@@ -191,7 +193,7 @@ def main() -> None:
             result = bench(recipe, chosen, args.steps, args.every, args.dir)
             results.append(result)
             print(json.dumps(result), file=sys.stderr)
-    cols = ["recipe", "compress", "snapshot", "snapshot_used", "batch", "state_gib",
+    cols = ["recipe", "compress", "ocdbt", "snapshot", "snapshot_used", "batch", "state_gib",
             "disk_gib", "first_save_blocked_s", "first_save_total_s",
             "save_blocked_s", "save_total_s", "save_cpu_s", "manifest_s", "verify_s", "restore_s", "step_s_off",
             "step_s_on", "overhead_pct", "final_wait_s", "save_call_s",

@@ -118,6 +118,30 @@ def test_compressed_and_uncompressed_checkpoints_restore_either_way(tmp_path):
     assert sizes[False] > 65536 * 4 > 10 * sizes[True]
 
 
+def test_both_array_layouts_restore_either_way(tmp_path, caplog):
+    """checkpoint.ocdbt: "auto" in a local folder, one process, is one array per leaf; "on" is Orbax's
+    OCDBT; a checkpoint of either restores whatever the reader's setting (a run resumed across the change)."""
+    state = {"w": jax.device_put(jnp.arange(5000, dtype=jnp.float32), jax.devices()[0]),
+             "m": {"x": jax.device_put(jnp.ones((64, 64), jnp.bfloat16), jax.devices()[0])}}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    caplog.set_level(logging.WARNING)
+    for written, expected in (("auto", False), ("off", False), ("on", True)):
+        directory = tmp_path / written
+        with checkpoint.Checkpointer(directory, ocdbt=written) as ckpt:
+            assert ckpt.ocdbt is expected
+            ckpt.save(1, state, meta={}, force=True)
+        files = {str(f.relative_to(directory / "1" / "state")) for f in (directory / "1" / "state").rglob("*")}
+        assert ("manifest.ocdbt" in files) is expected and ("w/.zarray" in files) is not expected
+        assert checkpoint.verify_step(directory / "1")
+        for reader in ("on", "off"):
+            with checkpoint.Checkpointer(directory, ocdbt=reader) as ckpt:
+                restored, _, _ = ckpt.restore(target)
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
+    assert not [r.getMessage() for r in caplog.records if "OCDBT" in r.getMessage()]  # Orbax's "nothing to merge"
+    with pytest.raises(ValueError, match="ocdbt must be one of auto, on, off"):
+        checkpoint.Checkpointer(tmp_path / "x", ocdbt="yes")
+
+
 def test_keep_last_and_every(tmp_path):
     with checkpoint.Checkpointer(tmp_path, keep_last=2, keep_every=4) as ckpt:
         for step in range(1, 11):
@@ -198,7 +222,9 @@ def test_should_save_every_steps_and_minutes(tmp_path):
 
 
 def _data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d")
+    """The files holding the arrays' bytes: OCDBT's data files (`d/<hash>`), or an array's chunks (`0`, `0.0`)."""
+    return sorted(f for f in (step_dir / "state").rglob("*")
+                  if f.is_file() and (f.parent.name == "d" or f.name.replace(".", "").isdigit()))
 
 
 def test_a_files_checksum_is_zlibs_crc32_of_its_bytes(tmp_path):
