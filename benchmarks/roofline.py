@@ -65,6 +65,7 @@ def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: in
         recipe=recipe, devices=devices, overrides=dict(overrides), mesh=report["mesh"],
         micro_batches=report["micro_batches"], remat=report["remat"], attention=compiled["attention"],
         per_device_bytes=compiled["per_device_bytes"], temp_bytes=compiled["temp_bytes"],
+        cudnn_workspace_bytes=compiled.get("cudnn_workspace_bytes", 0),
         compile_s=compiled["compile_s"], seconds=round(time.perf_counter() - started, 1),
         flops_check=dict(program=r["matmul_flops"], model=r["model_flops"], recomputed_scores=r["attention_recompute_flops"],
                          other=r["matmul_flops"] - r["model_flops"] - r["attention_recompute_flops"]),

@@ -217,3 +217,30 @@ def test_zero_micro_batches_are_the_fewest_that_fit_in_device_memory(monkeypatch
     setup = train_setup.build(recipe("tiny", optim__micro_batches=0), abstract=True)
     assert setup.cfg.optim.micro_batches > 1
     assert setup.derived.micro_batch_size * setup.cfg.optim.micro_batches == 16
+
+
+# The packed layout's attention backward in 1b's train step (32 micro-batches of 8 rows), as compiled here for an
+# H100 (compile-only: no workspace) and on an H200 (2026-11-27: the workspace cuDNN asked for); operands trimmed
+_BACKWARD = (
+    "  %dot_product_attention_bwd.0 = (bf16[8,32,2048,64]{3,1,2,0}, bf16[8,4,2048,64]{3,1,2,0}, "
+    "bf16[8,4,2048,64]{3,1,2,0}, u8[WORKSPACE]{0}) custom-call(%input_concatenate_fusion.21, %bitcast.43.0), "
+    'custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={bf16[8,2048,32,64]{3,2,1,0}, '
+    "bf16[8,2048,4,64]{3,2,1,0}, bf16[8,2048,4,64]{3,2,1,0}, f32[128,32,2048]{2,1,0}, bf16[8,2048,32,64]{3,2,1,0}, "
+    "bf16[8,2048,32,64]{3,2,1,0}, s32[8,16]{1,0}, s32[8,16]{1,0}, s32[8,17]{1,0}, s32[8,17]{1,0}}, "
+    "api_version=API_VERSION_STATUS_RETURNING\n"
+)
+_FORWARD = (
+    "  %dot_product_attention_fwd.1 = (bf16[8,32,2048,64]{3,1,2,0}, f32[128,32,2048]{2,1,0}, u8[WORKSPACE]{0}) "
+    'custom-call(%input_concatenate_fusion, %bitcast.44.0), custom_call_target="__cudnn$fmhaSoftmax", '
+    "operand_layout_constraints={bf16[8,2048,32,64]{3,2,1,0}, s32[8,17]{1,0}}\n"
+)
+
+
+def test_the_compile_only_program_gets_the_cudnn_workspace_a_real_gpu_asked_for():
+    """What an H200 asked for, 4,328,555,264 bytes for each backward call, is what the estimate adds to the
+    compile-only program; a real program's calls, already sized, add nothing."""
+    compile_only = (_FORWARD + _BACKWARD).replace("WORKSPACE", "0") * 22
+    assert plan.cudnn_workspace_estimate(compile_only) == 4_328_555_264
+    assert plan.cudnn_workspace_estimate(_FORWARD.replace("WORKSPACE", "0")) == 33_536  # the forward's alone
+    real = _FORWARD.replace("WORKSPACE", "33536") + _BACKWARD.replace("WORKSPACE", "4328555264")
+    assert plan.cudnn_workspace_estimate(real) == 0
