@@ -155,7 +155,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             _events = {}
             try:
                 state, r["step_s_on"], calls = run_window(setup, state, batches, steps, ckpt, meta, 1)
-                r["snapshot_used"] = ckpt._snapshot == "device"
+                r["snapshot_used"] = ckpt._snapshot in ("device", "host")
                 t0 = time.perf_counter()
                 ckpt.wait()
                 r["final_wait_s"] = time.perf_counter() - t0
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--every", type=int, default=5, help="save every this many steps in the checkpointed window")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoints go")
-    parser.add_argument("--snapshot", nargs="*", choices=("auto", "device", "off"), default=[],
+    parser.add_argument("--snapshot", nargs="*", choices=("auto", "device", "host", "off"), default=[],
                         help="run each recipe with each of these checkpoint.snapshot settings (default: the config's)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()

@@ -23,7 +23,8 @@
 #            reading NVML, then the same run with model.dtype=float16 (dynamic loss scaling, issue 24);
 #            both runs' summary.json; the first run's trace of 10 steps summarized (busy against span)
 #                                                                                      -> $OUT/train.json
-#   ckpt     benchmarks/checkpoint.py --recipes 125m --snapshot off auto (issues 4, 21) -> $OUT/checkpoint.json
+#   ckpt     benchmarks/checkpoint.py --recipes 125m --steps 40 --snapshot off auto host (issues 4, 21)
+#                                                                                      -> $OUT/checkpoint.json
 #   hlo      benchmarks/hlo_audit.py --recipe 1b, only if time is left                -> $OUT/hlo_audit.json
 #   notebook notebooks/01_quickstart.ipynb in a real Jupyter kernel on this machine's Python, with the
 #            wheels in .whl/nb (nbclient, ipykernel, matplotlib, ...) installed to /tmp/nbsite (issue 8:
@@ -100,7 +101,9 @@ else
     SWEEP=${GPU_SESSION_SWEEP:-"cudnn:0:$V2,--xla_gpu_cudnn_gemm_fusion_level=3 cudnn:0:$V2,--xla_gpu_cublas_fallback=false,--xla_gpu_autotune_level=3 cudnn-seg8:0 cudnn-mask:0 xla:0 pallas:0 cudnn:0:--xla_gpu_enable_triton_gemm=false"}
     MFU_STEPS=${MFU_STEPS:-5}; MFU_WARMUP=${MFU_WARMUP:-2}
     SWEEP_STEPS=${SWEEP_STEPS:-2}; SWEEP_WARMUP=${SWEEP_WARMUP:-1}
-    CKPT_ARGS=(--snapshot off auto)  # the host copy in `save`, then (where it fits) a copy on the device
+    # the host copy in `save`; (where it fits) a copy on the device; that copy sent on to pinned host memory at
+    # once. 40 steps: 8 saves, 5 of them with retention (2026-11-27: 20 steps hid the commits' backlog)
+    CKPT_ARGS=(--steps 40 --snapshot off auto host)
     MFU_DOC_LEN=${MFU_DOC_LEN:-512}; TRAIN_ARGS=(); TRAIN_PROFILE=150:159
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(240 45 0); HLO=(300 60 0); NB=(240 60 0)
     TRAIN=(120 30 0); FP8=(150 90 80); PROFILE=(120 40 0)

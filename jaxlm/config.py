@@ -270,9 +270,10 @@ def base_config() -> ml_collections.ConfigDict:
         keep_best=0,
         async_save=True,  # write in the background; the loop waits only for the device-to-host copy
         compress=False,  # zstd-compress the arrays: ~11% less disk for ~8x the background writer's CPU time
-        # auto | device | off: "device" copies the state on the devices and leaves the copy to the host to a
-        # thread, so a save does not stall the next step; "auto" does where the devices have room for the copy
-        # (GPUs, one process); "off" copies it to the host before the loop goes on (CPUs)
+        # auto | device | host | off: "device" copies the state on the devices and leaves the copy to the host
+        # to a thread, so a save does not stall the next step; "auto" does where the devices have room for the
+        # copy (GPUs, one process); "off" copies it to the host before the loop goes on (CPUs); "host" is
+        # "device" that also starts the copy to pinned host memory at once (not yet measured on a GPU)
         snapshot="auto",
         # auto | on | off: Orbax's OCDBT layout (a few large files per process) or one array per leaf, written
         # in parallel (1.6x faster commits on a local disk); "auto": off for a local folder and one process
@@ -665,7 +666,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "1 or more")
     _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
     _check(ck.keep_best >= 0, "checkpoint.keep_best", ck.keep_best, "0 (off) or more")
-    _check_choice(cfg, "checkpoint.snapshot", ("auto", "device", "off"))
+    _check_choice(cfg, "checkpoint.snapshot", ("auto", "device", "host", "off"))
     _check_choice(cfg, "checkpoint.ocdbt", ("auto", "on", "off"))
     _check(not ck.keep_best or d.val_tokens > 0, "checkpoint.keep_best", ck.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")

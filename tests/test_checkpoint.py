@@ -354,10 +354,13 @@ def test_data_iterator_resumes_exactly(tmp_path, snapshot):
     assert resumed.tokens_seen == tokens_seen
 
 
-def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate_it(tmp_path):
+@pytest.mark.parametrize("snapshot", ["device", pytest.param("host", marks=pytest.mark.slow)])
+def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate_it(tmp_path, snapshot,
+                                                                                     monkeypatch):
     """snapshot="device": `save` returns before the state is on the host, and the next steps donate
     (and overwrite) the state's buffers; every checkpoint must still hold its own step's state, on
-    an 8-way FSDP mesh, key and optimizer state included."""
+    an 8-way FSDP mesh, key and optimizer state included. "host": the same, the snapshot sent on to
+    pinned host memory by `save` itself."""
     model_cfg, tx, rules, _ = _model_and_optimizer()
     mesh = mesh_lib.make_mesh((1, 1, 8, 1))
     state, _, _ = train_state.create(model_cfg, tx, mesh, rules)
@@ -374,16 +377,25 @@ def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate
         params.append(jax.tree.map(lambda p: p + np.float32(1), params[-1]))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     live = _live_bytes()  # the state's, before any snapshot
-    with checkpoint.Checkpointer(tmp_path, snapshot="device") as ckpt:
+    sent = []  # what `save` sent on to pinned host memory ("host"), as the real function returned it
+    to_pinned_host = checkpoint._to_pinned_host
+    monkeypatch.setattr(checkpoint, "_to_pinned_host", lambda tree: sent.append(to_pinned_host(tree)) or sent[-1])
+    with checkpoint.Checkpointer(tmp_path, snapshot=snapshot) as ckpt:
+        assert ckpt._snapshot == snapshot  # (these CPU devices have pinned host memory)
         for i in range(1, 7):
             state = step(state)
             if i % 2 == 0:
                 assert ckpt.save(i, state, meta={"i": i}, force=True)
                 assert ckpt._saver is not None  # the host copy was left to a thread; the next step runs now
         ckpt._join_saver()
-        # Once on the host, the snapshot's device buffers are freed (Orbax keeps a save's arrays
-        # referenced until the next save: left to it, two states would share the devices).
+        # Once on the host, the snapshot's buffers are freed (Orbax keeps a save's arrays referenced
+        # until the next save: left to it, two states would share the devices).
         assert _live_bytes() - live < state_bytes / 4, (_live_bytes(), live, state_bytes)
+        # "host": each save's copy went to pinned host memory, in the state's shardings, and was freed
+        assert len(sent) == (3 if snapshot == "host" else 0)
+        for tree in sent:
+            assert {x.sharding.memory_kind for x in jax.tree.leaves(tree)} == {"pinned_host"}
+            assert all(x.is_deleted() for x in jax.tree.leaves(tree))
         ckpt.wait()
         assert ckpt.all_steps() == [2, 4, 6]
         assert all((tmp_path / str(i) / checkpoint.MANIFEST).exists() for i in (2, 4, 6))
@@ -395,7 +407,9 @@ def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate
             jax.tree.map(lambda got, p: np.testing.assert_array_equal(np.asarray(got), p), restored.params, params[i])
             jax.tree.map(lambda got, m: np.testing.assert_array_equal(np.asarray(got), m),
                          restored.opt_state, initial.opt_state)
-            assert restored.params["embed"]["embedding"].sharding.spec == target.params["embed"]["embedding"].sharding.spec
+            restored_sharding = restored.params["embed"]["embedding"].sharding
+            assert restored_sharding.spec == target.params["embed"]["embedding"].sharding.spec
+            assert restored_sharding.memory_kind == jax.devices()[0].default_memory().kind  # not pinned_host
 
 
 def _live_bytes() -> int:
