@@ -437,7 +437,7 @@ def test_auto_snapshot_only_where_the_copy_fits_beside_the_peak(tmp_path):
     with checkpoint.Checkpointer(tmp_path) as ckpt:  # auto, on a CPU: the save copies to the host itself
         ckpt.save(1, state, meta={}, force=True)
         assert ckpt._saver is None and ckpt._snapshot == "off"
-    with pytest.raises(ValueError, match="snapshot must be one of auto, device, off"):
+    with pytest.raises(ValueError, match="snapshot must be one of auto, device, host, off"):
         checkpoint.Checkpointer(tmp_path, snapshot="gpu")
 
 
