@@ -155,7 +155,7 @@ def bench(recipe: str, overrides: dict[str, str], steps: int, every: int, root: 
             _events = {}
             try:
                 state, r["step_s_on"], calls = run_window(setup, state, batches, steps, ckpt, meta, 1)
-                r["snapshot_used"] = ckpt._snapshot in ("device", "host")
+                r["snapshot_used"] = ckpt.from_snapshot
                 t0 = time.perf_counter()
                 ckpt.wait()
                 r["final_wait_s"] = time.perf_counter() - t0

@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -81,9 +80,6 @@ def attention_choice(setup, host: list[dict]):
     return setup.attention_choice({"segment_ids": np.concatenate([b["segment_ids"] for b in host])})
 
 
-CUDNN_WORKSPACE = re.compile(r"u8\[(\d+)\]\{0\}\) custom-call\([^\n]*custom_call_target=\"__cudnn\$")
-
-
 def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, peak_tflops: float,
             doc_len: float = 0, hlo: str | None = None) -> dict:
     """One configuration, in this process; `doc_len` > 0: documents of that mean length packed in each row
@@ -93,6 +89,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
 
     from jaxlm import metrics
     from jaxlm.models.transformer import flops_per_token, param_count
+    from jaxlm.plan import CUDNN_WORKSPACE
 
     cfg, overrides, setup, host = build(recipe, overrides, doc_len)
     d = cfg.data
@@ -126,6 +123,7 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         + analysis.temp_size_in_bytes)
     text = compiled.as_text()
+    workspaces = [int(n) for n in CUDNN_WORKSPACE.findall(text)]
     if hlo:
         with gzip.open(hlo, "wt") as f:
             f.write(text)
@@ -158,8 +156,8 @@ def measure(recipe: str, overrides: dict[str, str], steps: int, warmup: int, pea
         # of which XLA's temporaries (activations, gradients, workspaces), and the cuDNN calls' workspaces
         # summed (each call's own; XLA may share the bytes): a compile-only program has them all empty
         "temp_memory_gib": None if analysis is None else round(analysis.temp_size_in_bytes / 2**30, 3),
-        "cudnn_workspace_gib": round(sum(int(n) for n in CUDNN_WORKSPACE.findall(text)) / 2**30, 3),
-        "cudnn_calls": len(CUDNN_WORKSPACE.findall(text)),
+        "cudnn_workspace_gib": round(sum(workspaces) / 2**30, 3),
+        "cudnn_calls": len(workspaces),
         "doc_len": doc_len,
         "segments_per_row_max": segments,
         # cuDNN's packed layout: the fraction of micro-batches that fell back to the document mask

@@ -293,6 +293,11 @@ class Checkpointer:
                 self._snapshot = "device"
             else:
                 return False
+        return self.from_snapshot
+
+    @property
+    def from_snapshot(self) -> bool:
+        """Whether saves start from a copy on the devices ("device" or "host"; what "auto" has decided)."""
         return self._snapshot in ("device", "host")
 
     def wait(self) -> None:

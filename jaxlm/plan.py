@@ -105,8 +105,8 @@ def use_cpu_devices(num_devices: int) -> None:
         pass
 
 
-# A cuDNN custom call whose last output, its workspace, is empty (u8[0]): what a compile-only program holds.
-CUDNN_EMPTY_WORKSPACE = re.compile(r"u8\[0\]\{0\}\) custom-call\([^\n]*custom_call_target=\"__cudnn\$")
+# A cuDNN custom call's last output, its workspace (u8[bytes]); empty (u8[0]) in a compile-only program.
+CUDNN_WORKSPACE = re.compile(r"u8\[(\d+)\]\{0\}\) custom-call\([^\n]*custom_call_target=\"__cudnn\$")
 # The packed layout's attention backward (ragged offsets s32[B, n+1] among its operands): its query
 # gradient's output, its softmax statistics operand f32[B*n, H, S]
 _CUDNN_PACKED_BACKWARD = re.compile(
@@ -123,7 +123,7 @@ def cudnn_workspace_estimate(text: str) -> int:
     one of the softmax statistics, 4 R H S (2 D + 1) + 33,536 bytes; exactly the 4,328,555,264 bytes 1b's
     real program asked for on an H200 (R = 8 x 16, H = 32, S = 2,048, D = 64; benchmarks/BENCHMARKS.md).
     Other cuDNN calls: the forward's 33,536 bytes (the masked kernel's backward is not measured)."""
-    largest = CUDNN_FORWARD_WORKSPACE if CUDNN_EMPTY_WORKSPACE.search(text) else 0
+    largest = CUDNN_FORWARD_WORKSPACE if "0" in CUDNN_WORKSPACE.findall(text) else 0
     for d, workspace, r, h, s in _CUDNN_PACKED_BACKWARD.findall(text):
         if workspace == "0":
             largest = max(largest, packed_backward_workspace(int(r), int(h), int(s), int(d)))
@@ -165,7 +165,7 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     if target is not None:
         # XLA sizes each cuDNN call's workspace by asking cuDNN on a real GPU; compiled here, they are empty
         text = compiled.as_text()
-        out["cudnn_calls_without_workspace"] = len(CUDNN_EMPTY_WORKSPACE.findall(text))
+        out["cudnn_calls_without_workspace"] = CUDNN_WORKSPACE.findall(text).count("0")
         # what a real GPU adds to this program's peak: the cuDNN calls' (shared) workspace
         out["cudnn_workspace_bytes"] = cudnn_workspace_estimate(text)
         out["compiled_bytes"] = peak
