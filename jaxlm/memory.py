@@ -6,7 +6,11 @@ on an abstract mesh), so parameters, gradients and optimizer state are exact per
 recipe's rules table. Activations come from formulas, per layer, of what the step's jaxpr saves for
 the backward pass (`jax.ad_checkpoint.print_saved_residuals`, after XLA's deduplication) and of the
 backward pass's peak; the constants below were fitted to XLA's buffer assignment of the compiled
-step, and `TOLERANCE` states how far a compiled step may be from the estimate. Elements are counted
+step, and `TOLERANCE` states how far a compiled step may be from the estimate. The peak is what the
+step holds throughout plus the larger of its two phases, the passes (activations, working set,
+cuDNN's workspace) and the optimizer's update (`Row.phase`). Checked against the real GPU program
+compiled for H100s (`benchmarks/memory_plan.py --target h100`: 0.94-1.05 over 13 steps of the 125m,
+350m, 1b and 7b recipes on one and eight) and against the CPU's (`tests/test_plan.py`). Elements are counted
 on one device for one micro-batch of B sequences of T tokens, split as `config.mesh.rules` splits
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
@@ -29,7 +33,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxlm import axes, optim, quant, train_state
+from jaxlm import axes, optim, quant, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -43,8 +47,13 @@ TOLERANCE = 0.15  # |compiled / analytic - 1| stated for CPU compiles (0.92 to 1
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
-LOGITS_EXTRA_BYTES = 6  # per logit, besides the compute-dtype logits: f32 softmax and gradient, partly fused
+# Per logit, besides the compute-dtype logits: XLA:CPU's float32 softmax and gradient, partly fused; on a
+# GPU XLA fuses the softmax, the loss and its gradient around them (125m on eight H100s, compiled here:
+# 2.09 bytes per logit in all, from the temporaries at three vocabulary sizes; benchmarks/BENCHMARKS.md)
+LOGITS_EXTRA_BYTES = {"gpu": 0}
+LOGITS_EXTRA_BYTES_ELSEWHERE = 6
 UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
+CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, each cuDNN attention forward call of 1b's real program on an H200
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
 
@@ -166,10 +175,15 @@ def _mlp_saved(m) -> int:
 
 
 def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
-    """Bytes one block keeps for its backward pass without remat, weights aside (per device).
+    """Bytes one block keeps for its backward pass without remat, weights aside (per device): the
+    residuals of its jaxpr (`jax.ad_checkpoint.print_saved_residuals`), the norms and activation
+    functions recomputed (`layers.recomputed`), which is what XLA keeps whether the layers are scanned,
+    a scan unrolled or unrolled in Python (compiled for one H100: 1b's temporaries grow 1.18 GiB per
+    layer at 8 rows, 61 KB per token with the layer's accumulator and bfloat16 weights taken out, against
+    59 KB counted here; benchmarks/BENCHMARKS.md).
 
-    `recomputed=False`: as if the norms and activation functions were not recomputed (what unrolled
-    layers come to, and what a recomputed layer holds at its peak under remat).
+    `recomputed=False`: as if the norms and activation functions were not recomputed: what a layer
+    holds at its backward's peak (`layer_backward_bytes`).
     """
     a = act_bytes
     if not recomputed:  # every intermediate, as autodiff saves it
@@ -230,7 +244,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
     a = act_bytes
     if policy == "none":
-        saved = layer_forward_bytes(m, s, a, recomputed=m.scan_layers)
+        saved = layer_forward_bytes(m, s, a)
         if m.attention == "blocked" and one_program(m):
             saved += blocked_scores_kept(s)
         return saved
@@ -258,14 +272,21 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
 # ----------------------------------------------------------------------------- the estimate
 
 
+# A component's phase of the step: held throughout, or only in the forward and backward passes (with
+# the micro-batches' loop), or only in the optimizer's update after them
+ALWAYS, BACKWARD, UPDATE = "always", "backward", "update"
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One component: bytes on each device, and unsharded (what one device would hold alone)."""
+    """One component: bytes on each device, and unsharded (what one device would hold alone); `phase`:
+    when it is alive (`ALWAYS`, `BACKWARD`, `UPDATE`)."""
 
     name: str
     per_device_bytes: float
     total_bytes: float
     note: str = ""
+    phase: str = ALWAYS
 
 
 @dataclasses.dataclass
@@ -286,7 +307,14 @@ class Estimate:
 
     @property
     def per_device_bytes(self) -> float:
-        return sum(r.per_device_bytes for r in self.rows)
+        """The step's peak on one device: what it holds throughout, plus the larger of its two phases (the
+        passes' activations and the update's temporaries are never alive together)."""
+        return peak_bytes(self.rows, "per_device_bytes")
+
+    @property
+    def total_bytes(self) -> float:
+        """The same peak unsharded: what one device would need alone."""
+        return peak_bytes(self.rows, "total_bytes")
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -296,6 +324,41 @@ class Estimate:
         """Parameters + gradients + optimizer state, unsharded, per parameter: 16 for float32 AdamW
         (4 + 4 + 4 + 4), the standard count (a micro-batch accumulator adds 4 more, not counted here)."""
         return sum(self.row(k).total_bytes for k in ("parameters", "gradients", "optimizer state")) / self.param_count
+
+
+def micro_batch_grad_bytes(model_spec, params, mesh_shape: Sequence[int], rules, act_bytes: int) -> tuple[int, int]:
+    """(per device, unsharded) bytes of one micro-batch's gradients, which the step adds to its float32
+    sum: every trainable leaf but the kernels whose GEMMs add theirs in place (`steps.compute_kernels` on
+    this mesh), in the compute dtype where the forward casts the leaf (`ModelSpec.cast_dtypes`)."""
+    mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
+    with jax.sharding.use_abstract_mesh(mesh):
+        spec = steps.compute_kernels(model_spec, rules, steps.data_replicas(model_spec, rules))
+    trainable = model_spec.split(params)[0]
+    casts = dict(jax.tree_util.tree_flatten_with_path(model_spec.split(model_spec.cast_dtypes)[0],
+                                                      is_leaf=lambda x: x is None)[0])
+    per_device = total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(trainable)[0]:
+        if tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path) in spec.grad_kernels:
+            continue
+        size = act_bytes if casts.get(path) is not None else _itemsize(leaf.dtype)
+        total += math.prod(leaf.shape) * size
+        per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * size
+    return per_device, total
+
+
+def peak_bytes(rows: Sequence[Row], field: str) -> float:
+    """Rows' `field` summed as the step holds them: `ALWAYS` + max(`BACKWARD`, `UPDATE`)."""
+    phase = {p: sum(getattr(r, field) for r in rows if r.phase == p) for p in (ALWAYS, BACKWARD, UPDATE)}
+    return phase[ALWAYS] + max(phase[BACKWARD], phase[UPDATE])
+
+
+def cudnn_packed_workspace(slots: float, head_dim: int) -> float:
+    """cuDNN's workspace for one backward call of its packed layout, in bytes: two float32 buffers of
+    the query gradient's size per document slot and one of the softmax statistics, 4 R H S (2 D + 1) +
+    33,536 for R rows x the bound of documents per row, H heads, S tokens, D the head's width; `slots`
+    = R H S. Exactly the 4,328,555,264 bytes 1b's real program asked for on an H200 (R = 8 x 16, H = 32,
+    S = 2,048, D = 64; benchmarks/BENCHMARKS.md). The calls run one after another and share one buffer."""
+    return 4 * slots * (2 * head_dim + 1) + CUDNN_FORWARD_WORKSPACE
 
 
 def estimate(
@@ -332,6 +395,11 @@ def estimate(
     batch_tokens = cfg.data.global_batch_size * cfg.data.seq_len
     batch = (20 * batch_tokens / _ways(("act_batch", "act_seq"), rules, sizes), 20 * batch_tokens)  # 5 4-byte arrays
     accumulate = cfg.optim.micro_batches > 1  # the scan over micro-batches carries a sum of gradients
+    # With micro-batches, one micro-batch's gradients before they join the float32 sum, except the plain
+    # projections' kernels whose weight gradients the GEMMs add to it (`steps.compute_kernels`)
+    micro_grads = micro_batch_grad_bytes(model_spec, state.params, derived.mesh_shape, rules, a) if accumulate \
+        else (0, 0)
+    accumulator = [n * F32 / _itemsize(m.param_dtype) for n in trainable_bytes]  # float32 whatever the params
 
     # Weights that one layer's backward (and the loss) holds at full size over fsdp and data (still
     # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
@@ -344,9 +412,10 @@ def estimate(
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
     full_embedding = [copies * F32 * m.vocab_size * m.d_model / tensor, copies * F32 * m.vocab_size * m.d_model]
     cast = a < _itemsize(m.param_dtype) and m.remat == "none"  # saved bf16 copies of the weights
+    logits_extra = LOGITS_EXTRA_BYTES.get(platform, LOGITS_EXTRA_BYTES_ELSEWHERE)
 
-    def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float]:
-        """(saved, one layer's backward, logits and loss); i = 0 per device, 1 unsharded."""
+    def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float, float]:
+        """(saved, one layer's backward, logits and loss, cuDNN's workspace); i = 0 per device, 1 unsharded."""
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
@@ -363,13 +432,16 @@ def estimate(
             s = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
                                  mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
+        # cuDNN's packed layout: its backward's workspace, sized for the bound of documents in every row
+        workspace = cudnn_packed_workspace(m.attention_segments * s.head_stats, m.head_dim) \
+            if m.attention_segments else 0.0
         chunk = cfg.model.loss_chunk_len
         fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
-        logits = (a + LOGITS_EXTRA_BYTES) * whole.vocab * fraction + full_embedding[i]
-        return saved, layer, logits
+        logits = (a + logits_extra) * whole.vocab * fraction + full_embedding[i]
+        return saved, layer, logits, workspace
 
-    saved, layer, logits = activations(sizes, 0)
-    saved_total, layer_total, logits_total = activations({axis: 1 for axis in sizes}, 1)
+    saved, layer, logits, workspace = activations(sizes, 0)
+    saved_total, layer_total, logits_total, workspace_total = activations({axis: 1 for axis in sizes}, 1)
     selection = cfg.optim.trainable or (train_state.LORA_TRAINABLE if m.lora_targets else "")  # build_model_spec's
     trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={selection!r})"
     rows = [
@@ -377,17 +449,23 @@ def estimate(
             f", {', '.join(m.quant_targets)} in {m.quantize} (group {m.quant_group or 'per channel'}"
             f"{', double quant' if m.double_quant else ''})" if m.quant else "")
             + (", pruning masks (bool)" if m.prune_targets else "")),
-        Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note),
+        *([Row("gradients", *accumulator, f"float32, summed over {cfg.optim.micro_batches} micro-batches"
+               + trainable_note)] if accumulate else
+          [Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note)]),
         Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
-        *([Row("grad accumulator", *trainable_bytes, f"{cfg.optim.micro_batches} micro-batches")] if accumulate else []),
-        Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
-            "AdamW's new values beside the donated state"),
+        Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
+        *([Row("micro-batch gradients", *micro_grads, "one micro-batch's, before they join the sum (the plain "
+               "projections' kernels add theirs in the GEMMs)", BACKWARD)] if accumulate else []),
         Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={m.remat}" + (
             "" if schedule is None else f"; {m.n_layers // schedule.stages} per stage, {schedule.iterations} "
-            f"iterations of 1/{schedule.microbatches} micro-batch")),
+            f"iterations of 1/{schedule.microbatches} micro-batch"), BACKWARD),
         Row("working set", max(layer, logits), max(layer_total, logits_total),
-            f"the larger of one layer's backward ({format_bytes(layer)}) and the logits ({format_bytes(logits)})"),
-        Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
+            f"the larger of one layer's backward ({format_bytes(layer)}) and the logits ({format_bytes(logits)})",
+            BACKWARD),
+        *([Row("cuDNN workspace", workspace, workspace_total, f"the packed layout's backward, sized for "
+               f"{m.attention_segments} documents in every row", BACKWARD)] if workspace else []),
+        Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
+            "AdamW's new values beside the donated state, after the passes", UPDATE),
     ]
     stage_bytes = 0.0
     if schedule is not None:  # each iteration hands a stage's output on, forward and (its gradient) backward

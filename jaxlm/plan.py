@@ -113,26 +113,18 @@ _CUDNN_PACKED_BACKWARD = re.compile(
     r"= \(bf16\[\d+,\d+,\d+,(\d+)\][^\n]*u8\[(\d+)\]\{0\}\) custom-call\([^\n]*"
     r"custom_call_target=\"__cudnn\$fmhaSoftmaxBackward\", operand_layout_constraints=\{[^\n]*?"
     r"f32\[(\d+),(\d+),(\d+)\][^\n]*?s32\[\d+,\d+\]")
-CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, each forward call of 1b's real program on an H200
 
 
 def cudnn_workspace_estimate(text: str) -> int:
     """The largest workspace the compile-only program's cuDNN calls will ask for on a real GPU, which
     XLA sizes only there; the calls run one at a time, so they share one buffer. For the packed layout's
-    backward: two float32 buffers of the query gradient's size per document slot (rows x the bound) and
-    one of the softmax statistics, 4 R H S (2 D + 1) + 33,536 bytes; exactly the 4,328,555,264 bytes 1b's
-    real program asked for on an H200 (R = 8 x 16, H = 32, S = 2,048, D = 64; benchmarks/BENCHMARKS.md).
-    Other cuDNN calls: the forward's 33,536 bytes (the masked kernel's backward is not measured)."""
-    largest = CUDNN_FORWARD_WORKSPACE if "0" in CUDNN_WORKSPACE.findall(text) else 0
+    backward, `memory.cudnn_packed_workspace` from the call's shapes (exact for 1b's real program on an
+    H200); other cuDNN calls: the forward's 33,536 bytes (the masked kernel's backward is not measured)."""
+    largest = memory.CUDNN_FORWARD_WORKSPACE if "0" in CUDNN_WORKSPACE.findall(text) else 0
     for d, workspace, r, h, s in _CUDNN_PACKED_BACKWARD.findall(text):
         if workspace == "0":
-            largest = max(largest, packed_backward_workspace(int(r), int(h), int(s), int(d)))
+            largest = max(largest, int(memory.cudnn_packed_workspace(int(r) * int(h) * int(s), int(d))))
     return largest
-
-
-def packed_backward_workspace(rows: int, heads: int, seq: int, head_dim: int) -> int:
-    """cuDNN's workspace for one backward call of the packed layout (`rows` = sequences x the bound)."""
-    return 4 * rows * heads * seq * (2 * head_dim + 1) + CUDNN_FORWARD_WORKSPACE
 
 
 def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Target | None = None) -> dict[str, Any]:
@@ -425,12 +417,14 @@ def format_report(report: dict[str, Any]) -> str:
         *([f"  {r['micro_batches_auto']}"] if r.get("micro_batches_auto") else []),
         *([format_pipeline(r["pipeline"])] if r.get("pipeline") else []),
         "",
-        f"  {'component':<22}{'per device':>14}{'unsharded':>14}",
+        f"  {'component':<22}{'per device':>14}{'unsharded':>14}   {'alive':<9}",
     ]
+    alive = {memory.ALWAYS: "", memory.BACKWARD: "passes", memory.UPDATE: "update"}
     for row in r["analytic"]["rows"]:
         lines.append(f"  {row['name']:<22}{format_bytes(row['per_device_bytes']):>14}"
-                     f"{format_bytes(row['total_bytes']):>14}   {row['note']}")
-    lines.append(f"  {'total (analytic)':<22}{format_bytes(r['analytic']['per_device_bytes']):>14}")
+                     f"{format_bytes(row['total_bytes']):>14}   {alive[row.get('phase', memory.ALWAYS)]:<9}{row['note']}")
+    lines.append(f"  {'peak (analytic)':<22}{format_bytes(r['analytic']['per_device_bytes']):>14}   what is held "
+                 "throughout + the larger of the passes and the update")
     lines.append(f"  parameters + gradients + optimizer state: {r['bytes_per_param']:.1f} bytes per parameter")
     c = r["compiled"]
     if c:

@@ -203,14 +203,16 @@ def test_the_h100_program_counts_the_models_flops_and_fits(devices):
     assert compiled["compile_only"] and compiled["cudnn_calls_without_workspace"] == 2 * 4
     # ... to which the one workspace they share on a GPU is added: the packed layout's backward, sized for
     # tiny's rows (16 per device at one micro-batch on one, 2 on eight) x the bound of 16 documents
-    from jaxlm import plan
+    from jaxlm import memory
 
     m = config_lib.load_recipe("tiny").model
     rows = 16 // devices * m.attention_segments
-    workspace = plan.packed_backward_workspace(rows, m.n_heads, 128, m.head_dim or m.d_model // m.n_heads)
+    workspace = memory.cudnn_packed_workspace(rows * m.n_heads * 128, m.head_dim or m.d_model // m.n_heads)
     assert compiled["cudnn_workspace_bytes"] == workspace
     assert compiled["per_device_bytes"] == compiled["compiled_bytes"] + workspace
     assert report["per_device_bytes"] == max(compiled["per_device_bytes"], report["analytic"]["per_device_bytes"])
+    if devices == 1:  # the analytic plan counts the same workspace (on eight tiny's MiB are XLA's fixed buffers)
+        assert compiled["within_tolerance"], compiled["ratio"]
     if devices == 8:
         assert r["by_kind"]["all-gather"]["bytes"] > 0 and r["communication_seconds"] > 0
 
