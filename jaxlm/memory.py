@@ -376,6 +376,11 @@ def estimate(
     m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora,
                                               compress=cfg.compress, **derived.pipeline)
     a = act_bytes or _itemsize(m.dtype)
+    # XLA:CPU recomputes nothing in an unrolled program: remat there keeps what no remat keeps (tiny at 512
+    # tokens: 313.5 MiB under none, dots or full alike; benchmarks/BENCHMARKS.md)
+    cpu_unrolled = platform == "cpu" and not m.scan_layers and m.remat != "none"
+    if cpu_unrolled:
+        m = dataclasses.replace(m, remat="none")
     schedule = None
     if m.pipeline_stages > 1:
         schedule = pipeline_parallel.Schedule(m.pipeline_stages, m.pipeline_microbatches, m.pipeline_repeats)
@@ -456,7 +461,8 @@ def estimate(
         Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
         *([Row("micro-batch gradients", *micro_grads, "one micro-batch's, before they join the sum (the plain "
                "projections' kernels add theirs in the GEMMs)", BACKWARD)] if accumulate else []),
-        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={m.remat}" + (
+        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={cfg.model.remat}" + (
+            " (XLA:CPU recomputes nothing when the layers are unrolled: counted as none)" if cpu_unrolled else "") + (
             "" if schedule is None else f"; {m.n_layers // schedule.stages} per stage, {schedule.iterations} "
             f"iterations of 1/{schedule.microbatches} micro-batch"), BACKWARD),
         Row("working set", max(layer, logits), max(layer_total, logits_total),
