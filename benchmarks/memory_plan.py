@@ -89,18 +89,18 @@ def main() -> None:
             "fits": target.per_device_bytes <= args.device_memory_gib * gib,
         }
         if not args.no_compile:
-            target = roofline.TARGETS[args.target] if args.target else None
-            devices = plan.target_devices(target, n) if target else plan.compile_devices(n)
-            compiled = plan.compiled_memory(cfg, devices, target)
+            kind = roofline.TARGETS[args.target] if args.target else None
+            devices = plan.target_devices(kind, n) if kind else plan.compile_devices(n)
+            compiled = plan.compiled_memory(cfg, devices, kind)
             act_bytes = memory.cpu_act_bytes() if compiled["platform"] == "cpu" else None
             same = memory.estimate(cfg, n, platform=compiled["platform"], act_bytes=act_bytes)
             row.update(
-                compiled_on=f"{n}x {compiled['device_kind'] if target else compiled['platform']}",
+                compiled_on=f"{n}x {compiled['device_kind'] if kind else compiled['platform']}",
                 analytic_same_gib=round(same.per_device_bytes / gib, 2),
                 compiled_gib=round(compiled["per_device_bytes"] / gib, 2),
                 compiled_args_gib=round(compiled["argument_bytes"] / gib, 2),
                 compiled_temp_gib=round(compiled["temp_bytes"] / gib, 2),
-                **({"cudnn_workspace_gib": round(compiled["cudnn_workspace_bytes"] / gib, 2)} if target else {}),
+                **({"cudnn_workspace_gib": round(compiled["cudnn_workspace_bytes"] / gib, 2)} if kind else {}),
                 ratio=round(compiled["per_device_bytes"] / same.per_device_bytes, 3),
                 compile_s=compiled["compile_s"],
             )
@@ -118,4 +118,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxlm.errors import UserError
+
+    try:
+        main()
+    except UserError as e:  # e.g. --target without `make h100-env`: one line that says what to do
+        sys.exit(f"memory_plan: error: {e}")

@@ -50,6 +50,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxlm.config import CHECKPOINT_OCDBT, CHECKPOINT_SNAPSHOTS
 from jaxlm.errors import EnvironmentFailure, UserError
 from jaxlm.models import layout
 
@@ -444,8 +445,7 @@ class Checkpointer:
         self.close()
 
 
-SNAPSHOTS = ("auto", "device", "host", "off")
-OCDBT = ("auto", "on", "off")
+SNAPSHOTS, OCDBT = CHECKPOINT_SNAPSHOTS, CHECKPOINT_OCDBT
 
 
 @jax.jit

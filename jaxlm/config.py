@@ -34,6 +34,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_mlp", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "blocked", "cudnn", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
+CHECKPOINT_SNAPSHOTS = ("auto", "device", "host", "off")
+CHECKPOINT_OCDBT = ("auto", "on", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -666,8 +668,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "1 or more")
     _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
     _check(ck.keep_best >= 0, "checkpoint.keep_best", ck.keep_best, "0 (off) or more")
-    _check_choice(cfg, "checkpoint.snapshot", ("auto", "device", "host", "off"))
-    _check_choice(cfg, "checkpoint.ocdbt", ("auto", "on", "off"))
+    _check_choice(cfg, "checkpoint.snapshot", CHECKPOINT_SNAPSHOTS)
+    _check_choice(cfg, "checkpoint.ocdbt", CHECKPOINT_OCDBT)
     _check(not ck.keep_best or d.val_tokens > 0, "checkpoint.keep_best", ck.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")

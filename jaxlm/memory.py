@@ -52,8 +52,8 @@ WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live
 # tests/test_plan.py and test_pipeline.py; 2 undercounts the float8 step); on a GPU XLA fuses the softmax,
 # the loss and its gradient around them (125m on eight H100s, compiled here: 2.09 bytes per logit in all,
 # from the temporaries at three vocabulary sizes; benchmarks/BENCHMARKS.md)
-LOGITS_EXTRA_BYTES = {"gpu": 0}
-LOGITS_EXTRA_BYTES_ELSEWHERE = 4
+LOGITS_EXTRA_BYTES = 4
+LOGITS_EXTRA_BYTES_GPU = 0
 UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
 CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, each cuDNN attention forward call of 1b's real program on an H200
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
@@ -108,6 +108,10 @@ def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
     return model_spec, tx, shapes
 
 
+def _abstract_mesh(mesh_shape: Sequence[int]) -> AbstractMesh:
+    return AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
+
+
 def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], model_cfg):
     """(the train state as ShapeDtypeStructs sharded over an abstract mesh of `mesh_shape`, its
     ModelSpec): the per-device layout `train_setup.build` creates (same rules, same code), without any
@@ -115,7 +119,7 @@ def abstract_state(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], mo
     # micro-batches do not change the optimizer or the state: one build serves every count tried
     optim_items = tuple(sorted((k, v) for k, v in cfg.optim.to_dict().items() if k != "micro_batches"))
     model_spec, tx, shapes = _model_and_shapes(model_cfg, optim_items, cfg.run.steps)
-    mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
+    mesh = _abstract_mesh(mesh_shape)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     train_state.check_divisible(model_spec, shapes.params, mesh, rules)
     shardings = train_state.state_shardings(shapes, model_spec, tx, mesh, rules)
@@ -311,7 +315,7 @@ class Estimate:
     def per_device_bytes(self) -> float:
         """The step's peak on one device: what it holds throughout, plus the larger of its two phases (the
         passes' activations and the update's temporaries are never alive together)."""
-        return peak_bytes(self.rows, "per_device_bytes")
+        return peak_bytes(self.rows)
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -327,8 +331,7 @@ def micro_batch_grad_bytes(model_spec, params, mesh_shape: Sequence[int], rules,
     """(per device, unsharded) bytes of one micro-batch's gradients, which the step adds to its float32
     sum: every trainable leaf but the kernels whose GEMMs add theirs in place (`steps.compute_kernels` on
     this mesh), in the compute dtype where the forward casts the leaf (`ModelSpec.cast_dtypes`)."""
-    mesh = AbstractMesh(tuple(mesh_shape), axes.MESH_AXES, axis_types=(AxisType.Auto,) * len(axes.MESH_AXES))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(mesh_shape)):
         spec = steps.compute_kernels(model_spec, rules, steps.data_replicas(model_spec, rules))
     trainable = model_spec.split(params)[0]
     casts = dict(jax.tree_util.tree_flatten_with_path(model_spec.split(model_spec.cast_dtypes)[0],
@@ -343,9 +346,9 @@ def micro_batch_grad_bytes(model_spec, params, mesh_shape: Sequence[int], rules,
     return per_device, total
 
 
-def peak_bytes(rows: Sequence[Row], field: str) -> float:
-    """Rows' `field` summed as the step holds them: `ALWAYS` + max(`BACKWARD`, `UPDATE`)."""
-    phase = {p: sum(getattr(r, field) for r in rows if r.phase == p) for p in (ALWAYS, BACKWARD, UPDATE)}
+def peak_bytes(rows: Sequence[Row]) -> float:
+    """Rows' bytes per device summed as the step holds them: `ALWAYS` + max(`BACKWARD`, `UPDATE`)."""
+    phase = {p: sum(r.per_device_bytes for r in rows if r.phase == p) for p in (ALWAYS, BACKWARD, UPDATE)}
     return phase[ALWAYS] + max(phase[BACKWARD], phase[UPDATE])
 
 
@@ -414,7 +417,7 @@ def estimate(
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
     full_embedding = [copies * F32 * m.vocab_size * m.d_model / tensor, copies * F32 * m.vocab_size * m.d_model]
     cast = a < _itemsize(m.param_dtype) and m.remat == "none"  # saved bf16 copies of the weights
-    logits_extra = LOGITS_EXTRA_BYTES.get(platform, LOGITS_EXTRA_BYTES_ELSEWHERE)
+    logits_extra = LOGITS_EXTRA_BYTES_GPU if platform == "gpu" else LOGITS_EXTRA_BYTES
 
     def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float, float]:
         """(saved, one layer's backward, logits and loss, cuDNN's workspace); i = 0 per device, 1 unsharded."""
@@ -575,8 +578,8 @@ HOST_BATCH_BUFFERS = 4  # batches the input pipeline holds at once (prefetch, th
 
 def check_fits(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> None:
     """Refuse, before anything is allocated, a run that certainly cannot fit: planned at more than
-    `REFUSE_OVER` times a device's memory (the estimate is within 0.92-1.11 of XLA's compiled figure,
-    benchmarks/BENCHMARKS.md), or whose input batches alone exceed the host's memory."""
+    `REFUSE_OVER` times a device's memory (the estimate is within 0.94-1.05 of the GPU program compiled
+    for H100s, benchmarks/BENCHMARKS.md), or whose input batches alone exceed the host's memory."""
     platform = devices[0].platform
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
