@@ -142,6 +142,13 @@ def test_both_array_layouts_restore_either_way(tmp_path, caplog):
         checkpoint.Checkpointer(tmp_path / "x", ocdbt="yes")
 
 
+def test_the_config_offers_the_choices_the_checkpointer_takes():
+    from jaxlm import config
+
+    assert config.CHECKPOINT_SNAPSHOTS == checkpoint.SNAPSHOTS
+    assert config.CHECKPOINT_OCDBT == checkpoint.OCDBT
+
+
 def test_keep_last_and_every(tmp_path):
     with checkpoint.Checkpointer(tmp_path, keep_last=2, keep_every=4) as ckpt:
         for step in range(1, 11):
