@@ -22,9 +22,14 @@ install: $(VENV)/.installed-$(EXTRAS)
 train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.run.steps=100" to override
 	$(BIN)/python -m jaxlm.train --config=configs/tiny.py $(ARGS)
 
+# pytest-xdist: the suite in one worker per core (at most 4; each holds a JAX with 8 fake devices), a test file
+# per worker (--dist loadfile: a module's fixtures are built once). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= auto
+PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile)
+
 test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices, under 10 minutes)
 	$(BIN)/ruff check .
-	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(ARGS)
+	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(PARALLEL) $(ARGS)
 
 check: install  ## the lint, then every test, slow ones included (about 27 minutes on 2 cores); CI runs `make test`
 	$(BIN)/ruff check .

@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
-XLA_FLAGS_GIVEN = os.environ.get("XLA_FLAGS", "")
+# The flags the user gave, kept in the environment: pytest-xdist's workers (`make test` runs the suite in
+# several) inherit XLA_FLAGS as this file has already extended it in the parent
+XLA_FLAGS_GIVEN = os.environ.setdefault("JAXLM_TEST_XLA_FLAGS_GIVEN", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_count=8"
 # `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation. The HLO passes,
 # fusions, layouts and buffers are the same, the machine code unoptimized: the default suite compiles hundreds of
