@@ -29,6 +29,20 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_compiled_programs():
+    """After each test file, JAX's in-memory caches (compiled programs, traces) are dropped: without this a
+    process that runs many files holds every program it compiled (3 GB per xdist worker by the suite's end).
+    A program needed again comes back from the persistent compilation cache above."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def facts_run(tmp_path_factory):
     """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one."""
