@@ -47,16 +47,21 @@ TOLERANCE = 0.15  # |compiled / analytic - 1| stated (H100 programs compiled her
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
-# Per logit, besides the compute-dtype logits: XLA:CPU's float32 softmax and gradient, partly fused (4:
-# since the loss takes the largest and the target logit in one reduction, 6 overcounted every CPU check of
-# tests/test_plan.py and test_pipeline.py; 2 undercounts the float8 step); on a GPU XLA fuses the softmax,
-# the loss and its gradient around them (125m on eight H100s, compiled here: 2.09 bytes per logit in all,
-# from the temporaries at three vocabulary sizes; benchmarks/BENCHMARKS.md)
-LOGITS_EXTRA_BYTES = 4
-LOGITS_EXTRA_BYTES_GPU = 0
 UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
 CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, each cuDNN attention forward call of 1b's real program on an H200
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
+
+
+def logit_bytes(platform: str, dtype, act_bytes: int) -> int:
+    """Bytes per logit of the loss at its peak. XLA:CPU: the unembedding's float32 dot output and its copy
+    in the compute dtype, both alive as the loss reads them (the peak of the tiny CPU checks of
+    tests/test_plan.py and test_pipeline.py, read from XLA's buffer live ranges: 8 + 4 MiB for 2M bfloat16
+    logits). A GPU: the compute-dtype logits alone, XLA fusing the softmax, the loss and its gradient
+    around them (125m on eight H100s, compiled here: 2.09 bytes per logit in all, from the temporaries at
+    three vocabulary sizes). benchmarks/BENCHMARKS.md, "Memory plan"."""
+    if platform == "gpu":
+        return act_bytes
+    return F32 + (_itemsize(dtype) if _itemsize(dtype) < F32 else 0)
 
 
 # ----------------------------------------------------------------------------- the train state
@@ -417,10 +422,11 @@ def estimate(
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
     full_embedding = [copies * F32 * m.vocab_size * m.d_model / tensor, copies * F32 * m.vocab_size * m.d_model]
     cast = a < _itemsize(m.param_dtype) and m.remat == "none"  # saved bf16 copies of the weights
-    logits_extra = LOGITS_EXTRA_BYTES_GPU if platform == "gpu" else LOGITS_EXTRA_BYTES
+    per_logit = logit_bytes(platform, m.dtype, a)
 
     def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float, float]:
-        """(saved, one layer's backward, logits and loss, cuDNN's workspace); i = 0 per device, 1 unsharded."""
+        """(saved, one layer's backward, logits and loss, cuDNN's workspace); i = 0 per device, 1 unsharded.
+        The vocabulary tables at full size are in neither of the middle two: they are alive through both."""
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
@@ -442,7 +448,7 @@ def estimate(
             if m.attention_segments else 0.0
         chunk = cfg.model.loss_chunk_len
         fraction = chunk / cfg.data.seq_len if 0 < chunk < cfg.data.seq_len else 1.0  # chunked loss: one chunk alive
-        logits = (a + logits_extra) * whole.vocab * fraction + full_embedding[i]
+        logits = per_logit * whole.vocab * fraction
         return saved, layer, logits, workspace
 
     saved, layer, logits, workspace = activations(sizes, 0)
@@ -465,7 +471,8 @@ def estimate(
             " (XLA:CPU recomputes nothing when the layers are unrolled: counted as none)" if cpu_unrolled else "") + (
             "" if schedule is None else f"; {m.n_layers // schedule.stages} per stage, {schedule.iterations} "
             f"iterations of 1/{schedule.microbatches} micro-batch"), BACKWARD),
-        Row("working set", max(layer, logits), max(layer_total, logits_total),
+        Row("working set", full_embedding[0] + max(layer, logits), full_embedding[1] + max(layer_total, logits_total),
+            f"the vocabulary tables at full size ({format_bytes(full_embedding[0])}), alive through the backward, and "
             f"the larger of one layer's backward ({format_bytes(layer)}) and the logits ({format_bytes(logits)})",
             BACKWARD),
         *([Row("cuDNN workspace", workspace, workspace_total, f"the packed layout's backward, sized for "
