@@ -116,7 +116,7 @@ def test_sharding_notebook(execute):
     losses, difference = mesh_losses(text)
     assert len(losses) == 2 and abs(max(losses) - min(losses) - difference) < 1e-6  # printed to 6 decimals
     assert difference < 1e-4
-    assert "fits: " in text and "does not fit: " in text and "--config.optim.micro_batches=8" in text
+    assert "fits: " in text and "does not fit: " in text and "--config.optim.micro_batches=16" in text
 
 
 def test_ablation_notebook(execute):
