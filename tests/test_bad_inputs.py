@@ -534,7 +534,7 @@ CASES = [
          slow=True),
     Case("disk-full-at-the-first-save", "train", FACTS(), 74, ("saving checkpoint", "failed", "File too large",
                                                                "newest complete checkpoint is none"),
-         file_size_limit=200_000, one_device=True, slow=True),
+         file_size_limit=60_000, one_device=True, slow=True),
     Case("resume-past-a-damaged-checkpoint", "train", FACTS("--config.run.steps=40"), 0,
          ("checkpoints/40 could not be restored",), setup=_damage_checkpoints(40), one_device=True, slow=True),
 ]
