@@ -23,7 +23,8 @@ train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.
 	$(BIN)/python -m jaxlm.train --config=configs/tiny.py $(ARGS)
 
 # pytest-xdist: the suite in one worker per core (at most 4; each holds a JAX with 8 fake devices), a test file
-# per worker (--dist loadfile: a module's fixtures are built once). PYTEST_WORKERS=0 runs it in one process.
+# per worker (--dist loadfile: a module's fixtures are built once). Each worker peaks near 2.4 GB of memory (two
+# took 5.3-5.4 GB in all on 2 cores): PYTEST_WORKERS=2 caps them, PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= auto
 PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile)
 
