@@ -15,7 +15,7 @@ on one device for one micro-batch of B sequences of T tokens, split as `config.m
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
 counted as it is, except that without remat in one program (layers unrolled, the CPU's default) XLA
-keeps each block's float32 forward scores for the backward (`blocked_scores_kept`). The measurements
+keeps what the blocks' backward recomputes, computed ahead (`blocked_kept`). The measurements
 behind all of this are in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
 
@@ -210,8 +210,10 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
 def one_program(m) -> bool:
     """Whether the layers' forward and backward passes are one straight program (layers unrolled, or a
     layer scan unrolled whole: XLA removes a loop of one trip), where XLA can merge a recomputation in
-    the backward pass with the forward's values and keep those alive instead."""
-    return not m.scan_layers or m.scan_unroll >= m.n_layers
+    the backward pass with the forward's values and keep those alive instead. Pipeline stages run their
+    layers inside the schedule's loop: never one program (the 4-stage tiny step's peak holds no causal
+    block's scores; benchmarks/BENCHMARKS.md)."""
+    return m.pipeline_stages <= 1 and (not m.scan_layers or m.scan_unroll >= m.n_layers)
 
 
 def _seq_len(s: ActivationSizes) -> int:
@@ -219,14 +221,21 @@ def _seq_len(s: ActivationSizes) -> int:
     return round(s.scores / s.head_stats)
 
 
-def blocked_scores_kept(s: ActivationSizes) -> float:
-    """The causal blocks' float32 scores that XLA keeps for the backward pass without remat in one
-    program (`one_program`): the backward recomputes each block's scores to get its probabilities from
-    the saved log-sum-exp, and XLA merges that with the forward's scores. n blocks of queries against
-    the keys up to them: (n + 1) / 2n of the [T, T] square."""
+def blocked_kept(m, s: ActivationSizes) -> float:
+    """What XLA keeps of the causal blocks' backward pass without remat in one program (`one_program`),
+    computed ahead in the forward because it needs nothing from the loss: each block's probabilities,
+    recomputed from the saved log-sum-exp, in float32 (merged with the forward's scores) and in the
+    values' dtype, and each block's keys and values up to it, transposed for the backward's matmuls. n
+    blocks of queries against the keys up to them: (n + 1) / 2n of the [T, T] square, and n (n + 1) / 2
+    blocks of keys and of values. Read from XLA:CPU's buffer live ranges at the step's peak, where every
+    layer holds them (125m and 1b on 8 devices at 2,048 tokens: 1,512 and 7,056 MiB per layer,
+    benchmarks/BENCHMARKS.md)."""
     seq_len = _seq_len(s)
     n = -(-seq_len // attention_block(seq_len))
-    return F32 * s.scores * (n + 1) / (2 * n)
+    # the values' dtype: the compute dtype, but float32 for float16 on a CPU (`blocked_attention`), where
+    # the layers are one program by default
+    c = F32 if np.dtype(m.dtype) == np.float16 else _itemsize(m.dtype)
+    return (F32 + c) * s.scores * (n + 1) / (2 * n) + c * s.kv * (n + 1)
 
 
 def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float) -> float:
@@ -257,7 +266,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     if policy == "none":
         saved = layer_forward_bytes(m, s, a)
         if m.attention == "blocked" and one_program(m):
-            saved += blocked_scores_kept(s)
+            saved += blocked_kept(m, s)
         return saved
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":

@@ -92,14 +92,15 @@ def test_activations_follow_the_remat_policy_and_the_micro_batches():
     norms = 4 * m.d_model * (2 * m.n_layers + 1)
     assert est.row("micro-batch gradients").per_device_bytes == 2 * m.vocab_size * m.d_model + norms
     # on a GPU the 125m recipe gets cuDNN flash attention, on a CPU the causal blocks: no [B, N, T, T] scores
-    # in a layer loop; with the layers unrolled (a CPU's default without remat) XLA keeps the blocks' float32
-    # scores, 9/16 of the square at 2048 tokens, where XLA's attention keeps the square in float32 and bfloat16
+    # in a layer loop; with the layers unrolled (a CPU's default without remat) XLA keeps the blocks'
+    # probabilities in float32 and bfloat16, 9/16 of the square at 2048 tokens, where XLA's attention keeps the
+    # whole square in float32 and bfloat16
     gpu, cpu = memory.estimate(recipe("125m"), 8, platform="gpu"), memory.estimate(recipe("125m"), 8, platform="cpu")
     looped = memory.estimate(recipe("125m", model__scan_unroll=1), 8, platform="cpu")
     xla = memory.estimate(recipe("125m", model__attention="xla"), 8, platform="cpu")
     assert (gpu.attention, cpu.attention, looped.attention, xla.attention) == ("cudnn", "blocked", "blocked", "xla")
     assert gpu.per_device_bytes < xla.per_device_bytes / 3 and looped.per_device_bytes < xla.per_device_bytes / 3
-    assert looped.per_device_bytes < cpu.per_device_bytes < xla.per_device_bytes * 0.6
+    assert looped.per_device_bytes < cpu.per_device_bytes < xla.per_device_bytes * 0.8
 
 
 @pytest.mark.parametrize(
@@ -134,8 +135,8 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
 def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps():
     """On a CPU without remat the layers are unrolled and XLA keeps the causal blocks' forward scores for the
     backward pass (merged with its recomputed ones): planned as such, within the tolerance of the compiled
-    step (341 MiB compiled against 255 planned before this was counted, 327 after); in a layer loop nothing
-    of the kind is kept."""
+    step (341 MiB compiled against 255 planned before this was counted, 327 with the float32 scores alone);
+    in a layer loop nothing of the kind is kept."""
     devices = jax.devices()[:1]
     cfg = recipe("tiny", data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512)
     report = plan.plan(cfg, 1, 80 * memory.GIB, compile=True, devices=devices)
@@ -144,8 +145,25 @@ def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps()
     assert abs(report["compiled"]["per_device_bytes"] / estimate.per_device_bytes - 1) <= memory.TOLERANCE
     looped = memory.estimate(recipe("tiny", data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512,
                                     model__scan_unroll=1), 1, platform="cpu", act_bytes=memory.cpu_act_bytes())
-    # 8 sequences x 4 heads x 512 x 512 scores in 8 blocks of 64 queries: 9/16 of them, float32, in each of 4 layers
-    assert estimate.per_device_bytes - looped.per_device_bytes == pytest.approx(4 * 4 * (8 * 4 * 512 * 512) * 9 / 16)
+    # 8 sequences x 4 heads x 512 x 512 scores in 8 blocks of 64 queries: 9/16 of them, float32 and bfloat16, and
+    # each block's keys and values up to it (2 x 8 x 512 x 2 heads x 32 x 9 / 2, bfloat16), in each of 4 layers
+    scores = (4 + 2) * (8 * 4 * 512 * 512) * 9 / 16
+    keys_values = 2 * 2 * (8 * 512 * 2 * 32) * 9 / 2
+    assert estimate.per_device_bytes - looped.per_device_bytes == pytest.approx(4 * (scores + keys_values))
+
+
+@pytest.mark.slow
+def test_a_recipe_at_2048_tokens_compiles_within_the_tolerance_of_its_cpu_plan():
+    """The 125m recipe on 8 fake CPU devices, 8 sequences of 2,048 tokens each, no remat, its layers unrolled:
+    XLA keeps what the causal blocks' backward recomputes (their probabilities in float32 and bfloat16, each
+    block's keys and values: 648 MiB of the about 2.1 GiB each layer keeps). Before that was counted the compile was 1.25x
+    its plan; the tiny checks, at 128 tokens, did not show it."""
+    devices = jax.devices()[:8]
+    cfg = recipe("125m", optim__micro_batches=1)
+    report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=devices)
+    assert report["compiled"]["attention"] == "blocked"
+    analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
+    assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE
 
 
 def test_a_run_that_does_not_fit_gets_the_knobs_that_would_make_it_fit(capsys):
