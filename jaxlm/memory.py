@@ -380,8 +380,8 @@ def estimate(
 ) -> Estimate:
     """The analytic per-device memory of one train step on `num_devices` devices of `platform`.
 
-    `act_bytes` overrides the activations' bytes per element (default: the compute dtype's):
-    `cpu_act_bytes()` to compare with a CPU compile (float32 activations before jaxlib 0.11).
+    `act_bytes` overrides the activations' bytes per element (default: the compute dtype's; on a CPU
+    `cpu_act_bytes()`, float32 before jaxlib 0.11, as `resolve_micro_batches` and `check_fits` plan).
     """
     config_lib.validate(cfg)
     if not cfg.optim.micro_batches:  # as few as fit: planned for 80 GB devices (plan() uses its budget)
@@ -389,7 +389,7 @@ def estimate(
     derived = config_lib.derive(cfg, num_devices)
     m = transformer.ModelConfig.from_config(cfg.model, platform, log_choice=False, lora=cfg.lora,
                                               compress=cfg.compress, **derived.pipeline)
-    a = act_bytes or _itemsize(m.dtype)
+    a = act_bytes or (cpu_act_bytes() if platform == "cpu" else None) or _itemsize(m.dtype)
     # XLA:CPU recomputes nothing in an unrolled program: remat there keeps what no remat keeps (tiny at 512
     # tokens: 313.5 MiB under none, dots or full alike; benchmarks/BENCHMARKS.md)
     cpu_unrolled = platform == "cpu" and not m.scan_layers and m.remat != "none"

@@ -103,6 +103,17 @@ def test_activations_follow_the_remat_policy_and_the_micro_batches():
     assert looped.per_device_bytes < cpu.per_device_bytes < xla.per_device_bytes * 0.8
 
 
+def test_the_cpu_report_plans_what_a_cpu_run_plans():
+    """`python -m jaxlm.plan --platform=cpu` reports the estimate that `optim.micro_batches=0` and the run's
+    memory check use on a CPU (XLA:CPU's activation bytes, float32 before jaxlib 0.11), not the compute
+    dtype's."""
+    cfg = recipe("125m", optim__micro_batches=1)
+    report = plan.plan(cfg, 8, 80 * memory.GIB, platform="cpu")
+    as_run = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes())
+    assert report["analytic"]["per_device_bytes"] == as_run.per_device_bytes
+    assert report["analytic"]["per_device_bytes"] == memory.estimate(cfg, 8, platform="cpu").per_device_bytes
+
+
 @pytest.mark.parametrize(
     "overrides",
     [dict(mesh__data=2, mesh__fsdp=4), dict(model__remat="full", optim__micro_batches=2, model__dtype="float32"),
