@@ -408,7 +408,7 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
         f"jaxlm plan: {r['recipe'] or 'config'}, {format_count(r['param_count'])} parameters, on {r['num_devices']} "
-        f"devices ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
+        f"device{'s' if r['num_devices'] != 1 else ''} ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
         f"  batch {r['global_batch_size']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es) of "
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
         f"{r['param_dtype']}; attention {r['attention']}"
@@ -430,7 +430,8 @@ def format_report(report: dict[str, Any]) -> str:
     if c:
         lines += [
             "",
-            f"  compiled (XLA, {c['num_devices']} {c['platform']} devices, {c['compile_s']} s): "
+            f"  compiled (XLA, {c['num_devices']} {c['platform']} device{'s' if c['num_devices'] != 1 else ''}, "
+            f"{c['compile_s']} s): "
             f"{format_bytes(c['per_device_bytes'])} per device = arguments {format_bytes(c['argument_bytes'])}"
             f" + outputs not aliased {format_bytes(c['output_bytes'] - c['alias_bytes'])}"
             f" + temporaries {format_bytes(c['temp_bytes'])}"
