@@ -183,6 +183,22 @@ def test_two_workers_write_the_same_bytes_as_one(
     assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
 
 
+def test_a_small_corpus_is_tokenized_in_process_on_the_tokenizers_threads(
+    prepared: str, source: sources.SourceSpec, tok: Tokenizer, tmp_path, monkeypatch
+) -> None:
+    """The trainer's path (`in_process_bytes`): below it no worker process starts (a worker's start imports
+    the trainer's own modules, JAX among them), and the bytes are the single worker's."""
+
+    def no_worker_processes(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(prepare.concurrent.futures, "ProcessPoolExecutor", no_worker_processes)
+    prepare.prepare(source, tok, tmp_path / "out", workers=2, progress=False, in_process_bytes=2**40, **OPTIONS)
+    assert file_bytes(str(tmp_path / "out")) == file_bytes(prepared)
+    with pytest.raises(AssertionError, match="worker process"):  # above it, the workers are processes
+        prepare.prepare(source, tok, tmp_path / "big", workers=2, progress=False, in_process_bytes=1, **OPTIONS)
+
+
 KILL_OPTIONS = dict(val_fraction=0.2, seed=0, shard_docs=2)  # many small shards: a signal lands half way
 
 

@@ -158,7 +158,8 @@ def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
         if not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
             prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(cfg))
+                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(cfg),
+                            in_process_bytes=prepare.IN_PROCESS_BYTES)
     return out
 
 

@@ -70,6 +70,10 @@ READABLE_VERSIONS = (FORMAT_VERSION, SFT_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"  # the tokenizer file where it is a SentencePiece model; in general see tokenizer_file
 SPLITS = ("train", "val")
+# The trainer's `prepare(in_process_bytes=)`: a corpus smaller than this is tokenized in the trainer's process,
+# on the tokenizer's own threads. Worker processes start by importing the caller's main module (the trainer's:
+# JAX, Flax, Orbax), which took longer than tokenizing the built-in corpus (benchmarks/BENCHMARKS.md, "Start-up")
+IN_PROCESS_BYTES = 32 * 2**20
 
 Manifest = dict[str, Any]  # the contents of manifest.json
 
@@ -89,9 +93,12 @@ def prepare(
     workers: int = 1,
     progress: bool = True,
     sft_spec: sft.Spec | None = None,
+    in_process_bytes: int = 0,
 ) -> Manifest:
     """Tokenize every document of `source` into train and val shards under `output_dir`; with
-    `sft_spec`, its rows as SFT examples (tokens and weights).
+    `sft_spec`, its rows as SFT examples (tokens and weights). `workers` processes tokenize the shards,
+    except that inputs of fewer than `in_process_bytes` are tokenized in this process on `workers` of
+    the tokenizer's threads (the same bytes either way).
 
     Continues an interrupted run of the same inputs and tokenizer (and rewrites shards that no
     longer match a complete manifest); refuses a directory prepared from anything else.
@@ -124,7 +131,7 @@ def prepare(
     _remove_partial_writes(out)
     _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
     tokenizer.save(out / tokenizer.file_name)
-    manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder)
+    manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder, in_process_bytes)
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
     _write_manifest(out, manifest)
@@ -249,11 +256,12 @@ def _plan(
 
 
 _worker_tokenizer: Tokenizer | None = None  # each worker process's own, loaded from the output directory
+_worker_threads = 1  # the tokenizer's threads per shard: 1 in a worker process, every worker's in this one
 
 
-def _load_tokenizer(path: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = Tokenizer.load(path)
+def _load_tokenizer(path: str, threads: int = 1) -> None:
+    global _worker_tokenizer, _worker_threads
+    _worker_tokenizer, _worker_threads = Tokenizer.load(path), threads
 
 
 def _start_worker(tokenizer_path: str, parent_pid: int) -> None:
@@ -271,10 +279,12 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _write_shard(path: str, docs: list, dtype: str, encoder: sft.Encoder | None = None) -> dict[str, Any]:
-    """Tokenize one shard's documents (on one core) and write it atomically; its manifest entry.
-    With `encoder`, the documents are SFT examples and their weights are the third array."""
+    """Tokenize one shard's documents (on one core in a worker process, on `_worker_threads` in this
+    one) and write it atomically; its manifest entry. With `encoder`, the documents are SFT examples
+    and their weights are the third array."""
     if encoder is None:
-        encoded, weights = _worker_tokenizer.encode(docs, add_bos=True, add_eos=True, num_threads=1), None
+        encoded = _worker_tokenizer.encode(docs, add_bos=True, add_eos=True, num_threads=_worker_threads)
+        weights = None
     else:
         encoded, weights = sft.encode_examples(encoder, _worker_tokenizer, docs)
     offsets = np.cumsum([0] + [len(ids) for ids in encoded], dtype=np.int64)
@@ -357,12 +367,12 @@ class _SignalsBetweenShards:
 
 def _write_shards(
     source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool,
-    encoder: sft.Encoder | None = None,
+    encoder: sft.Encoder | None = None, in_process_bytes: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Write every planned shard not already on disk, `workers` at a time; the manifest's splits."""
     tokenizer_path = str(tokenizer_file(out))
-    if workers == 1:
-        _load_tokenizer(tokenizer_path)
+    if workers == 1 or sum(s["bytes"] for s in manifest["sources"]) < in_process_bytes:
+        _load_tokenizer(tokenizer_path, threads=workers)  # the tokenizer's own threads, no process to start
         executor: concurrent.futures.Executor = _InProcess()
     else:  # spawn, not fork: the caller may hold threads (JAX, grain) that a fork would copy mid-flight
         executor = concurrent.futures.ProcessPoolExecutor(
