@@ -232,8 +232,8 @@ def blocked_kept(m, s: ActivationSizes) -> float:
     benchmarks/BENCHMARKS.md)."""
     seq_len = _seq_len(s)
     n = -(-seq_len // attention_block(seq_len))
-    # the values' dtype: the compute dtype, but float32 for float16 on a CPU (`blocked_attention`), where
-    # the layers are one program by default
+    # the values' dtype: the compute dtype, but float32 for float16, as `blocked_attention` runs it on a CPU
+    # (where this term arises: the layers are one program by default; a GPU's float16 is counted alike)
     c = F32 if np.dtype(m.dtype) == np.float16 else _itemsize(m.dtype)
     return (F32 + c) * s.scores * (n + 1) / (2 * n) + c * s.kv * (n + 1)
 
