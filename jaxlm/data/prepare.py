@@ -369,7 +369,8 @@ def _write_shards(
     source: sources.SourceSpec, out: pathlib.Path, manifest: Manifest, workers: int, progress: bool,
     encoder: sft.Encoder | None = None, in_process_bytes: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """Write every planned shard not already on disk, `workers` at a time; the manifest's splits."""
+    """Write every planned shard not already on disk, `workers` at a time (below `in_process_bytes` of
+    input, one at a time in this process on `workers` of the tokenizer's threads); the manifest's splits."""
     tokenizer_path = str(tokenizer_file(out))
     if workers == 1 or sum(s["bytes"] for s in manifest["sources"]) < in_process_bytes:
         _load_tokenizer(tokenizer_path, threads=workers)  # the tokenizer's own threads, no process to start
