@@ -144,8 +144,9 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
 
 @pytest.mark.slow
 def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps():
-    """On a CPU without remat the layers are unrolled and XLA keeps the causal blocks' forward scores for the
-    backward pass (merged with its recomputed ones): planned as such, within the tolerance of the compiled
+    """On a CPU without remat the layers are unrolled and XLA keeps what the causal blocks' backward pass
+    recomputes (their probabilities in float32, merged with the forward's scores, and in bfloat16; each block's
+    keys and values), computed in the forward: planned as such, within the tolerance of the compiled
     step (341 MiB compiled against 255 planned before this was counted, 327 with the float32 scores alone);
     in a layer loop nothing of the kind is kept."""
     devices = jax.devices()[:1]
@@ -157,7 +158,8 @@ def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps()
     looped = memory.estimate(recipe("tiny", data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512,
                                     model__scan_unroll=1), 1, platform="cpu", act_bytes=memory.cpu_act_bytes())
     # 8 sequences x 4 heads x 512 x 512 scores in 8 blocks of 64 queries: 9/16 of them, float32 and bfloat16, and
-    # each block's keys and values up to it (2 x 8 x 512 x 2 heads x 32 x 9 / 2, bfloat16), in each of 4 layers
+    # each block's keys and values up to it (2 x 8 x 512 x 2 heads x 32 x 9 / 2 elements, bfloat16), in each of
+    # 4 layers
     scores = (4 + 2) * (8 * 4 * 512 * 512) * 9 / 16
     keys_values = 2 * 2 * (8 * 512 * 2 * 32) * 9 / 2
     assert estimate.per_device_bytes - looped.per_device_bytes == pytest.approx(4 * (scores + keys_values))
@@ -167,8 +169,9 @@ def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps()
 def test_a_recipe_at_2048_tokens_compiles_within_the_tolerance_of_its_cpu_plan():
     """The 125m recipe on 8 fake CPU devices, 8 sequences of 2,048 tokens each, no remat, its layers unrolled:
     XLA keeps what the causal blocks' backward recomputes (their probabilities in float32 and bfloat16, each
-    block's keys and values: 648 MiB of the about 2.1 GiB each layer keeps). Before that was counted the compile was 1.25x
-    its plan; the tiny checks, at 128 tokens, did not show it."""
+    block's keys and values; the bfloat16 probabilities and the keys and values, 648 MiB of the about 2.1 GiB
+    each layer keeps, were not counted before, and the compile was 1.25x its plan). The tiny checks, at 128
+    tokens, did not show it."""
     devices = jax.devices()[:8]
     cfg = recipe("125m", optim__micro_batches=1)
     report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=devices)
