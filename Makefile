@@ -32,7 +32,7 @@ test: install  ## lint (ruff, configured in pyproject.toml), then the default su
 	$(BIN)/ruff check .
 	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(PARALLEL) $(ARGS)
 
-check: install  ## the lint, then every test, slow ones included (about 27 minutes on 2 cores); CI runs `make test`
+check: install  ## the lint, then every test, slow ones included (about 45 minutes on 2 cores; the slow ones alone 30-34); CI runs `make test`
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
