@@ -26,7 +26,28 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".cache",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+import floats  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def _refuse_exact_floats(name, exact):
+    """numpy.testing's exact assertion, refusing floating-point values outside tests/floats.py: two programs'
+    floats differ in their last bits from one processor to another, so an exact float comparison says why
+    it is exact (`floats.identical`) or compares within ulps (`floats.close`)."""
+
+    def check(actual, desired, *args, **kwargs):
+        if not floats.exact_is_allowed() and (floats.is_float(actual) or floats.is_float(desired)):
+            raise AssertionError(f"np.testing.{name} on floating-point values: use floats.identical(why=...) for "
+                                 "the same program on the same machine or values only moved, floats.close for "
+                                 "two programs (tests/floats.py)")
+        return exact(actual, desired, *args, **kwargs)
+
+    return check
+
+
+for _name in ("assert_array_equal", "assert_equal"):
+    setattr(np.testing, _name, _refuse_exact_floats(_name, getattr(np.testing, _name)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,9 +80,42 @@ def pytest_pyfunc_call(pyfuncitem):
         return None
     env = {k: v for k, v in os.environ.items() if k != "JAXLM_TEST_FAST_COMPILE"}
     env["XLA_FLAGS"] = XLA_FLAGS_GIVEN
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", pyfuncitem.nodeid],
-                            cwd=_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rP", "-p", "no:cacheprovider", "-m", "",
+                             pyfuncitem.nodeid], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    for line in result.stdout.splitlines():  # what floats.matches_reference said there, for this summary
+        if line.startswith(floats.REFERENCE_PREFIX):
+            print(line)
     if result.returncode != 0:
         pytest.fail(f"{pyfuncitem.nodeid} (in its own process, XLA's default code generation):\n"
                     f"{result.stdout[-6000:]}{result.stderr[-2000:]}", pytrace=False)
     return True
+
+
+def pytest_report_header(config):
+    return f"XLA:CPU's floats here: {floats.describe(floats.machine())} (tests/floats.py)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of a file that compares floats through tests/floats.py are marked `floats`: `make test-isa`
+    runs them under other instruction sets."""
+    for item in items:
+        if getattr(getattr(item, "module", None), "floats", None) is floats:
+            item.add_marker(pytest.mark.floats)
+
+
+_REFERENCE_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    """Collects what `floats.matches_reference` printed (in an xdist worker too: the report carries it)."""
+    if report.when == "call":
+        for line in report.capstdout.splitlines():
+            if line.startswith(floats.REFERENCE_PREFIX):
+                _REFERENCE_LINES.append(f"{report.nodeid}: {line[len(floats.REFERENCE_PREFIX):]}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REFERENCE_LINES:
+        terminalreporter.section("floats compared with values stored from a machine (tests/floats.py)")
+        for line in sorted(set(_REFERENCE_LINES)):
+            terminalreporter.write_line(line)

@@ -1,6 +1,7 @@
 """Small shared builders for the tests."""
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -8,6 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.models.transformer import ModelConfig
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a test's subprocess: the flags the suite was given (`--xla_cpu_max_isa` under `make test-isa`:
+    tests/conftest.py keeps them) and `flags`; not the 8 fake devices conftest adds."""
+    return " ".join([os.environ.get("JAXLM_TEST_XLA_FLAGS_GIVEN", ""), *flags]).strip()
 
 
 def small_config(**overrides) -> ModelConfig:
