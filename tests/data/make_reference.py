@@ -5,6 +5,10 @@ uses that commit's API, so it runs only in a checkout of it:
     git worktree add /tmp/old a89b6fe
     cd /tmp/old && XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         PYTHONPATH=/tmp/old python /path/to/make_reference.py /path/to/tests/data
+
+It also writes reference_a89b6fe.machine.json, the machine it ran on (`floats.machine()`). The .npz was
+first made on another machine; the record is of the machine where this script, rerun at a89b6fe with
+jaxlib 0.10.2, wrote the same bytes again (2026-11-28).
 """
 
 import os
@@ -66,6 +70,14 @@ def main(out):
             with checkpoint.Checkpointer(os.path.join(out, "checkpoint_a89b6fe")) as ckpt:
                 ckpt.save(1, state, meta={"config": cfg.to_dict()}, force=True)
     np.savez_compressed(os.path.join(out, "reference_a89b6fe.npz"), **arrays)
+    # The machine it was made on (tests/floats.py): test_reference compares to the bit there, within ulps elsewhere.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import json
+
+    import floats
+
+    with open(os.path.join(out, "reference_a89b6fe.machine.json"), "w") as f:
+        json.dump(floats.machine(), f, indent=1)
     print("wrote", len(arrays), "arrays")
 
 
