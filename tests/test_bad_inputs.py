@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import pathlib
+import platform
 import resource
 import shutil
 import signal
@@ -416,6 +417,10 @@ CASES = [
     Case("flag-without-value", "train", T("--coordinator"), 2, ("--coordinator needs a value",), slow=True),
     Case("launcher-env-not-a-number", "train", T(), 2, ("SLURM_NTASKS", "not an integer"),
          env=(("SLURM_NTASKS", "many"), ("SLURM_PROCID", "0"), ("SLURM_STEP_NODELIST", "node1"))),
+    # --- the machine: XLA:CPU as on an x86 processor without F16C, where it compiles no float16 (jaxlib 0.10)
+    *([Case("float16-on-a-cpu-without-f16c", "train", T("--config.model.dtype=float16"), 2,
+            ("model.dtype='float16'", "F16C", "bfloat16"), env=(("XLA_FLAGS", "--xla_cpu_max_isa=SSE4_2"),),
+            one_device=True)] if platform.machine().lower() in ("x86_64", "amd64") else []),
     # --- checkpoints, through evaluate and generate
     Case("eval-run-dir-missing", "evaluate", ("--run_dir={case}/nope",), 2, ("does not exist", "--run_dir")),
     Case("eval-not-a-run-dir", "evaluate", ("--run_dir={case}",), 2, ("is not a run directory (no config.json)",),

@@ -226,6 +226,8 @@ class ModelConfig:
         fields["accumulating_dots"] = matmul == "accumulate" or (
             matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)
         fields["fp8_dots"] = matmul == "fp8"
+        if fields["dtype"] == jnp.float16 and platform == "cpu" and jax.default_backend() == "cpu":
+            precision.check_float16(platform)
         if matmul == "fp8" and platform == "gpu" and jax.default_backend() == "gpu":
             precision.check_fp8(platform, precision.compute_capability())
         # auto: unrolled on a CPU or GPU, unless remat asks to save memory (an unrolled program keeps more
