@@ -6,8 +6,11 @@ import pathlib
 import subprocess
 import sys
 
+import floats
 import numpy as np
 import pytest
+
+from helpers import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -20,7 +23,7 @@ def test_mfu_harness_sweeps_and_reports_consistent_numbers(tmp_path):
          "--peak_tflops", "0.5", "--set", "data.global_batch_size=8", "--sweep", "model.remat=none,full,bogus",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device: compiles faster
+        env={**os.environ, "XLA_FLAGS": xla_flags()},  # one CPU device: compiles faster
     )
     assert result.returncode == 1, result.stderr[-2000:]  # one point failed, the others ran
     none, full, bogus = json.loads(out.read_text())
@@ -147,7 +150,7 @@ def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
         [sys.executable, "benchmarks/attention.py", "--recipe", "tiny", "--seq", "64", "--batch", "2",
          "--doc_len", "20", "--pad", "5", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        env={**os.environ, "XLA_FLAGS": xla_flags()},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -197,7 +200,7 @@ def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/cpu_vs_torch.py", "--shapes", "nanogpt", "--steps", "2",
                              "--warmup", "1", "--repeats", "1", "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU device
+                            env={**os.environ, "XLA_FLAGS": xla_flags()})  # one CPU device
     assert result.returncode == 0, result.stderr[-2000:]
     torch_row, jax_row = json.loads(out.read_text())
     assert (torch_row["side"], jax_row["side"]) == ("torch", "jax")
@@ -231,7 +234,7 @@ def test_profile_step_sums_the_steps_kernels_by_category(tmp_path):
     def run(*args):
         result = subprocess.run([sys.executable, "benchmarks/profile_step.py", *args], cwd=ROOT, capture_output=True,
                                 text=True, timeout=600,
-                                env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU device
+                                env={**os.environ, "XLA_FLAGS": xla_flags()})  # one CPU device
         assert result.returncode == 0, result.stderr[-2000:]
         return result
 
@@ -241,7 +244,7 @@ def test_profile_step_sums_the_steps_kernels_by_category(tmp_path):
     assert r["events"] == "cpu" and r["devices"].startswith("1x") and r["step_s"] > 0
     assert 0 < r["busy_ms"] <= r["span_ms"] and r["busy_ms"] <= r["kernel_ms"] + 1e-6
     run("--trace", str(tmp_path / "trace"), "--json", str(again))  # the kept trace, read again: the same sums
-    assert json.loads(again.read_text())["categories"] == r["categories"]
+    floats.identical(json.loads(again.read_text())["categories"], r["categories"], why=floats.SAME_PROGRAM)
     categories = {c["category"]: c for c in r["categories"]}
     assert "matmuls" in categories and categories["matmuls"]["ms"] > 0
     assert sum(c["ms"] for c in r["categories"]) == pytest.approx(r["kernel_ms"], rel=1e-3, abs=0.01)

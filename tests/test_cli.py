@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import floats
 import jax
 import numpy as np
 import pytest
@@ -62,7 +63,8 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["vocab_size"] == 512 and config["mesh"]["fsdp"] == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 30 and summary["final_loss"] == train[-1]["loss"]
+    assert summary["steps"] == 30
+    floats.identical(summary["final_loss"], train[-1]["loss"], why=floats.MOVED)  # the last step's, written again
     assert (run_dir / "checkpoints" / "30" / "state").is_dir()
     assert (run_dir / "tokenizer.model").is_file()
     assert "jaxlm: done: 30 steps" in result.stdout

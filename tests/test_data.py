@@ -7,6 +7,7 @@ import json
 import os
 import textwrap
 
+import floats
 import grain
 import numpy as np
 import pytest
@@ -66,8 +67,7 @@ def assert_batches_equal(a: list[dict[str, np.ndarray]], b: list[dict[str, np.nd
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k])
+        floats.identical(x, y, why=floats.SAME_PROGRAM)  # the pipeline twice: its weights too, to the bit
 
 
 # --- sources ---
@@ -190,7 +190,8 @@ def test_packed_batches_hold_true_next_token_pairs() -> None:
         for key, value in batch.items():
             assert value.shape == (4, SEQ_LEN) and value.dtype == (np.float32 if key == "weights" else np.int32)
         pad = batch["segment_ids"] == 0
-        np.testing.assert_array_equal(batch["weights"], np.where(pad, 0.0, 1.0))  # the loss skips padding only
+        # the loss skips padding only: 1.0 or 0.0 written, never computed
+        floats.identical(batch["weights"], np.where(pad, 0.0, 1.0).astype(np.float32), why=floats.MOVED)
         assert not batch["inputs"][pad].any() and not batch["targets"][pad].any() and not batch["positions"][pad].any()
         for seg_row in batch["segment_ids"]:  # segments 1..k, then padding only at the end
             used = seg_row[seg_row > 0]
@@ -284,7 +285,8 @@ def test_eval_batches_are_fixed_and_complete() -> None:
     assert_batches_equal(batches, pipeline.make_eval_batches(docs, seq_len=SEQ_LEN, batch_size=4, max_batches=1000))
     assert all(v.shape == (4, SEQ_LEN) and v.dtype == (np.float32 if k == "weights" else np.int32)
                for b in batches for k, v in b.items())
-    assert all(np.array_equal(b["weights"], (b["segment_ids"] > 0).astype(np.float32)) for b in batches)
+    for b in batches:  # 1.0 or 0.0 written, never computed
+        floats.identical(b["weights"], (b["segment_ids"] > 0).astype(np.float32), why=floats.MOVED)
     targets = np.concatenate([b["targets"][b["segment_ids"] > 0] for b in batches])
     assert collections.Counter(targets.tolist()) == collections.Counter(np.concatenate([d[1:] for d in docs]).tolist())
     # No shuffling: the first segment is the start of the first document with a next-token pair.

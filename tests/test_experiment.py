@@ -9,9 +9,11 @@ import statistics
 import subprocess
 import sys
 
+import floats
 import numpy as np
 import pytest
 
+from helpers import xla_flags
 from jaxlm import config as config_lib
 from jaxlm import experiment
 from jaxlm.experiment import Choice, Experiment, IntUniform, LogUniform, Uniform
@@ -39,7 +41,7 @@ def write_experiment(path: pathlib.Path, cache: pathlib.Path, body: str, base: d
 
 def run_cli(*args, env=None):
     # One CPU device per run; the XLA cache under the repository is shared with the other tests.
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "jaxlm.experiment", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
 
@@ -57,7 +59,8 @@ def test_grids_name_their_variants_and_random_trials_are_reproducible():
     five = experiment.search_variants(exp, "random", 5)
     eight = experiment.search_variants(exp, "random", 8)
     assert list(five) == [f"trial-{i:03d}" for i in range(5)]
-    assert all(eight[name] == trial for name, trial in five.items())  # more trials keep the first ones
+    # more trials keep the first ones: the same draws, from the same seed
+    floats.identical({name: eight[name] for name in five}, five, why=floats.SAME_PROGRAM)
     assert all(1e-4 <= t["optim.peak_lr"] <= 1e-2 and t["optim.warmup_steps"] in range(10) for t in eight.values())
     assert len({t["optim.peak_lr"] for t in eight.values()}) == 8
     other = experiment.search_variants(Experiment(recipe="tiny", search_space=exp.search_space, search_seed=1), "random", 5)
@@ -126,14 +129,18 @@ def assert_reports_hold_each_runs_own_metrics(sweep: pathlib.Path, variants, see
         train, evals = metrics_of(sweep / row["run"])
         assert [r["step"] for r in train] == list(range(1, steps + 1)) and [r["step"] for r in evals] == eval_steps
         assert row["status"] == "done" and row["steps"] == steps
-        assert row["final_loss"] == train[-1]["loss"] and row["best_loss"] == min(r["loss"] for r in train)
-        assert row["final_val_loss"] == evals[-1]["val_loss"] and row["best_val_loss"] == min(r["val_loss"] for r in evals)
-        assert row["final_val_bits_per_byte"] == evals[-1]["val_bits_per_byte"]
-        assert row["tokens_per_s"] == json.loads((sweep / row["run"] / "summary.json").read_text())["tokens_per_s"]
+        # the reports copy (and pick among) what each run logged: to the bit
+        summary = json.loads((sweep / row["run"] / "summary.json").read_text())
+        floats.identical(
+            [row["final_loss"], row["best_loss"], row["final_val_loss"], row["best_val_loss"],
+             row["final_val_bits_per_byte"], row["tokens_per_s"]],
+            [train[-1]["loss"], min(r["loss"] for r in train), evals[-1]["val_loss"], min(r["val_loss"] for r in evals),
+             evals[-1]["val_bits_per_byte"], summary["tokens_per_s"]], why=floats.MOVED, err_msg=row["run"])
         curve = [c for c in results.curves if c["run"] == row["run"]]
-        assert [(c["step"], c["loss"]) for c in curve] == [(r["step"], r["loss"]) for r in train]
-        assert [(c["step"], c["val_loss"]) for c in curve if c["val_loss"] is not None] == [
-            (r["step"], r["val_loss"]) for r in evals]
+        floats.identical([(c["step"], c["loss"]) for c in curve], [(r["step"], r["loss"]) for r in train],
+                         why=floats.MOVED)
+        floats.identical([(c["step"], c["val_loss"]) for c in curve if c["val_loss"] is not None],
+                         [(r["step"], r["val_loss"]) for r in evals], why=floats.MOVED)
     markdown = (sweep / "results.md").read_text()
     lines = {line.get_gid(): line for ax in results.plot().axes for line in ax.get_lines()}
     final_val = {}
@@ -223,7 +230,8 @@ def test_early_stopping_stops_a_bad_trial_from_its_logged_val_loss_and_a_resume_
     bad = "peak_lr=1e-07-s0"
     stopped = json.loads((sweep / bad / experiment.STOPPED).read_text())
     train, evals = metrics_of(sweep / bad)
-    assert stopped["step"] == 2 and stopped["val_loss"] == evals[0]["val_loss"]
+    assert stopped["step"] == 2
+    floats.identical(stopped["val_loss"], evals[0]["val_loss"], why=floats.MOVED)  # the logged one, decided on
     others = [metrics_of(sweep / f"peak_lr={lr}-s0")[1][0]["val_loss"] for lr in ("0.003", "0.002")]
     assert evals[0]["step"] == 2 and evals[0]["val_loss"] > statistics.median(others)
     assert train[-1]["step"] < 150 and not (sweep / bad / "summary.json").exists()
@@ -259,9 +267,12 @@ def test_an_optuna_search_prunes_from_the_logged_val_loss_and_resumes(tmp_path):
         row = rows[f"{trial.user_attrs['run_name']}-s0"]
         assert json.loads(row["overrides"]) == trial.params
         evals = {r["step"]: r["val_loss"] for r in metrics_of(sweep / row["run"])[1]}
-        assert trial.intermediate_values.items() <= evals.items()  # reported from the run's own log
+        # reported from the run's own log
+        floats.identical(dict(trial.intermediate_values), {s: evals[s] for s in trial.intermediate_values},
+                         why=floats.MOVED)
         if trial.state.name == "COMPLETE":
-            assert trial.value == row["final_val_loss"] and row["status"] == "done"
+            assert row["status"] == "done"
+            floats.identical(trial.value, row["final_val_loss"], why=floats.MOVED)
     pruned = rows["trial-002-s0"]
     assert pruned["status"] == "stopped" and pruned["steps"] < 150
     assert json.loads((sweep / "trial-002-s0" / experiment.STOPPED).read_text())["step"] == 2

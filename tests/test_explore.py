@@ -2,6 +2,7 @@
 
 import math
 
+import floats
 import jax
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ def test_train_steps_then_save_and_load_give_back_the_same_model(built):
     run_dir = explore.save(setup, data, tmp / "runs" / "saved")
     loaded = explore.load(run_dir)
     assert loaded.step == step + 2 and loaded.mesh.shape == setup.mesh.shape
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.params), jax.device_get(setup.state.params))
+    floats.identical(loaded.params, setup.state.params, why=floats.MOVED)  # saved and loaded
     text = "for i in range(3):\n"
     assert explore.forward(loaded, text).loss == pytest.approx(explore.forward(setup, text, data.tokenizer).loss, rel=1e-6)
 
@@ -114,7 +115,7 @@ def test_sampling_restoring_and_the_cli_continuing_a_notebooks_run(built):
 
     fresh = explore.build(setup.cfg, devices=jax.devices())  # restore onto a new setup, same mesh
     assert explore.restore(fresh, run_dir) == step
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(fresh.state), jax.device_get(setup.state))
+    floats.identical(fresh.state, setup.state, why=floats.MOVED)  # saved and restored
 
     # The command line's loop picks the notebook's checkpoint up and trains on from it.
     from jaxlm import train

@@ -3,6 +3,7 @@ smaller layer output error than round to nearest on correlated inputs, codes and
 `quant.store` writes, dead inputs, act_order, a weight sharded along its outputs, and the blocked,
 jitted algorithm against a plain numpy one, feature by feature."""
 
+import floats
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +62,8 @@ def results(layer):
 @pytest.mark.parametrize("act_order", [False, True])
 def test_uncorrelated_inputs_give_round_to_nearest(act_order):
     """H diagonal (c I, or distinct values, which reorder the features under act_order): no feature's error
-    can be compensated by another, so GPTQ's codes and params are round to nearest's, exactly."""
+    can be compensated by another, so GPTQ's codes are round to nearest's, exactly, and its params too (to
+    the last bits: they come from another program)."""
     _, w = _layer(seed=1)
     rng = np.random.default_rng(2)
     for hessian in (3.0 * np.eye(N_IN, dtype=np.float32), np.diag(rng.uniform(0.5, 5.0, N_IN)).astype(np.float32)):
@@ -70,8 +72,7 @@ def test_uncorrelated_inputs_give_round_to_nearest(act_order):
             codes, params = gptq.quantize_matrix(w, hessian, spec, block=BLOCK, act_order=act_order)
             rtn_codes, rtn_params = _rtn(w, spec)
             np.testing.assert_array_equal(np.asarray(codes), np.asarray(rtn_codes), err_msg=name)
-            for k in rtn_params:
-                np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(rtn_params[k]), err_msg=f"{name} {k}")
+            floats.close(params, rtn_params, err_msg=name)  # GPTQ's program against group_params'
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -107,8 +108,9 @@ def test_codes_params_layout_and_packed_round_trip(layer, results, name):
         assert np.all(np.asarray(params["scale"]) > 0)
         stored = quant.store(codes, params, spec, 0)
         assert set(stored) == set(spec.keys)
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(stored, spec, 0)),
-                                      np.asarray(quant.decode(codes, params, spec, 0)))
+        # the stored leaves move the codes and params; dequantize decodes them as decode does
+        floats.identical(quant.dequantize(stored, spec, 0), quant.decode(codes, params, spec, 0),
+                         why=floats.SAME_PROGRAM)
 
 
 def test_dead_inputs_get_zero_weights():
@@ -123,11 +125,11 @@ def test_dead_inputs_get_zero_weights():
             codes, params = gptq.quantize_matrix(w, h, spec, block=BLOCK, act_order=act_order)
             wq = np.asarray(quant.decode(codes, params, spec, 0))
             assert np.all(np.isfinite(wq)) and np.all(np.isfinite(np.asarray(params["scale"])))
-            np.testing.assert_array_equal(wq[dead], 0.0)
+            assert np.all(wq[dead] == 0), wq[dead]
             rtn = quant.decode(*_rtn(np.where(np.isin(np.arange(N_IN), dead)[:, None], 0, w), spec), spec, 0)
             assert _output_error(x, w, wq) < _output_error(x, w, rtn)
     codes, params = gptq.quantize_matrix(w, np.zeros_like(h), SPECS["int4-g32-asym"], block=BLOCK, act_order=False)
-    np.testing.assert_array_equal(np.asarray(quant.decode(codes, params, SPECS["int4-g32-asym"], 0)), 0.0)
+    assert np.all(np.asarray(quant.decode(codes, params, SPECS["int4-g32-asym"], 0)) == 0)
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int3-g0-asym", "nf4-g64"])
@@ -153,8 +155,7 @@ def test_sharded_along_outputs_matches_and_stays_sharded(layer, results):
         codes, params = gptq.quantize_matrix(ws, hs, spec, block=BLOCK, act_order=act_order)
         want_codes, want_params = results[("int4-g32-asym", act_order)]
         np.testing.assert_array_equal(np.asarray(codes), np.asarray(want_codes))
-        for k in want_params:
-            np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(want_params[k]))
+        floats.close(params, want_params)  # 8 devices' program: seen 2.6e-7 relative apart on an AVX2 EPYC
         for out in (codes, params["scale"], params["zero"]):
             assert out.sharding.shard_shape(out.shape) == (out.shape[0], N_OUT // 8)
     hlo = gptq.quantize_matrix.lower(ws, hs, spec, block=BLOCK, act_order=True).compile().as_text()

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import floats
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +43,8 @@ def test_changing_a_future_token_changes_no_earlier_logit(kw):
     for t in (5, 11, 15):
         changed = tokens.at[:, t].set((tokens[:, t] + 7) % 96)
         out = model(changed)
-        np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
+        # one program on both inputs: the later token moves no bit of an earlier logit
+        floats.identical(out[:, :t], base[:, :t], why=floats.SAME_PROGRAM)
         assert not np.allclose(out[:, t], base[:, t])  # the changed position itself does move
 
 
@@ -77,7 +79,8 @@ def test_dropout_is_active_only_with_a_key():
     model = build_model(small_config(dropout=0.3))
     tokens = jnp.ones((2, 8), jnp.int32)
     without = build_model(small_config(dropout=0.0))  # the same parameters (dropout has none)
-    np.testing.assert_array_equal(model(tokens), without(tokens))  # no key: the model without dropout
+    # no key: the model without dropout (dropout is skipped, the same operations run)
+    floats.identical(model(tokens), without(tokens), why=floats.SAME_PROGRAM)
     assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens))
     assert not np.allclose(model(tokens, dropout_key=jax.random.key(0)), model(tokens, dropout_key=jax.random.key(1)))
 
@@ -326,7 +329,7 @@ def test_rope_scaling_changes_only_the_long_wavelengths():
     wavelen = 2 * np.pi / plain
     short, long = wavelen < 8192 / 4, wavelen > 8192
     assert short.any() and long.any() and (~short & ~long).any()
-    np.testing.assert_array_equal(scaled[short], plain[short])
+    floats.identical(scaled[short], plain[short], why=floats.MOVED)  # kept: the unscaled frequencies, selected
     np.testing.assert_allclose(scaled[long], plain[long] / 8, rtol=1e-6)
     between = ~short & ~long
     assert np.all((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 8))
@@ -486,15 +489,16 @@ def test_weight_grad_einsum_gives_the_kernel_gradient_in_float32_as_the_grad_arr
     g = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.bfloat16)
     eq = "btd,dnh->btnh"
     y, vjp = jax.vjp(lambda x, k, a: layers.weight_grad_einsum(eq, x, k, a), x, kernel, jnp.full((8, 3, 4), 7.0))
-    np.testing.assert_array_equal(y, jnp.einsum(eq, x, kernel))
+    floats.identical(y, jnp.einsum(eq, x, kernel), why=floats.SAME_PROGRAM)  # the forward is that einsum
     dx, dkernel, dgrad = vjp(g)
     _, ref_vjp = jax.vjp(lambda x, k: jnp.einsum(eq, x, k), x, kernel)
-    np.testing.assert_array_equal(dx, ref_vjp(g)[0])
+    floats.close(dx, ref_vjp(g)[0])  # the custom backward's einsum against autodiff's transpose: two programs
     assert dgrad.dtype == jnp.float32 and not np.any(dkernel)
     ref = jnp.einsum("btd,btnh->dnh", x.astype(jnp.float32), g.astype(jnp.float32))
     np.testing.assert_allclose(dgrad, ref, rtol=1e-5, atol=1e-5)
-    # the bfloat16 kernel gradient autodiff gives is that, rounded
-    np.testing.assert_array_equal(ref_vjp(g)[1], jnp.einsum("btd,btnh->dnh", x, g))
+    # the bfloat16 kernel gradient autodiff gives is that, rounded (autodiff's transpose against an einsum: two
+    # programs)
+    floats.close(ref_vjp(g)[1], jnp.einsum("btd,btnh->dnh", x, g))
     assert ref_vjp(g)[1].dtype == jnp.bfloat16
 
 
@@ -520,14 +524,15 @@ def test_compute_layout_joins_what_the_model_runs_as_one_matmul_and_splits_it_ba
     assert block["attn"]["wq"]["kernel"].shape == (64, 4, 4, 8)  # [D, K, N/K + 2, H]
     assert block["attn"]["wk"]["kernel"] is None and block["mlp"]["w_up"]["kernel"] is None
     assert block["mlp"]["w_gate"]["kernel"].shape == (64, 128, 2)
-    np.testing.assert_array_equal(block["mlp"]["w_gate"]["kernel"][..., 1], trainable["blocks"][0]["mlp"]["w_up"]["kernel"])
+    floats.identical(block["mlp"]["w_gate"]["kernel"][..., 1], trainable["blocks"][0]["mlp"]["w_up"]["kernel"],
+                     why=floats.MOVED)
     mask = spec.kernel_mask(layout)
     assert mask["blocks"][0]["attn"]["wq"]["kernel"] and mask["blocks"][1]["attn"]["wo"]["kernel"]
     assert mask["unembed"]["kernel"] and not mask["blocks"][0]["attn_norm"]["scale"] and not mask["embed"]["embedding"]
     layer_names = spec.compute_names()["blocks"][0]
     assert layer_names["attn"]["wq"]["kernel"] == ("embed", "kv_heads", None, "head_dim")
     assert layer_names["mlp"]["w_gate"]["kernel"] == ("embed", "mlp", None)
-    jax.tree.map(np.testing.assert_array_equal, spec.param_layout(layout), trainable)
+    floats.identical(spec.param_layout(layout), trainable, why=floats.MOVED)
     # the step's: cast to the compute dtype, then joined
     assert spec.compute_layout(trainable)["unembed"]["kernel"].dtype == jnp.bfloat16
     assert spec.compute_layout(trainable)["blocks"][1]["attn"]["wq"]["kernel"].dtype == jnp.bfloat16

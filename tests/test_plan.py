@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import xla_flags
 from jaxlm import config, memory, plan, train_setup
 from jaxlm.models import transformer
 
@@ -228,8 +229,8 @@ def test_user_errors_get_one_line_and_exit_code_2(args, expected, capsys):
 
 @pytest.mark.slow
 def test_the_command_line_compiles_on_fake_cpu_devices_it_sets_up_itself():
-    """A fresh process with no XLA_FLAGS: `--compile --devices=16` creates 16 CPU devices itself."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """A fresh process with no device count in XLA_FLAGS: `--compile --devices=16` creates 16 CPU devices itself."""
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, "XLA_FLAGS": xla_flags()}
     result = subprocess.run(
         [sys.executable, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--devices=16", "--compile", "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import floats
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -81,7 +82,7 @@ def test_killed_or_preempted_at_any_moment_then_resumed_equals_the_uninterrupted
     code, out, err = run(argv)
     assert code == 0, err[-3000:]
     assert "resuming from step 15" in out
-    assert losses(tmp / "killed") == expected  # same steps, once each, same values
+    floats.identical(losses(tmp / "killed"), expected, why=floats.SAME_PROGRAM)  # same steps, once each, same values
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp / "killed" / "tensorboard"), size_guidance={"scalars": 0})
@@ -103,7 +104,7 @@ def test_saved_from_device_snapshots_then_resumed_equals_the_uninterrupted_run(u
     code, out, err = run(argv)
     assert code == 0, err[-3000:]
     assert "resuming from step 10" in out or "resuming from step 5" in out, out
-    assert losses(tmp / "snapshots") == expected
+    floats.identical(losses(tmp / "snapshots"), expected, why=floats.SAME_PROGRAM)
 
 
 @pytest.mark.slow
@@ -136,7 +137,7 @@ def test_a_finished_run_whose_final_checkpoint_is_damaged_trains_the_lost_steps_
     assert code == 0, err[-3000:]
     assert "already complete" not in out and "resuming from step 20" in out
     assert "Traceback" not in err and f"moved to {run_dir / 'damaged_checkpoints' / '24'}" in out
-    assert losses(run_dir) == expected
+    floats.identical(losses(run_dir), expected, why=floats.SAME_PROGRAM)
     kept = run_dir / "damaged_checkpoints" / "24" / victim.relative_to(final)
     assert kept.read_bytes()[:1] == bytes([first[0] ^ 0xFF])  # set aside, not deleted
     from jaxlm import checkpoint
@@ -173,7 +174,7 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_the_run_resumes(uninter
     code, out, err = run(argv)
     assert code == 0, err[-3000:]
     assert (f"resuming from step {complete[-1]}" in out) if complete else "resuming" not in out
-    assert losses(tmp / "full_disk") == expected
+    floats.identical(losses(tmp / "full_disk"), expected, why=floats.SAME_PROGRAM)
 
 
 @pytest.mark.slow
@@ -222,6 +223,6 @@ def test_tokenized_on_the_fly_with_workers_a_resumed_run_equals_the_uninterrupte
     assert code == 75, err[-3000:]
     code, out, err = run(args(tmp_path, "parts", *extra, steps=12))
     assert code == 0 and "resuming from step" in out, err[-3000:]
-    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+    floats.identical(losses(tmp_path / "parts"), losses(tmp_path / "whole"), why=floats.SAME_PROGRAM)
     code, _, err = run(args(tmp_path, "parts", steps=14))  # switching to prepared data changes the stream
     assert code == 2 and "data.tokenize_on_the_fly: True -> False" in err, err[-2000:]

@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import floats
 import numpy as np
 import pytest
 from test_hf_tokenizer import OFFLINE, make_llama3, make_qwen2
@@ -176,7 +177,8 @@ def test_target_weights_are_the_weights_of_the_target_tokens():
     np.testing.assert_array_equal(batch["inputs"][0], [10, 11, 12, 13, 20, 21, 0, 0])
     np.testing.assert_array_equal(batch["targets"][0], [11, 12, 13, 14, 21, 22, 0, 0])
     np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 1, 1, 2, 2, 0, 0])
-    np.testing.assert_array_equal(batch["weights"][0], [0, 1, 1, 0, 1, 1, 0, 0])
+    # the documents' uint8 weights, moved into the batch as float32
+    floats.identical(batch["weights"][0], np.array([0, 1, 1, 0, 1, 1, 0, 0], np.float32), why=floats.MOVED)
 
 
 def _encoded(tok: Tokenizer, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -197,7 +199,8 @@ def _check_segments(batch: dict[str, np.ndarray], by_inputs: dict[tuple, np.ndar
         for s in ids:
             mask = seg == s
             weights = by_inputs[tuple(batch["inputs"][row][mask])]
-            np.testing.assert_array_equal(batch["weights"][row][mask], weights[1 : seq_len + 1])
+            floats.identical(batch["weights"][row][mask], weights[1 : seq_len + 1].astype(np.float32),
+                             why=floats.MOVED)  # the example's uint8 weights, moved into the batch as float32
             np.testing.assert_array_equal(batch["positions"][row][mask], np.arange(mask.sum()))
     return most
 
@@ -260,13 +263,13 @@ def test_in_memory_and_prepared_sft_data_give_the_same_batches_and_report(tmp_pa
     assert manifest["splits"]["train"]["weighted_tokens"] > 0
     prepared = loader.load_data(_config(tmp_path, corpus=str(out)))
     assert prepared.sft_report == fly.sft_report
+    # The same tokens and 0/1 weights by two paths: moved, never computed.
     for a, b in zip([next(fly.train) for _ in range(3)], [next(prepared.train) for _ in range(3)]):
         assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_array_equal(a[k], b[k])
+        floats.identical(a, b, why=floats.MOVED)
     assert len(fly.eval_batches) == len(prepared.eval_batches) > 0
     for a, b in zip(fly.eval_batches, prepared.eval_batches):
-        np.testing.assert_array_equal(a["weights"], b["weights"])
+        floats.identical(a["weights"], b["weights"], why=floats.MOVED)
         np.testing.assert_array_equal(a["targets"], b["targets"])
     fly.train.close()
     prepared.train.close()

@@ -8,6 +8,8 @@ import random
 import subprocess
 import sys
 
+from helpers import xla_flags
+
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
 FRUITS = ("apples", "bananas", "cherries", "dates", "figs", "grapes", "lemons", "mangos")
 LIKES = dict(zip(NAMES, FRUITS))  # the facts the model learns: alice likes apples, ...
@@ -40,7 +42,7 @@ def train_args(directory: pathlib.Path, steps: int = STEPS) -> list[str]:
     return ["--config=configs/tiny.py", *(f"--config.{key.replace('__', '.')}={value}" for key, value in overrides.items())]
 
 
-ONE_DEVICE = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+ONE_DEVICE = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1"), JAX_PLATFORMS="cpu")
 
 
 def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> pathlib.Path:
