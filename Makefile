@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
 ARGS ?=
 
-.PHONY: install train test check lint test-slow test-all bench h100-env roofline clean
+.PHONY: install train test test-isa check lint test-slow test-all bench h100-env roofline clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
@@ -31,6 +31,15 @@ PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxproces
 test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices, under 10 minutes)
 	$(BIN)/ruff check .
 	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(PARALLEL) $(ARGS)
+
+# XLA:CPU generates code for the processor it runs on, so floats' last bits differ between instruction sets;
+# --xla_cpu_max_isa makes it generate code as for an older x86 processor on this one (tests/floats.py).
+ISAS ?= AVX2 SSE4_2
+
+test-isa: install  ## the tests that compare floats (marked `floats`), as `make test` runs them, as on each of ISAS (x86)
+	@for isa in $(ISAS); do echo "--- XLA:CPU as on $$isa"; \
+	  XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=$$isa" JAXLM_TEST_FAST_COMPILE=1 \
+	    $(BIN)/python -m pytest -q $(PARALLEL) -m 'floats and not slow' $(ARGS) || exit 1; done
 
 check: install  ## the lint, then every test, slow ones included (about 45 minutes on 2 cores; the slow ones alone 30-34); CI runs `make test`
 	$(BIN)/ruff check .
