@@ -94,10 +94,11 @@ def identical(actual, expected, *, why: str, err_msg: str = "") -> None:
 
 
 def tolerance(expected: np.ndarray, ulps: float = ULPS) -> float:
-    """`ulps` units in the last place of `expected`'s scale (its largest magnitude), in its dtype."""
+    """`ulps` units in the last place of `expected`'s scale (its largest finite magnitude), in its dtype."""
     expected = np.asarray(expected)
     dtype = expected.dtype if jnp.issubdtype(expected.dtype, jnp.inexact) else np.dtype(np.float64)
-    scale = float(np.max(np.abs(expected.astype(np.float64)))) if expected.size else 0.0
+    magnitudes = np.abs(expected.astype(np.float64))
+    scale = float(np.nanmax(magnitudes)) if np.isfinite(magnitudes).any() else 0.0  # NaN: a missing value
     return ulps * float(jnp.finfo(dtype).eps) * scale
 
 
@@ -156,10 +157,12 @@ def describe(made_on: dict) -> str:
 REFERENCE_PREFIX = "[float reference] "
 
 
-def matches_reference(actual, expected, made_on: dict, *, ulps: float = ULPS, err_msg: str = "") -> str:
+def matches_reference(actual, expected, made_on: dict, *, ulps: float = ULPS, err_msg: str = "",
+                      here: dict | None = None) -> str:
     """Values stored from `made_on` (a `machine()` record): bit-exact where this is that machine, within
-    `close(ulps)` elsewhere. Prints (and returns) which it did; conftest collects the line for the summary."""
-    here = machine()
+    `close(ulps)` elsewhere. `here`: the machine `actual` was computed on, if not this process's (a subprocess
+    with other XLA flags). Prints (and returns) which it did; conftest collects the line for the summary."""
+    here = machine() if here is None else here
     what = f"{err_msg}: " if err_msg else ""
     if here == made_on:
         identical(actual, expected, why=SAME_PROGRAM, err_msg=err_msg)
