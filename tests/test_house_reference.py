@@ -1,5 +1,6 @@
 """Issue 46's promise: the second plan of the house changes no number. Short tiny runs (one device, a
-(2, 2, 2) mesh, LoRA, QLoRA, gradual pruning, two pipeline stages, float8 matmuls) log, step by step, the
+(2, 2, 2) mesh, LoRA, QLoRA, gradual pruning, two pipeline stages, float8 matmuls, a fine-tune under
+`run.init_from` of an int4 GPTQ compression) log, step by step, the
 metrics commit 594be22 logged (`tests/data/house_reference_594be22.json`, written by
 `tests/data/make_house_reference.py` from a checkout of that commit): every step to the bit on the machine
 it records; elsewhere the first step within ulps (`floats.matches_reference`)."""
@@ -23,6 +24,8 @@ REFERENCE = json.loads((DATA / "house_reference_594be22.json").read_text())
 # --xla_cpu_max_isa=SSE4_2: step 1's grad_norm 5.6e-5 apart) and 50 steps of a toy model at its peak learning
 # rate amplify them (grad_norm 7% apart at step 50): there only the first step is compared, within 8192 ulps
 # of each metric's largest value over the run (float32: 1e-3 of it); under AVX2 the whole runs stay within 1.4e-6.
+# The GPTQ fine-tune's base is a 20-step run compressed to integer codes: under SSE4_2 its first step's
+# grad_norm is 14% apart, so elsewhere only its steps and metrics' names are compared.
 FIRST_STEP_ULPS = 8192
 
 
@@ -42,6 +45,9 @@ def test_a_short_run_logs_the_numbers_commit_594be22_logged(name, tmp_path):
     here = floats.machine(given)
     if here == REFERENCE["made_on"]:  # every step's metrics, to the bit
         floats.matches_reference(_columns(records), _columns(want), REFERENCE["made_on"], err_msg=name, here=here)
+    elif name in MAKER.PRELUDES:  # its base is itself a diverged run, then rounded to integer codes
+        print(f"{floats.REFERENCE_PREFIX}{name}: its steps and metrics only (its base was trained and compressed "
+              f"here): made on {floats.describe(REFERENCE['made_on'])}, compared here on {floats.describe(here)}")
     else:  # the first step, each metric within ulps of its scale over the run (sparsity starts near zero)
         scales, first, expected = _columns(want), _columns(records[:1]), _columns(want[:1])
         for key, value in expected.items():
