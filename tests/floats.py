@@ -6,7 +6,7 @@ float comparison is one of three kinds, and says which:
 
 - `identical(a, b, why=...)`: bit-exact, for the same program on the same machine (a rerun, a resume, a
   restore: determinism is the claim), or for values that were moved and never computed (a copy, a
-  transpose, a save and load, a cast back to the dtype they came from). `why` names which, for the reader.
+  transpose, a save and load, a cast, which rounds each element alone). `why` names which, for the reader.
 - `close(actual, expected)`: two different programs on the same machine (sharded and unsharded, scanned
   and unrolled, two meshes, two kernels, two libraries), or numbers worked out by hand: each element within
   a few ulps of the values' scale, `|a - e| <= ulps * eps(dtype) * max|e|`; a real bug (a wrong mask, a
@@ -36,8 +36,8 @@ MOVED = "values moved, never computed"
 _WHYS = (SAME_PROGRAM, MOVED)
 
 # The default for `close`: 8 ulps of the values' scale (float32: 9.5e-7 of max|e|). Reordered float32 sums
-# of a few hundred terms differ by 1-3 ulps of their scale (measured here: sharded GPTQ, AVX2 against
-# AVX-512, 2.6e-7 relative); a bug is off by percents.
+# differ by a few ulps of their scale: sharded GPTQ on an AVX2-only EPYC against AVX-512, 1.7 (issue 45's
+# report); the suite's two-program comparisons, 0-2 under AVX-512, AVX2 and SSE4_2. A bug is off by percents.
 ULPS = 8
 
 _EXACT_ALLOWED = contextvars.ContextVar("jaxlm_tests_exact_floats", default=False)
