@@ -28,6 +28,7 @@ import platform
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 # Why a comparison may be bit-exact (`identical`'s `why`).
@@ -141,8 +142,6 @@ def machine(xla_flags: str | None = None) -> dict:
     change its code generation (`xla_flags`, default this process's XLA_FLAGS), jaxlib's version."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     name, features = _cpu()
-    import jaxlib
-
     return {"arch": platform.machine(), "cpu": name, "features": features,
             "xla_flags": sorted(f for f in flags.split() if f.split("=")[0] in _CODEGEN_FLAGS),
             "jaxlib": jaxlib.__version__}
@@ -157,6 +156,15 @@ def describe(made_on: dict) -> str:
 REFERENCE_PREFIX = "[float reference] "
 
 
+def say(line: str) -> None:
+    """Prints what a comparison with stored values did, for the run's summary (tests/conftest.py collects it)."""
+    print(REFERENCE_PREFIX + line)
+
+
+def where(made_on: dict, here: dict) -> str:
+    return f"made on {describe(made_on)}, compared here on {describe(here)}"
+
+
 def matches_reference(actual, expected, made_on: dict, *, ulps: float = ULPS, err_msg: str = "",
                       here: dict | None = None) -> str:
     """Values stored from `made_on` (a `machine()` record): bit-exact where this is that machine, within
@@ -169,7 +177,6 @@ def matches_reference(actual, expected, made_on: dict, *, ulps: float = ULPS, er
         said = f"{what}bit-exact: made on this machine ({describe(here)})"
     else:
         close(actual, expected, ulps=ulps, err_msg=err_msg)
-        said = (f"{what}within {ulps} ulps of the values' scale: made on {describe(made_on)}, "
-                f"compared here on {describe(here)}")
-    print(REFERENCE_PREFIX + said)
+        said = f"{what}within {ulps} ulps of the values' scale: {where(made_on, here)}"
+    say(said)
     return said

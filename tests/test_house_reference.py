@@ -1,9 +1,9 @@
 """Issue 46's promise: the second plan of the house changes no number. Short tiny runs (one device, a
 (2, 2, 2) mesh, LoRA, QLoRA, gradual pruning, two pipeline stages, float8 matmuls, a fine-tune under
-`run.init_from` of an int4 GPTQ compression) log, step by step, the
-metrics commit 594be22 logged (`tests/data/house_reference_594be22.json`, written by
-`tests/data/make_house_reference.py` from a checkout of that commit): every step to the bit on the machine
-it records; elsewhere the first step within ulps (`floats.matches_reference`)."""
+`run.init_from` of an int4 GPTQ compression) log, step by step, the metrics commit 594be22 logged
+(`tests/data/house_reference_594be22.json`, written by `tests/data/make_house_reference.py` from a
+checkout of that commit): every step to the bit on the machine it records; elsewhere the first step
+within ulps of each metric's scale."""
 
 import importlib.util
 import json
@@ -46,13 +46,13 @@ def test_a_short_run_logs_the_numbers_commit_594be22_logged(name, tmp_path):
     if here == REFERENCE["made_on"]:  # every step's metrics, to the bit
         floats.matches_reference(_columns(records), _columns(want), REFERENCE["made_on"], err_msg=name, here=here)
     elif name in MAKER.PRELUDES:  # its base is itself a diverged run, then rounded to integer codes
-        print(f"{floats.REFERENCE_PREFIX}{name}: its steps and metrics only (its base was trained and compressed "
-              f"here): made on {floats.describe(REFERENCE['made_on'])}, compared here on {floats.describe(here)}")
+        floats.say(f"{name}: its steps and metrics only (its base was trained and compressed here): "
+                   f"{floats.where(REFERENCE['made_on'], here)}")
     else:  # the first step, each metric within ulps of its scale over the run (sparsity starts near zero)
         scales, first, expected = _columns(want), _columns(records[:1]), _columns(want[:1])
         for key, value in expected.items():
             atol = floats.tolerance(scales[key], FIRST_STEP_ULPS)
             np.testing.assert_allclose(first[key].astype(np.float64), value.astype(np.float64), rtol=0, atol=atol,
                                        err_msg=f"{name}: step 1's {key} (within {atol:.3g})")
-        print(f"{floats.REFERENCE_PREFIX}{name}: the first step within {FIRST_STEP_ULPS} ulps of each metric's scale: "
-              f"made on {floats.describe(REFERENCE['made_on'])}, compared here on {floats.describe(here)}")
+        floats.say(f"{name}: the first step within {FIRST_STEP_ULPS} ulps of each metric's scale: "
+                   f"{floats.where(REFERENCE['made_on'], here)}")

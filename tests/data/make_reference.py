@@ -6,11 +6,12 @@ uses that commit's API, so it runs only in a checkout of it:
     cd /tmp/old && XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         PYTHONPATH=/tmp/old python /path/to/make_reference.py /path/to/tests/data
 
-It also writes reference_a89b6fe.machine.json, the machine it ran on (`floats.machine()`). The .npz was
-first made on another machine; the record is of the machine where this script, rerun at a89b6fe with
-jaxlib 0.10.2, wrote the same bytes again (2026-11-28).
+It also writes reference_a89b6fe.machine.json, the machine it ran on (`floats.machine()`): the stored
+record is of a machine where this script, rerun at a89b6fe with jaxlib 0.10.2, wrote the stored .npz's
+bytes again.
 """
 
+import json
 import os
 import sys
 
@@ -72,8 +73,6 @@ def main(out):
     np.savez_compressed(os.path.join(out, "reference_a89b6fe.npz"), **arrays)
     # The machine it was made on (tests/floats.py): test_reference compares to the bit there, within ulps elsewhere.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import json
-
     import floats
 
     with open(os.path.join(out, "reference_a89b6fe.machine.json"), "w") as f:
