@@ -96,7 +96,7 @@ def base_config() -> ml_collections.ConfigDict:
         variant="llama",  # a name in jaxlm.models.transformer.VARIANTS
         # Components; "" takes the variant's choice, a name overrides it (for ablations).
         norm="",  # rmsnorm | layernorm
-        mlp="",  # swiglu | gelu
+        mlp="",  # a name in jaxlm.models.mlps.MLPS (swiglu, gelu, ...); "" = the variant's
         position="",  # rope | learned
         use_bias=-1,  # -1 = the variant's choice, 0 = no biases, 1 = biases
         qkv_bias=-1,  # biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1
@@ -106,7 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
         n_heads=4,
         n_kv_heads=0,  # 0 = n_heads (no grouping)
         head_dim=0,  # 0 = d_model // n_heads
-        mlp_dim=0,  # 0 = the variant's default width (8/3 d rounded up to 256 for SwiGLU, 4 d for GELU)
+        mlp_dim=0,  # 0 = the MLP's default width (its class's `default_dim`: 8/3 d rounded up to 256 for SwiGLU)
         max_seq_len=seq_len,
         tie_embeddings=False,
         norm_eps=1e-5,
@@ -528,11 +528,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     from jaxlm import energy, loss_scale, quant
     from jaxlm.data import sft, sources, tokenizer
     from jaxlm.models import layers, transformer  # registries of variants and components
+    from jaxlm.models.mlps import MLPS
 
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
     _check_choice(cfg, "model.variant", sorted(transformer.VARIANTS))
     _check_choice(cfg, "model.norm", sorted(transformer.NORMS), allow_empty=True)
-    _check_choice(cfg, "model.mlp", sorted(transformer.MLPS), allow_empty=True)
+    _check_choice(cfg, "model.mlp", sorted(MLPS), allow_empty=True)
     _check_choice(cfg, "model.position", sorted(transformer.POSITIONS), allow_empty=True)
     _check(m.use_bias in (-1, 0, 1), "model.use_bias", m.use_bias, "-1 (variant's choice), 0 or 1")
     _check(m.qkv_bias in (-1, 0, 1), "model.qkv_bias", m.qkv_bias, "-1 (variant's choice), 0 or 1")

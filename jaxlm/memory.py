@@ -39,6 +39,7 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import pipeline_parallel, transformer
 from jaxlm.models.attention import attention_block
+from jaxlm.models.mlps import MLPS
 
 GIB = 2**30
 F32 = 4
@@ -181,10 +182,6 @@ def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
 
 
-def _mlp_saved(m) -> int:
-    return 3 if m.mlp == "swiglu" else 2
-
-
 def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
     """Bytes one block keeps for its backward pass without remat, weights aside (per device): the
     residuals of its jaxpr (`jax.ad_checkpoint.print_saved_residuals`), the norms and activation
@@ -196,15 +193,16 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     `recomputed=False`: as if the norms and activation functions were not recomputed: what a layer
     holds at its backward's peak (`layer_backward_bytes`).
     """
-    a = act_bytes
+    a, mlp = act_bytes, MLPS[m.mlp]
     if not recomputed:  # every intermediate, as autodiff saves it
-        return layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x + (6 - _mlp_saved(m)) * a * s.mlp
+        return (layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x
+                + (mlp.autodiff_hidden - mlp.saved_hidden) * a * s.mlp)
     norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
     rope = 4 * F32 * m.head_dim / 2 * s.tokens if m.position == "rope" else 0.0  # sin and cos, for q and k
     attention_out = a * s.q
-    mlp = _mlp_saved(m) * a * s.mlp  # gate, up, product / GELU's input and output
-    return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + mlp
+    hidden = mlp.saved_hidden * a * s.mlp  # SwiGLU: gate, up, product; GELU: its input and output
+    return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + hidden
 
 
 def one_program(m) -> bool:
@@ -271,7 +269,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
-    mlp_dots = (2 if m.mlp == "swiglu" else 1) * a * s.mlp  # gate and up / in
+    mlp_dots = MLPS[m.mlp].hidden_dots() * a * s.mlp  # SwiGLU: gate and up; GELU: in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
     # cuDNN's fused attention forward is saved with the dots (transformer._fused_attention_saveable):
     # its output and softmax statistics

@@ -1,14 +1,34 @@
 """Small shared builders for the tests."""
 
 import importlib.util
+import math
 import os
 import pathlib
+import re
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.models.transformer import ModelConfig
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*\w+\[([\d,]*)\]")
+
+
+def hlo_dot_flops(hlo: str) -> int:
+    """2 * output elements * contracted size, summed over every dot of an (optimized) HLO module."""
+    shapes, total = {}, 0
+    for line in hlo.splitlines():
+        if m := _DEFINITION.match(line):
+            shapes[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+    for line in hlo.splitlines():
+        if " dot(" not in line or not (m := _DEFINITION.match(line)):
+            continue
+        lhs = re.search(r"dot\(%([^,\s)]+)", line).group(1)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+        k = math.prod(shapes[lhs][int(d)] for d in contracting.split(",") if d)
+        total += 2 * math.prod(shapes[m.group(1)]) * k
+    return total
 
 
 def xla_flags(*flags: str) -> str:

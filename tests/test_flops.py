@@ -10,12 +10,10 @@ The dot instructions of the compiled program, summed from its HLO, equal the mat
 On CPU a scanned loop body is counted once, so layers are unrolled; no remat, one micro-batch.
 """
 
-import math
-import re
-
 import jax
 import pytest
 
+from helpers import hlo_dot_flops
 from jaxlm import config as config_lib
 from jaxlm import train_setup
 from jaxlm.models import attention
@@ -34,25 +32,6 @@ def _cost_flops(compiled) -> float:
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]
     return float(analysis["flops"])
-
-
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*\w+\[([\d,]*)\]")
-
-
-def _hlo_dot_flops(hlo: str) -> int:
-    """2 * output elements * contracted size, summed over every dot of an (optimized) HLO module."""
-    shapes, total = {}, 0
-    for line in hlo.splitlines():
-        if m := _DEFINITION.match(line):
-            shapes[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
-    for line in hlo.splitlines():
-        if " dot(" not in line or not (m := _DEFINITION.match(line)):
-            continue
-        lhs = re.search(r"dot\(%([^,\s)]+)", line).group(1)
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
-        k = math.prod(shapes[lhs][int(d)] for d in contracting.split(",") if d)
-        total += 2 * math.prod(shapes[m.group(1)]) * k
-    return total
 
 
 @pytest.mark.parametrize(
@@ -78,7 +57,7 @@ def test_flops_per_token_agrees_with_xla_cost_analysis(overrides):
     assert matmul_flops == (6 * matmul_params(m) + 12 * m.n_layers * seq_len * m.n_heads * m.head_dim) * tokens
 
     # Exact: the compiled program's dots are the formula's matmuls plus the full attention square.
-    assert _hlo_dot_flops(compiled.as_text()) == matmul_flops
+    assert hlo_dot_flops(compiled.as_text()) == matmul_flops
 
     # XLA's total: those matmuls plus a few percent of elementwise work, never less.
     xla_flops = _cost_flops(compiled)
@@ -102,4 +81,4 @@ def test_blocked_attention_computes_only_the_blocks_at_or_before_the_diagonal():
     pairs = sum((min(start + block, t) - start) * min(start + block, t) for start in range(0, t, block))
     attention_flops = m.n_layers * 6 * 2 * m.n_heads * m.head_dim * pairs * (tokens // t)
     assert pairs <= t * t * 0.75  # two blocks or more: at most 3/4 of the square
-    assert _hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * matmul_params(m) * tokens + attention_flops
+    assert hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * matmul_params(m) * tokens + attention_flops

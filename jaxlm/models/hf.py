@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxlm.errors import UserError
+from jaxlm.models.mlps import MLPS
 
 MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")  # model_type values jaxlm imports
@@ -166,10 +167,15 @@ def _gpt2_keys(hf: dict) -> dict:
 
 def architecture_of(cfg) -> str:
     """The Hugging Face model_type a jaxlm model exports as; one line if it has no counterpart."""
-    if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.position == "learned" and cfg.use_bias \
+    counterparts = MLPS[cfg.mlp].hf_architectures
+    if not counterparts:
+        others = ", ".join(f"{name} ({', '.join(c.hf_architectures)})" for name, c in MLPS.items() if c.hf_architectures)
+        raise UserError(f"this model's MLP (model.mlp={cfg.mlp}) has no Hugging Face counterpart, so it cannot be "
+                        f"exported; the MLPs that have one: {others}")
+    if cfg.norm == "layernorm" and "gpt2" in counterparts and cfg.position == "learned" and cfg.use_bias \
             and cfg.tie_embeddings:
         return "gpt2"
-    if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and cfg.position == "rope" and not cfg.use_bias:
+    if cfg.norm == "rmsnorm" and "llama" in counterparts and cfg.position == "rope" and not cfg.use_bias:
         return "qwen2" if cfg.qkv_bias else "llama"
     raise UserError(f"this model (norm={cfg.norm}, mlp={cfg.mlp}, position={cfg.position}, use_bias={cfg.use_bias}, "
                     f"tie_embeddings={cfg.tie_embeddings}) has no Hugging Face architecture: Llama, Qwen2 and GPT-2 "
@@ -254,9 +260,26 @@ def _transposed(name: str, rows: int, cols: int) -> Part:
     return Part(name, ((rows,), (cols,)), (1, 0))
 
 
+def _mlp_parts(cfg, prefix: str, conv1d: bool) -> dict[tuple, Part]:
+    """The MLP's weights under `prefix` + "mlp.", by the names its class gives them (`MLP.hf_names`):
+    GPT-2's Conv1D stores a kernel as jaxlm does, [in, out]; a PyTorch Linear as [out, in]."""
+    mlp = MLPS[cfg.mlp]
+    shapes = mlp.projection_shapes(cfg.d_model, cfg.mlp_dim)
+    biases = mlp.bias_shapes(cfg.d_model, cfg.mlp_dim, cfg.use_bias)
+    out = {}
+    for name, module in mlp.hf_names.items():
+        hf = f"{prefix}mlp.{module}"
+        if name in shapes:
+            i, o = shapes[name]
+            out["mlp", name, "kernel"] = _same(hf + ".weight", i, o) if conv1d else _transposed(hf + ".weight", o, i)
+        elif name in biases:
+            out["mlp", name] = _same(hf + ".bias", biases[name])
+    return out
+
+
 def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
     """(parts of one layer keyed by the path inside a block, parts outside the blocks keyed by path)."""
-    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    d, n, k, h, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     if arch == "gpt2":
         p = "transformer.h.{layer}."
         layer = {
@@ -264,9 +287,7 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
             ("mlp_norm", "scale"): _same(p + "ln_2.weight", d), ("mlp_norm", "bias"): _same(p + "ln_2.bias", d),
             ("attn", "wo", "kernel"): Part(p + "attn.c_proj.weight", ((n, h), (d,)), (0, 1, 2)),
             ("attn", "bo"): _same(p + "attn.c_proj.bias", d),
-            ("mlp", "w_in", "kernel"): _same(p + "mlp.c_fc.weight", d, f), ("mlp", "b_in"): _same(p + "mlp.c_fc.bias", f),
-            ("mlp", "w_out", "kernel"): _same(p + "mlp.c_proj.weight", f, d),
-            ("mlp", "b_out"): _same(p + "mlp.c_proj.bias", d),
+            **_mlp_parts(cfg, p, conv1d=True),
         }
         for i, name in enumerate(("q", "k", "v")):  # Conv1D's c_attn: [D, 3D], x @ W, q | k | v along columns
             layer[("attn", f"w{name}", "kernel")] = Part(p + "attn.c_attn.weight", ((d,), (3, n, h)), (0, 1, 2),
@@ -285,9 +306,7 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
         ("attn", "wk", "kernel"): Part(p + "self_attn.k_proj.weight", ((k, h), (d,)), (2, 0, 1)),
         ("attn", "wv", "kernel"): Part(p + "self_attn.v_proj.weight", ((k, h), (d,)), (2, 0, 1)),
         ("attn", "wo", "kernel"): Part(p + "self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0)),
-        ("mlp", "w_gate", "kernel"): _transposed(p + "mlp.gate_proj.weight", f, d),
-        ("mlp", "w_up", "kernel"): _transposed(p + "mlp.up_proj.weight", f, d),
-        ("mlp", "w_down", "kernel"): _transposed(p + "mlp.down_proj.weight", d, f),
+        **_mlp_parts(cfg, p, conv1d=False),
     }
     if cfg.use_bias or cfg.qkv_bias:
         layer[("attn", "bq")] = Part(p + "self_attn.q_proj.bias", ((n, h),), (0, 1))

@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: norms, rotary embedding, projections, attention, MLPs, embedding.
+"""Building blocks of the decoder: norms, rotary embedding, projections, attention, embedding (the
+MLPs are in `jaxlm.models.mlps`).
 
 Every weight is an `nnx.Param` created with logical axis names (never mesh axes); `jaxlm.mesh`
 maps the names onto the device mesh. Every weight matmul goes through one module, `Projection`,
@@ -416,10 +417,9 @@ def joints(module: nnx.Module) -> list[Joint]:
     """The groups of projections in `module` that its forward runs as one matmul, with their kernels' paths."""
     out = []
     for path, node in nnx.iter_graph(module):
-        if isinstance(node, Attention) and joins_qkv(node.wq, node.wk, node.wv):
-            out.append(Joint("qkv", tuple((*path, name, "kernel") for name in ("wq", "wk", "wv"))))
-        elif isinstance(node, GatedMLP) and node.joint_gate_up and node.w_gate.fusable and node.w_up.fusable:
-            out.append(Joint("gate_up", tuple((*path, name, "kernel") for name in ("w_gate", "w_up"))))
+        if isinstance(node, nnx.Module):  # the attention's q, k, v; an MLP's (jaxlm.models.mlps)
+            for kind, names in getattr(node, "joined_projections", ()):
+                out.append(Joint(kind, tuple((*path, name, "kernel") for name in names)))
     return out
 
 
@@ -602,6 +602,11 @@ class Attention(nnx.Module):
         if cfg.use_bias:
             self.bo = make_param(rngs, zeros, (d,), ("norm",), pd)
 
+    @property
+    def joined_projections(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The projections its forward runs as one matmul (`joints`)."""
+        return (("qkv", ("wq", "wk", "wv")),) if joins_qkv(self.wq, self.wk, self.wv) else ()
+
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache | None = None,
         dropout_key: jax.Array | None = None,
@@ -646,9 +651,9 @@ def project_gate_up(x: jax.Array, w_gate: Projection, w_up: Projection, keys) ->
     by side), so its output's gate and up values of a unit are neighbours: SwiGLU reads both from one place
     and its gradient writes both to one place, and splitting the hidden units over `tensor` splits this
     kernel the same way as the two. In the backward pass x's gradient then comes out of one matmul instead
-    of two partial products that the norm's backward reads twice each. `GatedMLP` takes it where the hidden
-    activation is saved (`GatedMLP.joint_gate_up`); the parameters stay two (checkpoints, conversion,
-    adapters and quantization see gate and up as before). A train step with micro-batches interleaves them
+    of two partial products that the norm's backward reads twice each. SwiGLU takes it where the hidden
+    activation is saved (`mlps.swiglu.GatedMLP.joint_gate_up`); the parameters stay two (checkpoints,
+    conversion, adapters and quantization see gate and up as before). A train step with micro-batches interleaves them
     once per step instead of in every micro-batch (`ComputeKernel`, `Joint`).
     """
     if not (w_gate.fusable and w_up.fusable):
@@ -668,73 +673,6 @@ def join_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
 def split_gate_up(joint: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The inverse of `join_gate_up`."""
     return joint[..., 0], joint[..., 1]
-
-
-# Remat policies under which the MLP's hidden activation is kept for the backward pass, not recomputed
-# (transformer.REMAT_POLICIES; without remat autodiff keeps it for the down projection's gradient)
-HIDDEN_KEPT = ("none", "dots_mlp")
-
-
-class GatedMLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)).
-
-    `joint_gate_up`: gate and up as one matmul (`project_gate_up`), where the remat policy keeps the hidden
-    activation (`HIDDEN_KEPT`). Compiled for H100s (benchmarks/BENCHMARKS.md) it pays there; where the
-    backward pass recomputes the hidden activation, XLA splits that recomputation and SwiGLU's gradient
-    into two kernels that each read gate and up, and the joint matmul came out slower (1b under remat=dots).
-    """
-
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.mlp_dim
-        self.joint_gate_up = cfg.remat in HIDDEN_KEPT
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.w_gate = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
-                                 **cfg.projection_kw("w_gate"))
-        self.w_up = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
-                               **cfg.projection_kw("w_up"))
-        self.w_down = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw,
-                                 **cfg.projection_kw("w_down"))
-
-    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        x = tensor_parallel_entry(x)
-        key_gate, key_up, key_down = split_keys(dropout_key, 3)  # the adapters' dropout (LoRA)
-        if self.joint_gate_up:
-            gate, up = project_gate_up(x, self.w_gate, self.w_up, (key_gate, key_up))
-        else:
-            gate, up = self.w_gate(x, key_gate), self.w_up(x, key_up)
-        h = checkpoint_name(recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up), MLP_HIDDEN)
-        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        return constrain(self.w_down(h, key_down), ("act_batch", "act_seq", "act_embed"))
-
-
-class GeluMLP(nnx.Module):
-    """GPT-2 MLP: out(gelu(in(x)))."""
-
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
-        self.dtype, self.use_bias = cfg.dtype, cfg.use_bias
-        kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
-        self.w_in = Projection("btd,df->btf", (d, f), ("embed", "mlp"), init=normal(cfg.init_std), **kw,
-                               **cfg.projection_kw("w_in"))
-        self.w_out = Projection("btf,fd->btd", (f, d), ("mlp", "embed"), init=normal(cfg.residual_init_std), **kw,
-                                **cfg.projection_kw("w_out"))
-        if cfg.use_bias:
-            self.b_in = make_param(rngs, zeros, (f,), ("mlp",), pd)
-            self.b_out = make_param(rngs, zeros, (d,), ("norm",), pd)
-
-    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        dt = self.dtype
-        x = tensor_parallel_entry(x)
-        key_in, key_out = split_keys(dropout_key, 2)  # the adapters' dropout (LoRA)
-        h = self.w_in(x, key_in)
-        if self.use_bias:
-            h = h + self.b_in[...].astype(dt)
-        h = checkpoint_name(recomputed(lambda h: jax.nn.gelu(h, approximate=True))(h), MLP_HIDDEN)
-        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        y = self.w_out(h, key_out)
-        if self.use_bias:
-            y = y + self.b_out[...].astype(dt)
-        return constrain(y, ("act_batch", "act_seq", "act_embed"))
 
 
 class Embed(nnx.Module):

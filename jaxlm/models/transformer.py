@@ -1,7 +1,7 @@
 """The decoder language model: one module for Llama-style and GPT-2-style variants.
 
 A variant is a named bundle of component choices in `VARIANTS`; each component comes from its own
-registry (`NORMS`, `MLPS`, `POSITIONS`), so a new variant or an ablation (say GELU in a Llama) is a
+registry (`NORMS`, `jaxlm.models.mlps.MLPS`, `POSITIONS`), so a new variant or an ablation (say GELU in a Llama) is a
 config change, never an if/elif on model names. Parameter count and training FLOPs per token are
 computed here from the config alone, next to the model that defines them.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import math
 from typing import Any
 
 import jax
@@ -24,6 +23,7 @@ from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import layers, pipeline_parallel
 from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, packed_layout_supported, select_implementation
+from jaxlm.models.mlps import MLPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,6 @@ VARIANTS: dict[str, Variant] = {
     "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
 }
 NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
-MLPS = {"swiglu": layers.GatedMLP, "gelu": layers.GeluMLP}
 POSITIONS = ("rope", "learned")
 
 
@@ -199,7 +198,7 @@ class ModelConfig:
             n_heads=m["n_heads"],
             n_kv_heads=m["n_kv_heads"] or m["n_heads"],
             head_dim=head_dim,
-            mlp_dim=m["mlp_dim"] or default_mlp_dim(m["d_model"], mlp),
+            mlp_dim=m["mlp_dim"] or MLPS[mlp].default_dim(m["d_model"]),
             max_seq_len=m["max_seq_len"],
             norm=m["norm"] or variant.norm,
             mlp=mlp,
@@ -392,13 +391,6 @@ def with_compress(cfg: ModelConfig, c) -> ModelConfig:
     if quantize:
         check_quant_groups(out, "config.compress.group")
     return out
-
-
-def default_mlp_dim(d_model: int, mlp: str) -> int:
-    """GELU: 4 d. SwiGLU: 8/3 d (same parameters as 4 d with two matrices), rounded up to 256."""
-    if mlp == "gelu":
-        return 4 * d_model
-    return 256 * math.ceil(8 * d_model / 3 / 256)
 
 
 class Block(nnx.Module):
@@ -599,16 +591,14 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by group, from the config alone (equal to the built model's count; tested). A
     quantized kernel counts as the weights it stands for, its scales not at all (`quant.count`), so
     QLoRA's model has the count of the same model unquantized."""
-    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    d, n, k, h, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     norm = d * (2 if cfg.norm == "layernorm" and cfg.use_bias else 1)
-    attn = d * h * (n + 2 * k) + n * h * d
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    attn = sum(i * o for i, o in _attention_shapes(cfg).values())
     if cfg.use_bias or cfg.qkv_bias:
         attn += h * (n + 2 * k)
     if cfg.use_bias:
         attn += d
-        mlp += (f + d) if cfg.mlp == "gelu" else 0
-    per_layer = attn + mlp + 2 * norm
+    per_layer = attn + MLPS[cfg.mlp].params(d, cfg.mlp_dim, cfg.use_bias) + 2 * norm
     counts = {
         "embedding": v * d,
         "positions": cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -621,20 +611,28 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each of the attention's projections."""
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {"wq": (d, n * h), "wk": (d, k * h), "wv": (d, k * h), "wo": (n * h, d)}
+
+
+def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each projection of a block: the attention's and the MLP's."""
+    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg.d_model, cfg.mlp_dim)}
+
+
 def lora_param_count(cfg: ModelConfig) -> int:
     """The LoRA adapters' parameters: rank x (inputs + outputs) of each adapted projection."""
-    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-    sizes = {"wq": (d, n * h), "wk": (d, k * h), "wv": (d, k * h), "wo": (n * h, d), "w_gate": (d, f), "w_up": (d, f),
-             "w_down": (f, d), "w_in": (d, f), "w_out": (f, d)}  # (inputs, outputs) of each layer's projections
-    per_layer = sum(cfg.lora_rank_of(name) * (i + o) for name, (i, o) in sizes.items())
-    return cfg.n_layers * per_layer + cfg.lora_rank_of("unembed") * (d + v) * (not cfg.tie_embeddings)
+    per_layer = sum(cfg.lora_rank_of(name) * (i + o) for name, (i, o) in layer_projection_shapes(cfg).items())
+    unembed = cfg.lora_rank_of("unembed") * (cfg.d_model + cfg.vocab_size) * (not cfg.tie_embeddings)
+    return cfg.n_layers * per_layer + unembed
 
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: every layer's projections plus the unembedding."""
-    d, n, k, h, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-    per_layer = d * h * (n + 2 * k) + n * h * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
-    return cfg.n_layers * per_layer + d * v
+    per_layer = sum(i * o for i, o in layer_projection_shapes(cfg).values())
+    return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -1,0 +1,119 @@
+"""What the rest of jaxlm asks of an MLP, declared once by the MLP itself.
+
+An MLP is a subclass of `MLP` whose class attributes state its arithmetic; the parameter count, the
+training FLOPs, LoRA's sizes, the planner's activation bytes and the Hugging Face export all read
+them from here, never from a formula of their own (`tests/test_registries.py` runs every registered
+MLP through each of them against the built model, the compiled program and the compiled memory).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxlm.mesh import constrain
+from jaxlm.models import layers
+
+# The logical axis names a projection of an MLP reads or writes: the residual stream's width and the
+# hidden width (config.model.mlp_dim)
+EMBED, HIDDEN = "embed", "mlp"
+_EQUATIONS = {(EMBED, HIDDEN): "btd,df->btf", (HIDDEN, EMBED): "btf,fd->btd"}
+
+
+class MLP(nnx.Module):
+    """A block's feed-forward layer: [B, T, D] -> [B, T, D].
+
+    A subclass sets:
+      name: its `config.model.mlp` name.
+      projections: its weight matmuls in the order they are created, attribute name -> (input axis,
+        output axis), each EMBED or HIDDEN. `__init__` builds them from this table (`build_projections`),
+        so the table and the model cannot disagree.
+      biases: the biases it has when the model has biases (config.model.use_bias), in the order they are
+        created: attribute name -> its size, EMBED or HIDDEN (`build_biases`).
+      saved_hidden: how many [tokens, mlp_dim] activations a layer keeps for the backward pass without
+        remat, its activation function recomputed (`layers.recomputed`): memory.layer_forward_bytes.
+      autodiff_hidden: the same with every intermediate of the activation function kept, as autodiff
+        saves them (what a layer holds at its backward pass's peak: memory.layer_backward_bytes).
+      hf_architectures: the Hugging Face model types whose MLP this is; () for none, and an export
+        refuses in one line.
+      hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
+        `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
+    and implements `default_dim` and `__call__`.
+    """
+
+    name: ClassVar[str]
+    projections: ClassVar[dict[str, tuple[str, str]]]
+    biases: ClassVar[dict[str, str]] = {}
+    saved_hidden: ClassVar[int]
+    autodiff_hidden: ClassVar[int]
+    hf_architectures: ClassVar[tuple[str, ...]] = ()
+    hf_names: ClassVar[dict[str, str]] = {}
+
+    @staticmethod
+    def default_dim(d_model: int) -> int:
+        """The hidden width config.model.mlp_dim=0 stands for."""
+        raise NotImplementedError
+
+    @classmethod
+    def projection_shapes(cls, d_model: int, mlp_dim: int) -> dict[str, tuple[int, int]]:
+        """Each projection's (inputs, outputs)."""
+        size = {EMBED: d_model, HIDDEN: mlp_dim}
+        return {name: (size[i], size[o]) for name, (i, o) in cls.projections.items()}
+
+    @classmethod
+    def bias_shapes(cls, d_model: int, mlp_dim: int, use_bias: bool) -> dict[str, int]:
+        """Each bias's size (none without biases)."""
+        size = {EMBED: d_model, HIDDEN: mlp_dim}
+        return {name: size[axis] for name, axis in cls.biases.items()} if use_bias else {}
+
+    @classmethod
+    def bias_params(cls, d_model: int, mlp_dim: int, use_bias: bool) -> int:
+        return sum(cls.bias_shapes(d_model, mlp_dim, use_bias).values())
+
+    @classmethod
+    def matmul_params(cls, d_model: int, mlp_dim: int) -> int:
+        """Weights that take part in a matmul per token."""
+        return sum(i * o for i, o in cls.projection_shapes(d_model, mlp_dim).values())
+
+    @classmethod
+    def params(cls, d_model: int, mlp_dim: int, use_bias: bool) -> int:
+        return cls.matmul_params(d_model, mlp_dim) + cls.bias_params(d_model, mlp_dim, use_bias)
+
+    @classmethod
+    def hidden_dots(cls) -> int:
+        """The matmuls whose outputs are [tokens, mlp_dim] (saved under remat's dots policies)."""
+        return sum(o == HIDDEN for _, o in cls.projections.values())
+
+    def build_projections(self, cfg, rngs: nnx.Rngs) -> None:
+        """One `layers.Projection` per entry of `projections`, in its order. A projection back into the
+        residual stream starts smaller (`cfg.residual_init_std`), so that the stream's variance does not
+        grow with depth."""
+        for name, (i, o) in self.projections.items():
+            init = layers.normal(cfg.residual_init_std if o == EMBED else cfg.init_std)
+            shape = (cfg.d_model, cfg.mlp_dim) if i == EMBED else (cfg.mlp_dim, cfg.d_model)
+            setattr(self, name, layers.Projection(_EQUATIONS[i, o], shape, (i, o), init=init, dtype=cfg.dtype,
+                                                  param_dtype=cfg.param_dtype, rngs=rngs, **cfg.projection_kw(name)))
+
+    def build_biases(self, cfg, rngs: nnx.Rngs) -> None:
+        """The biases of `biases`, zeros, when the model has biases (a hidden one split like the hidden
+        units; one of the residual stream's width named as the norms' weights are)."""
+        for name, axis in self.biases.items() if cfg.use_bias else ():
+            size, names = (cfg.mlp_dim, ("mlp",)) if axis == HIDDEN else (cfg.d_model, ("norm",))
+            setattr(self, name, layers.make_param(rngs, layers.zeros, (size,), names, cfg.param_dtype))
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        raise NotImplementedError
+
+
+def hidden(h: jax.Array) -> jax.Array:
+    """The hidden activation [B, T, F] as every MLP marks it: named for remat's dots_mlp policy
+    (`layers.MLP_HIDDEN`) and split over the hidden axis."""
+    return constrain(checkpoint_name(h, layers.MLP_HIDDEN), ("act_batch", "act_seq", "act_mlp"))
+
+
+def output(y: jax.Array) -> jax.Array:
+    """The MLP's output [B, T, D], laid out as the residual stream."""
+    return constrain(y, ("act_batch", "act_seq", "act_embed"))
