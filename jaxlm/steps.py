@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.compress import prune
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
-from jaxlm.models import attention
+from jaxlm.models import attention, aux
 from jaxlm.train_state import ModelSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -110,23 +110,37 @@ def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, ta
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))[0]
 
 
-def summed_loss(params, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
+def summed_loss(params, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0,
+                with_aux: bool = False):
     """(weighted sum of token losses, sum of weights) over a batch; with `loss_chunk_len`, the
-    logits are made that many positions at a time (`chunked_loss_sum`)."""
+    logits are made that many positions at a time (`chunked_loss_sum`).
+
+    `with_aux` (training): the blocks' auxiliary outputs (`jaxlm.models.aux`) too, each times the sum
+    of weights, so that they add up over micro-batches as the loss does: (the sum plus the auxiliary loss
+    terms times the sum of weights, (sum of weights, the auxiliary outputs times it))."""
     model = nnx.merge(model_spec.graphdef, params)
     weights = batch["weights"]
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
-        x = model(*args, dropout_key=dropout_key, hidden=True)
-        return chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len), jnp.sum(weights)
-    logits = model(*args, dropout_key=dropout_key)
-    return jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights), jnp.sum(weights)
+        x, out = model(*args, dropout_key=dropout_key, hidden=True, with_aux=True)
+        total = chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len)
+    else:
+        logits, out = model(*args, dropout_key=dropout_key, with_aux=True)
+        total = jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights)
+    tokens = jnp.sum(weights)
+    if not with_aux:
+        return total, tokens
+    for term in aux.loss_terms(out):
+        total = total + term * tokens
+    return total, (tokens, aux.scale(out, tokens))
 
 
 def trainable_loss(trainable, frozen, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float,
                    loss_chunk_len: int = 0):
-    """`summed_loss` as a function of the trainable parameters, the frozen ones held fixed."""
-    return summed_loss(model_spec.merge(trainable, frozen), model_spec, batch, dropout_key, z_loss, loss_chunk_len)
+    """`summed_loss` with the auxiliary outputs, as a function of the trainable parameters, the frozen
+    ones held fixed."""
+    return summed_loss(model_spec.merge(trainable, frozen), model_spec, batch, dropout_key, z_loss, loss_chunk_len,
+                       with_aux=True)
 
 
 def _split_micro(batch: Batch, k: int) -> Batch:
@@ -164,7 +178,7 @@ def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
 
 def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
                          rules: Rules, z_loss: float, loss_chunk_len: int):
-    """Sum of k micro-batches' (loss sum, tokens, gradients), each `data` replica accumulating its
+    """Sum of k micro-batches' (loss sum, tokens, auxiliary outputs, gradients), each `data` replica accumulating its
     own rows' gradient locally and the replicas reduced once at the end.
 
     The batch [B, T] becomes [k, R, B/(kR), T]: replica r's rows are the ones it already holds
@@ -193,26 +207,27 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
 
     def accumulate(carry, xs):
         mb, mkey = xs
-        loss_acc, tok_acc, grad_acc = carry
+        loss_acc, tok_acc, aux_acc, grad_acc = carry
         # the kernels' float32 arrays are the accumulator's own (their values unread: `layers.ComputeKernel`)
         diff = jax.tree.map(lambda k, a, w: a if k else w, kernels, grad_acc, weights)
         diff_axes = jax.tree.map(lambda k: 0 if k else None, kernels)
         with spmd.logical_axis_rules(_without(rules, "data")), attention.whole_batch_segments(mb["segment_ids"]):
             in_axes = (diff_axes, 0, None if mkey is None else 0)
-            (loss, tokens), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(diff, mb, mkey)
+            (loss, (tokens, out)), g = jax.vmap(replica_grad, in_axes=in_axes, spmd_axis_name="data")(diff, mb, mkey)
         g = jax.tree.map(jax.lax.with_sharding_constraint, g, acc_specs)
-        return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
+        return (loss_acc + loss, tok_acc + tokens, aux.add(aux_acc, out), jax.tree.map(jnp.add, grad_acc, g)), None
 
     zeros = jax.tree.map(
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s),
         model_spec.compute_layout(params, cast=False), acc_specs,
     )
-    init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), zeros)
+    aux_zeros = {name: jnp.zeros((replicas,), jnp.float32) for name in model_spec.aux_names}
+    init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), aux_zeros, zeros)
     keys = None if keys is None else jax.random.split(keys, (k, replicas))
-    (loss_sum, tokens, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
+    (loss_sum, tokens, aux_sums, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
     grads = model_spec.param_layout(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return jnp.sum(loss_sum), jnp.sum(tokens), grads
+    return jnp.sum(loss_sum), jnp.sum(tokens), {name: jnp.sum(v) for name, v in aux_sums.items()}, grads
 
 
 def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> ModelSpec:
@@ -334,8 +349,8 @@ def make_train_step(
             def loss_fn(trainable, frozen, model_spec, batch, *rest):
                 # The backward pass starts from scale / positions (the micro-batch's token slots): the scale is
                 # relative to the mean loss, as in PyTorch's GradScaler, whatever the micro-batch's size
-                total, tokens = trainable_loss(trainable, frozen, model_spec, batch, *rest)
-                return total * (scaling.scale / batch["inputs"].size), tokens
+                total, stats = trainable_loss(trainable, frozen, model_spec, batch, *rest)
+                return total * (scaling.scale / batch["inputs"].size), stats
 
         grad_fn = jax.value_and_grad(loss_fn if micro_batches == 1 else micro_batch_loss(loss_fn), has_aux=True)
         with spmd.logical_axis_rules(rules):
@@ -343,10 +358,11 @@ def make_train_step(
             trainable, frozen = model_spec.split(state.params)
             if micro_batches == 1:
                 positions = batch["inputs"].size
-                (loss_sum, tokens), grads = grad_fn(trainable, frozen, model_spec, batch, key, z_loss, loss_chunk_len)
+                (loss_sum, (tokens, aux_sums)), grads = grad_fn(trainable, frozen, model_spec, batch, key, z_loss,
+                                                                loss_chunk_len)
             elif (replicas := data_replicas(model_spec, rules)) > 1:
                 positions = batch["inputs"].size // (micro_batches * replicas)
-                loss_sum, tokens, grads = _replica_local_grads(
+                loss_sum, tokens, aux_sums, grads = _replica_local_grads(
                     grad_fn, trainable, frozen, compute_kernels(model_spec, rules, replicas), batch, key,
                     micro_batches, replicas, rules, z_loss, loss_chunk_len,
                 )
@@ -363,18 +379,19 @@ def make_train_step(
                 weights, fixed, kernels = _compute_inputs(spec, trainable)
 
                 def accumulate(carry, xs):
-                    loss_acc, tok_acc, grad_acc = carry
+                    loss_acc, tok_acc, aux_acc, grad_acc = carry
                     mb, mkey = xs
                     diff = jax.tree.map(lambda k, a, w: a if k else w, kernels, grad_acc, weights)
-                    (loss, tokens), g = grad_fn(diff, fixed, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
-                    return (loss_acc + loss, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, g)), None
+                    (loss, (tokens, out)), g = grad_fn(diff, fixed, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
+                    return (loss_acc + loss, tok_acc + tokens, aux.add(aux_acc, out),
+                            jax.tree.map(jnp.add, grad_acc, g)), None
 
                 zeros = jax.tree.map(
                     lambda k, p, n: constrain(jnp.zeros(p.shape, jnp.float32 if k else p.dtype), n),
                     kernels, spec.compute_layout(trainable, cast=False), spec.compute_names(),
                 )
-                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-                loss_sum, tokens, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
+                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux.zeros(model_spec.aux_names), zeros)
+                loss_sum, tokens, aux_sums, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), spec.param_layout(grads), trainable)
             denom = jnp.maximum(tokens, 1.0)
             if scaling is not None:  # back to the loss's own units, in float32
@@ -408,6 +425,8 @@ def make_train_step(
             "skipped": skipped.astype(jnp.int32),
             "param_norm": optax.tree.norm(params),
         }
+        # the blocks' auxiliary outputs, means over the step's tokens (its loss terms are in `loss`)
+        metrics.update({f"aux/{name}": value / denom for name, value in aux_sums.items()})
         if state.loss_scale is not None:
             metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
         if gradual_pruning:

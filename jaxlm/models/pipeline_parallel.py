@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.mesh import constrain, mesh_axes_of
-from jaxlm.models import attention
+from jaxlm.models import attention, aux
 
 STAGE = "act_stage"  # the logical name of the stage dimension of activations (rules: -> the stage axis)
 
@@ -93,10 +93,12 @@ def run(
     positions: jax.Array,  # [B, T]
     segment_ids: jax.Array | None,  # [B, T]
     keys: jax.Array | None,  # [L] dropout keys, one per layer
-    block_fn: Callable,  # (x, block, key, positions, segment_ids) -> x, the block as the unpipelined scan runs it
+    block_fn: Callable,  # (x, block, key, positions, segment_ids) -> (x, aux), the block as the unpipelined scan runs it
     return_activity: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The blocks applied to `x` under `schedule`: the same function as running them in order. With
+    aux_names: Sequence[str] = (),  # the auxiliary outputs block_fn returns (`jaxlm.models.aux`)
+) -> tuple[jax.Array, aux.Aux] | tuple[jax.Array, aux.Aux, jax.Array]:
+    """(the blocks applied to `x` under `schedule`: the same function as running them in order, their
+    auxiliary outputs summed over the layers and averaged over the micro-batches). With
     `return_activity`, also the [iterations, stages] bool array of which stage worked in which iteration
     (the loop's own record, to check the bubble against)."""
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -127,13 +129,14 @@ def run(
     segments = None if segment_ids is None else split(segment_ids)
     ring = constrain(jnp.zeros((S, *stream.shape[1:]), x.dtype), (STAGE, *act))  # what each stage works on
 
-    def stage(p, h, key, pos, seg):  # one stage: its G layers in order
+    def stage(p, h, key, pos, seg):  # one stage: its G layers in order; (output, their aux outputs summed)
         def layer(h, xs):
             layer_params, k = xs
             block = nnx.merge(graphdef, jax.tree.map(lambda v, a: v.replace(a), state, layer_params, is_leaf=is_var))
-            return block_fn(h, block, k, pos, seg), None
+            return block_fn(h, block, k, pos, seg)
 
-        return jax.lax.scan(layer, h, (p, key))[0]
+        h, per_layer = jax.lax.scan(layer, h, (p, key))
+        return h, {name: jnp.sum(value) for name, value in per_layer.items()}
 
     spmd = mesh_axes_of(STAGE)
     stages = jax.vmap(stage, spmd_axis_name=spmd or None)
@@ -149,21 +152,25 @@ def run(
     fixed_keys = None if layer_keys is None or R > 1 else layer_keys[0]
 
     def iteration(carry, i):
-        stream, ring = carry
+        stream, ring, totals = carry
         m, r, active = schedule.work(i, jnp)
         ring = ring.at[0].set(stream[m[0]])  # stage 0 takes its next pass from the stream
         p = fixed if R == 1 else jax.tree.map(lambda a: pick(a, r), params)
         # each layer's dropout key, folded with the micro-batch (the unpipelined step draws one mask per layer)
         ks = None if layer_keys is None else (fixed_keys if R == 1 else pick(layer_keys, r))
         k = None if ks is None else jax.vmap(lambda g, mb: jax.vmap(lambda key: jax.random.fold_in(key, mb))(g))(ks, m)
-        out = stages(p, ring, k, positions[m], None if segments is None else segments[m])
+        out, stage_aux = stages(p, ring, k, positions[m], None if segments is None else segments[m])
         out = constrain(out, (STAGE, *act))
+        # an idle stage's values are of nothing: only the active stages' count
+        totals = aux.add(totals, {name: jnp.sum(jnp.where(active, v, 0.0)) for name, v in stage_aux.items()})
         # the last stage's pass goes back into the stream: the next repeat's input, or the result
         last = jnp.where(active[-1], out[-1], stream[m[-1]])
         stream = stream.at[m[-1]].set(last)
-        return (stream, constrain(jnp.roll(out, 1, axis=0), (STAGE, *act))), active
+        return (stream, constrain(jnp.roll(out, 1, axis=0), (STAGE, *act)), totals), active
 
     with attention.whole_batch_segments(segment_ids) if segment_ids is not None else contextlib.nullcontext():
-        (stream, _), activity = jax.lax.scan(iteration, (stream, ring), jnp.arange(schedule.iterations))
+        (stream, _, totals), activity = jax.lax.scan(iteration, (stream, ring, aux.zeros(aux_names)),
+                                                     jnp.arange(schedule.iterations))
     out = constrain(stream.swapaxes(0, 1).reshape(x.shape), act)
-    return (out, activity) if return_activity else out
+    totals = aux.scale(totals, 1.0 / M)  # each micro-batch's values are means over its tokens
+    return (out, totals, activity) if return_activity else (out, totals)

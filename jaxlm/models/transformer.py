@@ -21,7 +21,7 @@ from jaxlm import precision
 from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
-from jaxlm.models import layers, pipeline_parallel
+from jaxlm.models import aux, layers, pipeline_parallel
 from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, packed_layout_supported, select_implementation
 from jaxlm.models.mlps import MLPS
 
@@ -406,6 +406,16 @@ class Block(nnx.Module):
         self.mlp = MLPS[cfg.mlp](cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, dropout_key, cache: KVCache | None = None):
+        """[B, T, D] -> [B, T, D]; with a cache (decoding), also the cache holding this chunk's keys."""
+        x, cache, _ = self._forward(x, positions, segment_ids, dropout_key, cache)
+        return x if cache is None else (x, cache)
+
+    def with_aux(self, x, positions, segment_ids, dropout_key) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the block's output, its auxiliary outputs: an `aux.Aux` keyed by `Transformer.aux_names`)."""
+        x, _, out = self._forward(x, positions, segment_ids, dropout_key, None)
+        return x, out
+
+    def _forward(self, x, positions, segment_ids, dropout_key, cache):
         k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         # The adapters' dropout keys (LoRA), apart from the residual dropout's.
         adapter_keys = layers.split_keys(None if dropout_key is None else jax.random.fold_in(dropout_key, 1), 2)
@@ -413,9 +423,11 @@ class Block(nnx.Module):
         if cache is not None:
             attn, cache = attn
         x = x + layers.dropout(attn, self.dropout_rate, k1)
-        x = x + layers.dropout(self.mlp(self.mlp_norm(x), adapter_keys[1]), self.dropout_rate, k2)
+        y = self.mlp(self.mlp_norm(x), adapter_keys[1])
+        y, out = y if self.mlp.aux_names else (y, {})  # an MLP with auxiliary outputs returns (y, them)
+        x = x + layers.dropout(y, self.dropout_rate, k2)
         x = constrain(x, ("act_batch", "act_seq", "act_embed"))
-        return x if cache is None else (x, cache)
+        return x, cache, aux.as_float32(out)
 
 
 def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
@@ -426,7 +438,7 @@ def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
 
 def _pipelined_block(x, block, key, positions, segment_ids):
     """One block as a pipeline stage runs it: positions and segment ids are its micro-batch's."""
-    return block(x, positions, segment_ids, key)
+    return block.with_aux(x, positions, segment_ids, key)
 
 
 def _remat(fn, policy: str, scanned: bool):
@@ -488,8 +500,10 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,  # decoding: keys and values of earlier tokens (see `init_cache`)
         last_only: bool = False,  # logits of the last position only, [B, 1, vocab] (a prefill needs no more)
         hidden: bool = False,  # the final normed hidden states [B, T, D] instead of logits (see `logits`)
-    ) -> jax.Array | tuple[jax.Array, KVCache]:
-        """Logits; with a `cache`, (logits, the cache with this chunk's keys and values added).
+        with_aux: bool = False,  # also the blocks' auxiliary outputs (`aux`), training only
+    ) -> jax.Array | tuple[jax.Array, KVCache] | tuple[jax.Array, aux.Aux]:
+        """Logits; with a `cache`, (logits, the cache with this chunk's keys and values added); with
+        `with_aux`, (logits, the blocks' auxiliary outputs summed over the layers: `jaxlm.models.aux`).
 
         With a cache, `tokens` is the next chunk of every row (the prompts at prefill, one token per
         decode step), written at the cache's `index`; `positions` must then be given, and
@@ -506,36 +520,46 @@ class Transformer(nnx.Module):
             keys = jax.random.split(dropout_key, cfg.n_layers)
 
         def run_block(x, block, key):
-            return block(x, positions, segment_ids, key)
+            return block.with_aux(x, positions, segment_ids, key)
 
         run_block = _remat(run_block, cfg.remat, cfg.scan_layers and cfg.scan_unroll == 1)
         if cache is not None:
+            if with_aux:
+                raise ValueError("auxiliary outputs are for training: decoding with a cache has none")
             x, cache = self._blocks_with_cache(x, positions, cache)
         elif cfg.pipeline_stages > 1:
-            x = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
-                                      _remat(_pipelined_block, cfg.remat, True))
+            x, out = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
+                                           _remat(_pipelined_block, cfg.remat, True), aux_names=self.aux_names)
         elif cfg.scan_layers:
 
             @nnx.scan(
                 in_axes=(nnx.Carry, 0, None if keys is None else 0),
-                out_axes=nnx.Carry,
+                out_axes=(nnx.Carry, 0),
                 unroll=cfg.scan_unroll,
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             def scan_blocks(x, block, key):
                 return run_block(x, block, key)
 
-            x = scan_blocks(x, self.blocks, keys)
+            x, per_layer = scan_blocks(x, self.blocks, keys)
+            out = {name: jnp.sum(value) for name, value in per_layer.items()}
         else:
+            out = aux.zeros(self.aux_names)
             for i, block in enumerate(self.blocks):
-                x = run_block(x, block, None if keys is None else keys[i])
+                x, layer_out = run_block(x, block, None if keys is None else keys[i])
+                out = aux.add(out, layer_out)
         if last_only:
             x = x[:, -1:]
         x = self.final_norm(x)
-        if hidden:
-            return x
-        logits = self.logits(x)
-        return logits if cache is None else (logits, cache)
+        result = x if hidden else self.logits(x)
+        if cache is not None:
+            return result, cache
+        return (result, out) if with_aux else result
+
+    @property
+    def aux_names(self) -> tuple[str, ...]:
+        """The auxiliary outputs its blocks return (`jaxlm.models.aux`): its MLP's."""
+        return MLPS[self.cfg.mlp].aux_names
 
     @property
     def pipeline_schedule(self) -> pipeline_parallel.Schedule:
