@@ -181,7 +181,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     from: {"run_dir", "step"}). `setup` is a `train_setup.TrainSetup` built with `abstract=True`."""
     import optax
 
-    from jaxlm import checkpoint, lora, train_state
+    from jaxlm import checkpoint, lora, pruning_masks, train_state
 
     cfg = setup.cfg
     source = pathlib.Path(cfg.run.init_from)
@@ -216,9 +216,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     if quantized:
         params = quantize_base(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if unmasked:
-        from jaxlm.compress import prune
-
-        params = prune.add_masks(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
+        params = pruning_masks.add_masks(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if setup.model_cfg.lora_targets:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)

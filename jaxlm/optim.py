@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlm import pruning_masks
+
 
 def make_schedule(o, total_steps: int) -> optax.Schedule:
     """The learning rate at each step, from `config.optim` and the run's number of steps."""
@@ -56,16 +58,15 @@ def make_schedule(o, total_steps: int) -> optax.Schedule:
 def make_optimizer(o, total_steps: int, decay_mask: Any, *, pruned: bool = False,
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW (+ clipping) over the params pytree; `decay_mask` is a matching tree of bools. A model with
-    pruning masks (`pruned`) gets `prune.keep_pruned` last, its update taking `masks=` (the train step
+    pruning masks (`pruned`) gets `pruning_masks.keep_pruned` last, its update taking `masks=` (the train step
     passes them), so pruned weights stay zero; its state is empty, and absent without masks."""
-    from jaxlm.compress import prune
 
     schedule = make_schedule(o, total_steps)
     adamw = optax.chain(  # optax.adamw's transforms and state, each stateful one taking `finite`
         scale_by_adam_unless(o.b1, o.b2, o.eps),
         optax.add_decayed_weights(o.weight_decay, decay_mask),
         scale_by_learning_rate_unless(schedule),
-        *([prune.keep_pruned()] if pruned else []),
+        *([pruning_masks.keep_pruned()] if pruned else []),
     )
     if o.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw), schedule

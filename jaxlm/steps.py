@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import loss_scale as loss_scale_lib
-from jaxlm.compress import prune
+from jaxlm import pruning_masks
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.models import attention, aux
 from jaxlm.train_state import ModelSpec, TrainState
@@ -327,7 +327,7 @@ def make_train_step(
     GPU wait for the host (`attention.packed_kernel`); `attention_masked` is then 0 or 1.
 
     Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
-    `prune.keep_pruned`); `gradual_pruning` (`prune.gradual_step`'s final, start, end, every) rewrites
+    `pruning_masks.keep_pruned`); `gradual_pruning` (`pruning_masks.gradual_step`'s final, start, end, every) rewrites
     the masks on its schedule after the update, and adds the metric `sparsity` (of the masked kernels).
 
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
@@ -410,12 +410,12 @@ def make_train_step(
                 overflow = jnp.isfinite(loss) & ~finite & (scaling.scale > loss_scale_lib.MIN_SCALE)
                 skipped = skipped & ~overflow
                 scaling = scaling.update(finite, loss_scale_period)
-            masks = prune.mask_tree(trainable, frozen)
+            masks = pruning_masks.mask_tree(trainable, frozen)
             extra = {} if masks is None else {"masks": masks}
             updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite, **extra)
             trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
             if gradual_pruning:
-                trainable, frozen = prune.gradual_step(trainable, frozen, state.step, **gradual_pruning)
+                trainable, frozen = pruning_masks.gradual_step(trainable, frozen, state.step, **gradual_pruning)
             params = model_spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
@@ -430,7 +430,7 @@ def make_train_step(
         if state.loss_scale is not None:
             metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
         if gradual_pruning:
-            kept = [m for m in jax.tree.leaves(prune.mask_tree(trainable, frozen)) if m is not None]
+            kept = [m for m in jax.tree.leaves(pruning_masks.mask_tree(trainable, frozen)) if m is not None]
             metrics["sparsity"] = 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)
         if grad_numerics:
             leaves = jax.tree.leaves(grads)

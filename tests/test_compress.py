@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlm import inference, quant
+from jaxlm import inference, pruning_masks, quant
 from jaxlm.compress import cli, prune
 from jaxlm.errors import UserError
 
@@ -143,9 +143,9 @@ def test_unstructured_masks_prune_the_exact_count_per_matrix_per_output_and_glob
     t = prune.global_threshold([a, b], 0.5)
     assert int(jnp.sum(a < t) + jnp.sum(b < t)) == 65
     # gradual pruning's schedule: 0 at the start, the target at the end, cubic between
-    assert float(prune.sparsity_at(10, 0.8, 10, 20)) == 0
-    assert float(prune.sparsity_at(20, 0.8, 10, 20)) == pytest.approx(0.8)
-    assert float(prune.sparsity_at(15, 0.8, 10, 20)) == pytest.approx(0.8 * (1 - 0.5 ** 3))
+    assert float(pruning_masks.sparsity_at(10, 0.8, 10, 20)) == 0
+    assert float(pruning_masks.sparsity_at(20, 0.8, 10, 20)) == pytest.approx(0.8)
+    assert float(pruning_masks.sparsity_at(15, 0.8, 10, 20)) == pytest.approx(0.8 * (1 - 0.5 ** 3))
 
 
 # ----------------------------------------------------------------------------- a compressed run directory

@@ -75,7 +75,7 @@ class QuantizedParam(Frozen):
 
 class PruningMask(Frozen):
     """A pruned kernel's mask (bool, the kernel's shape and logical names): False where a weight was
-    pruned. The kernel holds zeros there; fine-tuning keeps them zero (`prune.keep_pruned`), gradual
+    pruned. The kernel holds zeros there; fine-tuning keeps them zero (`pruning_masks.keep_pruned`), gradual
     pruning rewrites the mask on its schedule."""
 
 
@@ -283,7 +283,8 @@ class Projection(nnx.Module):
                 leaf_names = {"q": names, "scale": scale_names, "zero": scale_names}.get(key, (None,))
                 setattr(self, f"kernel_{key}", QuantizedParam(value, out_sharding=leaf_names, decay=False,
                                                               eager_sharding=False))
-        # A pruning mask: all True in a fresh model (nothing pruned yet); `jaxlm.prune` sets it.
+        # A pruning mask: all True in a fresh model (nothing pruned yet); `jaxlm.compress` or gradual
+        # pruning (`jaxlm.pruning_masks`) sets it.
         self.kernel_mask = PruningMask(jnp.ones(shape, bool), out_sharding=names, decay=False,
                                        eager_sharding=False) if masked else nnx.data(None)
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # LoRA's A and B, once `add_adapter` ran

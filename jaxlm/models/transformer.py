@@ -134,7 +134,7 @@ class ModelConfig:
     quant_targets: tuple[str, ...] = ()
     qat: bool = False
     # Pruned projections: each holds a mask beside its kernel (`kernel_mask`), zeros where weights were
-    # pruned; fine-tuning keeps them zero (config.compress.sparsity; `jaxlm.prune`).
+    # pruned; fine-tuning keeps them zero (config.compress.sparsity; `jaxlm.pruning_masks`).
     prune_targets: tuple[str, ...] = ()
 
     @property
