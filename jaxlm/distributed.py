@@ -27,10 +27,6 @@ reach the coordinator, or a process 0 that does not hear from every process, fai
 timeout with one line saying which and what to check, instead of hanging or aborting.
 """
 
-# Why one file of ~460 lines: each launcher's detection is a short function over the same few
-# values (coordinator, process count, process id) and the same bounded rendezvous; apart, they would
-# repeat that plumbing.
-
 from __future__ import annotations
 
 import dataclasses

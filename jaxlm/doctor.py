@@ -16,9 +16,6 @@ torchrun-style variables, Kubernetes; else JAX's own detection); process 0 print
 the layout: which process this is, where the layout came from, devices per process and hosts.
 """
 
-# Why one file of ~500 lines: a command of independent checks that share the report and its
-# verdict; read top to bottom, each check is one function.
-
 from __future__ import annotations
 
 import argparse

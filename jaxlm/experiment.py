@@ -38,10 +38,6 @@ Searches run in `<output_dir>/<experiment>/search-<mode>/`, one seed per trial u
 says otherwise; optuna's study lives there too (optuna.journal), so it resumes.
 """
 
-# Why one file of ~1000 lines: an experiment file imports its whole vocabulary (Experiment, grid,
-# the search spaces) from here, and the runner, the searches and the results table share the run
-# records. The runner and the reports split off cleanly when a second search backend arrives.
-
 from __future__ import annotations
 
 import argparse

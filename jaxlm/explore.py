@@ -16,9 +16,6 @@ jaxlm.train` runs.
     loaded = explore.load(run_dir)             # parameters only, on the devices here
 """
 
-# Why one file of ~420 lines: the notebook API is a flat list of small functions, one per thing a
-# notebook does, each a thin layer over the modules the CLI uses.
-
 from __future__ import annotations
 
 import copy

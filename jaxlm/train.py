@@ -9,9 +9,6 @@ sharded train state and the compiled step, then runs the loop. The loop feeds ba
 previous step's metrics (never blocking on the step just dispatched), logs, evaluates and saves.
 """
 
-# Why one file of ~430 lines: the loop, its signals and its exit codes are one control flow that
-# reads best in one place; everything it calls lives elsewhere.
-
 from __future__ import annotations
 
 import json

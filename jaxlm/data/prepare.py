@@ -31,9 +31,6 @@ re-run after a kill re-reads the inputs, skips the shards already on disk (each 
 atomically) and ends with the same bytes as a run that was never interrupted.
 """
 
-# Why one file of ~430 lines: it owns the prepared-shard format end to end (write, resume, verify,
-# the manifest), so a format change is one file.
-
 import argparse
 import collections
 import concurrent.futures
