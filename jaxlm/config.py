@@ -6,9 +6,6 @@ work and raises `UserError` with one line naming the key, the value and what is 
 `derive` computes every value that follows from the config and the device count, in one place.
 """
 
-# Why one file of ~500 lines: the schema, its validation and its derived values change together
-# (a new key is a default, a check and often a derived value), and every default stays visible in one place.
-
 from __future__ import annotations
 
 import ast
@@ -30,13 +27,10 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
-REMAT_POLICIES = ("none", "full", "dots", "dots_mlp", "dots_no_batch")
-ATTENTION_IMPLS = ("auto", "xla", "blocked", "cudnn", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
 CHECKPOINT_SNAPSHOTS = ("auto", "device", "host", "off")
 CHECKPOINT_OCDBT = ("auto", "on", "off")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_rules() -> ml_collections.ConfigDict:
@@ -232,7 +226,7 @@ def base_config() -> ml_collections.ConfigDict:
         quant_group=64,
         double_quant=False,  # the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less
     )
-    # Compressed models (python -m jaxlm.compress; jaxlm.quant, jaxlm.prune): the structure of the targeted
+    # Compressed models (python -m jaxlm.compress; jaxlm.quant, jaxlm.compress.prune): the structure of the targeted
     # projections as a compressed run stores it, how the command makes it, and the same in training
     # (quantization-aware training, gradual pruning).
     c.compress = dict(
@@ -527,7 +521,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
     from jaxlm import energy, loss_scale, quant
     from jaxlm.data import sft, sources, tokenizer
-    from jaxlm.models import layers, transformer  # registries of variants and components
+    from jaxlm.models import attention, layers, transformer  # registries of variants and components
     from jaxlm.models.mlps import MLPS
 
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
@@ -556,10 +550,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(m.n_heads % kv == 0, "model.n_kv_heads", m.n_kv_heads, f"a divisor of model.n_heads={m.n_heads}")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a number in [0, 1)")
     _check(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
-    _check_choice(cfg, "model.dtype", ("auto", *DTYPES))
-    _check_choice(cfg, "model.param_dtype", DTYPES)
-    _check_choice(cfg, "model.remat", REMAT_POLICIES)
-    _check_choice(cfg, "model.attention", ATTENTION_IMPLS)
+    _check_choice(cfg, "model.dtype", ("auto", *transformer.DTYPES))
+    _check_choice(cfg, "model.param_dtype", tuple(transformer.DTYPES))
+    _check_choice(cfg, "model.remat", ("none", *transformer.REMAT_POLICIES))
+    _check_choice(cfg, "model.attention", ("auto", *attention.IMPLEMENTATIONS))
     _check_choice(cfg, "model.matmul", MATMUL_IMPLS)
     _check(m.attention_segments >= 0, "model.attention_segments", m.attention_segments,
            "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
