@@ -38,25 +38,25 @@ def default_rules() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         {
             # weights
-            "vocab": "tensor",
-            "embed": "fsdp",
-            "mlp": "tensor",
-            "heads": "tensor",
-            "kv_heads": "tensor",
-            "head_dim": "",
-            "norm": "",
+            "vocab": "tensor",  # the vocabulary axis of the embedding and the unembedding
+            "embed": "fsdp",  # the residual stream's width in every weight
+            "mlp": "tensor",  # the MLP's hidden units
+            "heads": "tensor",  # query heads
+            "kv_heads": "tensor",  # key and value heads
+            "head_dim": "",  # each head's width
+            "norm": "",  # the norms' weights and the residual-width biases
             "layers": "stage",  # the stacked layers: split into pipeline stages (jaxlm.models.pipeline_parallel)
             "lora_rank": "",  # the rank dimension of LoRA adapters: small, never sharded
             # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
             "opt_state": "",
             # activations
-            "act_batch": "data,fsdp",
+            "act_batch": "data,fsdp",  # the rows of a batch
             "act_seq": "",  # "tensor" = sequence parallelism between the tensor-parallel regions
-            "act_embed": "",
-            "act_heads": "tensor",
-            "act_kv_heads": "tensor",
-            "act_mlp": "tensor",
-            "act_vocab": "tensor",
+            "act_embed": "",  # the residual stream's width
+            "act_heads": "tensor",  # query heads (attention runs per head)
+            "act_kv_heads": "tensor",  # key and value heads
+            "act_mlp": "tensor",  # the MLP's hidden activation
+            "act_vocab": "tensor",  # the logits' vocabulary axis
             "act_stage": "stage",  # the pipeline's per-stage activations
         }
     )
@@ -71,10 +71,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.run = dict(
         name="",  # run directory under output_dir; "" = the recipe's name. An existing run there is resumed
         fresh=False,  # true: move an existing run directory aside (kept, renamed) and start over
-        output_dir="runs",
-        seed=0,
+        output_dir="runs",  # where run directories live (run.name under it)
+        seed=0,  # the parameters' initialization and dropout (the data order is data.seed)
         steps=1000,  # optimizer steps
-        log_every=10,
+        log_every=10,  # a console line and a metrics.jsonl entry every N steps
         eval_every=0,  # 0 = only at the end
         peak_flops=0.0,  # peak FLOP/s of one device for MFU; 0 = from the table of known devices
         compile_cache_dir=".cache/jaxlm/xla",  # XLA's persistent compilation cache: restarts skip compiling; "" = off
@@ -94,31 +94,31 @@ def base_config() -> ml_collections.ConfigDict:
         position="",  # rope | learned
         use_bias=-1,  # -1 = the variant's choice, 0 = no biases, 1 = biases
         qkv_bias=-1,  # biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1
-        vocab_size=vocab_size,
-        d_model=256,
-        n_layers=4,
-        n_heads=4,
+        vocab_size=vocab_size,  # tokens in the vocabulary; linked to data.tokenizer_vocab_size
+        d_model=256,  # the residual stream's width
+        n_layers=4,  # decoder blocks
+        n_heads=4,  # query heads
         n_kv_heads=0,  # 0 = n_heads (no grouping)
         head_dim=0,  # 0 = d_model // n_heads
         mlp_dim=0,  # 0 = the MLP's default width (its class's `default_dim`: 8/3 d rounded up to 256 for SwiGLU)
-        max_seq_len=seq_len,
-        tie_embeddings=False,
-        norm_eps=1e-5,
-        rope_theta=10000.0,
+        max_seq_len=seq_len,  # the longest sequence (learned positions: the table's rows); linked to data.seq_len
+        tie_embeddings=False,  # the unembedding is the token embedding's transpose
+        norm_eps=1e-5,  # added to the norms' variance
+        rope_theta=10000.0,  # RoPE's base wavelength
         # Context extension of RoPE: none | linear (frequencies / rope_factor) | llama3 (Llama 3.1's: long
         # wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)
         rope_scaling="none",
-        rope_factor=1.0,
-        rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0,
-        rope_original_max_len=0,
-        init_std=0.02,
-        dropout=0.0,
+        rope_factor=1.0,  # rope_scaling's stretch of the context
+        rope_low_freq_factor=1.0,  # llama3: wavelengths above original_max_len / this are divided by rope_factor
+        rope_high_freq_factor=4.0,  # llama3: wavelengths below original_max_len / this are kept
+        rope_original_max_len=0,  # llama3: the context length the model was trained with
+        init_std=0.02,  # the weights' initial standard deviation (residual projections: scaled down with depth)
+        dropout=0.0,  # on the embedding and each block's residual branches, in training
         # compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively (CPUs, TPUs,
         # GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs (jaxlm.precision)
         dtype="auto",
-        param_dtype="float32",
-        scan_layers=True,
+        param_dtype="float32",  # parameters and optimizer state: float32 | bfloat16 | float16
+        scan_layers=True,  # one stacked block run by a scan (fast to compile); false: a list of blocks
         # Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of them
         # on a CPU or GPU without remat: on a CPU XLA runs the unrolled program 1.2x faster, on an H100 125m's
         # compiled step has a 0.617 roofline against 0.469 as a loop, benchmarks/BENCHMARKS.md; else 1: a
@@ -157,15 +157,15 @@ def base_config() -> ml_collections.ConfigDict:
         chat_template="",
         text_field="text",  # jsonl field / parquet column with the text
         separator="",  # text files: "" = one document per file, else split on it (e.g. "\n\n")
-        builtin_max_bytes=8_000_000,
+        builtin_max_bytes=8_000_000,  # corpus=builtin: read at most this many bytes of the files
         tokenizer_path="",  # "" = train one on the corpus (cached in cache_dir), else a .model file
         tokenizer_train_bytes=100_000_000,  # train the tokenizer on the corpus's first this-many bytes
         val_fraction=0.01,  # documents held out (by a hash of their text) for validation
         val_tokens=65_536,  # the fixed held-out set: the first this-many validation tokens
-        seq_len=seq_len,
+        seq_len=seq_len,  # tokens per training row; linked to model.max_seq_len
         global_batch_size=32,  # sequences per optimizer step, over all devices
         tokenizer_type="bpe",  # bpe | unigram | char | byte
-        tokenizer_vocab_size=vocab_size,
+        tokenizer_vocab_size=vocab_size,  # the trained tokenizer's vocabulary; linked to model.vocab_size
         cache_dir=".cache/jaxlm",  # the tokenizer and the prepared (tokenized) corpus, keyed by their inputs
         num_workers=0,  # grain worker processes (0 = in the main process)
         # The global batch is read as this many independent streams (each a slice of the documents and
@@ -181,18 +181,18 @@ def base_config() -> ml_collections.ConfigDict:
         tokenize_on_the_fly=False,
         verify_shards=False,  # check every prepared shard's sha256 at start (reads all data); sizes are always checked
         on_damaged_shard="stop",  # a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning
-        seed=0,
+        seed=0,  # the order of the documents (shuffling) and of the train/validation split's hash
     )
     c.optim = dict(
-        peak_lr=3e-4,
+        peak_lr=3e-4,  # the learning rate after warmup
         schedule="cosine",  # cosine | wsd | linear | constant | cyclic
-        warmup_steps=100,
+        warmup_steps=100,  # steps of linear warmup from 0 to peak_lr
         min_lr_ratio=0.1,  # final (or floor) learning rate as a fraction of peak_lr
         decay_fraction=0.2,  # wsd: the last fraction of steps that decays
         cycle_steps=1000,  # cyclic: length of one cosine cycle after warmup
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
+        b1=0.9,  # Adam's first-moment decay
+        b2=0.95,  # Adam's second-moment decay
+        eps=1e-8,  # added to the second moment's square root
         weight_decay=0.1,  # applied to matrices only (not norms, biases)
         clip_norm=1.0,  # global-norm clipping; 0 = off
         # Which parameters train; the rest stay frozen (no gradient, no optimizer state). "" = all;
@@ -255,7 +255,7 @@ def base_config() -> ml_collections.ConfigDict:
         # compress.sparsity at prune_end as 1 - (1 - t)^3, the masks recomputed every prune_every steps
         prune_start=0,
         prune_end=0,  # 0 = no gradual pruning (the masks stay as the run's checkpoint holds them)
-        prune_every=100,
+        prune_every=100,  # steps between two recomputations of the masks
     )
     c.checkpoint = dict(
         every_steps=1000,  # save every N steps (0 = off) ...
@@ -282,7 +282,7 @@ def base_config() -> ml_collections.ConfigDict:
         grad_numerics=False,
         progress="auto",  # auto (a progress bar on a terminal, else lines) | bar | lines
         wandb=False,  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without a login)
-        wandb_project="jaxlm",
+        wandb_project="jaxlm",  # the Weights & Biases project
         wandb_entity="",  # "" = your default entity
     )
     # Energy, carbon and cost of the run (jaxlm.energy): metrics.jsonl, TensorBoard, the console, summary.json
