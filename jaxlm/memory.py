@@ -40,6 +40,7 @@ from jaxlm.errors import UserError
 from jaxlm.models import pipeline_parallel, transformer
 from jaxlm.models.attention import attention_block
 from jaxlm.models.mlps import MLPS
+from jaxlm.models.positions import POSITIONS
 
 GIB = 2**30
 F32 = 4
@@ -199,7 +200,7 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
                 + (mlp.autodiff_hidden - mlp.saved_hidden) * a * s.mlp)
     norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
-    rope = 4 * F32 * m.head_dim / 2 * s.tokens if m.position == "rope" else 0.0  # sin and cos, for q and k
+    rope = POSITIONS[m.position].saved_bytes_per_token(m.head_dim) * s.tokens  # RoPE: sin and cos, for q and k
     attention_out = a * s.q
     hidden = mlp.saved_hidden * a * s.mlp  # SwiGLU: gate, up, product; GELU: its input and output
     return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + hidden

@@ -1,8 +1,9 @@
-"""Every registered MLP through everything that asks it for its arithmetic.
+"""Every registered component through everything that asks it for its arithmetic.
 
 An MLP declares its own parameters, matmuls, saved activations and Hugging Face names
-(`jaxlm.models.mlps.base.MLP`); nothing else in jaxlm keeps a formula of its own for them. Every
-entry of `MLPS` is run here, with no line of its own, through:
+(`jaxlm.models.mlps.base.MLP`), a norm its parameters (`transformer.NORMS`), a position encoding its
+parameters and saved bytes (`jaxlm.models.positions`); nothing else in jaxlm keeps a formula of its own
+for them. Every entry is run here, with no line of its own, through:
 - the parameter count (LoRA's too) against the built model's, and the table against the built
   projections;
 - the training FLOPs against the dots of the compiled train step;
@@ -30,9 +31,12 @@ from jaxlm.errors import UserError
 from jaxlm.models import hf as hf_map
 from jaxlm.models import layers
 from jaxlm.models.mlps import MLPS
-from jaxlm.models.transformer import ModelConfig, Transformer, flops_per_token, matmul_params, param_count
+from jaxlm.models.positions import POSITIONS
+from jaxlm.models.transformer import NORMS, ModelConfig, Transformer, flops_per_token, matmul_params, param_count
 
 NAMES = sorted(MLPS)
+REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
+COMPONENTS = [pytest.param(kind, name, id=f"{kind}-{name}") for kind, entries in REGISTRIES.items() for name in entries]
 # The jaxlm variant (and settings) whose export is each Hugging Face architecture
 HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True),
              "gpt2": dict(norm="layernorm", position="learned", use_bias=True, tie_embeddings=True, n_kv_heads=8)}
@@ -42,23 +46,29 @@ def _built(cfg: ModelConfig) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(params=0))
 
 
-def test_every_mlp_is_registered_under_its_own_name():
-    assert NAMES and all(MLPS[name].name == name for name in NAMES)
+def test_every_entry_is_registered_under_its_own_name():
+    assert all(entries and all(cls.name == name for name, cls in entries.items()) for entries in REGISTRIES.values())
+
+
+@pytest.mark.parametrize("use_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("kind, name", COMPONENTS)
+def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
+    targets = tuple(MLPS[name].projections) if kind == "mlp" else ("w_up",)
+    cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2, lora_rank=2,
+                       lora_targets=("wq", *targets), lora_ranks=((targets[0], 3),))
+    state = nnx.state(_built(cfg))
+    assert param_count(cfg)["total"] == sum(x.size for x in jax.tree.leaves(state))
+    assert param_count(cfg)["lora"] == sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
 
 
 @pytest.mark.parametrize("use_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("name", NAMES)
-def test_param_count_lora_count_and_projection_table_equal_the_built_model(name, use_bias):
+def test_an_mlps_projection_table_is_the_built_model(name, use_bias):
     mlp = MLPS[name]
-    first, *_ = mlp.projections
-    cfg = small_config(mlp=name, use_bias=use_bias, n_kv_heads=2, lora_rank=2,
-                       lora_targets=("wq", *mlp.projections), lora_ranks=((first, 3),))
-    state = nnx.state(_built(cfg))
-    assert param_count(cfg)["total"] == sum(x.size for x in jax.tree.leaves(state))
-    assert param_count(cfg)["lora"] == sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
+    cfg = small_config(mlp=name, use_bias=use_bias)
     # The table is what the block holds: each projection's kernel [inputs, outputs], each bias (stacked
     # over the layers).
-    block_mlp = _built(dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=())).blocks.mlp
+    block_mlp = _built(cfg).blocks.mlp
     built = {path[-1]: p.kernel_shape for path, p in layers.projections(block_mlp)}
     table = mlp.projection_shapes(cfg.d_model, cfg.mlp_dim)
     assert built == table
@@ -73,28 +83,28 @@ def test_the_default_width_is_the_mlps_own(name):
     assert cfg.mlp_dim == MLPS[name].default_dim(cfg.d_model) > 0
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_flops_per_token_are_the_compiled_steps_dots(name):
+@pytest.mark.parametrize("kind, name", COMPONENTS)
+def test_flops_per_token_are_the_compiled_steps_dots(kind, name):
     """The dots of the compiled step (layers unrolled: XLA:CPU counts a loop body once) are exactly
     the model's matmuls, 6 FLOPs per weight per token, and the full T x T attention square."""
-    cfg = recipe("tiny", model__mlp=name, model__n_layers=2, model__scan_layers=False, model__remat="none",
+    cfg = recipe("tiny", **{f"model__{kind}": name}, model__n_layers=2, model__scan_layers=False, model__remat="none",
                  optim__micro_batches=1, model__attention="xla")
     setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
     m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
-    assert m.mlp == name
+    assert getattr(m, kind) == name
     square = 12 * m.n_layers * seq_len * m.n_heads * m.head_dim * tokens
     assert hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * matmul_params(m) * tokens + square
     assert flops_per_token(m, seq_len) * tokens == 6 * matmul_params(m) * tokens + square // 2  # causal: half
 
 
 @pytest.mark.parametrize("devices", [1, 8], ids=["1-device", "data2-fsdp4"])
-@pytest.mark.parametrize("name", NAMES)
-def test_the_planner_agrees_with_the_compiled_step(name, devices):
+@pytest.mark.parametrize("kind, name", COMPONENTS)
+def test_the_planner_agrees_with_the_compiled_step(kind, name, devices):
     """Without remat (a CPU's default), where the MLP's saved activations and its backward pass's
     intermediates both count. (Under the dots policies XLA:CPU keeps less than the plan, which is fitted
     to H100 programs: 0.70-0.86 of it for the tiny recipe, whatever the MLP.)"""
     mesh = dict(mesh__data=2, mesh__fsdp=4) if devices == 8 else {}
-    cfg = recipe("tiny", model__mlp=name, model__mlp_dim=0, model__remat="none", **mesh)
+    cfg = recipe("tiny", **{f"model__{kind}": name}, model__mlp_dim=0, model__remat="none", **mesh)
     report = plan.plan(cfg, devices, 80 * memory.GIB, compile=True, devices=jax.devices()[:devices])
     analytic = memory.estimate(cfg, devices, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE

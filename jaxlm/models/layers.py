@@ -430,6 +430,14 @@ def split_keys(key: jax.Array | None, n: int) -> tuple:
 
 
 class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, in float32 (config.model.norm=rmsnorm)."""
+
+    name = "rmsnorm"
+
+    @staticmethod
+    def params(dim: int, use_bias: bool) -> int:
+        return dim
+
     def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
         del use_bias  # RMSNorm has no bias
         self.eps, self.dtype = eps, dtype
@@ -446,6 +454,14 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
+    """(x - mean) / std * scale (+ bias, with the model's biases), in float32 (config.model.norm=layernorm)."""
+
+    name = "layernorm"
+
+    @staticmethod
+    def params(dim: int, use_bias: bool) -> int:
+        return dim * (2 if use_bias else 1)
+
     def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
         self.eps, self.dtype = eps, dtype
         self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)

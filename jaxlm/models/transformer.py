@@ -1,8 +1,9 @@
 """The decoder language model: one module for Llama-style and GPT-2-style variants.
 
 A variant is a named bundle of component choices in `VARIANTS`; each component comes from its own
-registry (`NORMS`, `jaxlm.models.mlps.MLPS`, `POSITIONS`), so a new variant or an ablation (say GELU in a Llama) is a
-config change, never an if/elif on model names. Parameter count and training FLOPs per token are
+registry (`NORMS`, `jaxlm.models.mlps.MLPS`, `jaxlm.models.positions.POSITIONS`), each entry with its
+own arithmetic, so a new variant or an ablation (say GELU in a Llama) is a config change, never an
+if/elif on model names. Parameter count and training FLOPs per token are
 computed here from the config alone, next to the model that defines them.
 """
 
@@ -24,6 +25,7 @@ from jaxlm.mesh import constrain
 from jaxlm.models import aux, layers, pipeline_parallel
 from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, packed_layout_supported, select_implementation
 from jaxlm.models.mlps import MLPS
+from jaxlm.models.positions import POSITIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,7 @@ VARIANTS: dict[str, Variant] = {
     "qwen2": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qkv_bias=True),
     "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
 }
-NORMS = {"rmsnorm": layers.RMSNorm, "layernorm": layers.LayerNorm}
-POSITIONS = ("rope", "learned")
+NORMS = {cls.name: cls for cls in (layers.RMSNorm, layers.LayerNorm)}
 
 
 def _fused_attention_saveable(prim, *_, **__) -> bool:
@@ -616,7 +617,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     quantized kernel counts as the weights it stands for, its scales not at all (`quant.count`), so
     QLoRA's model has the count of the same model unquantized."""
     d, n, k, h, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-    norm = d * (2 if cfg.norm == "layernorm" and cfg.use_bias else 1)
+    norm = NORMS[cfg.norm].params(d, cfg.use_bias)
     attn = sum(i * o for i, o in _attention_shapes(cfg).values())
     if cfg.use_bias or cfg.qkv_bias:
         attn += h * (n + 2 * k)
@@ -625,7 +626,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     per_layer = attn + MLPS[cfg.mlp].params(d, cfg.mlp_dim, cfg.use_bias) + 2 * norm
     counts = {
         "embedding": v * d,
-        "positions": cfg.max_seq_len * d if cfg.position == "learned" else 0,
+        "positions": POSITIONS[cfg.position].params(cfg.max_seq_len, d),
         "layers": cfg.n_layers * per_layer,
         "final_norm": norm,
         "unembedding": 0 if cfg.tie_embeddings else d * v,
