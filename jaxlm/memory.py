@@ -37,14 +37,13 @@ from jaxlm import axes, optim, quant, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
-from jaxlm.models import pipeline_parallel, transformer
+from jaxlm.models import attention, pipeline_parallel, transformer
 from jaxlm.models.attention import attention_block
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
 
 GIB = 2**30
 F32 = 4
-FLASH = ("cudnn", "pallas", "blocked")  # kernels that keep no [T, S] scores (Pallas's repeated key/value heads not counted)
 TOLERANCE = 0.15  # |compiled / analytic - 1| stated (H100 programs compiled here: 0.92 to 1.03; small CPU steps)
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
@@ -176,9 +175,15 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
     )
 
 
+def _flash(m) -> bool:
+    """Whether the model's attention kernel keeps no [T, S] scores (Pallas's repeated key/value heads not
+    counted)."""
+    return not attention.KERNELS[m.attention].keeps_scores
+
+
 def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     """What the attention kernel itself keeps for its backward pass (per device)."""
-    if m.attention in FLASH:
+    if _flash(m):
         return F32 * s.head_stats  # flash attention keeps only its softmax statistics
     return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
 
@@ -248,7 +253,7 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
     # scores and their gradients, the rest of the layer its recomputed activations; the weights'
     # gather and gradient overlap both.
-    if m.attention in FLASH:  # q, k, v, the output, their gradients, the softmax statistics
+    if _flash(m):  # q, k, v, the output, their gradients, the softmax statistics
         attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
         if m.attention == "blocked":  # one query block's scores, probabilities and gradients; f32 dk, dv
             seq_len = _seq_len(s)
@@ -282,7 +287,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     if policy == "dots_no_batch":
         return block_input + projections + fused + fp8
     if policy in ("dots", "dots_mlp"):  # also the attention's batched matmuls (XLA attention only)
-        batched = (F32 * s.scores + a * s.q) if m.attention not in FLASH else 0.0
+        batched = (F32 * s.scores + a * s.q) if not _flash(m) else 0.0
         hidden = a * s.mlp if policy == "dots_mlp" else 0.0  # the MLP's hidden activation (layers.MLP_HIDDEN)
         return block_input + projections + batched + fused + fp8 + hidden
     raise ValueError(f"unknown remat policy {policy!r}")

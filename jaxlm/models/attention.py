@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import math
@@ -32,7 +33,21 @@ from jaxlm.models import cudnn_batching
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("xla", "blocked", "cudnn", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """An attention kernel (config.model.attention), with what the planner asks of it."""
+
+    name: str
+    # Whether it keeps the [T, S] softmax probabilities for the backward pass (XLA's attention), or only
+    # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
+    keeps_scores: bool
+
+
+KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), Kernel("blocked", keeps_scores=False),
+                               Kernel("cudnn", keeps_scores=False), Kernel("pallas", keeps_scores=False))}
+IMPLEMENTATIONS = tuple(KERNELS)
 
 
 def cudnn_unsupported_reason(dtype, head_dim: int) -> str | None:
