@@ -14,13 +14,12 @@ checkpoints are the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-
-from jaxlm import pruning_masks
 
 
 def make_schedule(o, total_steps: int) -> optax.Schedule:
@@ -55,18 +54,18 @@ def make_schedule(o, total_steps: int) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(o, total_steps: int, decay_mask: Any, *, pruned: bool = False,
+def make_optimizer(o, total_steps: int, decay_mask: Any, *, extra: Sequence[optax.GradientTransformation] = (),
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (+ clipping) over the params pytree; `decay_mask` is a matching tree of bools. A model with
-    pruning masks (`pruned`) gets `pruning_masks.keep_pruned` last, its update taking `masks=` (the train step
-    passes them), so pruned weights stay zero; its state is empty, and absent without masks."""
+    """AdamW (+ clipping) over the params pytree; `decay_mask` is a matching tree of bools. `extra`: the
+    model's transforms' own steps, applied last (`steps.StepHook.optimizer_transforms`: a pruned model's
+    `pruning_masks.keep_pruned`, whose update takes the masks the train step passes)."""
 
     schedule = make_schedule(o, total_steps)
     adamw = optax.chain(  # optax.adamw's transforms and state, each stateful one taking `finite`
         scale_by_adam_unless(o.b1, o.b2, o.eps),
         optax.add_decayed_weights(o.weight_decay, decay_mask),
         scale_by_learning_rate_unless(schedule),
-        *([pruning_masks.keep_pruned()] if pruned else []),
+        *extra,
     )
     if o.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw), schedule

@@ -10,11 +10,50 @@ prunes, and how it scores them, is `jaxlm.compress.prune`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxlm.models import layers, transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class PruningHook:
+    """A pruned model's part of the train step (a `steps.StepHook`): `keep_pruned` among the optimizer's
+    transforms, the masks passed to it, and with a schedule (`gradual`: `gradual_step`'s final, start,
+    end, every) the masks tightened after each update, with the metric `sparsity`."""
+
+    gradual: dict | None = None
+
+    def optimizer_transforms(self) -> list[optax.GradientTransformation]:
+        return [keep_pruned()]
+
+    def update_args(self, trainable: dict, frozen: dict) -> dict:
+        masks = mask_tree(trainable, frozen)
+        return {} if masks is None else {"masks": masks}
+
+    def after_update(self, trainable: dict, frozen: dict, step: jax.Array) -> tuple[dict, dict]:
+        if not self.gradual:
+            return trainable, frozen
+        return gradual_step(trainable, frozen, step, **self.gradual)
+
+    def metrics(self, trainable: dict, frozen: dict) -> dict[str, jax.Array]:
+        if not self.gradual:
+            return {}
+        kept = [m for m in jax.tree.leaves(mask_tree(trainable, frozen)) if m is not None]
+        return {"sparsity": 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)}
+
+
+def step_hooks(model_cfg: transformer.ModelConfig, compress) -> list[PruningHook]:
+    """The train step's hooks for a model with pruned projections (none without): gradual pruning when
+    the `config.compress` section schedules it (compress.prune_end > 0)."""
+    if not model_cfg.prune_targets:
+        return []
+    gradual = dict(final=compress.sparsity, start=compress.prune_start, end=compress.prune_end,
+                   every=compress.prune_every) if compress.prune_end > 0 else None
+    return [PruningHook(gradual)]
 
 
 def sparsity_at(step: jax.Array, final: float, start: int, end: int) -> jax.Array:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlm import loss_scale as loss_scale_lib
-from jaxlm import pruning_masks
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.models import attention, aux
 from jaxlm.train_state import ModelSpec, TrainState
@@ -298,6 +298,20 @@ def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
     return {key: jnp.sqrt(value) for key, value in sorted(squares.items())}
 
 
+class StepHook(Protocol):
+    """What a model transform adds to the train step (`jaxlm.pruning_masks.PruningHook`): its optimizer
+    transforms (`optim.make_optimizer`'s `extra`), keyword arguments of their update, a change to the
+    parameters after the update, and metrics."""
+
+    def optimizer_transforms(self) -> list[optax.GradientTransformation]: ...
+
+    def update_args(self, trainable: dict, frozen: dict) -> dict: ...
+
+    def after_update(self, trainable: dict, frozen: dict, step: jax.Array) -> tuple[dict, dict]: ...
+
+    def metrics(self, trainable: dict, frozen: dict) -> dict[str, jax.Array]: ...
+
+
 def make_train_step(
     model_spec: ModelSpec,
     tx: optax.GradientTransformation,
@@ -309,7 +323,7 @@ def make_train_step(
     rules: Rules = (),
     grad_norm_per_layer: bool = False,
     loss_chunk_len: int = 0,
-    gradual_pruning: dict | None = None,
+    hooks: Sequence[StepHook] = (),
     loss_scale_period: int = 2000,
     grad_numerics: bool = False,
     attention_segments: int = 0,
@@ -326,9 +340,8 @@ def make_train_step(
     copy of the batch (`TrainSetup.attention_choice`), instead of a conditional per layer that makes a
     GPU wait for the host (`attention.packed_kernel`); `attention_masked` is then 0 or 1.
 
-    Pruned projections (`kernel_mask`s among the frozen parameters) get masked updates (`tx` holds
-    `pruning_masks.keep_pruned`); `gradual_pruning` (`pruning_masks.gradual_step`'s final, start, end, every) rewrites
-    the masks on its schedule after the update, and adds the metric `sparsity` (of the masked kernels).
+    `hooks`: the model's transforms' parts of the update (`StepHook`; a pruned model's
+    `pruning_masks.PruningHook`): arguments of `tx.update`, a change after the update, metrics.
 
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
     times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
@@ -410,12 +423,13 @@ def make_train_step(
                 overflow = jnp.isfinite(loss) & ~finite & (scaling.scale > loss_scale_lib.MIN_SCALE)
                 skipped = skipped & ~overflow
                 scaling = scaling.update(finite, loss_scale_period)
-            masks = pruning_masks.mask_tree(trainable, frozen)
-            extra = {} if masks is None else {"masks": masks}
+            extra = {}
+            for hook in hooks:
+                extra.update(hook.update_args(trainable, frozen))
             updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite, **extra)
             trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
-            if gradual_pruning:
-                trainable, frozen = pruning_masks.gradual_step(trainable, frozen, state.step, **gradual_pruning)
+            for hook in hooks:
+                trainable, frozen = hook.after_update(trainable, frozen, state.step)
             params = model_spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
@@ -429,9 +443,8 @@ def make_train_step(
         metrics.update({f"aux/{name}": value / denom for name, value in aux_sums.items()})
         if state.loss_scale is not None:
             metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
-        if gradual_pruning:
-            kept = [m for m in jax.tree.leaves(pruning_masks.mask_tree(trainable, frozen)) if m is not None]
-            metrics["sparsity"] = 1 - sum(jnp.sum(m, dtype=jnp.float32) for m in kept) / sum(m.size for m in kept)
+        for hook in hooks:
+            metrics.update(hook.metrics(trainable, frozen))
         if grad_numerics:
             leaves = jax.tree.leaves(grads)
             size = sum(g.size for g in leaves)

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from jaxlm import config as config_lib
-from jaxlm import init_from, loss_scale, optim, steps, train_state
+from jaxlm import init_from, loss_scale, optim, pruning_masks, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.models import attention, transformer
@@ -124,11 +124,9 @@ def build(
     model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora,
                                                      compress=cfg.compress, **derived.pipeline)
     model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
+    hooks = pruning_masks.step_hooks(model_cfg, cfg.compress)  # the model's transforms' parts of the step
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
-                                        pruned=bool(model_cfg.prune_targets))
-    co = cfg.compress
-    gradual = dict(final=co.sparsity, start=co.prune_start, end=co.prune_end, every=co.prune_every) \
-        if co.prune_end > 0 else None
+                                        extra=[t for hook in hooks for t in hook.optimizer_transforms()])
     scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg, model_cfg.dtype) else 0.0
     if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
@@ -141,7 +139,7 @@ def build(
         model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
         dropout=model_cfg.dropout > 0 or model_cfg.lora_dropout > 0, rules=rules,
         grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
-        loss_chunk_len=cfg.model.loss_chunk_len, gradual_pruning=gradual,
+        loss_chunk_len=cfg.model.loss_chunk_len, hooks=hooks,
         loss_scale_period=cfg.optim.loss_scale_period, grad_numerics=cfg.metrics.grad_numerics,
         attention_segments=model_cfg.attention_segments,
     )

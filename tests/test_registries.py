@@ -32,7 +32,15 @@ from jaxlm.models import hf as hf_map
 from jaxlm.models import layers
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
-from jaxlm.models.transformer import NORMS, ModelConfig, Transformer, flops_per_token, matmul_params, param_count
+from jaxlm.models.transformer import (
+    NORMS,
+    REMAT_POLICIES,
+    ModelConfig,
+    Transformer,
+    flops_per_token,
+    matmul_params,
+    param_count,
+)
 
 NAMES = sorted(MLPS)
 REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
@@ -158,3 +166,8 @@ def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(na
             want = reference(torch.tensor(ids)).logits.numpy()
         got = np.asarray(model(jnp.asarray(ids)), np.float32)
         floats.close(got, want, ulps=1000)  # two programs (XLA, PyTorch): within 1.2e-4 of the largest logit
+
+
+def test_the_planner_orders_every_remat_policy():
+    """`plan.REMAT_ORDER` (most memory first: the knobs it suggests) holds every policy the model has."""
+    assert sorted(plan.REMAT_ORDER) == sorted(("none", *REMAT_POLICIES))
