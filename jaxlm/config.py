@@ -21,7 +21,11 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
+from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.errors import UserError, in_user_file, run_user_file
+
+# The sections owned by their components as typed dataclasses (`jaxlm.section`), by name
+SECTIONS = {cls.name: cls for cls in (CheckpointConfig,)}
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -29,8 +33,6 @@ RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
-CHECKPOINT_SNAPSHOTS = ("auto", "device", "host", "off")
-CHECKPOINT_OCDBT = ("auto", "on", "off")
 
 
 def default_rules() -> ml_collections.ConfigDict:
@@ -257,24 +259,7 @@ def base_config() -> ml_collections.ConfigDict:
         prune_end=0,  # 0 = no gradual pruning (the masks stay as the run's checkpoint holds them)
         prune_every=100,  # steps between two recomputations of the masks
     )
-    c.checkpoint = dict(
-        every_steps=1000,  # save every N steps (0 = off) ...
-        every_minutes=30.0,  # ... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT
-        keep_last=3,  # the newest checkpoints kept
-        keep_every=0,  # also keep every step that is a multiple of this, permanently (0 = off)
-        # also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)
-        keep_best=0,
-        async_save=True,  # write in the background; the loop waits only for the device-to-host copy
-        compress=False,  # zstd-compress the arrays: ~11% less disk for ~8x the background writer's CPU time
-        # auto | device | host | off: "device" copies the state on the devices and leaves the copy to the host
-        # to a thread, so a save does not stall the next step; "auto" does where the devices have room for the
-        # copy (GPUs, one process); "off" copies it to the host before the loop goes on (CPUs); "host" is
-        # "device" that also starts the copy to pinned host memory at once (not yet measured on a GPU)
-        snapshot="auto",
-        # auto | on | off: Orbax's OCDBT layout (a few large files per process) or one array per leaf, written
-        # in parallel (1.6x faster commits on a local disk); "auto": off for a local folder and one process
-        ocdbt="auto",
-    )
+    c.checkpoint = CheckpointConfig.defaults()  # jaxlm.checkpoint owns the section (a typed one)
     c.metrics = dict(
         grad_norm_per_layer=False,  # also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)
         histograms_every=0,  # TensorBoard histograms of every parameter every N steps (0 = off)
@@ -658,13 +643,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(r.init_step == -1 or bool(r.init_from), "run.init_step", r.init_step,
            "-1 while run.init_from is empty (set run.init_from to the run directory to read that step of)")
     ck = cfg.checkpoint
-    _check(ck.every_steps >= 0, "checkpoint.every_steps", ck.every_steps, "0 (off) or more")
-    _check(ck.every_minutes >= 0, "checkpoint.every_minutes", ck.every_minutes, "0 (off) or more")
-    _check(ck.keep_last >= 1, "checkpoint.keep_last", ck.keep_last, "1 or more")
-    _check(ck.keep_every >= 0, "checkpoint.keep_every", ck.keep_every, "0 (off) or more")
-    _check(ck.keep_best >= 0, "checkpoint.keep_best", ck.keep_best, "0 (off) or more")
-    _check_choice(cfg, "checkpoint.snapshot", CHECKPOINT_SNAPSHOTS)
-    _check_choice(cfg, "checkpoint.ocdbt", CHECKPOINT_OCDBT)
+    CheckpointConfig.from_config(ck).validate()
     _check(not ck.keep_best or d.val_tokens > 0, "checkpoint.keep_best", ck.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")

@@ -1,8 +1,9 @@
 """The configuration reference (docs/config-reference.md), generated from `jaxlm.config.base_config`.
 
-Every key, its default and the comment `base_config` gives it, by section. The keys and defaults come
-from the config itself; the comments from the source of `base_config` and `default_rules`: a key's
-comment is the one at the end of its line, or the comment lines right above it. `tests/test_docs.py`
+Every key, its default and its meaning, by section. The keys and defaults come from the config itself;
+the meanings from a typed section's own docs (`jaxlm.section`, `config.SECTIONS`), or, for a section
+not yet typed, from the source of `base_config` and `default_rules`: a key's comment is the one at the
+end of its line, or the comment lines right above it. `tests/test_docs.py`
 fails when the file is out of date; `python -m jaxlm.config_reference` rewrites it.
 """
 
@@ -89,6 +90,10 @@ def render() -> str:
     ]
     for section, values in cfg.items():
         out += [f"## {section}", ""]
+        typed = config_lib.SECTIONS.get(section)
+        if typed is not None:
+            keys.update({(section, key): doc for key, doc in typed.docs().items()})
+            sections[section] = " ".join(typed.__doc__.split())
         if sections.get(section):
             out += [sections[section], ""]
         out += ["| key | default | meaning |", "|---|---|---|"]

@@ -300,12 +300,8 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
 
     t0 = time.time()
     data = load_data(cfg, saved.get("data_shards"))  # a bad path or corrupt file fails here, before any device work
-    c = cfg.checkpoint
-    with checkpoint.Checkpointer(
-        run_dir / "checkpoints", every_steps=c.every_steps, every_minutes=c.every_minutes,
-        keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best, async_save=c.async_save,
-        compress=c.compress, snapshot=c.snapshot, ocdbt=c.ocdbt,
-    ) as ckpt:
+    section = checkpoint.CheckpointConfig.from_config(cfg.checkpoint)
+    with checkpoint.Checkpointer.from_config(run_dir / "checkpoints", section) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
 
 

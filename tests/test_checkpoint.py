@@ -144,11 +144,17 @@ def test_both_array_layouts_restore_either_way(tmp_path, caplog):
         checkpoint.Checkpointer(tmp_path / "x", ocdbt="yes")
 
 
-def test_the_config_offers_the_choices_the_checkpointer_takes():
+def test_the_checkpointer_is_built_from_its_config_section(tmp_path):
     from jaxlm import config
 
-    assert config.CHECKPOINT_SNAPSHOTS == checkpoint.SNAPSHOTS
-    assert config.CHECKPOINT_OCDBT == checkpoint.OCDBT
+    cfg = config.recipe("tiny", checkpoint__keep_last=2, checkpoint__keep_every=4, checkpoint__every_steps=7)
+    section = checkpoint.CheckpointConfig.from_config(cfg.checkpoint)
+    with checkpoint.Checkpointer.from_config(tmp_path, section) as ckpt:
+        assert (ckpt.every_steps, ckpt.every_minutes) == (7, cfg.checkpoint.every_minutes)
+        for step in range(1, 11):
+            ckpt.save(step, _vector(step), meta={}, force=True)
+        ckpt.wait()
+        assert ckpt.all_steps() == [4, 8, 9, 10]
 
 
 def test_keep_last_and_every(tmp_path):

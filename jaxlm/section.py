@@ -1,0 +1,65 @@
+"""Typed config sections: a component's settings as a frozen dataclass that it owns.
+
+A section names its config section (`name`: `checkpoint` for `config.checkpoint`), declares each key
+with its default and a one-line doc (`setting`), checks its own values (`validate`, raising the one
+`jaxlm: error:` line through `check`), and is built from the config's section (`from_config`), the
+ml_collections ConfigDict that recipes and `--config.<section>.<key>=` overrides write and that a
+run's `config.json` stores. `jaxlm.config.base_config` takes the section's defaults from it
+(`defaults`) and the configuration reference its docs (`docs`), so each lives in one place.
+
+ml_collections stays the container users write (recipes as Python, the `--config.a.b=value` syntax,
+locked keys with did-you-mean, every earlier `config.json`); draccus, Levanter's choice, would replace
+the recipes and the command line users know, for the typing these dataclasses already give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from jaxlm.errors import UserError
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A section's key: its default and what it means, in one line."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """One line naming the key (`section.key`), its value and what is allowed, unless `ok`."""
+    if not ok:
+        raise UserError(f"config.{key}={value!r} is not allowed: {allowed}")
+
+
+def check_choice(key: str, value: Any, choices: Sequence[str], allow_empty: bool = False) -> None:
+    ok = value in choices or (allow_empty and value == "")
+    check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """The base of every typed section (a frozen dataclass of `setting`s)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """{key: default}, in declaration order: the section of `base_config`."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """{key: its one-line doc}."""
+        return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, Any]):
+        """The section from the config's (a ConfigDict or a dict holding every key)."""
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+    def key(self, field: str) -> str:
+        return f"{self.name}.{field}"
+
+    def validate(self) -> None:
+        """Check what needs no other section (a check across sections belongs to `jaxlm.config`)."""
