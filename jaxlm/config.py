@@ -20,12 +20,19 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from jaxlm import loss_scale, quant
+from jaxlm import mesh as mesh_lib
 from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
+from jaxlm.data import sft, sources, tokenizer
+from jaxlm.energy import EnergyConfig
 from jaxlm.errors import UserError, in_user_file, run_user_file
+from jaxlm.metrics import MetricsConfig
+from jaxlm.models import attention, layers, transformer  # registries of variants and components
+from jaxlm.models.mlps import MLPS
 
 # The sections owned by their components as typed dataclasses (`jaxlm.section`), by name
-SECTIONS = {cls.name: cls for cls in (CheckpointConfig,)}
+SECTIONS = {cls.name: cls for cls in (CheckpointConfig, EnergyConfig, MetricsConfig)}
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -260,27 +267,8 @@ def base_config() -> ml_collections.ConfigDict:
         prune_every=100,  # steps between two recomputations of the masks
     )
     c.checkpoint = CheckpointConfig.defaults()  # jaxlm.checkpoint owns the section (a typed one)
-    c.metrics = dict(
-        grad_norm_per_layer=False,  # also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)
-        histograms_every=0,  # TensorBoard histograms of every parameter every N steps (0 = off)
-        # grad_zero_fraction and grad_nonfinite_fraction of every step's gradient: precision problems made visible
-        grad_numerics=False,
-        progress="auto",  # auto (a progress bar on a terminal, else lines) | bar | lines
-        wandb=False,  # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without a login)
-        wandb_project="jaxlm",  # the Weights & Biases project
-        wandb_entity="",  # "" = your default entity
-    )
-    # Energy, carbon and cost of the run (jaxlm.energy): metrics.jsonl, TensorBoard, the console, summary.json
-    c.energy = dict(
-        source="auto",  # auto (NVML on NVIDIA GPUs, RAPL on CPUs, else an estimate) | nvml | rapl | estimate | off
-        device_watts="",  # "kind=watts,...": power figures added to (and before) the table, e.g. "H100=650,cpu=4"
-        poll_s=5.0,  # seconds between counter reads, on a background thread
-        grid_gco2e_per_kwh=480.0,  # carbon intensity of the electricity: about the world's 2023 average (Ember)
-        price_per_kwh=0.0,  # the electricity's price (0 = not priced)
-        price_per_device_hour=0.0,  # the machines' price per device per hour (0 = not priced)
-        device="",  # jaxlm.plan's prediction: the device kind to assume ("" = the target's or this machine's)
-        assume_mfu=0.45,  # ... and the MFU (measured, 1b: 48% on one H200; 50-51% on one H100 with the packed layout)
-    )
+    c.metrics = MetricsConfig.defaults()
+    c.energy = EnergyConfig.defaults()
     c.profile = dict(
         steps="",  # "start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile
     )
@@ -504,11 +492,6 @@ def prune_pattern(text: str) -> tuple[int, int] | None:
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed."""
-    from jaxlm import energy, loss_scale, quant
-    from jaxlm.data import sft, sources, tokenizer
-    from jaxlm.models import attention, layers, transformer  # registries of variants and components
-    from jaxlm.models.mlps import MLPS
-
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.run
     _check_choice(cfg, "model.variant", sorted(transformer.VARIANTS))
     _check_choice(cfg, "model.norm", sorted(transformer.NORMS), allow_empty=True)
@@ -648,10 +631,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
     _check(r.peak_flops >= 0, "run.peak_flops", r.peak_flops, "0 (known devices) or the FLOP/s of one device")
     _check(r.eval_every >= 0, "run.eval_every", r.eval_every, "0 (only at the end) or more")
-    _check(cfg.metrics.histograms_every >= 0, "metrics.histograms_every", cfg.metrics.histograms_every, "0 (off) or more")
-    _check_choice(cfg, "metrics.progress", ("auto", "bar", "lines"))
+    MetricsConfig.from_config(cfg.metrics).validate()
     profile_steps(cfg)
-    energy.validate(cfg)
+    EnergyConfig.from_config(cfg.energy).validate()
     loss_scale.validate(cfg)
 
     _check_choice(cfg, "mesh.hybrid", ("process", "host"), allow_empty=True)
@@ -707,8 +689,6 @@ def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | N
     """The size of each mesh axis for `num_devices`; with mesh.hybrid, data = `groups` (the hosts or
     processes of the run, from the live layout when not given) and fsdp the devices left in each."""
     if cfg.mesh.hybrid:
-        from jaxlm import mesh as mesh_lib
-
         groups = groups or mesh_lib.hybrid_groups(cfg.mesh.hybrid)
         inner = {a: max(cfg.mesh[a], 1) for a in MESH_AXES if a not in ("data", "fsdp")}  # -1 counts as 1
         if num_devices % (groups * math.prod(inner.values())):

@@ -31,11 +31,12 @@ import pathlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
 from jaxlm.errors import UserError
+from jaxlm.section import Section, setting
 
 log = logging.getLogger(__name__)
 
@@ -94,24 +95,46 @@ def device_watts(device_kind: str, platform: str, table: Sequence[tuple[str, flo
     return None
 
 
-def validate(cfg: ml_collections.ConfigDict) -> None:
-    """The energy settings, before any device work (config.validate calls this)."""
-    e = cfg.energy
-    for key in ("grid_gco2e_per_kwh", "price_per_kwh", "price_per_device_hour"):
-        if not e[key] >= 0:
-            raise UserError(f"config.energy.{key}={e[key]!r} is not allowed: 0 or more")
-    if not e.poll_s > 0:
-        raise UserError(f"config.energy.poll_s={e.poll_s!r} is not allowed: seconds between counter reads, more than 0")
-    if not 0 < e.assume_mfu <= 1:
-        raise UserError(f"config.energy.assume_mfu={e.assume_mfu!r} is not allowed: a fraction in (0, 1], e.g. 0.45")
-    if e.source not in ("auto", "nvml", "rapl", "estimate", "off"):
-        raise UserError(f"config.energy.source={e.source!r} is not allowed: one of 'auto', 'nvml', 'rapl', "
-                        f"'estimate', 'off'")
-    table = watts_table(e)
-    if e.device and device_watts(e.device, "cpu" if e.device.lower() == "cpu" else "gpu", table) is None:
-        known = ", ".join(k for k, _ in table)
-        raise UserError(f"config.energy.device={e.device!r} is not in the power table ({known}); add it with "
-                        f"config.energy.device_watts='{e.device}=<watts>'")
+SOURCES = ("auto", "nvml", "rapl", "estimate", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnergyConfig(Section):
+    """Energy, carbon and cost of the run: metrics.jsonl, TensorBoard, the console, summary.json
+    (`config.energy`)."""
+
+    name: ClassVar[str] = "energy"
+    source: str = setting("auto", "auto (NVML on NVIDIA GPUs, RAPL on CPUs, else an estimate) | nvml | rapl | "
+                                  "estimate | off")
+    device_watts: str = setting("", '"kind=watts,...": power figures added to (and before) the table, e.g. '
+                                    '"H100=650,cpu=4"')
+    poll_s: float = setting(5.0, "seconds between counter reads, on a background thread")
+    grid_gco2e_per_kwh: float = setting(
+        480.0, "carbon intensity of the electricity: about the world's 2023 average (Ember)")
+    price_per_kwh: float = setting(0.0, "the electricity's price (0 = not priced)")
+    price_per_device_hour: float = setting(0.0, "the machines' price per device per hour (0 = not priced)")
+    device: str = setting("", "jaxlm.plan's prediction: the device kind to assume (\"\" = the target's or this "
+                              "machine's)")
+    assume_mfu: float = setting(0.45, "... and the MFU it assumes (benchmarks/BENCHMARKS.md has measured ones)")
+
+    def validate(self) -> None:
+        for key in ("grid_gco2e_per_kwh", "price_per_kwh", "price_per_device_hour"):
+            if not getattr(self, key) >= 0:
+                raise UserError(f"config.energy.{key}={getattr(self, key)!r} is not allowed: 0 or more")
+        if not self.poll_s > 0:
+            raise UserError(f"config.energy.poll_s={self.poll_s!r} is not allowed: seconds between counter reads, "
+                            f"more than 0")
+        if not 0 < self.assume_mfu <= 1:
+            raise UserError(f"config.energy.assume_mfu={self.assume_mfu!r} is not allowed: a fraction in (0, 1], "
+                            f"e.g. 0.45")
+        if self.source not in SOURCES:
+            raise UserError(f"config.energy.source={self.source!r} is not allowed: one of "
+                            f"{', '.join(repr(s) for s in SOURCES)}")
+        table = watts_table(self)
+        if self.device and device_watts(self.device, "cpu" if self.device.lower() == "cpu" else "gpu", table) is None:
+            known = ", ".join(k for k, _ in table)
+            raise UserError(f"config.energy.device={self.device!r} is not in the power table ({known}); add it with "
+                            f"config.energy.device_watts='{self.device}=<watts>'")
 
 
 # ----------------------------------------------------------------------------- counters

@@ -7,16 +7,19 @@ peak of the device kind. An unknown device gives MFU as None (unknown), never a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxlm.section import Section, check, check_choice, setting
 
 # Dense bf16 peak FLOP/s per device, by a substring of `jax.Device.device_kind` (first match wins,
 # so the more specific names come first). Vendor datasheet figures without sparsity.
@@ -37,6 +40,28 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v6 lite", 918e12),  # v6e (Trillium)
     ("TPU v6e", 918e12),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig(Section):
+    """What a run records beyond the loss and throughput, and where (`config.metrics`)."""
+
+    name: ClassVar[str] = "metrics"
+    grad_norm_per_layer: bool = setting(
+        False, "also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)")
+    histograms_every: int = setting(0, "TensorBoard histograms of every parameter every N steps (0 = off)")
+    grad_numerics: bool = setting(
+        False, "grad_zero_fraction and grad_nonfinite_fraction of every step's gradient: precision problems "
+               "made visible")
+    progress: str = setting("auto", "auto (a progress bar on a terminal, else lines) | bar | lines")
+    wandb: bool = setting(
+        False, "also log to Weights & Biases (pip install wandb; WANDB_MODE=offline works without a login)")
+    wandb_project: str = setting("jaxlm", "the Weights & Biases project")
+    wandb_entity: str = setting("", '"" = your default entity')
+
+    def validate(self) -> None:
+        check(self.histograms_every >= 0, self.key("histograms_every"), self.histograms_every, "0 (off) or more")
+        check_choice(self.key("progress"), self.progress, ("auto", "bar", "lines"))
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
