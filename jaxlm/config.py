@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlm import loss_scale, quant
+from jaxlm import init_from, loss_scale, quant
 from jaxlm import mesh as mesh_lib
 from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
@@ -343,8 +343,6 @@ def resolve_init_from(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[
     """With `run.init_from`: the source run's architecture and tokenizer, in place (`jaxlm.init_from`);
     `overrides` (the command line's) may repeat the source's values but never contradict them."""
     if cfg.run.init_from:
-        from jaxlm import init_from
-
         init_from.resolve_config(cfg, overrides, base_config().model, run_dir_path(cfg))
 
 

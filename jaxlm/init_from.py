@@ -31,9 +31,15 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import ml_collections
+import optax
 
+from jaxlm import checkpoint, lora, pruning_masks, quant, train_state
+from jaxlm.data import tokenizer
+from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
+from jaxlm.models import quantized, transformer
 
 # The model keys that change only how the model computes (precision, memory, kernels) or how it is
 # initialised, never its parameters' shapes or the function they compute. Every OTHER model key is the
@@ -69,7 +75,6 @@ def architecture(model: dict, defaults) -> dict[str, Any]:
     """The architecture keys of a saved `model` section and their values: every key of `defaults`
     (the schema's model section, `config.base_config().model`, whose value a key the saved config
     lacks takes) but COMPUTE_MODEL_KEYS, and max_seq_len where the positions are learned."""
-    from jaxlm.models import transformer
 
     values = {key: model.get(key, defaults[key]) for key in defaults
               if key not in COMPUTE_MODEL_KEYS and not isinstance(defaults[key], ml_collections.ConfigDict)}
@@ -85,7 +90,6 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
     module's docstring. `overrides`: the (key, value) pairs given on the command line; `defaults`: the
     schema's model section (`config.base_config().model`) and `run_dir` the new run's directory (both
     passed in: config.py calls this, so this module cannot import it)."""
-    from jaxlm import checkpoint, lora
 
     flag = f"config.run.init_from={cfg.run.init_from}"
     source = pathlib.Path(cfg.run.init_from)
@@ -137,7 +141,6 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         if not resumed:
             _check_vocab(cfg, explicit_tokenizer, flag)
         return
-    from jaxlm.data import tokenizer
 
     found = tokenizer.find_in(run_dir if resumed else source)
     if resumed:  # the path its config recorded while it is there, else its own copy (the same tokenizer:
@@ -165,7 +168,6 @@ def compressed_structure(saved: dict) -> dict[str, Any]:
 
 
 def _check_vocab(cfg: ml_collections.ConfigDict, path: str, flag: str) -> None:
-    from jaxlm.data.tokenizer import Tokenizer
 
     size = Tokenizer.load(path).vocab_size
     if size != cfg.model.vocab_size:
@@ -179,9 +181,7 @@ def _check_vocab(cfg: ml_collections.ConfigDict, path: str, flag: str) -> None:
 def load_state(setup) -> tuple[Any, dict[str, Any]]:
     """(the first train state of a new run started from run.init_from, the record of where it came
     from: {"run_dir", "step"}). `setup` is a `train_setup.TrainSetup` built with `abstract=True`."""
-    import optax
 
-    from jaxlm import checkpoint, lora, pruning_masks, train_state
 
     cfg = setup.cfg
     source = pathlib.Path(cfg.run.init_from)
@@ -229,10 +229,6 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
 def quantize_base(params: dict, cfg, shardings: dict, mesh) -> dict:
     """Float base parameters (adapters aside) -> those of the quantized model `cfg` (QLoRA), in one
     compiled function whose outputs are born in `shardings`: each device quantizes its own shards."""
-    import jax
-
-    from jaxlm.models import quantized
-
     with jax.set_mesh(mesh):
         return jax.jit(lambda p: quantized.quantize_params(p, cfg), out_shardings=shardings)(params)
 
@@ -240,7 +236,5 @@ def quantize_base(params: dict, cfg, shardings: dict, mesh) -> dict:
 def describe(record: dict[str, Any], params, bits: int = 4) -> str:
     """The start-up line of a run started from another's parameters (a quantized weight of `bits`
     counted as one)."""
-    from jaxlm import quant
-
     count = quant.count(params, bits)
     return f"initialized from {record['run_dir']} step {record['step']} ({count / 1e6:.2f}M parameters)"
