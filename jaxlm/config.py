@@ -30,14 +30,14 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.metrics import MetricsConfig
 from jaxlm.models import attention, layers, transformer  # registries of variants and components
 from jaxlm.models.mlps import MLPS
+from jaxlm.optim import OptimConfig
 
 # The sections owned by their components as typed dataclasses (`jaxlm.section`), by name
-SECTIONS = {cls.name: cls for cls in (CheckpointConfig, EnergyConfig, MetricsConfig)}
+SECTIONS = {cls.name: cls for cls in (CheckpointConfig, EnergyConfig, MetricsConfig, OptimConfig)}
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
-SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
 
@@ -192,30 +192,7 @@ def base_config() -> ml_collections.ConfigDict:
         on_damaged_shard="stop",  # a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning
         seed=0,  # the order of the documents (shuffling) and of the train/validation split's hash
     )
-    c.optim = dict(
-        peak_lr=3e-4,  # the learning rate after warmup
-        schedule="cosine",  # cosine | wsd | linear | constant | cyclic
-        warmup_steps=100,  # steps of linear warmup from 0 to peak_lr
-        min_lr_ratio=0.1,  # final (or floor) learning rate as a fraction of peak_lr
-        decay_fraction=0.2,  # wsd: the last fraction of steps that decays
-        cycle_steps=1000,  # cyclic: length of one cosine cycle after warmup
-        b1=0.9,  # Adam's first-moment decay
-        b2=0.95,  # Adam's second-moment decay
-        eps=1e-8,  # added to the second moment's square root
-        weight_decay=0.1,  # applied to matrices only (not norms, biases)
-        clip_norm=1.0,  # global-norm clipping; 0 = off
-        # Which parameters train; the rest stay frozen (no gradient, no optimizer state). "" = all;
-        # else comma-separated regexes searched in paths (blocks/attn/wq/kernel) or type:<NNX variable type>.
-        trainable="",
-        # gradient accumulation: global batch split into this many, scanned; 0 = as few as fit in memory
-        micro_batches=1,
-        z_loss=0.0,  # weight of the log(Z)^2 auxiliary loss; 0 = off
-        on_nonfinite="stop",  # a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint
-        # dynamic loss scaling (jaxlm.loss_scale): auto = on with float16 compute | dynamic | none
-        loss_scale="auto",
-        loss_scale_init=32768.0,  # the first scale (2^15)
-        loss_scale_period=2000,  # finite steps in a row before the scale doubles (halved on every overflow)
-    )
+    c.optim = OptimConfig.defaults()
     # LoRA adapters (jaxlm.lora): y = x W + (alpha / rank) (x A) B on the targeted projections, A random and
     # B zero at the start. With adapters, an empty optim.trainable trains the adapters alone (type:LoRAParam).
     c.lora = dict(
@@ -563,20 +540,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(d.tokenizer_vocab_size == m.vocab_size, "data.tokenizer_vocab_size", d.tokenizer_vocab_size,
            f"equal to model.vocab_size={m.vocab_size}")
 
-    _check(o.peak_lr > 0, "optim.peak_lr", o.peak_lr, "a positive number")
-    _check_choice(cfg, "optim.schedule", SCHEDULES)
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "0 or more")
-    _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
-    _check(0.0 < o.decay_fraction <= 1.0, "optim.decay_fraction", o.decay_fraction, "a number in (0, 1]")
-    _check(o.cycle_steps > 0, "optim.cycle_steps", o.cycle_steps, "a positive integer")
-    _check(0.0 <= o.b1 < 1.0, "optim.b1", o.b1, "a number in [0, 1)")
-    _check(0.0 <= o.b2 < 1.0, "optim.b2", o.b2, "a number in [0, 1)")
-    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "0 or more")
-    _check(o.clip_norm >= 0, "optim.clip_norm", o.clip_norm, "0 (off) or more")
-    _check(o.z_loss >= 0, "optim.z_loss", o.z_loss, "0 (off) or more")
-    _check(o.on_nonfinite in ("skip", "stop"), "optim.on_nonfinite", o.on_nonfinite, "'skip' or 'stop'")
-    _check(o.micro_batches >= 0, "optim.micro_batches", o.micro_batches,
-           "a positive integer, or 0 for as few as fit in device memory")
+    OptimConfig.from_config(o).validate()
     _check(o.micro_batches == 0 or d.global_batch_size % o.micro_batches == 0, "optim.micro_batches",
            o.micro_batches, f"a divisor of data.global_batch_size={d.global_batch_size}")
     lo = cfg.lora

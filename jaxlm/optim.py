@@ -14,12 +14,66 @@ checkpoints are the same.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxlm.section import Section, check, check_choice, setting
+
+SCHEDULES = ("cosine", "wsd", "linear", "constant", "cyclic")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(Section):
+    """How the parameters train: AdamW, the learning-rate schedule, clipping, gradient accumulation, the
+    non-finite guard and float16 loss scaling (`config.optim`)."""
+
+    name: ClassVar[str] = "optim"
+    peak_lr: float = setting(3e-4, "the learning rate after warmup")
+    schedule: str = setting("cosine", " | ".join(SCHEDULES))
+    warmup_steps: int = setting(100, "steps of linear warmup from 0 to peak_lr")
+    min_lr_ratio: float = setting(0.1, "final (or floor) learning rate as a fraction of peak_lr")
+    decay_fraction: float = setting(0.2, "wsd: the last fraction of steps that decays")
+    cycle_steps: int = setting(1000, "cyclic: length of one cosine cycle after warmup")
+    b1: float = setting(0.9, "Adam's first-moment decay")
+    b2: float = setting(0.95, "Adam's second-moment decay")
+    eps: float = setting(1e-8, "added to the second moment's square root")
+    weight_decay: float = setting(0.1, "applied to matrices only (not norms, biases)")
+    clip_norm: float = setting(1.0, "global-norm clipping; 0 = off")
+    trainable: str = setting(
+        "", 'which parameters train; the rest stay frozen (no gradient, no optimizer state). "" = all; else '
+            "comma-separated regexes searched in paths (blocks/attn/wq/kernel) or type:<NNX variable type>")
+    micro_batches: int = setting(
+        1, "gradient accumulation: the global batch split into this many, scanned; 0 = as few as fit in memory")
+    z_loss: float = setting(0.0, "weight of the log(Z)^2 auxiliary loss; 0 = off")
+    on_nonfinite: str = setting(
+        "stop", "a NaN/inf loss or gradient: never applied; 'skip' the step, or 'stop' with a checkpoint")
+    loss_scale: str = setting(
+        "auto", "dynamic loss scaling (jaxlm.loss_scale): auto = on with float16 compute | dynamic | none")
+    loss_scale_init: float = setting(32768.0, "the first scale (2^15)")
+    loss_scale_period: int = setting(
+        2000, "finite steps in a row before the scale doubles (halved on every overflow)")
+
+    def validate(self) -> None:
+        check(self.peak_lr > 0, self.key("peak_lr"), self.peak_lr, "a positive number")
+        check_choice(self.key("schedule"), self.schedule, SCHEDULES)
+        check(self.warmup_steps >= 0, self.key("warmup_steps"), self.warmup_steps, "0 or more")
+        check(0.0 <= self.min_lr_ratio <= 1.0, self.key("min_lr_ratio"), self.min_lr_ratio, "a number in [0, 1]")
+        check(0.0 < self.decay_fraction <= 1.0, self.key("decay_fraction"), self.decay_fraction,
+              "a number in (0, 1]")
+        check(self.cycle_steps > 0, self.key("cycle_steps"), self.cycle_steps, "a positive integer")
+        check(0.0 <= self.b1 < 1.0, self.key("b1"), self.b1, "a number in [0, 1)")
+        check(0.0 <= self.b2 < 1.0, self.key("b2"), self.b2, "a number in [0, 1)")
+        check(self.weight_decay >= 0, self.key("weight_decay"), self.weight_decay, "0 or more")
+        check(self.clip_norm >= 0, self.key("clip_norm"), self.clip_norm, "0 (off) or more")
+        check(self.z_loss >= 0, self.key("z_loss"), self.z_loss, "0 (off) or more")
+        check(self.on_nonfinite in ("skip", "stop"), self.key("on_nonfinite"), self.on_nonfinite, "'skip' or 'stop'")
+        check(self.micro_batches >= 0, self.key("micro_batches"), self.micro_batches,
+              "a positive integer, or 0 for as few as fit in device memory")
 
 
 def make_schedule(o, total_steps: int) -> optax.Schedule:
