@@ -110,9 +110,14 @@ def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str |
 
 def load_data(setup_or_cfg: train_setup.TrainSetup | ml_collections.ConfigDict) -> loader.Data:
     """The config's data: training stream (`.train`), held-out batches and tokenizer (cached in
-    `data.cache_dir`, the same cache the CLI uses)."""
-    cfg = setup_or_cfg.cfg if isinstance(setup_or_cfg, train_setup.TrainSetup) else setup_or_cfg
-    return loader.load_data(cfg)
+    `data.cache_dir`, the same cache the CLI uses). In a run of several processes, give the setup: each
+    process reads the rows of each batch its devices hold."""
+    if not isinstance(setup_or_cfg, train_setup.TrainSetup):
+        return loader.load_data(setup_or_cfg)
+    cfg = setup_or_cfg.cfg
+    rows = None if jax.process_count() == 1 else loader.rows_held(
+        setup_or_cfg.batch_sharding, (cfg.data.global_batch_size, cfg.data.seq_len))
+    return loader.load_data(cfg, rows=rows)
 
 
 # ----------------------------------------------------------------------------- inspection

@@ -38,6 +38,7 @@ from jaxlm import (
     xla_flags,
 )
 from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, load_data, rows_held
@@ -299,7 +300,8 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
         return _already_complete(run_dir, resume_step)
 
     t0 = time.time()
-    data = load_data(cfg, saved.get("data_shards"))  # a bad path or corrupt file fails here, before any device work
+    # a bad path or corrupt file fails here, before any device work
+    data = load_data(cfg, saved.get("data_shards"), _process_rows(cfg))
     section = checkpoint.CheckpointConfig.from_config(cfg.checkpoint)
     with checkpoint.Checkpointer.from_config(run_dir / "checkpoints", section) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
@@ -586,6 +588,18 @@ def _compute_dtype(cfg: ml_collections.ConfigDict, saved: dict) -> tuple[ml_coll
         return (memory.with_overrides(cfg, {"model.dtype": kept}),
                 f"compute {kept} (model.dtype=auto: kept from this run's checkpoints; here auto would choose {chosen})")
     return memory.with_overrides(cfg, {"model.dtype": chosen}), f"compute {chosen} (model.dtype=auto: {why})"
+
+
+def _process_rows(cfg: ml_collections.ConfigDict) -> slice | None:
+    """The rows of each global batch this process's devices hold under the run's mesh (one contiguous
+    block per process, the same block for processes that differ only along axes the batch is replicated
+    over); None in a single process, which reads every row."""
+    if jax.process_count() == 1:
+        return None
+    devices = jax.devices()
+    mesh = mesh_lib.make_mesh(config_lib.mesh_shape(cfg, len(devices)), devices, hybrid=cfg.mesh.hybrid)
+    sharding = mesh_lib.batch_sharding(mesh, mesh_lib.rules_from_config(cfg.mesh.rules))
+    return rows_held(sharding, (cfg.data.global_batch_size, cfg.data.seq_len))
 
 
 def _check_process_rows(setup: TrainSetup, data: Data) -> None:

@@ -168,12 +168,15 @@ def cached_prepared_dir(cfg: ml_collections.ConfigDict, tokenizer_sha256: str, k
     return pathlib.Path(cfg.data.cache_dir) / f"prepared-{key or inputs_key(cfg)}-{tokenizer_sha256[:16]}"
 
 
-def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
+def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None, rows: slice | None = None) -> Data:
     """Corpus -> prepared shards (cached) or raw documents -> packed grain batches, and the fixed
-    held-out batches. `shards`: the resumed run's stream count (data.shards=0 keeps it)."""
+    held-out batches. `shards`: the resumed run's stream count (data.shards=0 keeps it). `rows`: the
+    rows of each global batch this process's devices hold (`rows_held` of the run's batch sharding);
+    None, every row, which only one process may ask for."""
     d = cfg.data
+    rows = all_rows(cfg, rows)
     if d.tokenize_on_the_fly:
-        return _load_on_the_fly(cfg, shards)
+        return _load_on_the_fly(cfg, shards, rows)
     directory = prepared_dir(cfg)
     tok = tokenizer.Tokenizer.load(prepare.tokenizer_file(directory))
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
@@ -187,11 +190,11 @@ def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data
     val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
     recorded = prepare.read_manifest(directory).get("sft")
     spec = sft.Spec(recorded["format"], recorded["chat_template"]) if recorded else None
-    return _data(cfg, tok, train_docs, val_docs, str(directory), shards, spec)
+    return _data(cfg, tok, train_docs, val_docs, str(directory), shards, spec, rows)
 
 
 def _data(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, train_docs: pipeline.FlatDocuments, val_docs,
-          where: str, shards: int | None, spec: sft.Spec | None) -> Data:
+          where: str, shards: int | None, spec: sft.Spec | None, rows: slice) -> Data:
     """Tokenized documents (prepared shards, or SFT examples encoded in memory) -> `Data`; prints the
     SFT line for weighted ones."""
     d = cfg.data
@@ -199,14 +202,14 @@ def _data(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, train_docs: 
     if spec:
         report = sft.report(spec, train_docs, val_docs, d.seq_len)
         console(f"jaxlm: {report}")
-    count = resolve_shards(cfg, shards)
+    count = resolve_shards(cfg, rows, shards)
     train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(cfg, j, count))),
-                          count, process_rows(cfg), d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, where), tokenizer=tok,
+                          count, rows, d.global_batch_size)
+    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, where, rows), tokenizer=tok,
                 train_tokens=train_docs.num_tokens, train_documents=len(train_docs), shards=count, sft_report=report)
 
 
-def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) -> Data:
+def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None, rows: slice) -> Data:
     """The raw training documents in memory, tokenized inside the pipeline; the held-out set is
     tokenized here, once."""
     d = cfg.data
@@ -220,7 +223,7 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
         if not len(train_docs):
             raise UserError(f"all {len(val_docs)} rows of {d.corpus} fell in the validation split; lower "
                             f"data.val_fraction={d.val_fraction}")
-        return _data(cfg, tok, train_docs, val_docs, d.corpus, shards, spec)
+        return _data(cfg, tok, train_docs, val_docs, d.corpus, shards, spec, rows)
     train_texts, val_texts = [], []
     for doc in sources.iter_documents(source_spec(cfg)):
         (val_texts if sources.is_validation(doc, d.val_fraction, d.seed) else train_texts).append(doc)
@@ -230,11 +233,11 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None = None) 
             break
         val_docs.extend(pipeline.tokenize_documents(tok, [doc]))
         val_tokens += len(val_docs[-1])
-    count = resolve_shards(cfg, shards)
+    count = resolve_shards(cfg, rows, shards)
     train = ShardedStream(
         lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(cfg, j, count))),
-        count, process_rows(cfg), d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, d.corpus), tokenizer=tok,
+        count, rows, d.global_batch_size)
+    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, d.corpus, rows), tokenizer=tok,
                 train_tokens=None, train_documents=len(train_texts), shards=count)
 
 
@@ -267,12 +270,11 @@ def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where
         )
 
 
-def resolve_shards(cfg: ml_collections.ConfigDict, resumed: int | None = None) -> int:
+def resolve_shards(cfg: ml_collections.ConfigDict, rows: slice, resumed: int | None = None) -> int:
     """data.shards, or the resumed run's count, or one per block of rows a process holds (one per process,
     unless processes share rows: the batch is replicated over pipeline stages and tensor parallelism);
     checked against the batch."""
     d = cfg.data
-    rows = process_rows(cfg)
     blocks = d.global_batch_size // (rows.stop - rows.start)
     count = d.shards or resumed or blocks
     if d.global_batch_size % count or d.global_batch_size % blocks:
@@ -283,21 +285,15 @@ def resolve_shards(cfg: ml_collections.ConfigDict, resumed: int | None = None) -
     return count
 
 
-def process_rows(cfg: ml_collections.ConfigDict) -> slice:
-    """The rows of each global batch this process's devices hold under the run's mesh (what
-    `jax.make_array_from_process_local_data` assembles): one contiguous block per process, in process
-    order, the same block for processes whose devices differ only along axes the batch is replicated
-    over (pipeline stages, tensor parallelism spanning processes)."""
-    batch = cfg.data.global_batch_size
-    if jax.process_count() == 1:
-        return slice(0, batch)
-    from jaxlm import config as config_lib
-    from jaxlm import mesh as mesh_lib
-
-    devices = jax.devices()
-    mesh = mesh_lib.make_mesh(config_lib.derive(cfg, len(devices)).mesh_shape, devices, hybrid=cfg.mesh.hybrid)
-    return rows_held(mesh_lib.batch_sharding(mesh, mesh_lib.rules_from_config(cfg.mesh.rules)),
-                     (batch, cfg.data.seq_len))
+def all_rows(cfg: ml_collections.ConfigDict, rows: slice | None) -> slice:
+    """`rows`, or every row of the global batch in a single process (several processes read only the
+    rows their devices hold: the caller gives them, `rows_held`)."""
+    if rows is not None:
+        return rows
+    if jax.process_count() > 1:
+        raise ValueError("several processes: give load_data the rows this process's devices hold "
+                         "(loader.rows_held of the run's batch sharding)")
+    return slice(0, cfg.data.global_batch_size)
 
 
 def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> slice:
@@ -392,7 +388,7 @@ class ShardedStream(grain.DatasetIterator):
         self.tokens_seen = int(own.get("tokens_seen", 0)) if own is not None else int(total * share)
 
 
-def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str) -> list[dict[str, np.ndarray]]:
+def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str, rows: slice) -> list[dict[str, np.ndarray]]:
     d = cfg.data
     if d.val_tokens and not len(val_docs):
         console(f"jaxlm: warning: {where} has no validation documents; raise data.val_fraction to evaluate")
@@ -402,5 +398,4 @@ def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str) -> list[
     # The global batches, the same on every process count; each process keeps its rows.
     batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=d.global_batch_size,
                                          max_batches=max_batches)
-    rows = process_rows(cfg)
     return [{k: v[rows] for k, v in batch.items()} for batch in batches]
