@@ -2,10 +2,11 @@
 train step.
 
 A pruned projection holds a bool `kernel_mask` beside its kernel (`layers.PruningMask`, frozen; True =
-kept). `keep_pruned` is the optimizer's hook: it zeroes the updates of pruned weights, so fine-tuning a
+kept). `keep_pruned`, an optimizer transform, zeroes the updates of pruned weights, so fine-tuning a
 pruned model keeps them zero. `gradual_step` (config.compress.prune_start/end/every) tightens the masks
-on the schedule of `sparsity_at` (Zhu and Gupta 2017) after the update. Which weights the offline tool
-prunes, and how it scores them, is `jaxlm.compress.prune`.
+on the schedule of `sparsity_at` (Zhu and Gupta 2017) after the update. `PruningHook` brings both to the
+train step (`steps.StepHook`). Which weights the offline tool prunes, and how it scores them, is
+`jaxlm.compress.prune`.
 """
 
 from __future__ import annotations

@@ -178,8 +178,8 @@ def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
 
 def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
                          rules: Rules, z_loss: float, loss_chunk_len: int):
-    """Sum of k micro-batches' (loss sum, tokens, auxiliary outputs, gradients), each `data` replica accumulating its
-    own rows' gradient locally and the replicas reduced once at the end.
+    """Sum of k micro-batches' (loss sum, tokens, auxiliary outputs, gradients), each `data` replica
+    accumulating its own rows' gradient locally and the replicas reduced once at the end.
 
     The batch [B, T] becomes [k, R, B/(kR), T]: replica r's rows are the ones it already holds
     (rows are split over data x fsdp in that order) and micro-batch i takes the same rows as
@@ -331,9 +331,10 @@ def make_train_step(
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
 
-    Metrics: loss, grad_norm (before clipping), param_norm (after the update), lr, tokens, skipped
-    (1 when a non-finite update was dropped), and with `grad_norm_per_layer` a `grad_norm/<group>`
-    per layer and top-level group (`norms_by_group`). With `attention_segments` (cuDNN's packed layout,
+    Metrics: loss (the blocks' auxiliary loss terms included, `jaxlm.models.aux`), grad_norm (before
+    clipping), param_norm (after the update), lr, tokens, skipped (1 when a non-finite update was
+    dropped), `aux/<name>` for each of the model's auxiliary outputs, and with `grad_norm_per_layer` a
+    `grad_norm/<group>` per layer and top-level group (`norms_by_group`). With `attention_segments` (cuDNN's packed layout,
     `ModelConfig.attention_segments`), `attention_masked`: the fraction of micro-batches with a row of more
     documents than that, whose attention fell back to the masked kernel. The step's `packed` argument
     (static) compiles one of cuDNN's two kernels for the whole step, chosen by the caller on the host's

@@ -93,7 +93,8 @@ def run(
     positions: jax.Array,  # [B, T]
     segment_ids: jax.Array | None,  # [B, T]
     keys: jax.Array | None,  # [L] dropout keys, one per layer
-    block_fn: Callable,  # (x, block, key, positions, segment_ids) -> (x, aux), the block as the unpipelined scan runs it
+    # (x, block, key, positions, segment_ids) -> (x, aux), the block as the unpipelined scan runs it
+    block_fn: Callable,
     return_activity: bool = False,
     aux_names: Sequence[str] = (),  # the auxiliary outputs block_fn returns (`jaxlm.models.aux`)
 ) -> tuple[jax.Array, aux.Aux] | tuple[jax.Array, aux.Aux, jax.Array]:

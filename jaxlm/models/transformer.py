@@ -3,8 +3,8 @@
 A variant is a named bundle of component choices in `VARIANTS`; each component comes from its own
 registry (`NORMS`, `jaxlm.models.mlps.MLPS`, `jaxlm.models.positions.POSITIONS`), each entry with its
 own arithmetic, so a new variant or an ablation (say GELU in a Llama) is a config change, never an
-if/elif on model names. Parameter count and training FLOPs per token are
-computed here from the config alone, next to the model that defines them.
+if/elif on model names. Parameter count and training FLOPs per token are computed here from the
+config alone, from what those entries declare.
 """
 
 from __future__ import annotations
