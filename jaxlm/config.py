@@ -30,16 +30,17 @@ from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.metrics import MetricsConfig
 from jaxlm.models import attention, layers, transformer  # registries of variants and components
 from jaxlm.models.mlps import MLPS
+from jaxlm.models.pipeline_parallel import PipelineConfig
 from jaxlm.optim import OptimConfig
 
 # The sections owned by their components as typed dataclasses (`jaxlm.section`), by name
-SECTIONS = {cls.name: cls for cls in (CheckpointConfig, EnergyConfig, MetricsConfig, OptimConfig)}
+SECTIONS = {cls.name: cls for cls in (
+    CheckpointConfig, EnergyConfig, MetricsConfig, OptimConfig, PipelineConfig)}
 
 # Where the recipes live (configs/ beside the package, in an editable install or a checkout).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")
-PIPELINE_SCHEDULES = ("gpipe", "circular")
 
 
 def default_rules() -> ml_collections.ConfigDict:
@@ -254,15 +255,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); "" = off.
     c.mesh.hybrid = ""
     c.mesh.rules = default_rules()
-    # Pipeline parallelism, when mesh.stage > 1: the stacked layers (model.scan_layers) split into mesh.stage
-    # stages, inside the one compiled step (jaxlm.models.pipeline_parallel)
-    c.pipeline = dict(
-        schedule="gpipe",  # gpipe (all forwards, then all backwards) | circular (interleaved: `repeats` groups per stage)
-        # Pipeline micro-batches per gradient-accumulation micro-batch, at least mesh.stage; 0 = the most up to
-        # 4 x stages that the micro-batch's rows per data x fsdp shard divide into
-        microbatches=0,
-        repeats=1,  # circular: non-adjacent layer groups per stage (the bubble shrinks about this much); gpipe: 1
-    )
+    c.pipeline = PipelineConfig.defaults()
     return c
 
 
@@ -502,10 +495,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
            "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
     _check(m.scan_unroll >= 0, "model.scan_unroll", m.scan_unroll, "0 (auto) or a positive number of layers")
     pl = cfg.pipeline
-    _check_choice(cfg, "pipeline.schedule", PIPELINE_SCHEDULES)
-    _check(pl.repeats >= 1 and (pl.schedule == "circular" or pl.repeats == 1), "pipeline.repeats", pl.repeats,
-           "1 with pipeline.schedule='gpipe'; a positive number of layer groups per stage with 'circular'")
-    _check(pl.microbatches >= 0, "pipeline.microbatches", pl.microbatches, "0 (auto) or at least mesh.stage")
+    PipelineConfig.from_config(pl).validate()
     if cfg.mesh.stage > 1 or cfg.mesh.stage == -1:
         _check(m.scan_layers, "model.scan_layers", m.scan_layers,
                f"true with mesh.stage={cfg.mesh.stage} (the stages split the stacked layers)")

@@ -45,6 +45,7 @@ def test_a_run_config_json_of_any_recipe_reads_into_its_section(name):
     ("optim.schedule", "step", "one of 'cosine', 'wsd', 'linear', 'constant', 'cyclic'"),
     ("energy.poll_s", 0.0, "config.energy.poll_s=0.0 is not allowed"),
     ("metrics.progress", "fancy", "one of 'auto', 'bar', 'lines'"),
+    ("pipeline.repeats", 2, "config.pipeline.repeats=2 is not allowed: 1 with pipeline.schedule='gpipe'"),
 ])
 def test_a_bad_value_is_one_line_from_the_section(key, value, words):
     section, field = key.split(".")

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,32 @@ from flax import nnx
 
 from jaxlm.mesh import constrain, mesh_axes_of
 from jaxlm.models import attention, aux
+from jaxlm.section import Section, check, check_choice, setting
 
 STAGE = "act_stage"  # the logical name of the stage dimension of activations (rules: -> the stage axis)
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(Section):
+    """Pipeline parallelism, when mesh.stage > 1: the stacked layers (model.scan_layers) split into
+    mesh.stage stages, inside the one compiled step (`config.pipeline`)."""
+
+    name: ClassVar[str] = "pipeline"
+    schedule: str = setting(
+        "gpipe", "gpipe (all forwards, then all backwards) | circular (interleaved: `repeats` groups per stage)")
+    microbatches: int = setting(
+        0, "pipeline micro-batches per gradient-accumulation micro-batch, at least mesh.stage; 0 = the most up to "
+           "4 x stages that the micro-batch's rows per data x fsdp shard divide into")
+    repeats: int = setting(
+        1, "circular: non-adjacent layer groups per stage (the bubble shrinks about this much); gpipe: 1")
+
+    def validate(self) -> None:
+        check_choice(self.key("schedule"), self.schedule, SCHEDULES)
+        check(self.repeats >= 1 and (self.schedule == "circular" or self.repeats == 1), self.key("repeats"),
+              self.repeats, "1 with pipeline.schedule='gpipe'; a positive number of layer groups per stage with "
+                            "'circular'")
+        check(self.microbatches >= 0, self.key("microbatches"), self.microbatches, "0 (auto) or at least mesh.stage")
 
 
 @dataclasses.dataclass(frozen=True)
