@@ -39,11 +39,11 @@ class MLP(nnx.Module):
         saves them (what a layer holds at its backward pass's peak: memory.layer_backward_bytes).
       hf_architectures: the Hugging Face model types whose MLP this is; () for none, and an export
         refuses in one line.
+      hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
+        `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
       aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: scalar})
         (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss); () for none, and
         `__call__` returns y alone.
-      hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
-        `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
     and implements `default_dim` and `__call__`.
     """
 
