@@ -130,9 +130,8 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",  # parameters and optimizer state: float32 | bfloat16 | float16
         scan_layers=True,  # one stacked block run by a scan (fast to compile); false: a list of blocks
         # Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of them
-        # on a CPU or GPU without remat: on a CPU XLA runs the unrolled program 1.2x faster, on an H100 125m's
-        # compiled step has a 0.617 roofline against 0.469 as a loop, benchmarks/BENCHMARKS.md; else 1: a
-        # loop, whose buffers XLA reuses from layer to layer)
+        # on a CPU or GPU without remat, which runs faster unrolled: benchmarks/BENCHMARKS.md; else 1: a loop,
+        # whose buffers XLA reuses from layer to layer)
         scan_unroll=0,
         remat="none",  # none | full | dots | dots_mlp | dots_no_batch
         # auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the

@@ -446,8 +446,8 @@ def _gib(n: int | None) -> str:
 
 def memory_share_note(limit: int | None, card: int | None) -> str:
     """What to add to XLA's per-device memory limit when it leaves a good part of the card unused (jax
-    preallocates 75% of a GPU by default): on an H100, 59.4 of 79.6 GiB, against which `optim.micro_batches=0`
-    planned 1b in 32 micro-batches (16, compiled for an H100, had a roofline 1.2% better: benchmarks/BENCHMARKS.md)."""
+    preallocates 75% of a GPU by default), against which `optim.micro_batches=0` plans more micro-batches
+    than the card needs (an example: benchmarks/BENCHMARKS.md)."""
     if not limit or not card or limit >= 0.85 * card:
         return ""
     return (f" of the card's {_gib(card)}: jax holds {limit / card:.0%} by default; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 "

@@ -214,8 +214,8 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
         example = "/".join(map(str, next(iter(nnx.to_flat_state(state)))[0]))
         raise UserError(f"config.optim.trainable={trainable!r} matches no parameter (paths look like {example!r})")
     # Trained kernels of plain projections, not stacked for a layer scan: a scan's weight gradients come out
-    # stacked, and XLA adds a float32 stack to the accumulator in a kernel of its own (350m on one H100,
-    # compiled here: 0.699 -> 0.6985), where unstacked ones add up in the GEMMs (1b: 0.776 -> 0.804)
+    # stacked, and XLA adds a float32 stack to the accumulator in a kernel of its own, where unstacked ones
+    # add up in the GEMMs (the rooflines of both: benchmarks/BENCHMARKS.md)
     kernels = {(*path, "kernel") for path, p in layers.projections(model) if p.fusable}
     kernels = {path for path in kernels if _get_path(trains, path) and "layers" not in _get_path(names, path)}
     joints = tuple(j for j in layers.joints(model) if all(path in kernels for path in j.paths))
@@ -334,9 +334,8 @@ def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0
 # XLA options for the one-off init program. XLA fuses the random generators of every parameter of one shape into
 # a single multi-output kernel (they share the iota the counter-based generator starts from): with unscanned layers
 # (the 1b and 7b recipes) that is one kernel of 44 generators and ~8,000 instructions, which the GPU backend
-# compiles for minutes (2 min 12 s for 1b on an H200, 2026-11-26). Without the pass each generator is its own small
-# kernel: compiled for one H100 here, 1b's init takes 22 s instead of 68 s and 7b's on eight 39 s instead of 192 s
-# (BENCHMARKS.md). The values are the same bits: fusion does not change what is computed.
+# compiles for minutes. Without the pass each generator is its own small kernel, compiled in a fraction of that
+# time (benchmarks/BENCHMARKS.md). The values are the same bits: fusion does not change what is computed.
 INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
 
 

@@ -232,8 +232,7 @@ class ModelConfig:
             precision.check_fp8(platform, precision.compute_capability())
         # auto: unrolled on a CPU or GPU, unless remat asks to save memory (an unrolled program keeps more
         # alive). On GPUs the loop's per-layer copies in and out of the stacked buffers and its host-side
-        # launches go: compiled for one H100, 125m's roofline 0.469 -> 0.617 and 350m's 0.515 -> 0.674, both
-        # in less memory (benchmarks/BENCHMARKS.md)
+        # launches go, for a faster step in less memory (measured: benchmarks/BENCHMARKS.md)
         unroll_all = platform in ("cpu", "gpu") and fields["remat"] == "none"
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
