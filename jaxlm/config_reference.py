@@ -3,8 +3,8 @@
 Every key, its default and its meaning, by section. The keys and defaults come from the config itself;
 the meanings from a typed section's own docs (`jaxlm.section`, `config.SECTIONS`), or, for a section
 not yet typed, from the source of `base_config` and `default_rules`: a key's comment is the one at the
-end of its line, or the comment lines right above it. `tests/test_docs.py`
-fails when the file is out of date; `python -m jaxlm.config_reference` rewrites it.
+end of its line, or the comment lines right above it. `tests/test_docs.py` fails when the file is out
+of date; `python -m jaxlm.config_reference` rewrites it.
 """
 
 from __future__ import annotations
