@@ -22,6 +22,7 @@ from ml_collections import config_dict
 
 from jaxlm import init_from, loss_scale, quant
 from jaxlm import mesh as mesh_lib
+from jaxlm import section as section_lib
 from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.data import sft, sources, tokenizer
@@ -419,15 +420,11 @@ def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_coll
 # ----------------------------------------------------------------------------- validation
 
 
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise UserError(f"config.{key}={value!r} is not allowed: {allowed}")
+_check = section_lib.check  # the one line every config check raises, typed section or not
 
 
 def _check_choice(cfg: ml_collections.ConfigDict, key: str, choices: Sequence[str], allow_empty=False) -> None:
-    value = cfg[key.split(".")[0]][key.split(".")[1]]
-    ok = value in choices or (allow_empty and value == "")
-    _check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
+    section_lib.check_choice(key, cfg[key.split(".")[0]][key.split(".")[1]], choices, allow_empty)
 
 
 def profile_steps(cfg: ml_collections.ConfigDict) -> tuple[int, int] | None:

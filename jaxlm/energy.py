@@ -80,8 +80,9 @@ def parse_device_watts(text: str) -> list[tuple[str, float]]:
     return pairs
 
 
-def watts_table(cfg_energy: ml_collections.ConfigDict | None = None) -> list[tuple[str, float]]:
-    """The power table in force: `energy.device_watts` entries first, then DEVICE_WATTS."""
+def watts_table(cfg_energy: EnergyConfig | ml_collections.ConfigDict | None = None) -> list[tuple[str, float]]:
+    """The power table in force: `energy.device_watts` entries first (the section, typed or as the config
+    holds it), then DEVICE_WATTS."""
     extra = parse_device_watts(cfg_energy.device_watts) if cfg_energy is not None else []
     return [*extra, *DEVICE_WATTS]
 

@@ -273,18 +273,10 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
     arch = hf_map.architecture_of(model_cfg)
     peft_tensors = _peft_tensors(*adapted, model_cfg, arch, np_dtype) if adapted else None  # checked before writing
     writer = _ShardWriter(output, max_shard_bytes) if jax.process_index() == 0 else None
-    by_tensor: dict[str, list] = {}
-    for path, part, layer, stacked in hf_map.param_parts(params, model_cfg, arch):
-        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
-    leaves = dict(hf_map.leaves(params))
-    for entries in by_tensor.values():  # one Hugging Face tensor (of every layer) at a time
-        host = {path: _to_host(leaves[path]) for path, *_ in entries}
-        _, part0, layer0, stacked0 = entries[0]
-        for i, name in enumerate(hf_map.hf_names(part0, model_cfg.n_layers, layer0, stacked0)):
-            values = {part: host[path][i] if stacked else host[path] for path, part, _, stacked in entries}
-            if writer:
-                writer.add(name, hf_map.hf_tensor(values, np_dtype))
-        del host
+    for name, tensor in hf_map.hf_tensors(params, model_cfg, arch, np_dtype, to_host=_to_host,
+                                          build=writer is not None):
+        if writer:
+            writer.add(name, tensor)
     if writer:
         tok = run.tokenizer
         writer.close()

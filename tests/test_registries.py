@@ -8,9 +8,9 @@ for them. Every entry is run here, with no line of its own, through:
   projections;
 - the training FLOPs against the dots of the compiled train step;
 - the planner's memory against the compiled step's;
-- each Hugging Face architecture it claims: its weights, written as the export writes them, load
-  into `transformers`' own model of that architecture and give jaxlm's logits; with none, an export
-  is refused in one line naming model.mlp.
+- each Hugging Face architecture it claims: its weights, written as the export writes them
+  (`models.hf.hf_tensors`), load into `transformers`' own model of that architecture and give jaxlm's
+  logits; with none, an export is refused in one line naming model.mlp.
 """
 
 from __future__ import annotations
@@ -118,21 +118,6 @@ def test_the_planner_agrees_with_the_compiled_step(kind, name, devices):
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE
 
 
-def _hf_tensors(params: dict, cfg: ModelConfig, arch: str) -> dict[str, np.ndarray]:
-    """The model's weights as Hugging Face tensors, made as `jaxlm.hf.export_run` makes them."""
-    by_tensor: dict[str, list] = {}
-    for path, part, layer, stacked in hf_map.param_parts(params, cfg, arch):
-        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
-    leaves = {path: np.asarray(value) for path, value in hf_map.leaves(params)}
-    out = {}
-    for entries in by_tensor.values():
-        _, part0, layer0, stacked0 = entries[0]
-        for i, hf_name in enumerate(hf_map.hf_names(part0, cfg.n_layers, layer0, stacked0)):
-            values = {part: leaves[path][i] if stacked else leaves[path] for path, part, _, stacked in entries}
-            out[hf_name] = hf_map.hf_tensor(values, np.float32)
-    return out
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(name):
     cfg = small_config(mlp=name, n_kv_heads=2)
@@ -158,7 +143,7 @@ def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(na
         reference = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.for_model(arch, **settings), dtype=torch.float32).eval()
         missing, unexpected = reference.load_state_dict(
-            {k: torch.from_numpy(v) for k, v in _hf_tensors(params, arch_cfg, arch).items()}, strict=False)
+            {k: torch.from_numpy(v) for k, v in hf_map.hf_tensors(params, arch_cfg, arch, np.float32)}, strict=False)
         assert not unexpected and set(missing) <= ({"lm_head.weight"} if arch_cfg.tie_embeddings else set()), (
             missing, unexpected)
         ids = np.arange(24).reshape(2, 12) % arch_cfg.vocab_size

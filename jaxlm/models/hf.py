@@ -337,6 +337,25 @@ def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, int
             yield path, outside[path], None, False
 
 
+def hf_tensors(params: dict, cfg, arch: str, dtype, *, to_host=np.asarray,
+               build: bool = True) -> Iterator[tuple[str, np.ndarray | None]]:
+    """Each Hugging Face tensor of `params` (the model `cfg`, as `arch` names and lays it out), in
+    `dtype`, one at a time: the leaves of one tensor (every layer's) are read with `to_host` together
+    and dropped before the next. `build=False` (a process that writes nothing) still reads each leaf,
+    for reads that gather across processes, and yields None for the tensor."""
+    by_tensor: dict[str, list] = {}
+    for path, part, layer, stacked in param_parts(params, cfg, arch):
+        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
+    all_leaves = dict(leaves(params))
+    for entries in by_tensor.values():
+        host = {path: to_host(all_leaves[path]) for path, *_ in entries}
+        _, part0, layer0, stacked0 = entries[0]
+        for i, name in enumerate(hf_names(part0, cfg.n_layers, layer0, stacked0)):
+            values = {part: host[path][i] if stacked else host[path] for path, part, _, stacked in entries}
+            yield name, hf_tensor(values, dtype) if build else None
+        del host
+
+
 def leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     for key, value in tree.items():
         if isinstance(value, dict):
