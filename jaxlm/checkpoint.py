@@ -81,7 +81,7 @@ OCDBT = ("auto", "on", "off")
 class CheckpointConfig(Section):
     """When a run saves, what it keeps and how it writes: `config.checkpoint` (`Checkpointer.from_config`)."""
 
-    name: ClassVar[str] = "checkpoint"
+    section: ClassVar[str] = "checkpoint"
     every_steps: int = setting(1000, "save every N steps (0 = off) ...")
     every_minutes: float = setting(
         30.0, "... and/or every M minutes (0 = off); always at the end and on SIGTERM/SIGINT")

@@ -104,7 +104,7 @@ class EnergyConfig(Section):
     """Energy, carbon and cost of the run: metrics.jsonl, TensorBoard, the console, summary.json
     (`config.energy`)."""
 
-    name: ClassVar[str] = "energy"
+    section: ClassVar[str] = "energy"
     source: str = setting("auto", "auto (NVML on NVIDIA GPUs, RAPL on CPUs, else an estimate) | nvml | rapl | "
                                   "estimate | off")
     device_watts: str = setting("", '"kind=watts,...": power figures added to (and before) the table, e.g. '

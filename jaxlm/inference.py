@@ -142,7 +142,8 @@ def _check_config_matches(run_dir: pathlib.Path, cfg, ckpt_dir: pathlib.Path, st
             continue
         if not saved:
             return
-        differences = [d for d in config_differences({"model": saved.get("model", {})}, cfg) if d.startswith("model.")]
+        differences = [d for d in config_differences({"model": saved.get("model", {})}, cfg, config_lib.base_config())
+                       if d.startswith("model.")]
         if differences:
             raise UserError(
                 f"{run_dir / 'config.json'} disagrees with checkpoint {s} ({'; '.join(differences)}, as "

@@ -29,14 +29,59 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm import quant
 from jaxlm.models import layers, quantized
 from jaxlm.models.transformer import ModelConfig, abstract_model
+from jaxlm.section import Section, check, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(Section):
+    """LoRA adapters: y = x W + (alpha / rank) (x A) B on the targeted projections, A random and B zero at
+    the start (`transformer.with_lora`). With adapters, an empty optim.trainable trains the adapters alone
+    (type:LoRAParam)."""
+
+    section: ClassVar[str] = "lora"
+    rank: int = setting(0, "the adapters' rank; 0 = no adapters")
+    alpha: float = setting(16.0, "the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)")
+    targets: str = setting(
+        'wq,wk,wv,wo',
+        'comma-separated projection names (wq wk wv wo, w_gate w_up w_down or w_in w_out, unembed); "all" = '
+        'every projection but the unembedding')
+    ranks: str = setting('', 'ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all')
+    dropout: float = setting(0.0, "dropout on the adapters' input in training (not on the unembedding's)")
+    quantize_base: str = setting(
+        '',
+        "QLoRA (needs lora.rank > 0): every block projection's frozen kernel (all but the unembedding, "
+        'adapted or not) stored in 4 bits and dequantized in the step: "" (off) | nf4 (QLoRA\'s NormalFloat4) '
+        '| int4 (symmetric, levels -7..7 of absmax / 7). jaxlm.quant states the error bounds.')
+    quant_group: int = setting(
+        64,
+        "values per scale (their absmax), along each kernel's last input axis: an axis shorter than this is "
+        'one group; a longer one must be a multiple of it (else an error naming the projection). Even.')
+    double_quant: bool = setting(
+        False,
+        'the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less')
+
+    def validate(self) -> None:
+        check(self.rank >= 0, self.key("rank"), self.rank, "0 (no adapters) or a positive integer")
+        check(self.alpha > 0, self.key("alpha"), self.alpha, "a positive number")
+        check(0.0 <= self.dropout < 1.0, self.key("dropout"), self.dropout, "a number in [0, 1)")
+        check(self.quantize_base in ("", *quant.FORMATS), self.key("quantize_base"), self.quantize_base,
+              "'' (off) or one of " + ", ".join(quant.FORMATS))
+        check(self.quant_group >= 2 and self.quant_group % 2 == 0, self.key("quant_group"), self.quant_group,
+              "an even number of values per scale (64 as in QLoRA)")
+
+    @property
+    def active(self) -> bool:
+        """Whether the section asks for anything (adapters, per-target ranks or a quantized base)."""
+        return self.rank > 0 or bool(self.ranks.strip()) or bool(self.quantize_base)
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 

@@ -11,6 +11,7 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import socket
@@ -23,7 +24,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # MESH_AXES, the one list of the mesh's axes, lives in jaxlm.axes (no JAX import: the config reads it)
-from jaxlm.axes import MESH_AXES, sizes_of
+from jaxlm.axes import MESH_AXES, MeshShape, describe, sizes_of
+from jaxlm.errors import UserError
+from jaxlm.section import Section, check, check_choice, setting
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -85,11 +88,106 @@ def hybrid_groups(by: str) -> int:
     return len(device_groups(jax.devices(), by)) if by else 1
 
 
+def default_rules() -> dict[str, str]:
+    """Logical axis name -> mesh axes ("" = replicated, "a,b" = sharded over both)."""
+    return {
+        # weights
+        "vocab": "tensor",  # the vocabulary axis of the embedding and the unembedding
+        "embed": "fsdp",  # the residual stream's width in every weight
+        "mlp": "tensor",  # the MLP's hidden units
+        "heads": "tensor",  # query heads
+        "kv_heads": "tensor",  # key and value heads
+        "head_dim": "",  # each head's width
+        "norm": "",  # the norms' weights and the residual-width biases
+        "layers": "stage",  # the stacked layers: split into pipeline stages (jaxlm.models.pipeline_parallel)
+        "lora_rank": "",  # the rank dimension of LoRA adapters: small, never sharded
+        # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
+        "opt_state": "",
+        # activations
+        "act_batch": "data,fsdp",  # the rows of a batch
+        "act_seq": "",  # "tensor" = sequence parallelism between the tensor-parallel regions
+        "act_embed": "",  # the residual stream's width
+        "act_heads": "tensor",  # query heads (attention runs per head)
+        "act_kv_heads": "tensor",  # key and value heads
+        "act_mlp": "tensor",  # the MLP's hidden activation
+        "act_vocab": "tensor",  # the logits' vocabulary axis
+        "act_stage": "stage",  # the pipeline's per-stage activations
+    }
+
+
+def parse_rule(axes: str) -> tuple[str, ...]:
+    """One rule's "a,b" as its mesh axes."""
+    return tuple(a.strip() for a in axes.split(",") if a.strip())
+
+
+class _MeshSection(Section):
+    """The device mesh: devices along each axis of `jaxlm.axes.MESH_AXES`, -1 = the devices left over
+    (`MeshConfig.shape`), and the rules that map logical axis names onto it (`rules_from_config`)."""
+
+    section = "mesh"
+
+    def validate(self) -> None:
+        check_choice(self.key("hybrid"), self.hybrid, ("process", "host"), allow_empty=True)
+        sizes = [getattr(self, a) for a in MESH_AXES]
+        for axis, size in zip(MESH_AXES, sizes):
+            check(size == -1 or size >= 1, self.key(axis), size, "a positive integer or -1 (the devices left over)")
+        check(sizes.count(-1) <= 1, "mesh", tuple(sizes), "at most one axis set to -1")
+        for name, axes in self.rules.items():
+            for axis in parse_rule(axes):
+                check(axis in MESH_AXES, f"mesh.rules.{name}", axes,
+                      f"'' or comma-separated mesh axes from {', '.join(MESH_AXES)}")
+
+    def shape(self, num_devices: int, groups: int | None = None) -> MeshShape:
+        """The size of each mesh axis for `num_devices`; with `hybrid`, data = `groups` (the hosts or
+        processes of the run, from the live layout when not given) and fsdp the devices left in each."""
+        if self.hybrid:
+            groups = groups or hybrid_groups(self.hybrid)
+            inner = {a: max(getattr(self, a), 1) for a in MESH_AXES if a not in ("data", "fsdp")}  # -1 counts as 1
+            if num_devices % (groups * math.prod(inner.values())):
+                raise UserError(
+                    f"config.mesh.hybrid={self.hybrid!r}: {num_devices} devices do not split into {groups} "
+                    f"{self.hybrid}(s) x {' x '.join(f'mesh.{a}={s}' for a, s in inner.items())}; every "
+                    f"{self.hybrid} needs the same device count"
+                )
+            fsdp = num_devices // groups // math.prod(inner.values())
+            return tuple({"data": groups, "fsdp": fsdp, **inner}[a] for a in MESH_AXES)
+        sizes = [getattr(self, a) for a in MESH_AXES]
+        fixed = math.prod(s for s in sizes if s != -1)
+        described = describe(sizes, ", ")
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise UserError(
+                    f"config.mesh ({described}): the fixed axes use {fixed} devices, which does not divide "
+                    f"the {num_devices} available; change mesh sizes so their product divides {num_devices}"
+                )
+            sizes[sizes.index(-1)] = num_devices // fixed
+        elif fixed != num_devices:
+            raise UserError(
+                f"config.mesh ({described}) needs {fixed} devices but {num_devices} are available; "
+                f"set one axis to -1 or make the product {num_devices}"
+            )
+        return tuple(sizes)
+
+
+# `config.mesh`: one field per axis of MESH_AXES (so naming an axis there is all a new axis takes), then
+# `hybrid` and `rules`.
+MeshConfig = dataclasses.make_dataclass(
+    "MeshConfig",
+    [(axis, int, setting(-1 if axis == "fsdp" else 1, f"devices along the {axis} axis; -1 = the devices left over"))
+     for axis in MESH_AXES]
+    + [("hybrid", str, setting(
+        "", '"host": data across hosts, fsdp (and tensor) within each host; "process": the same per process. '
+            "Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); \"\" = off")),
+       ("rules", dict, dataclasses.field(default_factory=default_rules, metadata={
+           "doc": "logical axis name -> the mesh axes it is split over (mesh.rules below)"}))],
+    bases=(_MeshSection,), frozen=True, namespace={"__module__": __name__})
+
+
 def rules_from_config(rules_cfg) -> Rules:
     """config.mesh.rules ({'embed': 'fsdp', 'act_batch': 'data,fsdp', 'head_dim': ''}) -> flax rules."""
     out = []
     for name, axes in sorted(rules_cfg.items()):
-        parsed = tuple(a.strip() for a in axes.split(",") if a.strip())
+        parsed = parse_rule(axes)
         out.append((name, None if not parsed else parsed[0] if len(parsed) == 1 else parsed))
     return tuple(out)
 

@@ -46,7 +46,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 class MetricsConfig(Section):
     """What a run records beyond the loss and throughput, and where (`config.metrics`)."""
 
-    name: ClassVar[str] = "metrics"
+    section: ClassVar[str] = "metrics"
     grad_norm_per_layer: bool = setting(
         False, "also log grad_norm/layer_NN and grad_norm/<group> (embed, unembed, ...)")
     histograms_every: int = setting(0, "TensorBoard histograms of every parameter every N steps (0 = off)")
@@ -62,6 +62,31 @@ class MetricsConfig(Section):
     def validate(self) -> None:
         check(self.histograms_every >= 0, self.key("histograms_every"), self.histograms_every, "0 (off) or more")
         check_choice(self.key("progress"), self.progress, ("auto", "bar", "lines"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig(Section):
+    """Profiler traces on request (`config.profile`)."""
+
+    section: ClassVar[str] = "profile"
+    steps: str = setting(
+        "", '"start:end": a jax.profiler trace of steps start..end (both included) in <run dir>/profile')
+
+    def window(self) -> tuple[int, int] | None:
+        """`steps` as (start, end), both included; None when empty."""
+        text = self.steps.strip()
+        if not text:
+            return None
+        start, sep, end = text.partition(":")
+        try:
+            first, last = int(start), int(end if sep else start)
+        except ValueError:
+            first, last = 0, -1
+        check(1 <= first <= last, self.key("steps"), text, "'start:end' with 1 <= start <= end, e.g. '10:12'")
+        return first, last
+
+    def validate(self) -> None:
+        self.window()
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:

@@ -32,7 +32,7 @@ class OptimConfig(Section):
     """How the parameters train: AdamW, the learning-rate schedule, clipping, gradient accumulation, the
     non-finite guard and float16 loss scaling (`config.optim`)."""
 
-    name: ClassVar[str] = "optim"
+    section: ClassVar[str] = "optim"
     peak_lr: float = setting(3e-4, "the learning rate after warmup")
     schedule: str = setting("cosine", " | ".join(SCHEDULES))
     warmup_steps: int = setting(100, "steps of linear warmup from 0 to peak_lr")

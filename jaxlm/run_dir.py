@@ -6,16 +6,61 @@ a Hugging Face tokenizer.json with its tokenizer_config.json), summary.json and 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import ml_collections
 
 from jaxlm import metrics as metrics_lib
-from jaxlm.config import base_config, run_dir_path  # noqa: F401 -- run_dir_path: where callers find it
+from jaxlm.section import Section, check, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Section):
+    """The run: its directory, its length and logging, its seed, and where a fine-tune starts from."""
+
+    section: ClassVar[str] = "run"
+    name: str = setting('', 'run directory under output_dir; "" = the recipe\'s name. An existing run there is resumed')
+    fresh: bool = setting(False, 'true: move an existing run directory aside (kept, renamed) and start over')
+    output_dir: str = setting('runs', 'where run directories live (run.name under it)')
+    seed: int = setting(0, "the parameters' initialization and dropout (the data order is data.seed)")
+    steps: int = setting(1000, 'optimizer steps')
+    log_every: int = setting(10, 'a console line and a metrics.jsonl entry every N steps')
+    eval_every: int = setting(0, '0 = only at the end')
+    peak_flops: float = setting(0.0, 'peak FLOP/s of one device for MFU; 0 = from the table of known devices')
+    compile_cache_dir: str = setting(
+        '.cache/jaxlm/xla',
+        'XLA\'s persistent compilation cache: restarts skip compiling; "" = off')
+    xla_flags: str = setting(
+        '',
+        '"--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA\'s defaults')
+    init_from: str = setting(
+        '',
+        'Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run '
+        'starts from (step 0, fresh optimizer and data; a resumed run ignores it). Its architecture (every '
+        'model key but init_from.COMPUTE_MODEL_KEYS) and tokenizer replace the recipe\'s. "" = random init')
+    init_step: int = setting(-1, "run.init_from's checkpoint to read; -1 = the newest that loads (verified)")
+    recipe: str = setting("", "the recipe's name, set when it is loaded (the run directory's default name)")
+
+    def validate(self) -> None:
+        check(self.steps > 0, self.key("steps"), self.steps, "a positive integer")
+        check(self.log_every > 0, self.key("log_every"), self.log_every, "a positive integer")
+        check(self.eval_every >= 0, self.key("eval_every"), self.eval_every, "0 (only at the end) or more")
+        check(self.peak_flops >= 0, self.key("peak_flops"), self.peak_flops,
+              "0 (known devices) or the FLOP/s of one device")
+        check(self.init_step >= -1, self.key("init_step"), self.init_step,
+              "-1 (the newest checkpoint that loads) or a step")
+        check(self.init_step == -1 or bool(self.init_from), self.key("init_step"), self.init_step,
+              "-1 while run.init_from is empty (set run.init_from to the run directory to read that step of)")
+
+
+def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+    """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
+    return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path:
@@ -45,10 +90,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(saved: dict, cfg: ml_collections.ConfigDict) -> list[str]:
+def config_differences(saved: dict, cfg: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> list[str]:
     """'key: old -> new' for every difference that matters to a resumed run. A key the saved config
-    lacks (it was written before the key existed, e.g. the lora section) had its default."""
-    old = {**_flatten(json.loads(base_config().to_json())), **_flatten(saved)}
+    lacks (it was written before the key existed, e.g. the lora section) had its value in `defaults`
+    (`jaxlm.config.base_config()`)."""
+    old = {**_flatten(json.loads(defaults.to_json())), **_flatten(saved)}
     new = _flatten(json.loads(cfg.to_json()))
     return [
         f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}"

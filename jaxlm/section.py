@@ -1,6 +1,6 @@
 """Typed config sections: a component's settings as a frozen dataclass that it owns.
 
-A section names its config section (`name`: `checkpoint` for `config.checkpoint`), declares each key
+A section names its config section (`section`: `checkpoint` for `config.checkpoint`), declares each key
 with its default and a one-line doc (`setting`), checks its own values (`validate`, raising the one
 `jaxlm: error:` line through `check`), and is built from the config's section (`from_config`), the
 ml_collections ConfigDict that recipes and `--config.<section>.<key>=` overrides write and that a
@@ -37,16 +37,22 @@ def check_choice(key: str, value: Any, choices: Sequence[str], allow_empty: bool
     check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
 
 
+def _plain(value: Any) -> Any:
+    """A group of keys (a ConfigDict) as a plain dict; any other value as it is."""
+    return value.to_dict() if hasattr(value, "to_dict") else value
+
+
 @dataclasses.dataclass(frozen=True)
 class Section:
     """The base of every typed section (a frozen dataclass of `setting`s)."""
 
-    name: ClassVar[str]
+    section: ClassVar[str]  # the config section it is: `checkpoint` for `config.checkpoint`
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """{key: default}, in declaration order: the section of `base_config`."""
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+        return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
 
     @classmethod
     def docs(cls) -> dict[str, str]:
@@ -56,10 +62,10 @@ class Section:
     @classmethod
     def from_config(cls, values: Mapping[str, Any]):
         """The section from the config's (a ConfigDict or a dict holding every key)."""
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: _plain(values[f.name]) for f in dataclasses.fields(cls)})
 
     def key(self, field: str) -> str:
-        return f"{self.name}.{field}"
+        return f"{self.section}.{field}"
 
     def validate(self) -> None:
         """Check what needs no other section (a check across sections belongs to `jaxlm.config`)."""

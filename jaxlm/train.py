@@ -188,8 +188,8 @@ class Profile:
     """`profile.steps` = "start:end": a jax.profiler trace of those steps in <run dir>/profile,
     for TensorBoard's profile plugin (xplane.pb) and for Perfetto (perfetto_trace.json.gz)."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, run_dir: pathlib.Path):
-        self.steps, self.directory, self.active = config_lib.profile_steps(cfg), run_dir / "profile", False
+    def __init__(self, profile: metrics_lib.ProfileConfig, run_dir: pathlib.Path):
+        self.steps, self.directory, self.active = profile.window(), run_dir / "profile", False
 
     @property
     def window(self) -> range:
@@ -290,7 +290,7 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
             f"start from a pruned run (python -m jaxlm.compress, then config.run.init_from)"
         )
     if saved:
-        differences = config_differences(saved["config"], cfg)
+        differences = config_differences(saved["config"], cfg, config_lib.base_config())
         if differences:
             raise UserError(
                 f"{run_dir} was trained with another config ({'; '.join(differences)}); use its values, "
@@ -437,7 +437,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     total_steps = cfg.run.steps
     sinks = Sinks(run_dir, cfg, resume_step)
     log = StepLog(sinks, setup, resume_step, meter)
-    profile = Profile(cfg, run_dir)
+    profile = Profile(metrics_lib.ProfileConfig.from_config(cfg.profile), run_dir)
     log.untimed = profile.window
     histograms_every = cfg.metrics.histograms_every
     wall_before = saved.get("wall_s", 0.0)

@@ -84,7 +84,7 @@ def test_adapter_shapes_and_logical_names_follow_the_kernels_and_shard_like_them
     assert spec.logical_names["unembed"]["lora_b"] == ("lora_rank", "vocab")
     # Under a mesh with data, fsdp and tensor > 1 (the default rules): A and B split as the kernel's dims.
     mesh = mesh_lib.make_mesh((2, 1, 2, 2))
-    rules = mesh_lib.rules_from_config(config.default_rules())
+    rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
     abstract, *_ = train_state.abstract_state(cfg, optim.make_optimizer(config.base_config().optim, 10,
                                                                         spec.decay_mask)[0], mesh, rules, 0, spec)
     p = abstract.params
@@ -336,5 +336,5 @@ def test_a_run_saved_before_the_lora_section_existed_resumes_and_a_changed_lora_
 
     saved = json.loads(config.recipe("tiny").to_json())
     del saved["lora"]  # config.json of a run trained before the section existed: no adapters
-    assert config_differences(saved, config.recipe("tiny")) == []
-    assert config_differences(saved, config.recipe("tiny", lora__rank=4)) == ["lora.rank: 0 -> 4"]
+    assert config_differences(saved, config.recipe("tiny"), config.base_config()) == []
+    assert config_differences(saved, config.recipe("tiny", lora__rank=4), config.base_config()) == ["lora.rank: 0 -> 4"]

@@ -225,7 +225,7 @@ def test_quantized_leaves_shard_and_never_train():
     trains = flat(train_state.build_model_spec(cfg, "blocks/").trainable)
     assert not any(t for p, t in trains.items() if "kernel_" in p) and any(trains.values())
     # created on 8 devices, fsdp=8: the packed embed axis (64 / 2 = 32) splits 4 per device
-    rules = mesh_lib.rules_from_config(config.default_rules())
+    rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
     mesh = mesh_lib.make_mesh((1, 1, 8, 1))
     abstract, *_ = train_state.abstract_state(cfg, optax.identity(), mesh, rules)
     q, scale = abstract.params["blocks"]["attn"]["wq"]["kernel_q"], abstract.params["blocks"]["attn"]["wq"]["kernel_scale"]

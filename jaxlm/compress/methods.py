@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib
 from jaxlm import quant
 from jaxlm.compress import prune
 from jaxlm.compress.calibrate import LayerRunner, layer_of
-from jaxlm.models import layers, transformer
+from jaxlm.models import layers, quantized, transformer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class Settings:
     def of(cls, co, out_cfg: transformer.ModelConfig) -> Settings:
         return cls(quantize=out_cfg.quant, method=co.method, damp=float(co.gptq_damp), block=int(co.gptq_block),
                    act_order=bool(co.act_order), sparsity=float(co.sparsity),
-                   nm=config_lib.prune_pattern(co.pattern), criterion=co.criterion, scope=co.scope)
+                   nm=quantized.prune_pattern(co.pattern), criterion=co.criterion, scope=co.scope)
 
     @property
     def calibrates(self) -> bool:

@@ -23,7 +23,7 @@ import pathlib
 import sys
 import sysconfig
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import grain
 import jax
@@ -33,6 +33,89 @@ import numpy as np
 from jaxlm.console import console
 from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
 from jaxlm.errors import UserError
+from jaxlm.section import Section, check, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """The training data: the corpus and its format, the tokenizer, the rows and the batch (`load_data`)."""
+
+    section: ClassVar[str] = "data"
+    corpus: str = setting(
+        'builtin',
+        "'builtin' (the Python standard library's source files, read at run time, never downloaded), "
+        "'builtin_chat' (600 short conversations shipped in the package, for SFT: "
+        'jaxlm/data/builtin_chat.py), or files, directories and globs, comma-separated: .txt/.md (text), '
+        '.jsonl[.gz], .parquet.')
+    format: str = setting(
+        'auto',
+        'auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning '
+        'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, loss on the '
+        'assistant\'s turns) | prompt_completion ({"prompt", "completion"}, loss on the completion and EOS)')
+    chat_template: str = setting(
+        '',
+        'data.format=chat: the Jinja template conversations are rendered with. "" = the tokenizer\'s own (a '
+        'Hugging Face tokenizer_config.json\'s), chatml, simple ("### User:" headers, EOS after each answer: '
+        'for tokenizers without chat tokens, such as one trained here), or a .jinja file')
+    text_field: str = setting('text', 'jsonl field / parquet column with the text')
+    separator: str = setting('', 'text files: "" = one document per file, else split on it (e.g. "\\n\\n")')
+    builtin_max_bytes: int = setting(8000000, 'corpus=builtin: read at most this many bytes of the files')
+    tokenizer_path: str = setting('', '"" = train one on the corpus (cached in cache_dir), else a .model file')
+    tokenizer_train_bytes: int = setting(100000000, "train the tokenizer on the corpus's first this-many bytes")
+    val_fraction: float = setting(0.01, 'documents held out (by a hash of their text) for validation')
+    val_tokens: int = setting(65536, 'the fixed held-out set: the first this-many validation tokens')
+    seq_len: int = setting(256, 'tokens per training row; linked to model.max_seq_len')
+    global_batch_size: int = setting(32, 'sequences per optimizer step, over all devices')
+    tokenizer_type: str = setting('bpe', 'bpe | unigram | char | byte')
+    tokenizer_vocab_size: int = setting(2048, "the trained tokenizer's vocabulary; linked to model.vocab_size")
+    cache_dir: str = setting('.cache/jaxlm', 'the tokenizer and the prepared (tokenized) corpus, keyed by their inputs')
+    num_workers: int = setting(0, 'grain worker processes (0 = in the main process)')
+    shards: int = setting(
+        0,
+        'The global batch is read as this many independent streams (each a slice of the documents and '
+        'global_batch_size / shards rows of every batch); each process reads the streams its rows come from. '
+        '0 = one per process when the run starts (so the batches follow the process count); a resumed run '
+        'keeps its count whatever its process count. Any fixed count gives the same batches on 1 process or '
+        'many; a multiple of every process count you will use (e.g. 8) also spares each process reading rows '
+        'it drops.')
+    tokenize_on_the_fly: bool = setting(
+        False,
+        'false: tokenize the corpus once into cached token shards (any size; the fastest reads). true: keep '
+        'the raw documents in host memory and tokenize them in the pipeline (in the workers), with no prepare'
+        ' step: for small corpora and tokenizer ablations.')
+    verify_shards: bool = setting(
+        False,
+        "check every prepared shard's sha256 at start (reads all data); sizes are always checked")
+    on_damaged_shard: str = setting(
+        'stop',
+        "a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning")
+    seed: int = setting(0, "the order of the documents (shuffling) and of the train/validation split's hash")
+
+    def validate(self) -> None:
+        key = self.key
+        check(self.seq_len > 0, key("seq_len"), self.seq_len, "a positive integer")
+        check(self.global_batch_size > 0, key("global_batch_size"), self.global_batch_size, "a positive integer")
+        check(0.0 <= self.val_fraction < 1.0, key("val_fraction"), self.val_fraction, "a number in [0, 1)")
+        check(self.num_workers >= 0, key("num_workers"), self.num_workers, "0 or more")
+        check(self.shards >= 0 and (self.shards == 0 or self.global_batch_size % self.shards == 0), key("shards"),
+              self.shards, f"0 (one per process) or a divisor of data.global_batch_size={self.global_batch_size}")
+        formats = sources.FORMATS + sft.FORMATS
+        check(self.format in formats, key("format"), self.format, "one of " + ", ".join(formats))
+        if self.format in sft.FORMATS or self.corpus == sources.BUILTIN_CHAT:
+            check(self.corpus != "builtin", key("corpus"), self.corpus,
+                  f"SFT rows (data.format={self.format}): builtin_chat, or JSONL / Parquet files")
+            check(self.format in sft.FORMATS + ("auto",), key("format"), self.format,
+                  f"chat (or auto) for data.corpus={sources.BUILTIN_CHAT}")
+        check(self.chat_template in ("", *sft.TEMPLATES) or self.chat_template.endswith(".jinja"),
+              key("chat_template"), self.chat_template,
+              "'' (the tokenizer's own), " + ", ".join(sft.TEMPLATES) + " or a .jinja file")
+        check(self.tokenizer_type in tokenizer.MODEL_TYPES, key("tokenizer_type"), self.tokenizer_type,
+              "one of " + ", ".join(tokenizer.MODEL_TYPES))
+        check(self.tokenizer_train_bytes > 0, key("tokenizer_train_bytes"), self.tokenizer_train_bytes,
+              "a positive integer")
+        check(self.on_damaged_shard in ("stop", "skip"), key("on_damaged_shard"), self.on_damaged_shard,
+              "'stop' or 'skip'")
+        check(self.val_tokens >= 0, key("val_tokens"), self.val_tokens, "0 (no evaluation) or more")
 
 
 @dataclasses.dataclass

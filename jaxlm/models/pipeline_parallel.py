@@ -43,7 +43,7 @@ class PipelineConfig(Section):
     """Pipeline parallelism, when mesh.stage > 1: the stacked layers (model.scan_layers) split into
     mesh.stage stages, inside the one compiled step (`config.pipeline`)."""
 
-    name: ClassVar[str] = "pipeline"
+    section: ClassVar[str] = "pipeline"
     schedule: str = setting(
         "gpipe", "gpipe (all forwards, then all backwards) | circular (interleaved: `repeats` groups per stage)")
     microbatches: int = setting(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +23,17 @@ from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import aux, layers, pipeline_parallel
-from jaxlm.models.attention import CACHE_AXES, KVCache, cache_dtype, packed_layout_supported, select_implementation
+from jaxlm.models.attention import (
+    CACHE_AXES,
+    IMPLEMENTATIONS,
+    KVCache,
+    cache_dtype,
+    packed_layout_supported,
+    select_implementation,
+)
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
+from jaxlm.section import Section, check, check_choice, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,122 @@ REMAT_POLICIES = {
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_len")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")  # config.model.matmul (`ModelConfig.from_config` resolves auto)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    """The model as a recipe states it (`config.model`): a variant, the components that override its
+    choices, the sizes, and how it computes; 0, -1 and "" mean the default, which `ModelConfig.from_config`
+    resolves."""
+
+    section: ClassVar[str] = "model"
+    variant: str = setting('llama', 'a name in jaxlm.models.transformer.VARIANTS')
+    norm: str = setting('', 'rmsnorm | layernorm')
+    mlp: str = setting('', 'a name in jaxlm.models.mlps.MLPS (swiglu, gelu, ...); "" = the variant\'s')
+    position: str = setting('', 'rope | learned')
+    use_bias: int = setting(-1, "-1 = the variant's choice, 0 = no biases, 1 = biases")
+    qkv_bias: int = setting(-1, "biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1")
+    vocab_size: int = setting(2048, 'tokens in the vocabulary; linked to data.tokenizer_vocab_size')
+    d_model: int = setting(256, "the residual stream's width")
+    n_layers: int = setting(4, 'decoder blocks')
+    n_heads: int = setting(4, 'query heads')
+    n_kv_heads: int = setting(0, '0 = n_heads (no grouping)')
+    head_dim: int = setting(0, '0 = d_model // n_heads')
+    mlp_dim: int = setting(
+        0,
+        "0 = the MLP's default width (its class's `default_dim`: 8/3 d rounded up to 256 for SwiGLU)")
+    max_seq_len: int = setting(
+        256,
+        "the longest sequence (learned positions: the table's rows); linked to data.seq_len")
+    tie_embeddings: bool = setting(False, "the unembedding is the token embedding's transpose")
+    norm_eps: float = setting(1e-05, "added to the norms' variance")
+    rope_theta: float = setting(10000.0, "RoPE's base wavelength")
+    rope_scaling: str = setting(
+        'none',
+        "Context extension of RoPE: none | linear (frequencies / rope_factor) | llama3 (Llama 3.1's: long "
+        'wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)')
+    rope_factor: float = setting(1.0, "rope_scaling's stretch of the context")
+    rope_low_freq_factor: float = setting(
+        1.0,
+        'llama3: wavelengths above original_max_len / this are divided by rope_factor')
+    rope_high_freq_factor: float = setting(4.0, 'llama3: wavelengths below original_max_len / this are kept')
+    rope_original_max_len: int = setting(0, 'llama3: the context length the model was trained with')
+    init_std: float = setting(
+        0.02,
+        "the weights' initial standard deviation (residual projections: scaled down with depth)")
+    dropout: float = setting(0.0, "on the embedding and each block's residual branches, in training")
+    dtype: str = setting(
+        'auto',
+        'compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively '
+        '(CPUs, TPUs, GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs '
+        '(jaxlm.precision)')
+    param_dtype: str = setting('float32', 'parameters and optimizer state: float32 | bfloat16 | float16')
+    scan_layers: bool = setting(True, 'one stacked block run by a scan (fast to compile); false: a list of blocks')
+    scan_unroll: int = setting(
+        0,
+        'Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of '
+        'them on a CPU or GPU without remat, which runs faster unrolled: benchmarks/BENCHMARKS.md; else 1: a '
+        'loop, whose buffers XLA reuses from layer to layer)')
+    remat: str = setting('none', 'none | full | dots | dots_mlp | dots_no_batch')
+    attention: str = setting(
+        'auto',
+        'auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the '
+        'diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)')
+    attention_segments: int = setting(
+        16,
+        'cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed '
+        'layout, compiled for at most this many documents per row; a batch with a row of more takes the '
+        'masked kernel (same result, slower). 0: always the document mask '
+        '(jaxlm.models.attention.cudnn_packed_attention)')
+    matmul: str = setting(
+        'auto',
+        "The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla "
+        '(jnp.einsum as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own '
+        'gradients: on a CPU, the form XLA runs natively in bfloat16: a step 1.4x faster; '
+        'jaxlm.models.layers.accumulating_einsum) | fp8 (float8 operands with per-tensor scales, e4m3 '
+        'forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum; GPUs of compute capability 8.9+, emulated '
+        'on a CPU)')
+    loss_chunk_len: int = setting(
+        0,
+        'Make the logits and the loss this many positions at a time (0 = the whole sequence at once): only '
+        '[batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].')
+
+    def validate(self) -> None:
+        key = self.key
+        check_choice(key("variant"), self.variant, sorted(VARIANTS))
+        check_choice(key("norm"), self.norm, sorted(NORMS), allow_empty=True)
+        check_choice(key("mlp"), self.mlp, sorted(MLPS), allow_empty=True)
+        check_choice(key("position"), self.position, sorted(POSITIONS), allow_empty=True)
+        check(self.use_bias in (-1, 0, 1), key("use_bias"), self.use_bias, "-1 (variant's choice), 0 or 1")
+        check(self.qkv_bias in (-1, 0, 1), key("qkv_bias"), self.qkv_bias, "-1 (variant's choice), 0 or 1")
+        check_choice(key("rope_scaling"), self.rope_scaling, layers.ROPE_SCALINGS)
+        if self.rope_scaling != "none":
+            check(self.rope_factor > 0, key("rope_factor"), self.rope_factor, "a positive number")
+        if self.rope_scaling == "llama3":
+            check(self.rope_original_max_len > 0, key("rope_original_max_len"), self.rope_original_max_len,
+                  "the context length the model was trained with, a positive integer (rope_scaling=llama3 needs it)")
+            check(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, key("rope_high_freq_factor"),
+                  self.rope_high_freq_factor, f"a number above model.rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            check(getattr(self, name) > 0, key(name), getattr(self, name), "a positive integer")
+        for name in ("n_kv_heads", "head_dim", "mlp_dim"):
+            check(getattr(self, name) >= 0, key(name), getattr(self, name), "a positive integer, or 0 for the default")
+        if self.head_dim == 0:
+            check(self.d_model % self.n_heads == 0, key("d_model"), self.d_model,
+                  f"a multiple of model.n_heads={self.n_heads} (or set model.head_dim)")
+        kv = self.n_kv_heads or self.n_heads
+        check(self.n_heads % kv == 0, key("n_kv_heads"), self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
+        check(0.0 <= self.dropout < 1.0, key("dropout"), self.dropout, "a number in [0, 1)")
+        check(self.init_std > 0, key("init_std"), self.init_std, "a positive number")
+        check_choice(key("dtype"), self.dtype, ("auto", *DTYPES))
+        check_choice(key("param_dtype"), self.param_dtype, tuple(DTYPES))
+        check_choice(key("remat"), self.remat, ("none", *REMAT_POLICIES))
+        check_choice(key("attention"), self.attention, ("auto", *IMPLEMENTATIONS))
+        check_choice(key("matmul"), self.matmul, MATMUL_IMPLS)
+        check(self.attention_segments >= 0, key("attention_segments"), self.attention_segments,
+              "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
+        check(self.scan_unroll >= 0, key("scan_unroll"), self.scan_unroll, "0 (auto) or a positive number of layers")
 
 
 @dataclasses.dataclass(frozen=True)
