@@ -21,8 +21,8 @@ Retention (`keep_last`, `keep_every`, `keep_best`) drops a checkpoint by renamin
 `<directory>/jaxlm-deleting/` (Orbax's `todelete_subdir`), at once, as part of the save that made it
 surplus; process 0 then deletes its files beside training (in the thread that writes the manifest)
 and removes the folder at `wait`/`close`. Orbax deletes them inside its commit otherwise, which the
-next save waits for: 0.04-0.06 s for 1.2 GiB on an H200's local disk, but far longer on network
-filesystems; the rename takes 2-4 ms.
+next save waits for: quick on a local disk, but far longer on network filesystems; the rename takes
+milliseconds (benchmarks/BENCHMARKS.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class CheckpointConfig(Section):
         0, "also keep the N checkpoints with the lowest validation loss; each evaluation then saves (0 = off)")
     async_save: bool = setting(True, "write in the background; the loop waits only for the device-to-host copy")
     compress: bool = setting(
-        False, "zstd-compress the arrays: ~11% less disk for ~8x the background writer's CPU time")
+        False, "zstd-compress the arrays: a little less disk for several times the background writer's CPU "
+               "time (benchmarks/BENCHMARKS.md)")
     snapshot: str = setting(
         "auto", 'auto | device | host | off: "device" copies the state on the devices and leaves the copy to the '
         'host to a thread, so a save does not stall the next step; "auto" does where the devices have room for '
@@ -124,28 +125,29 @@ class Checkpointer:
     plus the `keep_best` saved with the lowest `val_loss`; older ones are deleted only after a newer
     save has committed.
 
-    `compress` writes the arrays zstd-compressed (Orbax's default): float32 weights and Adam moments
-    shrink by about a tenth (11% for the 125m recipe), for 8x the CPU time of the background write,
-    CPU the host needs for the input pipeline (and, on CPU, for the train step itself); so off by
-    default (benchmarks/BENCHMARKS.md). Both kinds restore either way.
+    `compress` writes the arrays zstd-compressed (Orbax's default): float32 weights and Adam moments,
+    whose mantissas are close to random, shrink little, for several times the CPU time of the
+    background write, CPU the host needs for the input pipeline (and, on CPU, for the train step
+    itself); so off by default (benchmarks/BENCHMARKS.md). Both kinds restore either way.
 
     `ocdbt`: how the arrays lie in `<step>/state`. "on": Orbax's OCDBT layout, a few large files per
     process (and fewer objects on an object store, merged across processes); "off": one tensorstore
-    array per leaf, written in parallel, which committed 125m's 1.22 GiB in 0.65 s on an H200's host
-    against 1.03 s for OCDBT (median of 8 saves each). "auto" is "off" for a local folder in a
+    array per leaf, written in parallel, which commits faster on a local disk: OCDBT's writer, not
+    the disk, set the pace (benchmarks/BENCHMARKS.md). "auto" is "off" for a local folder in a
     single-process run and "on" otherwise. Either layout restores whatever the setting.
 
     `snapshot`: "off" copies the state to the host in `save` (the loop waits for the step to
-    finish and for the copy, 0.08 s per 1.2 GiB on an H200); "device" first copies it on the
-    devices (1.2 GiB in about a millisecond at an H100's memory bandwidth) and leaves the rest to a
-    thread, for one more state's worth of device memory while the host copy lasts; "auto" is
-    "device" where every device has room for that copy beside the peak it has used so far (read
-    from its allocator at each save until one fits, so only after a step has run), else "off".
+    finish and for the copy); "device" first copies it on the devices (at their memory bandwidth,
+    far faster than the copy to the host) and leaves the rest to a thread, for one more state's
+    worth of device memory while the host copy lasts; "auto" is "device" where every device has
+    room for that copy beside the peak it has used so far (read from its allocator at each save
+    until one fits, so only after a step has run), else "off".
     "host" is "device" whose copy `save` also sends on, at once, to pinned host memory (the same
     shardings, memory kind `pinned_host`): the device-to-host copy then runs as soon as the devices
     reach it, beside the next steps, instead of after the previous save's commit, which Orbax makes
-    each save's copy wait for (on an H200, a save every 1.2 s of 125m: the copy and the commit
-    together outlasted the interval). Not yet measured on a GPU, so not what "auto" picks.
+    each save's copy wait for (with frequent saves of a small model on a GPU, the copy and the commit
+    together outlasted the interval: benchmarks/BENCHMARKS.md). Not yet measured on a GPU, so not
+    what "auto" picks.
     One process only: with several, Orbax synchronises the processes with collectives on the
     devices, which a thread would issue out of order with the train step's, so they save as "off".
     """

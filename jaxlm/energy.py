@@ -4,8 +4,8 @@ so, everywhere it appears) where it has none.
 Each process meters the devices it computes on, with the first source that works:
 
 - ``nvml``: NVIDIA GPUs' cumulative energy counter (``nvmlDeviceGetTotalEnergyConsumption``, millijoules
-  since the driver loaded; Volta and newer) through nvidia-ml-py (``import pynvml``). On an H200 it agreed
-  with nvidia-smi's power samples, integrated, to 0.3% (benchmarks/BENCHMARKS.md, 2026-11-26).
+  since the driver loaded; Volta and newer) through nvidia-ml-py (``import pynvml``). It agrees with
+  nvidia-smi's power samples, integrated (checked on a GPU: benchmarks/BENCHMARKS.md, "Energy per run").
 - ``rapl``: on CPU runs, the packages' and DRAM's counters under ``/sys/class/powercap`` (``intel-rapl:N``
   and their ``dram`` sub-zones; microjoules, wrapping at ``max_energy_range_uj``), where readable (recent
   kernels let only root read them).
@@ -48,7 +48,7 @@ DEVICE_WATTS: tuple[tuple[str, float], ...] = (
     ("H100 NVL", 400.0),
     ("H100", 700.0),  # SXM
     ("H200 NVL", 600.0),
-    ("H200", 700.0),  # SXM (measured here: 690 W mean through the 1b recipe's steps, at its 700 W limit)
+    ("H200", 700.0),  # SXM (a busy card ran at this limit: benchmarks/BENCHMARKS.md, "Energy per run")
     ("B200", 1000.0),
     ("A100", 400.0),  # SXM; the PCIe card is 250-300 W
     ("L40S", 350.0),

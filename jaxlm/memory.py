@@ -8,9 +8,9 @@ the backward pass (`jax.ad_checkpoint.print_saved_residuals`, after XLA's dedupl
 backward pass's peak; the constants below were fitted to XLA's buffer assignment of the compiled
 step, and `TOLERANCE` states how far a compiled step may be from the estimate. The peak is what the
 step holds throughout plus the larger of its two phases, the passes (activations, working set,
-cuDNN's workspace) and the optimizer's update (`Row.phase`). Checked against the real GPU program
-compiled for H100s (`benchmarks/memory_plan.py --target h100`: 0.92-1.03 over 13 steps of the 125m,
-350m, 1b and 7b recipes on one and eight) and against the CPU's (`tests/test_plan.py`). Elements are counted
+cuDNN's workspace) and the optimizer's update (`Row.phase`). Checked against the real GPU program,
+compiled without a GPU (`benchmarks/memory_plan.py --target h100`: the 125m, 350m, 1b and 7b recipes
+on one and eight), and against the CPU's (`tests/test_plan.py`). Elements are counted
 on one device for one micro-batch of B sequences of T tokens, split as `config.mesh.rules` splits
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
@@ -44,22 +44,21 @@ from jaxlm.models.positions import POSITIONS
 
 GIB = 2**30
 F32 = 4
-TOLERANCE = 0.15  # |compiled / analytic - 1| stated (H100 programs compiled here: 0.92 to 1.03; small CPU steps)
+TOLERANCE = 0.15  # |compiled / analytic - 1| stated (GPU programs, small CPU steps: benchmarks/BENCHMARKS.md)
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
 UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
-CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, each cuDNN attention forward call of 1b's real program on an H200
+CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, what each cuDNN attention forward call of a real GPU program asks for
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
 
 def logit_bytes(platform: str, dtype, act_bytes: int) -> int:
     """Bytes per logit of the loss at its peak. XLA:CPU: the unembedding's float32 dot output and its copy
     in the compute dtype, both alive as the loss reads them (the peak of the tiny CPU checks of
-    tests/test_plan.py and test_pipeline.py, read from XLA's buffer live ranges: 8 + 4 MiB for 2M bfloat16
-    logits). A GPU: the compute-dtype logits alone, XLA fusing the softmax, the loss and its gradient
-    around them (125m on eight H100s, compiled here: 2.09 bytes per logit in all, from the temporaries at
-    three vocabulary sizes). benchmarks/BENCHMARKS.md, "Memory plan"."""
+    tests/test_plan.py and test_pipeline.py, read from XLA's buffer live ranges). A GPU: the compute-dtype
+    logits alone, XLA fusing the softmax, the loss and its gradient around them (fitted to the compiled
+    program's temporaries at three vocabulary sizes). benchmarks/BENCHMARKS.md, "Memory plan"."""
     if platform == "gpu":
         return act_bytes
     return F32 + (_itemsize(dtype) if _itemsize(dtype) < F32 else 0)
@@ -192,9 +191,8 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     """Bytes one block keeps for its backward pass without remat, weights aside (per device): the
     residuals of its jaxpr (`jax.ad_checkpoint.print_saved_residuals`), the norms and activation
     functions recomputed (`layers.recomputed`), which is what XLA keeps whether the layers are scanned,
-    a scan unrolled or unrolled in Python (compiled for one H100: 1b's temporaries grow 1.18 GiB per
-    layer at 8 rows, 61 KB per token with the layer's accumulator and bfloat16 weights taken out, against
-    59 KB counted here; benchmarks/BENCHMARKS.md).
+    a scan unrolled or unrolled in Python (within a few percent of the compiled GPU program's growth per
+    layer: benchmarks/BENCHMARKS.md).
 
     `recomputed=False`: as if the norms and activation functions were not recomputed: what a layer
     holds at its backward's peak (`layer_backward_bytes`).
@@ -374,8 +372,8 @@ def cudnn_packed_workspace(slots: float, head_dim: int) -> float:
     """cuDNN's workspace for one backward call of its packed layout, in bytes: two float32 buffers of
     the query gradient's size per document slot and one of the softmax statistics, 4 R H S (2 D + 1) +
     33,536 for R rows x the bound of documents per row, H heads, S tokens, D the head's width; `slots`
-    = R H S. Exactly the 4,328,555,264 bytes 1b's real program asked for on an H200 (R = 8 x 16, H = 32,
-    S = 2,048, D = 64; benchmarks/BENCHMARKS.md). The calls run one after another and share one buffer."""
+    = R H S. Exactly what a real GPU program's calls asked for (benchmarks/BENCHMARKS.md). The calls
+    run one after another and share one buffer."""
     return 4 * slots * (2 * head_dim + 1) + CUDNN_FORWARD_WORKSPACE
 
 
@@ -598,8 +596,8 @@ HOST_BATCH_BUFFERS = 4  # batches the input pipeline holds at once (prefetch, th
 
 def check_fits(cfg: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> None:
     """Refuse, before anything is allocated, a run that certainly cannot fit: planned at more than
-    `REFUSE_OVER` times a device's memory (the estimate is within 0.92-1.03 of the GPU program compiled
-    for H100s, benchmarks/BENCHMARKS.md), or whose input batches alone exceed the host's memory."""
+    `REFUSE_OVER` times a device's memory (the estimate is close to the compiled GPU program,
+    benchmarks/BENCHMARKS.md), or whose input batches alone exceed the host's memory."""
     platform = devices[0].platform
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -118,8 +118,9 @@ _CUDNN_PACKED_BACKWARD = re.compile(
 def cudnn_workspace_estimate(text: str) -> int:
     """The largest workspace the compile-only program's cuDNN calls will ask for on a real GPU, which
     XLA sizes only there; the calls run one at a time, so they share one buffer. For the packed layout's
-    backward, `memory.cudnn_packed_workspace` from the call's shapes (exact for 1b's real program on an
-    H200); other cuDNN calls: the forward's 33,536 bytes (the masked kernel's backward is not measured)."""
+    backward, `memory.cudnn_packed_workspace` from the call's shapes (exact for a real GPU's program:
+    benchmarks/BENCHMARKS.md); other cuDNN calls: the forward's (`memory.CUDNN_FORWARD_WORKSPACE`; the
+    masked kernel's backward is not measured)."""
     largest = memory.CUDNN_FORWARD_WORKSPACE if "0" in CUDNN_WORKSPACE.findall(text) else 0
     for d, workspace, r, h, s in _CUDNN_PACKED_BACKWARD.findall(text):
         if workspace == "0":
@@ -361,9 +362,9 @@ def plan(
         if compiled["platform"] == platform:
             decided_by, per_device = "compiled", compiled["per_device_bytes"]
             # A compile-only program lacks what a real GPU adds: cuDNN's workspace, estimated and added
-            # (`cudnn_workspace_estimate`); on an H200 1b's program was then 0.39 GiB (0.9%) short of the real
-            # one, but on an H100 an earlier 1b step had peaked 8.9 GiB above its compile-only figure, 4 GiB
-            # more than its workspace (benchmarks/BENCHMARKS.md), so the verdict takes the larger of the two.
+            # (`cudnn_workspace_estimate`), which brings it close to the real one, but an earlier step on a
+            # real GPU had peaked further above its compile-only figure than its workspace explains
+            # (benchmarks/BENCHMARKS.md), so the verdict takes the larger of the two.
             if compiled["compile_only"] and est.per_device_bytes > per_device:
                 decided_by, per_device = "analytic, above the compile-only program", est.per_device_bytes
     report["energy"] = predict_energy(cfg, num_devices, platform, target)
@@ -446,8 +447,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  compile-only: XLA sizes cuDNN's workspaces on a real GPU, so this program's "
                          f"{c.get('cudnn_calls_without_workspace', 0)} cuDNN calls have none; the per-device figure "
                          f"adds the one they share, estimated {format_bytes(c.get('cudnn_workspace_bytes', 0))} (the "
-                         "packed layout's backward). On an H200 1b's real program was 4.42 GiB above its "
-                         "compile-only one, 4.03 GiB of it that workspace (benchmarks/BENCHMARKS.md)")
+                         "packed layout's backward), most of what a real GPU's program adds to the compile-only "
+                         "one (benchmarks/BENCHMARKS.md)")
         if c.get("roofline"):
             lines += ["", *("  " + line if line else "" for line in roofline.format_summary(c["roofline"]).splitlines())]
     lines.append("")

@@ -235,8 +235,7 @@ def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> Model
     from the matmuls, joints joined once per step) where a micro-batch's weight gradients are whole on
     every device, none where the batch is split over mesh axes whose gradients are reduced in every
     micro-batch (fsdp; data, unless its replicas accumulate locally: `replicas` > 1). There a float32
-    gradient would double the bytes of every reduce-scatter: 7b on eight H100s, fsdp=8, compiled here,
-    0.882 -> 0.865 (benchmarks/BENCHMARKS.md)."""
+    gradient would double the bytes of every reduce-scatter, for a lower roofline (benchmarks/BENCHMARKS.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes = axes_of(dict(rules).get("act_batch"))
     split = 1 if mesh.empty else math.prod(

@@ -200,15 +200,14 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
                            max_segments: int) -> jax.Array:
     """cuDNN flash attention with the documents in its packed ("ragged") layout: each row's runs of
     equal segment ids (`packed_segments`, at most `max_segments`) are attended separately, causal from
-    their start, with no [B, 1, T, T] mask for the kernel to read: 2.1x the masked kernel's speed at the
-    1b recipe's shapes on an H200 (benchmarks/BENCHMARKS.md). A batch with a row of more runs than
-    `max_segments` takes the masked kernel instead (`lax.cond`, the same branch on every shard: same
-    result, slower), so the bound is a speed setting, never a correctness one; under `packed_kernel`
-    the caller has made that choice on the host and only its kernel is compiled. Uses jax's cuDNN wrapper
-    directly (`jax.nn.dot_product_attention` does not take segment offsets); jax allows the layout on
-    compute capability 9.0+ only. Under a mesh it runs per shard (`per_shard`): partitioned by XLA,
-    the conditional gathered the whole batch onto every device (compiled for 8 H100s: 87 GiB per
-    device against 32)."""
+    their start, with no [B, 1, T, T] mask for the kernel to read: faster than the masked kernel
+    (benchmarks/BENCHMARKS.md). A batch with a row of more runs than `max_segments` takes the masked
+    kernel instead (`lax.cond`, the same branch on every shard: same result, slower), so the bound is a
+    speed setting, never a correctness one; under `packed_kernel` the caller has made that choice on the
+    host and only its kernel is compiled. Uses jax's cuDNN wrapper directly (`jax.nn.dot_product_attention`
+    does not take segment offsets); jax allows the layout on compute capability 9.0+ only. Under a mesh it
+    runs per shard (`per_shard`): partitioned by XLA, the conditional gathered the whole batch onto every
+    device (benchmarks/BENCHMARKS.md)."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     choice = _PACKED_KERNEL.get()

@@ -550,16 +550,14 @@ def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, ke
     concatenation and the slices stay on each device. It saves memory traffic, not FLOPs: x is read
     once instead of three times, and in the backward pass x's gradient comes out of one matmul instead
     of three partial products summed; it costs a copy of v out of the joint output and the assembly of
-    the joint gradient, small when K is. Compiled for H100s (benchmarks/BENCHMARKS.md), roofline-bound
-    MFU: 1b (32 heads, 4 key-value heads) 0.773 -> 0.782 on one, 0.777 -> 0.790 on eight; with every head
-    its own key and value (125m, 350m, 7b) the copies cost what the reads save (0.3-0.5% slower), so
-    those stay three matmuls, as they do with the CPU's accumulating matmul (`accumulating_einsum`, XLA:CPU
-    in bfloat16), which ran the joint one 6-10% slower per step (a 32M model with 8 heads and 4 key-value
-    heads, 2 cores). The parameters stay three (checkpoints, conversion, adapters and quantization see
-    q, k and v as before); the concatenation of their compute-dtype kernels (20 MiB per layer and
-    micro-batch at 1b, against 298 MiB for the matmul) is counted in the figures above. A train step with
-    micro-batches joins them once per step instead (`ComputeKernel`, `Joint`), and the matmul then takes
-    the joined kernel as a [D, K (N/K + 2) H] matrix.
+    the joint gradient, small when K is. With grouped-query heads (1b) the GPU program's roofline-bound
+    MFU rises; with every head its own key and value (125m, 350m, 7b) the copies cost what the reads save,
+    so those stay three matmuls, as they do with the CPU's accumulating matmul (`accumulating_einsum`,
+    XLA:CPU in bfloat16), which ran the joint one slower per step (all measured: benchmarks/BENCHMARKS.md).
+    The parameters stay three (checkpoints, conversion, adapters and quantization see q, k and v as
+    before); the concatenation of their compute-dtype kernels, small beside the matmul, is counted in
+    those measurements. A train step with micro-batches joins them once per step instead (`ComputeKernel`,
+    `Joint`), and the matmul then takes the joined kernel as a [D, K (N/K + 2) H] matrix.
     """
     if not joins_qkv(wq, wk, wv):
         return tuple(p(x, key) for p, key in zip((wq, wk, wv), keys))

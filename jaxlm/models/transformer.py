@@ -149,7 +149,7 @@ class ModelSection(Section):
         'auto',
         "The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla "
         '(jnp.einsum as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own '
-        'gradients: on a CPU, the form XLA runs natively in bfloat16: a step 1.4x faster; '
+        'gradients: on a CPU, the form XLA runs natively in bfloat16, for a faster step; '
         'jaxlm.models.layers.accumulating_einsum) | fp8 (float8 operands with per-tensor scales, e4m3 '
         'forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum; GPUs of compute capability 8.9+, emulated '
         'on a CPU)')
