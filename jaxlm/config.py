@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlm import init_from, loss_scale
+from jaxlm import loss_scale
 from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
@@ -96,20 +96,13 @@ def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
 
 
 def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
-    """Load a recipe and apply `a__b=value` overrides, validated: the library entry for notebooks."""
+    """Load a recipe and apply `a__b=value` overrides, validated. run.init_from is left as given (the
+    notebooks' `explore.make_config` also applies the source run's architecture)."""
     cfg = load_recipe(name)
     pairs = [(k.replace("__", "."), v) for k, v in overrides.items()]
     apply_overrides(cfg, pairs)
-    resolve_init_from(cfg, pairs)
     validate(cfg)
     return cfg
-
-
-def resolve_init_from(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]] = ()) -> None:
-    """With `run.init_from`: the source run's architecture and tokenizer, in place (`jaxlm.init_from`);
-    `overrides` (the command line's) may repeat the source's values but never contradict them."""
-    if cfg.run.init_from:
-        init_from.resolve_config(cfg, overrides, base_config().model, run_dir_path(cfg))
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -191,8 +184,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
 _FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)
 
 
-def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_collections.ConfigDict:
-    """`--config=path[:arg]` then any number of `--config.a.b=value`; anything else is an error."""
+def split_cli(argv: Sequence[str], default_recipe: str | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """(the recipe, the (key, value) overrides) of `--config=path[:arg]` and any number of
+    `--config.a.b=value`; anything else is an error."""
     recipe_arg = default_recipe
     overrides = []
     for arg in argv:
@@ -207,9 +201,15 @@ def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_coll
             overrides.append((m.group("key"), m.group("value")))
     if recipe_arg is None:
         raise UserError(f"--config is required: --config=configs/<recipe>.py, recipes: {', '.join(recipe_names())}")
+    return recipe_arg, overrides
+
+
+def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_collections.ConfigDict:
+    """The recipe of a command line with its overrides applied (not yet validated). run.init_from is
+    left as given: `jaxlm.init_from.config_from_cli` also applies the source run's architecture."""
+    recipe_arg, overrides = split_cli(argv, default_recipe)
     cfg = load_recipe(recipe_arg)
     apply_overrides(cfg, overrides)
-    resolve_init_from(cfg, overrides)
     return cfg
 
 

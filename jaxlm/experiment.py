@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from jaxlm import config as config_lib
+from jaxlm import init_from
 from jaxlm.console import duration
 from jaxlm.errors import UserError, report_error, run_user_file
 from jaxlm.table import Table
@@ -245,7 +246,7 @@ def make_runs(exp: Experiment, variants: dict[str, dict[str, Any]], seeds: Seque
                      ("run.output_dir", str(root)), ("run.name", name), ("run.seed", seed)]
             flags = [f"--config={exp.recipe}"] + [f"--config.{k}={_flag_value(v)}" for k, v in pairs]
             try:
-                cfg = config_lib.parse_cli(flags)
+                cfg = init_from.config_from_cli(flags)
                 config_lib.validate(cfg)
             except UserError as e:
                 raise UserError(f"experiment {exp.name}, variant {variant}: {e}") from None
@@ -418,7 +419,7 @@ def prepare_data(runs: Sequence[Run], echo: Callable[[str], None] = print, seen:
 def _prepare_one(flags: Sequence[str]) -> None:
     from jaxlm.data import loader
 
-    cfg = config_lib.parse_cli(flags)
+    cfg = init_from.config_from_cli(flags)
     if cfg.data.tokenize_on_the_fly:
         if not cfg.data.tokenizer_path:
             loader.load_tokenizer(cfg, loader.inputs_key(cfg))
@@ -473,7 +474,7 @@ def _execute_in_process(runs, on_finish, echo, total) -> dict[str, str]:
         of = f"/{total}" if total else ""
         echo(f"jaxlm.experiment: [{count}{of}] {run.name}: started in this process")
         started = time.time()
-        cfg = config_lib.parse_cli(run.flags)
+        cfg = init_from.config_from_cli(run.flags)
         train.enable_compilation_cache(cfg.run.compile_cache_dir)
         try:
             train.run(cfg)
@@ -872,7 +873,7 @@ def _recorded_runs(root: pathlib.Path) -> list[Run]:
         return []
     out = []
     for name, r in json.loads(path.read_text())["runs"].items():
-        cfg = config_lib.parse_cli(r["flags"])
+        cfg = init_from.config_from_cli(r["flags"])
         out.append(Run(name=name, variant=r["variant"], seed=r["seed"], overrides=r["overrides"], flags=r["flags"],
                        run_dir=root / name, steps=cfg.run.steps))
     return out

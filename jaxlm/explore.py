@@ -35,7 +35,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import checkpoint, inference, steps, train_setup, xla_flags
+from jaxlm import checkpoint, inference, init_from, steps, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.axes import MESH_AXES
@@ -74,7 +74,8 @@ def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
         overrides = {**{f"mesh__{a}": size for a, size in zip(MESH_AXES, mesh)}, **overrides}
     pairs = [(k.replace("__", "."), v) for k, v in overrides.items()]
     config_lib.apply_overrides(cfg, pairs)
-    config_lib.resolve_init_from(cfg, pairs)  # run.init_from: that run's architecture and tokenizer
+    if cfg.run.init_from:  # that run's architecture and tokenizer
+        init_from.resolve_config(cfg, pairs)
     config_lib.validate(cfg)
     return cfg
 

@@ -3,8 +3,8 @@
 The source is a run directory as `python -m jaxlm.train` writes it: config.json, its tokenizer file,
 checkpoints/<step>/. For a NEW run (no checkpoint of its own yet):
 
-- `resolve_config` (run by `config.parse_cli` and `config.recipe`, so `jaxlm.plan` plans the model
-  that will train) takes the architecture from the source's config.json: every model key but
+- `resolve_config` (run by the commands' `config_from_cli` and by `explore.make_config`, so `jaxlm.plan`
+  plans the model that will train) takes the architecture from the source's config.json: every model key but
   `COMPUTE_MODEL_KEYS` (and max_seq_len with learned positions), replacing the recipe's; a
   command-line value that contradicts the source is refused in one line. The source's tokenizer
   file becomes `data.tokenizer_path`, unless one is given, which must then have the source's
@@ -36,10 +36,12 @@ import ml_collections
 import optax
 
 from jaxlm import checkpoint, lora, pruning_masks, quant, train_state
+from jaxlm import config as config_lib
 from jaxlm.data import tokenizer
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import quantized, transformer
+from jaxlm.run_dir import run_dir_path
 
 # The model keys that change only how the model computes (precision, memory, kernels) or how it is
 # initialised, never its parameters' shapes or the function they compute. Every OTHER model key is the
@@ -84,13 +86,21 @@ def architecture(model: dict, defaults) -> dict[str, Any]:
     return values
 
 
-def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]], defaults,
-                   run_dir: pathlib.Path) -> None:
-    """Give `cfg` (with run.init_from set) the source's architecture and tokenizer, in place; see the
-    module's docstring. `overrides`: the (key, value) pairs given on the command line; `defaults`: the
-    schema's model section (`config.base_config().model`) and `run_dir` the new run's directory (both
-    passed in: config.py calls this, so this module cannot import it)."""
+def config_from_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_collections.ConfigDict:
+    """The config of a command line (`config.parse_cli`: the recipe and its overrides), with run.init_from's
+    architecture and tokenizer applied (`resolve_config`): what every command that trains or plans reads."""
+    _, overrides = config_lib.split_cli(argv, default_recipe)
+    cfg = config_lib.parse_cli(argv, default_recipe)
+    if cfg.run.init_from:
+        resolve_config(cfg, overrides)
+    return cfg
 
+
+def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]]) -> None:
+    """Give `cfg` (with run.init_from set) the source's architecture and tokenizer, in place; see the
+    module's docstring. `overrides`: the (key, value) pairs given on the command line, which may repeat
+    the source's values but never contradict them."""
+    defaults, run_dir = transformer.ModelSection.defaults(), run_dir_path(cfg)
     flag = f"config.run.init_from={cfg.run.init_from}"
     source = pathlib.Path(cfg.run.init_from)
     if os.path.realpath(source) == os.path.realpath(run_dir):
@@ -191,7 +201,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
                    if cfg.model[key] != value]
     if differences:  # a config put together without config.parse_cli / recipe / explore.make_config
         raise UserError(f"{flag}: the config's architecture is not that run's ({'; '.join(differences)}); resolve the "
-                        f"config with jaxlm.config.resolve_init_from(cfg) first (the CLI, config.recipe and "
+                        f"config with jaxlm.init_from.resolve_config(cfg, overrides) first (the commands and "
                         f"explore.make_config do)")
     step = cfg.run.init_step if cfg.run.init_step >= 0 else None
     # LoRA: the base weights alone are read (the source has no adapters: lora.check_source); the adapters

@@ -41,7 +41,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxlm import axes, energy, hlo, memory, metrics, roofline, train_setup, xla_flags
+from jaxlm import axes, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
@@ -523,7 +523,7 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
             use_cpu_devices(args.devices)
         elif own_process:
             jax.config.update("jax_platforms", "cpu")
-        cfg = config_lib.parse_cli(config_args)
+        cfg = init_from.config_from_cli(config_args)
         if args.compile:  # the program compiled as the trainer compiles it: with the run's XLA flags
             xla_flags.apply(cfg.run.xla_flags)
         if args.choose and target is None:

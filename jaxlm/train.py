@@ -637,7 +637,7 @@ def _main(argv: list[str]) -> int:
     Ctrl-C before the loop), 3 a non-finite step, 75 stopped by a signal in the loop after a save."""
     try:
         argv, layout_flags = distributed.pop_flags(list(argv))
-        cfg = config_lib.parse_cli(argv)
+        cfg = init_from.config_from_cli(argv)
         config_lib.validate(cfg)  # before any device work
         if cfg.run.xla_flags:
             console(f"jaxlm: XLA_FLAGS={xla_flags.apply(cfg.run.xla_flags)}")  # before JAX starts, checked

@@ -88,7 +88,7 @@ def test_a_new_run_starts_from_the_sources_parameters_on_another_corpus_and_mesh
 
     # The same run built here on yet another mesh (8 devices, fsdp 4 x tensor 2): its step-0 state
     # holds the source's step-40 parameters exactly, step 0 and zero Adam moments.
-    cfg = config.parse_cli(finetune_args(directory, source, "here", "--config.mesh.data=1", "--config.mesh.fsdp=4",
+    cfg = init_from.config_from_cli(finetune_args(directory, source, "here", "--config.mesh.data=1", "--config.mesh.fsdp=4",
                                          "--config.mesh.tensor=2"))
     setup = train_setup.build(cfg)  # what `python -m jaxlm.train` starts a new run from
     state = setup.state
@@ -115,7 +115,7 @@ def test_a_new_run_starts_from_the_sources_parameters_on_another_corpus_and_mesh
 def test_the_parameters_are_cast_to_the_new_runs_param_dtype(source, tmp_path):
     import jax.numpy as jnp
 
-    cfg = config.parse_cli(finetune_args(tmp_path, source, "bf16", "--config.model.param_dtype=bfloat16",
+    cfg = init_from.config_from_cli(finetune_args(tmp_path, source, "bf16", "--config.model.param_dtype=bfloat16",
                                          "--config.run.init_step=20", *EIGHT))
     setup = train_setup.build(cfg, abstract=True)
     state, origin = init_from.load_state(setup)
@@ -131,7 +131,7 @@ def test_the_parameters_are_cast_to_the_new_runs_param_dtype(source, tmp_path):
 
 def test_the_architecture_and_tokenizer_come_from_the_source_and_a_contradicting_flag_is_refused(source, tmp_path):
     base = finetune_args(tmp_path, source, "arch", *EIGHT)
-    cfg = config.parse_cli([*base, "--config.model.dtype=float32", "--config.model.remat=full",
+    cfg = init_from.config_from_cli([*base, "--config.model.dtype=float32", "--config.model.remat=full",
                             "--config.model.d_model=64"])  # a flag that repeats the source's value is fine
     config.validate(cfg)
     assert {key: cfg.model[key] for key in SOURCE_MODEL} == SOURCE_MODEL  # the recipe says 128, 4, ..., 2048
@@ -151,7 +151,7 @@ def test_the_architecture_and_tokenizer_come_from_the_source_and_a_contradicting
         ("--config.data.tokenizer_vocab_size=512", "whose data.tokenizer_vocab_size is 300"),  # linked to vocab_size
     ]:
         with pytest.raises(UserError) as e:
-            config.parse_cli([*base, flag])
+            init_from.config_from_cli([*base, flag])
         message = str(e.value)
         assert "\n" not in message and message.startswith(f"{flag} contradicts the architecture of "
                                                           f"config.run.init_from={source}")
@@ -194,11 +194,11 @@ def test_a_learned_position_table_keeps_the_sources_length_and_the_data_its_own(
     saved = json.loads((fake / "config.json").read_text())
     saved["model"].update(variant="gpt2", max_seq_len=128)
     (fake / "config.json").write_text(json.dumps(saved))
-    cfg = config.parse_cli(finetune_args(tmp_path, fake, "learned"))  # data.seq_len=64 on the command line
+    cfg = init_from.config_from_cli(finetune_args(tmp_path, fake, "learned"))  # data.seq_len=64 on the command line
     config.validate(cfg)
     assert (cfg.model.variant, cfg.model.max_seq_len, cfg.data.seq_len) == ("gpt2", 128, 64)
     with pytest.raises(UserError, match=r"--config.model.max_seq_len=64 contradicts .* model.max_seq_len is 128"):
-        config.parse_cli([*finetune_args(tmp_path, fake, "learned"), "--config.model.max_seq_len=64"])
+        init_from.config_from_cli([*finetune_args(tmp_path, fake, "learned"), "--config.model.max_seq_len=64"])
 
 
 @pytest.mark.slow  # ~10 s of CLI training; resuming itself is covered by tests/test_resume.py
@@ -251,7 +251,7 @@ def test_a_damaged_source_checkpoint_falls_back_with_a_warning_and_all_damaged_i
     copy = tmp_path / "source"
     shutil.copytree(source, copy)
     _damage(copy / "checkpoints" / "40")
-    setup = train_setup.build(config.parse_cli(finetune_args(tmp_path, copy, "damaged", *EIGHT)), abstract=True)
+    setup = train_setup.build(init_from.config_from_cli(finetune_args(tmp_path, copy, "damaged", *EIGHT)), abstract=True)
     with caplog.at_level(logging.WARNING):
         state, origin = init_from.load_state(setup)
     assert origin == {"run_dir": str(copy.resolve()), "step": 20}
@@ -270,7 +270,7 @@ def test_a_damaged_source_checkpoint_falls_back_with_a_warning_and_all_damaged_i
 def test_each_bad_source_is_one_line_saying_what_to_change(source, tmp_path):
     def refused(*flags: str) -> str:
         with pytest.raises(UserError) as e:
-            config.validate(config.parse_cli([f"--config={RECIPE}", f"--config.run.output_dir={tmp_path}", *flags]))
+            config.validate(init_from.config_from_cli([f"--config={RECIPE}", f"--config.run.output_dir={tmp_path}", *flags]))
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -303,5 +303,5 @@ def test_each_bad_source_is_one_line_saying_what_to_change(source, tmp_path):
     cfg = config.load_recipe("tiny")
     config.apply_overrides(cfg, [("run.init_from", str(source)), ("run.output_dir", str(tmp_path))])
     with pytest.raises(UserError, match=r"the config's architecture is not that run's \(model.d_model: 64 there, 128 "
-                                        r"here; .*resolve_init_from"):
+                                        r"here; .*init_from.resolve_config"):
         train_setup.build(cfg)

@@ -283,7 +283,7 @@ def test_a_lora_run_starts_from_a_base_run_trains_its_adapters_and_evaluates_wit
 
     # In-process: the base weights come from the source, the adapters are fresh (B zero), the
     # optimizer state is the adapters' alone.
-    cfg = config.parse_cli(_run_args(tmp_path, facts_run, "inproc", "--config.mesh.fsdp=-1"))
+    cfg = init_from.config_from_cli(_run_args(tmp_path, facts_run, "inproc", "--config.mesh.fsdp=-1"))
     setup = train_setup.build(cfg, abstract=True)
     state, origin = init_from.load_state(setup)
     src = inference.load_run(facts_run)
@@ -328,7 +328,7 @@ def test_a_lora_run_starts_from_a_base_run_trains_its_adapters_and_evaluates_wit
 
     # A run from a LoRA run would lose its adapters: refused in one line.
     with pytest.raises(UserError, match=r"was trained with LoRA adapters .*merge them"):
-        config.parse_cli(_run_args(tmp_path, tmp_path / "lora", "again"))
+        init_from.config_from_cli(_run_args(tmp_path, tmp_path / "lora", "again"))
 
 
 def test_a_run_saved_before_the_lora_section_existed_resumes_and_a_changed_lora_does_not():

@@ -327,7 +327,7 @@ def test_a_qlora_run_from_a_base_run_trains_its_adapters_resumes_exactly_and_eva
     from jaxlm import evaluate
 
     # In-process on 8 devices: the source's float kernels quantized into the packed base, adapters fresh.
-    cfg = config.parse_cli(_run_args(tmp_path, facts_run, "inproc", "--config.mesh.fsdp=-1"))
+    cfg = init_from.config_from_cli(_run_args(tmp_path, facts_run, "inproc", "--config.mesh.fsdp=-1"))
     setup = train_setup.build(cfg, abstract=True)
     state, origin = init_from.load_state(setup)
     src = inference.load_run(facts_run)
