@@ -3,6 +3,7 @@
 import sys
 
 import jax
+from tqdm import tqdm
 
 
 def duration(seconds: float) -> str:
@@ -27,8 +28,6 @@ class Progress:
     def __init__(self, total: int, initial: int, mode: str = "auto"):
         self.bar = None
         if jax.process_index() == 0 and (mode == "bar" or (mode == "auto" and sys.stdout.isatty())):
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, smoothing=0.1,
                             file=sys.stdout, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
 

@@ -39,6 +39,8 @@ import warnings
 from collections.abc import Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlm.errors import UserError
 
@@ -422,7 +424,7 @@ def _join_by_jax_detection(timeout_s: float) -> str | None:
 def _client():
     """The coordination service's client (key-value store, barriers): JAX exposes none publicly,
     Orbax does, and keeps it working across JAX versions."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # local import: heavy (orbax, 0.2 s; the doctor imports this module)
 
     return ocp.multihost.get_jax_distributed_client()
 
@@ -479,9 +481,6 @@ def all_values(value: int) -> list[int]:
     """`value` from every process, in process order (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return [int(value)]
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.array([value], np.int64))).ravel()]
 
 

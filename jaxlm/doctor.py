@@ -32,9 +32,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
-from jaxlm import distributed, metrics, precision
+from jaxlm import distributed, energy, metrics, precision
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import attention
@@ -79,7 +80,8 @@ def cuda_versions() -> dict[str, str]:
     # JAX has no public API for the versions its CUDA plugin loaded (checked on jax 0.10.2): this one
     # internal read is guarded, and a JAX that moves it makes these lines 'unknown', never an error.
     try:
-        from jax._src.lib import cuda_versions as cv  # a module of the CUDA plugin, None without one
+        # local import: private JAX API, guarded (a module of the CUDA plugin, None without one)
+        from jax._src.lib import cuda_versions as cv
     except Exception:
         cv = None
     if cv is None:
@@ -317,7 +319,7 @@ def _backend_error() -> str:
     """Why the CUDA backend did not start, as JAX recorded it; "" when unknown. JAX has no public API
     for it (checked on jax 0.10.2): an internal read, guarded, that only adds detail to a finding."""
     try:
-        from jax._src import xla_bridge
+        from jax._src import xla_bridge  # local import: private JAX API, guarded
 
         errors = dict(getattr(xla_bridge, "_backend_errors", {}))
     except Exception:
@@ -329,10 +331,7 @@ def _backend_error() -> str:
 def energy_report(devices) -> dict[str, Any]:
     """How a run here would meter its energy (jaxlm.energy, the default settings): the source, measured
     or estimated, and the devices' power limits where NVML reads them."""
-    from jaxlm import config as config_lib
-    from jaxlm import energy
-
-    cfg = config_lib.base_config().energy
+    cfg = ml_collections.ConfigDict(energy.EnergyConfig.defaults())  # base_config's energy section
     reader, line = energy.open_reader(cfg, devices)
     out = {"source": reader.source if reader else "off", "measured": bool(reader and reader.measured),
            "how": line.removeprefix("energy: ")}

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import ml_collections
 
+from jaxlm import distributed
 from jaxlm.errors import UserError
 from jaxlm.section import Section, setting
 
@@ -169,7 +170,7 @@ class NvmlReader:
             return None, "not NVIDIA GPUs"
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml as nvml  # local import: optional dependency (pip install jaxlm[cuda12])
             nvml.nvmlInit()
             visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
             handles = []
@@ -365,8 +366,6 @@ class RunMeter:
     def __init__(self, cfg: ml_collections.ConfigDict, devices: Sequence[Any], num_devices: int,
                  before_j: float = 0.0, before_device_s: float = 0.0,
                  sum_processes: Callable[[int], list[int]] | None = None, **open_kwargs):
-        from jaxlm import distributed
-
         self.prices = Prices.from_config(cfg.energy)
         reader, self.line = open_reader(cfg.energy, devices, **open_kwargs)
         self.measured = bool(reader and reader.measured)

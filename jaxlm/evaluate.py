@@ -38,6 +38,7 @@ from flax.core import spmd
 
 from jaxlm import inference, steps
 from jaxlm.data import loader, pipeline, prepare, sft, sources
+from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
 
 log = logging.getLogger(__name__)
@@ -222,8 +223,6 @@ def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
 
 
 def _check_same_tokenizer(run: inference.LoadedRun, directory: pathlib.Path) -> None:
-    from jaxlm.data.tokenizer import Tokenizer
-
     theirs = Tokenizer.load(prepare.tokenizer_file(directory))
     if theirs.sha256 != run.tokenizer.sha256:
         raise UserError(f"{directory} was prepared with another tokenizer than {run.run_dir}'s; prepare the corpus "

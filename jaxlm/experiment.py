@@ -63,7 +63,9 @@ import numpy as np
 
 from jaxlm import config as config_lib
 from jaxlm import init_from
+from jaxlm import train as train_lib
 from jaxlm.console import duration
+from jaxlm.data import loader
 from jaxlm.errors import UserError, report_error, run_user_file
 from jaxlm.table import Table
 
@@ -417,8 +419,6 @@ def prepare_data(runs: Sequence[Run], echo: Callable[[str], None] = print, seen:
 
 
 def _prepare_one(flags: Sequence[str]) -> None:
-    from jaxlm.data import loader
-
     cfg = init_from.config_from_cli(flags)
     if cfg.data.tokenize_on_the_fly:
         if not cfg.data.tokenizer_path:
@@ -467,19 +467,17 @@ def _result_text(run: Run) -> str:
 
 
 def _execute_in_process(runs, on_finish, echo, total) -> dict[str, str]:
-    from jaxlm import train
-
     outcomes = {}
     for count, run in enumerate(runs, 1):
         of = f"/{total}" if total else ""
         echo(f"jaxlm.experiment: [{count}{of}] {run.name}: started in this process")
         started = time.time()
         cfg = init_from.config_from_cli(run.flags)
-        train.enable_compilation_cache(cfg.run.compile_cache_dir)
+        train_lib.enable_compilation_cache(cfg.run.compile_cache_dir)
         try:
-            train.run(cfg)
+            train_lib.run(cfg)
             outcome = "done"
-        except (UserError, train.NonFiniteError) as e:
+        except (UserError, train_lib.NonFiniteError) as e:
             outcome = f"failed ({e})"
         outcomes[run.name] = outcome
         echo(f"jaxlm.experiment: {run.name}: {outcome} after {duration(time.time() - started)}" + _result_text(run))
@@ -689,7 +687,7 @@ def plot_curves(curves: Sequence[dict[str, Any]], path: str | os.PathLike | None
     (right: the mean over seeds, with the seeds' range shaded) of every variant; saved to `path`
     when given. Returns the matplotlib Figure (shown inline in a notebook)."""
     try:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # local import: optional dependency (pip install jaxlm[notebooks])
     except ImportError:
         raise UserError("plotting needs matplotlib: pip install matplotlib") from None
     train, val = mean_curves(curves, "loss"), mean_curves(curves, "val_loss")
@@ -797,10 +795,10 @@ def search_variants(exp: Experiment, mode: str, trials: int | None) -> dict[str,
 def _optuna_runs(exp: Experiment, root: pathlib.Path, seeds, extra, trials: int, prune: bool, echo):
     """(lazy runs, stopper, on_finish, already finished) for an Optuna study stored in root/optuna.journal."""
     try:
-        import optuna
+        import optuna  # local import: optional dependency (pip install jaxlm[search])
     except ImportError:
         raise UserError("--search optuna needs optuna: pip install optuna (or use --search random)") from None
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # local import: optional dependency, as above
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     root.mkdir(parents=True, exist_ok=True)

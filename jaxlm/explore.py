@@ -35,7 +35,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import checkpoint, inference, init_from, steps, train_setup, xla_flags
+from jaxlm import checkpoint, generate, inference, init_from, steps, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.axes import MESH_AXES
@@ -409,8 +409,6 @@ def load(run_dir: str | pathlib.Path, *, step: int | None = None, devices=None, 
 def generator(model: Model, tokenizer: Tokenizer | None = None):
     """A `jaxlm.generate.Generator` over the model's current parameters (kept per model, so the
     prefill and decode steps compile once)."""
-    from jaxlm import generate
-
     cache = vars(model).setdefault("_explore_generator", {})
     gen = cache.get("gen")
     if gen is None:
@@ -434,8 +432,6 @@ def sample(model: Model, prompts: str | Sequence[str], tokenizer: Tokenizer | No
            seed: int = 0) -> str | list[str]:
     """Continue each prompt (KV-cache sampling, `jaxlm.generate`); temperature 0 is greedy. Returns
     the new text (prompt not included), one string per prompt."""
-    from jaxlm import generate
-
     single = isinstance(prompts, str)
     gen = generator(model, tokenizer)
     completions = gen.generate([prompts] if single else list(prompts), max_new_tokens=max_new_tokens,

@@ -35,6 +35,9 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from jaxlm import checkpoint, distributed, inference, lora, train_state
 from jaxlm import config as config_lib
@@ -57,8 +60,6 @@ class SafetensorsFiles:
     until indexed, and then only the bytes of the block asked for."""
 
     def __init__(self, directory: pathlib.Path):
-        from safetensors import safe_open
-
         self.directory = directory
         if (directory / INDEX).is_file():
             index = hf_map.read_json(directory / INDEX, "import")
@@ -329,8 +330,6 @@ def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[s
 def _write_peft(directory: pathlib.Path, base: pathlib.Path, tensors: dict[str, np.ndarray], modules: dict[str, str],
                 cfg) -> None:
     """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter."""
-    from safetensors.numpy import save_file
-
     settings = lora.peft_settings(cfg)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -344,8 +343,6 @@ def _write_peft(directory: pathlib.Path, base: pathlib.Path, tensors: dict[str, 
 
 def _to_host(x: jax.Array) -> np.ndarray:
     if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
@@ -372,8 +369,6 @@ class _ShardWriter:
         self.total_bytes += tensor.nbytes
 
     def _flush(self) -> None:
-        from safetensors.numpy import save_file
-
         path = self.output / f".shard-{len(self.written)}.tmp"
         save_file(self.pending, str(path), metadata={"format": "pt"})
         self.written.append((path, list(self.pending)))

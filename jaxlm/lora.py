@@ -36,9 +36,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm import quant
+from jaxlm.errors import UserError
 from jaxlm.models import layers, quantized
 from jaxlm.models.transformer import ModelConfig, abstract_model
 from jaxlm.section import Section, check, setting
+from jaxlm.train_state import build_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +253,6 @@ def init_adapters(cfg: ModelConfig, param_shardings: dict, mesh: jax.sharding.Me
     """The adapters of a new model of `cfg` initialised with `seed` (the values `train_state.create`
     gives them), directly into their shardings (`param_shardings`: the whole model's); the base
     weights' initialisation is dead code that XLA drops."""
-    from jaxlm.train_state import build_model
-
     def init():
         return adapter_params(nnx.to_pure_dict(nnx.state(build_model(cfg, seed))))
 
@@ -263,8 +263,6 @@ def init_adapters(cfg: ModelConfig, param_shardings: dict, mesh: jax.sharding.Me
 def check_source(saved_config: dict, where: str) -> None:
     """Refuse to start a run from parameters with adapters (`run.init_from` reads the base weights
     alone, so the source's adapters would be silently lost): merge them into the base first."""
-    from jaxlm.errors import UserError
-
     lora = saved_config.get("lora") or {}
     if int(lora.get("rank", 0) or 0) > 0:
         raise UserError(f"{where} was trained with LoRA adapters (lora.rank={lora['rank']}), which a run started "

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxlm import axes, optim, quant, steps, train_state
+from jaxlm import axes, optim, quant, roofline, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -534,8 +534,6 @@ def device_memory_bytes(device=None) -> float:
     if stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     if device.platform != "cpu":  # a compile-only device (jaxlm.roofline's targets) has no statistics
-        from jaxlm import roofline
-
         for target in roofline.TARGETS.values():
             if target.device_kind == device.device_kind:
                 return float(target.memory_bytes)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax.core import spmd
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,8 +64,6 @@ def hostnames() -> tuple[str, ...]:
     all of them must call it)."""
     if jax.process_count() == 1:
         return (socket.gethostname(),)
-    from jax.experimental import multihost_utils
-
     raw = np.zeros(256, np.uint8)
     name = socket.gethostname().encode()[:256]
     raw[: len(name)] = np.frombuffer(name, np.uint8)

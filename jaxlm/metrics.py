@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm.errors import UserError
 from jaxlm.section import Section, check, check_choice, setting
 
 # Dense bf16 peak FLOP/s per device, by a substring of `jax.Device.device_kind` (first match wins,
@@ -160,9 +161,11 @@ def _tensorboardx():
     if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
         try:
+            # local import: heavy (at the top, tensorboardX would import torch: 1.4 s, see above)
             import tensorboardX  # noqa: F401
         finally:
             del sys.modules["torch"]
+    # local import: loaded without torch (above)
     import tensorboardX.event_file_writer
     import tensorboardX.summary
 
@@ -190,7 +193,7 @@ class TensorBoardSink:
 
     def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
         tbx = _tensorboardx()
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.event_pb2 import Event, SessionLog  # local import: after `_tensorboardx` (no torch)
 
         self._summary, self._event = tbx.summary, Event
         pathlib.Path(logdir).mkdir(parents=True, exist_ok=True)
@@ -206,7 +209,7 @@ class TensorBoardSink:
     def write(self, step: int, values: dict[str, Any]) -> None:
         """A step's scalars as one event (one `add_scalar` each took 10x the time, 0.61 against 0.06 ms
         for 14 scalars, and a flush per step 0.2 ms more: a small model's step on a GPU is a few ms)."""
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.proto.summary_pb2 import Summary  # local import: after `_tensorboardx` (no torch)
 
         scalars = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)]
@@ -243,10 +246,8 @@ class WandbSink:
 
     def __init__(self, run_dir: pathlib.Path, config: dict[str, Any], project: str, entity: str, name: str):
         try:
-            import wandb
+            import wandb  # local import: optional dependency (pip install jaxlm[tracking])
         except ImportError:
-            from jaxlm.errors import UserError
-
             raise UserError(
                 "config.metrics.wandb=true needs the wandb package: pip install wandb (or the [tracking] extra), "
                 "or set config.metrics.wandb=false"
@@ -262,7 +263,7 @@ class WandbSink:
         self._run.log(numbers, step=step)
 
     def histogram(self, step: int, tag: str, stats: dict[str, Any]) -> None:
-        import wandb
+        import wandb  # local import: optional dependency (pip install jaxlm[tracking])
 
         lo, hi, counts = float(stats["min"]), float(stats["max"]), np.asarray(stats["counts"])
         edges = np.linspace(lo, hi, len(counts) + 1)

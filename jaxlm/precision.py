@@ -11,6 +11,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+
+from jaxlm.errors import UserError
 
 BF16_MIN_CAPABILITY = 8.0
 FP8_MIN_CAPABILITY = 8.9  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
@@ -45,8 +48,6 @@ def auto_dtype(platform: str, capability: str | None) -> tuple[str, str]:
 
 def check_fp8(platform: str, capability: str | None) -> None:
     """`model.matmul=fp8` refused in one line on a GPU without float8 tensor cores (a CPU runs it emulated)."""
-    from jaxlm.errors import UserError
-
     if platform == "gpu" and capability and float(capability) < FP8_MIN_CAPABILITY:
         raise UserError(f"config.model.matmul='fp8' needs float8 tensor cores (compute capability {FP8_MIN_CAPABILITY}+: "
                         f"Ada, Hopper, Blackwell); this GPU is {capability}: use model.matmul=auto")
@@ -57,8 +58,6 @@ def float16_computes() -> bool:
     """Whether XLA:CPU compiles float16 arithmetic on this processor. jaxlib 0.10 converts float16 with the
     F16C instructions and has no fallback where they are missing (an SSE4.2-only x86 processor, or
     `--xla_cpu_max_isa=SSE4_2`): the program fails to link (`__extendhfsf2` not found)."""
-    import jax.numpy as jnp
-
     try:
         x = jax.device_put(jnp.arange(4, dtype=jnp.float16), jax.local_devices(backend="cpu")[0])
         jax.block_until_ready(jax.jit(lambda v: v * v + 1)(x))
@@ -69,8 +68,6 @@ def float16_computes() -> bool:
 
 def check_float16(platform: str) -> None:
     """`model.dtype=float16` refused in one line where XLA:CPU cannot compile float16 (`float16_computes`)."""
-    from jaxlm.errors import UserError
-
     if platform == "cpu" and not float16_computes():
         raise UserError("config.model.dtype='float16' does not compile on this CPU: XLA:CPU needs the F16C "
                         "instructions for float16, which this processor (or --xla_cpu_max_isa) lacks; use "

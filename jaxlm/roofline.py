@@ -35,6 +35,7 @@ from collections import defaultdict
 from typing import Any
 
 from jaxlm import hlo
+from jaxlm.table import Table
 
 # XLA's GpuTargetConfigProto for an H100 SXM (xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb), with the
 # cuDNN and CUDA runtime versions of the jax-cuda13 0.10 wheels: what compile-only devices compile for.
@@ -90,6 +91,7 @@ def cudnn_checks_for(target: Target):
     """While lowering for compile-only `target` devices: jax's cuDNN attention asks the default backend
     (here the CPU) for the GPU's compute capability, finds none, and refuses what needs Hopper (the
     packed layout); within this, it is told the target's instead."""
+    # local import: private JAX API, only needed when compiling for a GPU target
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     have = tuple(int(x) for x in target.capability.split("."))
@@ -119,6 +121,7 @@ def target_devices(target: Target, num_devices: int) -> list:
     one), for `jax.jit(...).lower(...).compile()` on this machine. Needs the target's PJRT plugin
     installed (`make h100-env`) and JAX started with `JAX_PLATFORMS=cpu` (the plugin is not
     initialised for a device that is not there)."""
+    # local import: experimental JAX API, only for compile-only targets (the rest of this module needs no JAX)
     from jax.experimental import topologies
 
     per_host = min(num_devices, target.devices_per_host)
@@ -430,8 +433,6 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a few readable lines and two tables."""
-    from jaxlm.table import Table
-
     ms = 1e3
     mfu = summary["roofline_mfu"]
     lines = [

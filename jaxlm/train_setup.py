@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlm import config as config_lib
 from jaxlm import init_from, loss_scale, optim, pruning_masks, steps, train_state
@@ -97,8 +98,6 @@ def resolve_config(
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
     memory = memory_lib.device_memory_bytes(local[0])
     if jax.process_count() > 1:  # every process must compile the same step: process 0's figure decides
-        from jax.experimental import multihost_utils
-
         memory = float(multihost_utils.broadcast_one_to_all(np.float64(memory)))
     cfg, line = memory_lib.resolve_micro_batches(cfg, len(devices), memory, local[0].platform)
     if line and not quiet:

@@ -16,6 +16,8 @@ import re
 import subprocess
 import sys
 
+import jax
+
 from jaxlm.errors import UserError
 
 _PROBE = "import jax; jax.devices()"
@@ -43,7 +45,7 @@ def apply(flags: str) -> str:
     if not_xla:
         raise UserError(f"run.xla_flags: {not_xla[0]!r} is not an XLA flag; write them as --xla_name=value, "
                         f"separated by spaces")
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # local import: private JAX API, only needed when flags are given
 
     merged = merge(os.environ.get("XLA_FLAGS", ""), flags)
     if xla_bridge.backends_are_initialized():
@@ -56,8 +58,6 @@ def apply(flags: str) -> str:
     if probe.returncode != 0:
         found = re.search(r"(Unknown flags? in XLA_FLAGS: .*|Couldn't interpret value .*)", probe.stderr)
         reason = found.group(1).strip() if found else (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        import jax
-
         raise UserError(f"run.xla_flags: XLA (jax {jax.__version__}) refuses them: {reason[:300]}; "
                         f"remove or rename that flag")
     os.environ["XLA_FLAGS"] = merged

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd
 
+from jaxlm.mesh import logical_to_spec
 from jaxlm.models import layers, transformer
 
 
@@ -75,8 +76,6 @@ class LayerRunner:
         self._names, self._stats, self._advance = None, None, None
 
     def _rows(self):
-        from jaxlm.mesh import logical_to_spec
-
         return jax.sharding.NamedSharding(self.mesh, logical_to_spec(("act_batch", None, None), self.rules))
 
     def embed(self, tokens: np.ndarray) -> list[jax.Array]:

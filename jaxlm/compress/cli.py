@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxlm import checkpoint, inference, train_state
+from jaxlm import checkpoint, evaluate, generate, inference, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm.compress import calibrate, methods
 from jaxlm.data.tokenizer import write_bytes_atomically
@@ -86,8 +86,6 @@ def _resolve(run: inference.LoadedRun, overrides: Sequence[tuple[str, Any]]):
 
 def _calibration(run: inference.LoadedRun, cfg, imported: bool) -> np.ndarray:
     """The calibration sequences [N, T]: compress.calib_samples windows of calib_seq_len tokens."""
-    from jaxlm import evaluate
-
     co = cfg.compress
     seq_len = min(int(co.calib_seq_len), run.model_cfg.max_seq_len)
     want = int(co.calib_samples) * seq_len
@@ -136,8 +134,6 @@ def _target_bytes(params: dict, names: Sequence[str]) -> int:
 def measure(run: inference.LoadedRun, docs, examples: dict, gen_tokens: int, targets: Sequence[str]) -> dict[str, Any]:
     """What the report compares: parameters, non-zeros, bytes on the device (all weights, and the
     compressed projections' alone), quality, generation speed."""
-    from jaxlm import evaluate, generate, quant
-
     bits = run.model_cfg.quant.bits if run.model_cfg.quant else 4
     leaves = jax.tree.leaves(run.params)
     floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -169,8 +165,6 @@ def compress_run(run_dir, output, overrides: Sequence[tuple[str, Any]] = (), *, 
                  corpus: str = "val", tasks: Sequence[str] = (), max_tokens: int = 200_000,
                  gen_tokens: int = 32) -> dict[str, Any]:
     """Write the compressed run directory `output` and return its report (see the module's docstring)."""
-    from jaxlm import evaluate
-
     output = pathlib.Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"--output={output} exists and is not empty; give a new directory")

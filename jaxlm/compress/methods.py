@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import quant
-from jaxlm.compress import prune
+from jaxlm.compress import gptq, prune
 from jaxlm.compress.calibrate import LayerRunner, layer_of
 from jaxlm.models import layers, quantized, transformer
 
@@ -135,8 +135,6 @@ def _compress_matrix(w: jax.Array, hessian: jax.Array | None, target: Target, s:
         return m, leaves
     spec = matrix_spec(s.quantize, target)
     if s.method == "gptq":
-        from jaxlm.compress import gptq
-
         codes, params = gptq.quantize_matrix(m, hessian, spec, damp=s.damp, block=s.block, act_order=s.act_order)
         if mask is not None:  # GPTQ's error feedback may have moved a pruned weight: code it as 0 again
             codes = quant.encode(jnp.where(mask, quant.decode(codes, params, spec, 0), 0.0), params, spec, 0)

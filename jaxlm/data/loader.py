@@ -29,6 +29,7 @@ import grain
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlm.console import console
 from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
@@ -135,8 +136,6 @@ class Data:
         local = sum(int(lengths[b["targets"]][b["weights"] > 0].sum()) for b in self.eval_batches)
         if jax.process_count() == 1:
             return local
-        from jax.experimental import multihost_utils
-
         total = int(np.sum(multihost_utils.process_allgather(np.array([local], np.int64))))
         # processes that share rows (the batch replicated over stages or tensor parallelism) hold them alike
         held = self.train.rows.stop - self.train.rows.start

@@ -473,7 +473,8 @@ def open_prepared(
     Every shard's size is checked against the manifest; `verify` also checks its sha256 (reads it all).
     A damaged shard is an error naming it, or with `skip_damaged` a logged warning and the shard left out.
     """
-    from jaxlm.data.pipeline import FlatDocuments  # not at the top: workers import this module, grain is slow to
+    # local import: heavy (grain, 0.6 s: the worker processes import this module and never need it)
+    from jaxlm.data.pipeline import FlatDocuments
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")

@@ -188,6 +188,7 @@ def template_identity(name: str) -> str:
 @functools.cache
 def _environment():
     """The Jinja environment transformers renders chat templates in (utils/chat_template_utils.py)."""
+    # local import: start-up time (only chat templates need jinja2; prepare's workers import this module)
     import jinja2
     import jinja2.ext
     import jinja2.sandbox
@@ -238,7 +239,7 @@ def _environment():
 
 @functools.lru_cache(maxsize=16)
 def _compiled(text: str, name: str):
-    import jinja2
+    import jinja2  # local import: start-up time, as in `_environment`
 
     try:
         return _environment().from_string(text)
@@ -321,7 +322,7 @@ class Encoder:
     def render(self, tok: Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False,
                where: str = "") -> str:
         """The template's text of `messages` (plain dicts of role and content)."""
-        import jinja2
+        import jinja2  # local import: start-up time, as in `_environment`
 
         if self.template is None:
             raise UserError("a prompt_completion encoder has no chat template")

@@ -126,7 +126,7 @@ def read_file_records(path: str) -> Iterator[tuple[str, object]]:
                         except json.JSONDecodeError as e:
                             raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the line") from None
         else:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # local import: heavy (pyarrow), only for Parquet inputs
 
             try:
                 table = pq.read_table(path)
@@ -172,7 +172,7 @@ def _read_jsonl(path: str, field: str) -> Iterator[str]:
 
 
 def _read_parquet(path: str, field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq  # only needed for Parquet inputs
+    import pyarrow.parquet as pq  # local import: heavy (pyarrow), only for Parquet inputs
 
     try:
         parquet = pq.ParquetFile(path)
@@ -190,7 +190,7 @@ def _read_parquet(path: str, field: str) -> Iterator[str]:
 def _read_hf(path: str, field: str) -> Iterator[str]:
     """A local Hugging Face dataset (`save_to_disk`); of a DatasetDict, its 'train' split."""
     try:
-        import datasets
+        import datasets  # local import: optional dependency (pip install datasets)
     except ImportError:
         raise UserError("format 'hf' needs the Hugging Face datasets package: pip install datasets") from None
     try:

@@ -12,6 +12,7 @@ trained here has pad, unk, bos, eos = 0, 1, 2, 3. `HFTokenizer` reads a checkpoi
 """
 
 import abc
+import argparse
 import functools
 import hashlib
 import io
@@ -27,6 +28,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_model
 
+from jaxlm.data.sources import SourceSpec, iter_documents, unescape
 from jaxlm.errors import UserError, report_error, run_command
 
 MODEL_TYPES = ("bpe", "unigram", "char", "byte")
@@ -452,7 +454,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, tokenizer_json: bytes, config_json: bytes = b"{}\n", source: str = "tokenizer.json"):
         """`tokenizer_json`: a tokenizer.json's bytes; `config_json`: its tokenizer_config.json's (as
         `_hf_config` gives them); `source`: the tokenizer.json's path, for errors."""
-        import tokenizers  # here, not at the top: SentencePiece users need not load it
+        import tokenizers  # local import: start-up time (SentencePiece users need not load it)
 
         self._json, self._config_json = tokenizer_json, config_json
         spec = _parse_json(tokenizer_json, source, "a Hugging Face tokenizer.json")
@@ -615,10 +617,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
-    import argparse
-
-    from jaxlm.data.sources import SourceSpec, iter_documents, unescape
-
     parser = argparse.ArgumentParser(prog="python -m jaxlm.data.tokenizer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a tokenizer on a corpus and write its .model file")

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import spmd
 
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec
@@ -208,7 +209,7 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     does not take segment offsets); jax allows the layout on compute capability 9.0+ only. Under a mesh it
     runs per shard (`per_shard`): partitioned by XLA, the conditional gathered the whole batch onto every
     device (benchmarks/BENCHMARKS.md)."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # local import: private JAX API, only needed on GPUs
 
     choice = _PACKED_KERNEL.get()
     # Whether every row of the whole batch fits (all shards take the same branch), as a per-row array so
@@ -242,8 +243,6 @@ def per_shard(fn, q: jax.Array, k: jax.Array, v: jax.Array, *rows: jax.Array) ->
     """`fn(q, k, v, *rows)` on each device's shard (shard_map) under the model's mesh, batch and heads
     split as the activations are, the sequence whole; `rows` are [B, ...] per-row arrays (segment ids,
     offsets), split with the batch. Without a mesh, `fn` itself."""
-    from flax.linen import spmd
-
     rules = spmd.get_logical_axis_rules()
     if not rules or jax.sharding.get_abstract_mesh().empty:
         return fn(q, k, v, *rows)
@@ -260,6 +259,7 @@ PALLAS_BLOCK = 16  # the smallest block Triton's matmuls take: sequences must be
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     """jax's Pallas (Triton) flash attention, causal, with segment ids; key/value heads repeated per
     query group. Under a mesh it runs per shard (`per_shard`), the sequence whole, as for the other kernels."""
+    # local import: experimental JAX API (Pallas, Triton), only needed on GPUs
     from jax.experimental.pallas.ops.gpu import attention as kernel
 
     b, t, n, h = q.shape

@@ -74,6 +74,7 @@ def install() -> None:
     if _installed:
         return
     try:  # jax internals: a jax that renamed them keeps its own rules (fine where nothing is vmapped)
+        # local import: private JAX API, guarded, only needed where cuDNN attention runs (GPUs)
         from jax._src.cudnn import fused_attention_stablehlo as cudnn
         from jax._src.interpreters import batching
 

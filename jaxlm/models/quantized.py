@@ -16,7 +16,7 @@ from typing import ClassVar
 import jax
 
 from jaxlm.models import layers, transformer
-from jaxlm.quant import FORMATS, dequantize, quantize
+from jaxlm.quant import FORMATS, dequantize, fake_quantize, quantize
 from jaxlm.section import Section, check, setting
 
 
@@ -189,8 +189,6 @@ def dequantize_params(params: dict, cfg, dtype=None) -> dict:
 
 def _fake_quantize_params(params: dict, cfg) -> dict:
     """A QAT model's target kernels (and embedding) replaced by the weights its forward pass computes with."""
-    from jaxlm.quant import fake_quantize
-
     spec = cfg.quant_spec
     model = transformer.abstract_model(cfg)
     found = [(tuple(path), "kernel", p.quant_axis, len(p.kernel_shape))
