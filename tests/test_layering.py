@@ -57,3 +57,40 @@ def test_no_module_imports_one_above_it():
             up |= {(name, other) for other in _imported(path) if other in LAYER and LAYER[other] > LAYER[name]}
     assert up <= KNOWN_UP, sorted(up - KNOWN_UP)
     assert KNOWN_UP <= up, f"no longer imported, drop from KNOWN_UP: {sorted(KNOWN_UP - up)}"
+
+
+LOCAL_IMPORT = "# local import:"
+
+
+def _unexplained_local_imports(path: pathlib.Path) -> list[str]:
+    """The imports inside a function in `path` that say nowhere why they are not at the top: a
+    `# local import: <why>` comment on the import's line(s), on the line above, or above a run of
+    such imports directly before it (optional or heavy dependencies, private JAX APIs, start-up time)."""
+    lines = path.read_text().splitlines()
+    local: list[ast.stmt] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                local.append(child)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse("\n".join(lines)), False)
+    ends = {node.end_lineno: node for node in local}
+    explained: dict[int, bool] = {}
+    for node in sorted(local, key=lambda n: n.lineno):
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        explained[node.lineno] = (
+            any(LOCAL_IMPORT in line for line in lines[node.lineno - 1:node.end_lineno])
+            or (above.startswith("#") and LOCAL_IMPORT in above)
+            or (node.lineno - 1 in ends and explained[ends[node.lineno - 1].lineno])
+        )
+    return [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}"
+            for node in local if not explained[node.lineno]]
+
+
+def test_every_local_import_says_why():
+    """An import inside a function that merely dodges an import cycle hides a layering problem: imports
+    go at the top, and the few that cannot (`# local import: ...`) say why."""
+    unexplained = [line for path in sorted(PACKAGE.rglob("*.py")) for line in _unexplained_local_imports(path)]
+    assert not unexplained, "\n".join(["move these to the top, or say why not (# local import: ...):", *unexplained])
