@@ -126,7 +126,7 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
     `FlatDocuments`, rendered with `chat_template` (None: the run's data.chat_template).
     """
     tok = run.tokenizer
-    spec = loader.sft_spec(run.cfg) if format == "auto" else None
+    spec = loader.sft_spec(_data_section(run)) if format == "auto" else None
     if format in sft.FORMATS:
         spec = sft.Spec(format, run.cfg.data.chat_template)
     if spec and chat_template is not None:
@@ -138,7 +138,7 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
         directory = _prepared_val_dir(run)
         if directory is not None:
             return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
-        source = loader.source_spec(run.cfg)
+        source = loader.source_spec(_data_section(run))
         texts = (doc for doc in sources.iter_documents(source) if sources.is_validation(doc, d.val_fraction, d.seed))
         docs = _tokenize_up_to(tok, texts, max_tokens)
         if not docs:
@@ -163,9 +163,14 @@ def training_documents(run: inference.LoadedRun, max_tokens: int) -> Sequence[np
     if directory is not None:
         return _take_prepared(directory, "train", max_tokens)
     d = run.cfg.data
-    texts = (doc for doc in sources.iter_documents(loader.source_spec(run.cfg))
+    texts = (doc for doc in sources.iter_documents(loader.source_spec(_data_section(run)))
              if not sources.is_validation(doc, d.val_fraction, d.seed))
     return _tokenize_up_to(run.tokenizer, texts, max_tokens)
+
+
+def _data_section(run: inference.LoadedRun) -> loader.DataConfig:
+    """The run's data section, typed."""
+    return loader.DataConfig.from_config(run.cfg.data)
 
 
 def _sft_documents(run: inference.LoadedRun, spec: sft.Spec, corpus: str, split: str,
@@ -176,7 +181,7 @@ def _sft_documents(run: inference.LoadedRun, spec: sft.Spec, corpus: str, split:
         directory = _prepared_val_dir(run)
         if directory is not None:
             return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
-        _, docs = loader.sft_documents(run.cfg, run.tokenizer, spec, train=False)
+        _, docs = loader.sft_documents(_data_section(run), run.tokenizer, spec, train=False)
         if not len(docs):
             raise UserError(f"the run's validation split is empty (data.corpus={run.cfg.data.corpus!r}, "
                             f"data.val_fraction={run.cfg.data.val_fraction}); give --corpus=<files or prepared directory>")
@@ -216,7 +221,7 @@ def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
     if d.tokenize_on_the_fly:
         return None
     try:
-        cached = loader.cached_prepared_dir(run.cfg, run.tokenizer.sha256)
+        cached = loader.cached_prepared_dir(_data_section(run), run.tokenizer.sha256)
     except (UserError, OSError):  # the corpus is not here: reading it raises the clear error later
         return None
     return cached if prepare.is_prepared(cached, complete=True) else None

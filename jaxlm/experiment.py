@@ -419,12 +419,12 @@ def prepare_data(runs: Sequence[Run], echo: Callable[[str], None] = print, seen:
 
 
 def _prepare_one(flags: Sequence[str]) -> None:
-    cfg = init_from.config_from_cli(flags)
-    if cfg.data.tokenize_on_the_fly:
-        if not cfg.data.tokenizer_path:
-            loader.load_tokenizer(cfg, loader.inputs_key(cfg))
+    data = loader.DataConfig.from_config(init_from.config_from_cli(flags).data)
+    if data.tokenize_on_the_fly:
+        if not data.tokenizer_path:
+            loader.load_tokenizer(data, loader.inputs_key(data))
     else:
-        loader.prepared_dir(cfg)
+        loader.prepared_dir(data)
 
 
 def _log_path(run: Run) -> pathlib.Path:

@@ -114,11 +114,11 @@ def load_data(setup_or_cfg: train_setup.TrainSetup | ml_collections.ConfigDict) 
     `data.cache_dir`, the same cache the CLI uses). In a run of several processes, give the setup: each
     process reads the rows of each batch its devices hold."""
     if not isinstance(setup_or_cfg, train_setup.TrainSetup):
-        return loader.load_data(setup_or_cfg)
+        return loader.load_data(loader.DataConfig.from_config(setup_or_cfg.data))
     cfg = setup_or_cfg.cfg
     rows = None if jax.process_count() == 1 else loader.rows_held(
         setup_or_cfg.batch_sharding, (cfg.data.global_batch_size, cfg.data.seq_len))
-    return loader.load_data(cfg, rows=rows)
+    return loader.load_data(loader.DataConfig.from_config(cfg.data), rows=rows)
 
 
 # ----------------------------------------------------------------------------- inspection

@@ -41,7 +41,7 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
-from jaxlm.data.loader import Data, load_data, rows_held
+from jaxlm.data.loader import Data, DataConfig, load_data, rows_held
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
 from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
@@ -301,7 +301,7 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
 
     t0 = time.time()
     # a bad path or corrupt file fails here, before any device work
-    data = load_data(cfg, saved.get("data_shards"), _process_rows(cfg))
+    data = load_data(DataConfig.from_config(cfg.data), saved.get("data_shards"), _process_rows(cfg))
     section = checkpoint.CheckpointConfig.from_config(cfg.checkpoint)
     with checkpoint.Checkpointer.from_config(run_dir / "checkpoints", section) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)

@@ -447,7 +447,7 @@ def test_a_run_trained_with_a_tokenizer_json_is_loaded_with_it(made, tmp_path):
     assert summary["steps"] == 2
     run_dir = tmp_path / "runs" / "hf"
     assert find_in(run_dir) == run_dir / "tokenizer.json" and not (run_dir / "tokenizer.model").exists()
-    prepared = loader.cached_prepared_dir(cfg, tok.sha256)
+    prepared = loader.cached_prepared_dir(loader.DataConfig.from_config(cfg.data), tok.sha256)
     assert find_in(prepared) == prepared / "tokenizer.json" and Tokenizer.load(prepared).sha256 == tok.sha256
     loaded = inference.load_run(run_dir)
     assert isinstance(loaded.tokenizer, HFTokenizer) and loaded.tokenizer.sha256 == tok.sha256

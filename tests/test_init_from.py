@@ -19,7 +19,7 @@ import pytest
 import tiny_run
 from helpers import xla_flags
 from jaxlm import checkpoint, config, inference, init_from, train_setup
-from jaxlm.data.loader import load_data
+from jaxlm.data.loader import DataConfig, load_data
 from jaxlm.data.tokenizer import SentencePieceTokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -103,7 +103,7 @@ def test_a_new_run_starts_from_the_sources_parameters_on_another_corpus_and_mesh
 
     # The CLI run's step-1 loss is its first batch's loss under those parameters (another mesh, bf16
     # matmuls: not bit-equal) and far below a random init's (the source's own step 1; ln 300 = 5.7).
-    data = load_data(cfg)
+    data = load_data(DataConfig.from_config(cfg.data))
     with jax.set_mesh(setup.mesh):
         total, tokens = jax.device_get(setup.eval_step(state.params, setup.put_batch(next(data.train))))
     step, first = losses(run_dir)[0]

@@ -236,14 +236,15 @@ def test_the_report_counts_examples_tokens_trained_targets_and_truncations():
     assert sft.report(sft.Spec("chat"), docs, val, 3).endswith("; 1 held out (2 tokens to score)")
 
 
-def _config(tmp_path: pathlib.Path, **data) -> config_lib.ml_collections.ConfigDict:
+def _config(tmp_path: pathlib.Path, **data) -> loader.DataConfig:
+    """The data section of a validated config: builtin_chat with the simple template, `data` changed."""
     cfg = config_lib.base_config()
     cfg.data.update(corpus="builtin_chat", chat_template="simple", cache_dir=str(tmp_path / "cache"), seq_len=64,
                     global_batch_size=8, val_fraction=0.1, val_tokens=4096, tokenizer_vocab_size=400)
     cfg.data.update(**data)
     cfg.model.update(vocab_size=400, max_seq_len=64)
     config_lib.validate(cfg)
-    return cfg
+    return loader.DataConfig.from_config(cfg.data)
 
 
 def test_in_memory_and_prepared_sft_data_give_the_same_batches_and_report(tmp_path, capsys):

@@ -27,10 +27,10 @@ def test_text_files_one_document_per_file_or_split_on_a_separator(tmp_path):
     assert load_documents(SourceSpec(str(joined), separator="\n\n")) == ["a b", "c d", "e"]
     # `--config.data.separator=\n\n` arrives as backslash-n; the config's data loader unescapes it.
     from jaxlm import config
-    from jaxlm.data.loader import source_spec
+    from jaxlm.data.loader import DataConfig, source_spec
 
     cfg = config.recipe("tiny", data__corpus=str(joined), data__separator=r"\n\n")
-    assert load_documents(source_spec(cfg)) == ["a b", "c d", "e"]
+    assert load_documents(source_spec(DataConfig.from_config(cfg.data))) == ["a b", "c d", "e"]
     assert unescape("\n\n") == unescape(r"\n\n") == "\n\n" and unescape("é\t") == "é\t"
 
 

@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 
 import grain
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -142,40 +141,40 @@ class Data:
         return total * self.train.per_shard * self.train.shards // (jax.process_count() * held)
 
 
-def source_spec(cfg: ml_collections.ConfigDict) -> sources.SourceSpec:
-    d = cfg.data
-    fmt = "auto" if sft_spec(cfg) else d.format  # SFT rows: JSONL or Parquet, told by the extension
+def source_spec(data: DataConfig) -> sources.SourceSpec:
+    d = data
+    fmt = "auto" if sft_spec(data) else d.format  # SFT rows: JSONL or Parquet, told by the extension
     return sources.SourceSpec(d.corpus, fmt, d.text_field, sources.unescape(d.separator), max_bytes=d.builtin_max_bytes)
 
 
-def sft_spec(cfg: ml_collections.ConfigDict) -> sft.Spec | None:
+def sft_spec(data: DataConfig) -> sft.Spec | None:
     """The SFT format and chat template of the data section (data.corpus=builtin_chat is chat), or None for text."""
-    d = cfg.data
+    d = data
     fmt = "chat" if d.format == "auto" and d.corpus == sources.BUILTIN_CHAT else d.format
     return sft.Spec(fmt, d.chat_template) if fmt in sft.FORMATS else None
 
 
-def inputs_key(cfg: ml_collections.ConfigDict) -> str:
+def inputs_key(data: DataConfig) -> str:
     """A cheap identity of the corpus (its files' sizes and times, or the interpreter for the built-in
     one) and of how it is read: the cache key of its tokenizer and prepared shards."""
-    source = source_spec(cfg)
+    source = source_spec(data)
     if source.paths == "builtin":
         files = [sys.version, sysconfig.get_paths()["stdlib"]]
     else:
         files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(source)]
-    identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": cfg.data.val_fraction,
-                "seed": cfg.data.seed}
-    spec = sft_spec(cfg)
+    identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": data.val_fraction,
+                "seed": data.seed}
+    spec = sft_spec(data)
     if spec:  # (text corpora keep the keys they had before SFT existed)
         identity["sft"] = {**dataclasses.asdict(spec), "template": sft.template_identity(spec.chat_template)}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
-def _cache_lock(cfg: ml_collections.ConfigDict):
+def _cache_lock(data: DataConfig):
     """Hold `data.cache_dir`'s lock: of several processes (one node or a shared filesystem), the
     first trains the tokenizer and prepares the corpus while the others wait, then find them cached."""
-    directory = pathlib.Path(cfg.data.cache_dir)
+    directory = pathlib.Path(data.cache_dir)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / ".lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -185,31 +184,31 @@ def _cache_lock(cfg: ml_collections.ConfigDict):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def load_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
+def load_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
     """The configured tokenizer file (.model or tokenizer.json), or one trained on the corpus's
     training documents (cached)."""
-    d = cfg.data
+    d = data
     if d.tokenizer_path:
         return tokenizer.Tokenizer.load(d.tokenizer_path)
-    with _cache_lock(cfg):
-        return _cached_tokenizer(cfg, key)
+    with _cache_lock(data):
+        return _cached_tokenizer(data, key)
 
 
-def _cached_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tokenizer:
-    d = cfg.data
+def _cached_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
+    d = data
     path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
     if path.exists():
         return tokenizer.Tokenizer.load(path)
     console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
     docs, total = [], 0
-    spec = sft_spec(cfg)
+    spec = sft_spec(data)
     if spec:  # the training examples as rendered (the template must be named: a new tokenizer has none)
         encoder = sft.Encoder.make(spec, None)
-        examples = sft.iter_examples(source_spec(cfg), spec.format)
+        examples = sft.iter_examples(source_spec(data), spec.format)
         texts = sft.tokenizer_texts((e for e in examples if not sources.is_validation(e.key, d.val_fraction, d.seed)),
                                     encoder)
     else:
-        texts = (doc for doc in sources.iter_documents(source_spec(cfg))
+        texts = (doc for doc in sources.iter_documents(source_spec(data))
                  if not sources.is_validation(doc, d.val_fraction, d.seed))
     for doc in texts:
         docs.append(doc)
@@ -223,91 +222,91 @@ def _cached_tokenizer(cfg: ml_collections.ConfigDict, key: str) -> tokenizer.Tok
     return tok
 
 
-def prepared_dir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+def prepared_dir(data: DataConfig) -> pathlib.Path:
     """The corpus as prepared shards: a prepared directory given as the corpus, or the cached one
     for these inputs and tokenizer, built on first use (resumably) with every core."""
-    d = cfg.data
+    d = data
     given = pathlib.Path(d.corpus)
     if prepare.is_prepared(given):
-        if sft_spec(cfg) and not prepare.read_manifest(given).get("sft"):
+        if sft_spec(data) and not prepare.read_manifest(given).get("sft"):
             raise UserError(f"{given} holds prepared text, not SFT data; prepare the rows with "
-                            f"`python -m jaxlm.data.prepare --format {sft_spec(cfg).format} ...`, or set data.format=auto")
+                            f"`python -m jaxlm.data.prepare --format {sft_spec(data).format} ...`, or set data.format=auto")
         return given
-    key = inputs_key(cfg)
-    with _cache_lock(cfg):
-        tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(cfg, key)
-        out = cached_prepared_dir(cfg, tok.sha256, key)
+    key = inputs_key(data)
+    with _cache_lock(data):
+        tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(data, key)
+        out = cached_prepared_dir(data, tok.sha256, key)
         if not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
-            prepare.prepare(source_spec(cfg), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(cfg),
+            prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
+                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(data),
                             in_process_bytes=prepare.IN_PROCESS_BYTES)
     return out
 
 
-def cached_prepared_dir(cfg: ml_collections.ConfigDict, tokenizer_sha256: str, key: str | None = None) -> pathlib.Path:
-    """Where `data.cache_dir` keeps the corpus prepared with this tokenizer (`key`: `inputs_key(cfg)`)."""
-    return pathlib.Path(cfg.data.cache_dir) / f"prepared-{key or inputs_key(cfg)}-{tokenizer_sha256[:16]}"
+def cached_prepared_dir(data: DataConfig, tokenizer_sha256: str, key: str | None = None) -> pathlib.Path:
+    """Where `data.cache_dir` keeps the corpus prepared with this tokenizer (`key`: `inputs_key(data)`)."""
+    return pathlib.Path(data.cache_dir) / f"prepared-{key or inputs_key(data)}-{tokenizer_sha256[:16]}"
 
 
-def load_data(cfg: ml_collections.ConfigDict, shards: int | None = None, rows: slice | None = None) -> Data:
+def load_data(data: DataConfig, shards: int | None = None, rows: slice | None = None) -> Data:
     """Corpus -> prepared shards (cached) or raw documents -> packed grain batches, and the fixed
     held-out batches. `shards`: the resumed run's stream count (data.shards=0 keeps it). `rows`: the
     rows of each global batch this process's devices hold (`rows_held` of the run's batch sharding);
     None, every row, which only one process may ask for."""
-    d = cfg.data
-    rows = all_rows(cfg, rows)
+    d = data
+    rows = all_rows(data, rows)
     if d.tokenize_on_the_fly:
-        return _load_on_the_fly(cfg, shards, rows)
-    directory = prepared_dir(cfg)
+        return _load_on_the_fly(data, shards, rows)
+    directory = prepared_dir(data)
     tok = tokenizer.Tokenizer.load(prepare.tokenizer_file(directory))
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
         raise UserError(
             f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "
             f"prepare it again with that tokenizer, or leave data.tokenizer_path empty"
         )
-    _check_vocab(cfg, tok, str(directory))
+    _check_vocab(data, tok, str(directory))
     skip = d.on_damaged_shard == "skip"
     train_docs = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
     val_docs = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
     recorded = prepare.read_manifest(directory).get("sft")
     spec = sft.Spec(recorded["format"], recorded["chat_template"]) if recorded else None
-    return _data(cfg, tok, train_docs, val_docs, str(directory), shards, spec, rows)
+    return _data(data, tok, train_docs, val_docs, str(directory), shards, spec, rows)
 
 
-def _data(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, train_docs: pipeline.FlatDocuments, val_docs,
+def _data(data: DataConfig, tok: tokenizer.Tokenizer, train_docs: pipeline.FlatDocuments, val_docs,
           where: str, shards: int | None, spec: sft.Spec | None, rows: slice) -> Data:
     """Tokenized documents (prepared shards, or SFT examples encoded in memory) -> `Data`; prints the
     SFT line for weighted ones."""
-    d = cfg.data
+    d = data
     report = None
     if spec:
         report = sft.report(spec, train_docs, val_docs, d.seq_len)
         console(f"jaxlm: {report}")
-    count = resolve_shards(cfg, rows, shards)
-    train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(cfg, j, count))),
+    count = resolve_shards(data, rows, shards)
+    train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(data, j, count))),
                           count, rows, d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, where, rows), tokenizer=tok,
+    return Data(train=train, eval_batches=_eval_batches(data, val_docs, where, rows), tokenizer=tok,
                 train_tokens=train_docs.num_tokens, train_documents=len(train_docs), shards=count, sft_report=report)
 
 
-def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None, rows: slice) -> Data:
+def _load_on_the_fly(data: DataConfig, shards: int | None, rows: slice) -> Data:
     """The raw training documents in memory, tokenized inside the pipeline; the held-out set is
     tokenized here, once."""
-    d = cfg.data
+    d = data
     if prepare.is_prepared(d.corpus):
         raise UserError(f"{d.corpus} is a prepared (tokenized) corpus; set config.data.tokenize_on_the_fly=false")
-    tok = load_tokenizer(cfg, inputs_key(cfg))
-    _check_vocab(cfg, tok, "data.tokenizer_path" if d.tokenizer_path else "the corpus")
-    spec = sft_spec(cfg)
+    tok = load_tokenizer(data, inputs_key(data))
+    _check_vocab(data, tok, "data.tokenizer_path" if d.tokenizer_path else "the corpus")
+    spec = sft_spec(data)
     if spec:
-        train_docs, val_docs = sft_documents(cfg, tok, spec)
+        train_docs, val_docs = sft_documents(data, tok, spec)
         if not len(train_docs):
             raise UserError(f"all {len(val_docs)} rows of {d.corpus} fell in the validation split; lower "
                             f"data.val_fraction={d.val_fraction}")
-        return _data(cfg, tok, train_docs, val_docs, d.corpus, shards, spec, rows)
+        return _data(data, tok, train_docs, val_docs, d.corpus, shards, spec, rows)
     train_texts, val_texts = [], []
-    for doc in sources.iter_documents(source_spec(cfg)):
+    for doc in sources.iter_documents(source_spec(data)):
         (val_texts if sources.is_validation(doc, d.val_fraction, d.seed) else train_texts).append(doc)
     val_docs, val_tokens = [], 0
     for doc in val_texts:  # the held-out set is the first val_tokens tokens: tokenize only those
@@ -315,23 +314,23 @@ def _load_on_the_fly(cfg: ml_collections.ConfigDict, shards: int | None, rows: s
             break
         val_docs.extend(pipeline.tokenize_documents(tok, [doc]))
         val_tokens += len(val_docs[-1])
-    count = resolve_shards(cfg, rows, shards)
+    count = resolve_shards(data, rows, shards)
     train = ShardedStream(
-        lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(cfg, j, count))),
+        lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(data, j, count))),
         count, rows, d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(cfg, val_docs, d.corpus, rows), tokenizer=tok,
+    return Data(train=train, eval_batches=_eval_batches(data, val_docs, d.corpus, rows), tokenizer=tok,
                 train_tokens=None, train_documents=len(train_texts), shards=count)
 
 
-def sft_documents(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, spec: sft.Spec,
+def sft_documents(data: DataConfig, tok: tokenizer.Tokenizer, spec: sft.Spec,
                   train: bool = True) -> tuple[pipeline.FlatDocuments, pipeline.FlatDocuments]:
     """The corpus's rows as weighted train and validation documents, split as prepare splits them,
     encoded here (`train=False`: the validation ones alone; the train ones come back empty)."""
-    d = cfg.data
+    d = data
     encoder = sft.Encoder.make(spec, tok)
     split: dict[bool, list[sft.Example]] = {False: [], True: []}
     rows = 0
-    for example in sft.iter_examples(source_spec(cfg), spec.format):
+    for example in sft.iter_examples(source_spec(data), spec.format):
         rows += 1
         held_out = sources.is_validation(example.key, d.val_fraction, d.seed)
         if train or held_out:
@@ -342,21 +341,21 @@ def sft_documents(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, spec
                  for held_out in (False, True))
 
 
-def _check_vocab(cfg: ml_collections.ConfigDict, tok: tokenizer.Tokenizer, where: str) -> None:
+def _check_vocab(data: DataConfig, tok: tokenizer.Tokenizer, where: str) -> None:
     """The model must have a row for every token id; more rows are allowed (a vocabulary padded to a
     round size, as Qwen2's 151,936 rows for 151,665 tokens), never fewer."""
-    if tok.vocab_size > cfg.model.vocab_size:
+    if tok.vocab_size > data.tokenizer_vocab_size:  # linked to model.vocab_size, the name users know
         raise UserError(
             f"the tokenizer of {where} has {tok.vocab_size} tokens but config.model.vocab_size="
-            f"{cfg.model.vocab_size}; set config.model.vocab_size={tok.vocab_size}"
+            f"{data.tokenizer_vocab_size}; set config.model.vocab_size={tok.vocab_size}"
         )
 
 
-def resolve_shards(cfg: ml_collections.ConfigDict, rows: slice, resumed: int | None = None) -> int:
+def resolve_shards(data: DataConfig, rows: slice, resumed: int | None = None) -> int:
     """data.shards, or the resumed run's count, or one per block of rows a process holds (one per process,
     unless processes share rows: the batch is replicated over pipeline stages and tensor parallelism);
     checked against the batch."""
-    d = cfg.data
+    d = data
     blocks = d.global_batch_size // (rows.stop - rows.start)
     count = d.shards or resumed or blocks
     if d.global_batch_size % count or d.global_batch_size % blocks:
@@ -367,7 +366,7 @@ def resolve_shards(cfg: ml_collections.ConfigDict, rows: slice, resumed: int | N
     return count
 
 
-def all_rows(cfg: ml_collections.ConfigDict, rows: slice | None) -> slice:
+def all_rows(data: DataConfig, rows: slice | None) -> slice:
     """`rows`, or every row of the global batch in a single process (several processes read only the
     rows their devices hold: the caller gives them, `rows_held`)."""
     if rows is not None:
@@ -375,7 +374,7 @@ def all_rows(cfg: ml_collections.ConfigDict, rows: slice | None) -> slice:
     if jax.process_count() > 1:
         raise ValueError("several processes: give load_data the rows this process's devices hold "
                          "(loader.rows_held of the run's batch sharding)")
-    return slice(0, cfg.data.global_batch_size)
+    return slice(0, data.global_batch_size)
 
 
 def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> slice:
@@ -393,9 +392,9 @@ def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> slice:
     return slice(lo, hi)
 
 
-def _stream_options(cfg: ml_collections.ConfigDict, shard: int, count: int) -> dict[str, Any]:
+def _stream_options(data: DataConfig, shard: int, count: int) -> dict[str, Any]:
     """Data shard `shard` of `count`: a slice of the documents, batch_size / count rows per batch."""
-    d = cfg.data
+    d = data
     return dict(seq_len=d.seq_len, batch_size=d.global_batch_size // count, seed=d.seed,
                 shard_index=shard, shard_count=count, num_workers=d.num_workers)
 
@@ -470,8 +469,8 @@ class ShardedStream(grain.DatasetIterator):
         self.tokens_seen = int(own.get("tokens_seen", 0)) if own is not None else int(total * share)
 
 
-def _eval_batches(cfg: ml_collections.ConfigDict, val_docs, where: str, rows: slice) -> list[dict[str, np.ndarray]]:
-    d = cfg.data
+def _eval_batches(data: DataConfig, val_docs, where: str, rows: slice) -> list[dict[str, np.ndarray]]:
+    d = data
     if d.val_tokens and not len(val_docs):
         console(f"jaxlm: warning: {where} has no validation documents; raise data.val_fraction to evaluate")
     if not (len(val_docs) and d.val_tokens):
