@@ -29,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
+from jaxlm.metrics import MetricsConfig
 from jaxlm.models import attention, aux
+from jaxlm.optim import OptimConfig
 from jaxlm.train_state import ModelSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -316,25 +318,24 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     *,
-    micro_batches: int = 1,
-    z_loss: float = 0.0,
-    dropout: bool = False,
+    optim: OptimConfig | None = None,
+    metrics: MetricsConfig | None = None,
     rules: Rules = (),
-    grad_norm_per_layer: bool = False,
-    loss_chunk_len: int = 0,
     hooks: Sequence[StepHook] = (),
-    loss_scale_period: int = 2000,
-    grad_numerics: bool = False,
-    attention_segments: int = 0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
 
+    What it does follows from the model (`model_spec.cfg`: dropout, the loss in chunks, cuDNN's packed
+    documents), the `optim` section (`micro_batches`, resolved: accumulated by a scan; `z_loss`;
+    `loss_scale_period`) and the `metrics` section (which diagnostics it computes), their defaults when
+    None; it takes no other flag.
+
     Metrics: loss (the blocks' auxiliary loss terms included, `jaxlm.models.aux`), grad_norm (before
     clipping), param_norm (after the update), lr, tokens, skipped (1 when a non-finite update was
-    dropped), `aux/<name>` for each of the model's auxiliary outputs, and with `grad_norm_per_layer` a
-    `grad_norm/<group>` per layer and top-level group (`norms_by_group`). With `attention_segments` (cuDNN's packed layout,
-    `ModelConfig.attention_segments`), `attention_masked`: the fraction of micro-batches with a row of more
+    dropped), `aux/<name>` for each of the model's auxiliary outputs, and with `metrics.grad_norm_per_layer`
+    a `grad_norm/<group>` per layer and top-level group (`norms_by_group`). With cuDNN's packed layout
+    (`ModelConfig.attention_segments`), `attention_masked`: the fraction of micro-batches with a row of more
     documents than that, whose attention fell back to the masked kernel. The step's `packed` argument
     (static) compiles one of cuDNN's two kernels for the whole step, chosen by the caller on the host's
     copy of the batch (`TrainSetup.attention_choice`), instead of a conditional per layer that makes a
@@ -346,10 +347,20 @@ def make_train_step(
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
     times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
     it; an overflow skips the update (metric `overflow`, not `skipped`) and the scale adapts, doubling
-    after `loss_scale_period` finite steps. Metric `loss_scale`. With `grad_numerics`, the fractions of
+    after `optim.loss_scale_period` finite steps. Metric `loss_scale`. With `metrics.grad_numerics`, the fractions of
     the step's gradient entries that are exactly zero (`grad_zero_fraction`: flushed to zero, or a true
     zero) and not finite (`grad_nonfinite_fraction`), over the trainable parameters.
     """
+    optim, metrics = optim or OptimConfig(), metrics or MetricsConfig()
+    if optim.micro_batches < 1:
+        raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.train_setup.resolve_config)")
+    micro_batches, z_loss, loss_scale_period = optim.micro_batches, optim.z_loss, optim.loss_scale_period
+    cfg = model_spec.cfg
+    dropout = cfg is not None and (cfg.dropout > 0 or cfg.lora_dropout > 0)
+    loss_chunk_len = cfg.loss_chunk_len if cfg is not None else 0
+    attention_segments = cfg.attention_segments if cfg is not None else 0
+    grad_numerics, grad_norm_per_layer = metrics.grad_numerics, metrics.grad_norm_per_layer
+
     def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
         with attention.packed_kernel(packed):
             return _step(state, batch, packed)
@@ -465,9 +476,10 @@ def make_train_step(
     return step_fn
 
 
-def make_eval_step(model_spec: ModelSpec, rules: Rules = (), loss_chunk_len: int = 0):
+def make_eval_step(model_spec: ModelSpec, rules: Rules = ()):
     """(params, batch[, packed]) -> (sum of token losses, tokens): summed so batches combine exactly.
     `packed`: the attention kernel chosen on the host, as for the train step (`attention.packed_kernel`)."""
+    loss_chunk_len = model_spec.cfg.loss_chunk_len if model_spec.cfg is not None else 0
 
     def eval_fn(params, batch: Batch, packed: bool | None = None):
         with spmd.logical_axis_rules(rules), attention.packed_kernel(packed):

@@ -21,6 +21,7 @@ from jaxlm import config as config_lib
 from jaxlm import init_from, loss_scale, optim, pruning_masks, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
+from jaxlm import metrics as metrics_lib
 from jaxlm.models import attention, transformer
 
 log = logging.getLogger(__name__)
@@ -134,20 +135,15 @@ def build(
         state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
                                                  loss_scale=scale)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step_fn = steps.make_train_step(
-        model_spec, tx, schedule, micro_batches=cfg.optim.micro_batches, z_loss=cfg.optim.z_loss,
-        dropout=model_cfg.dropout > 0 or model_cfg.lora_dropout > 0, rules=rules,
-        grad_norm_per_layer=cfg.metrics.grad_norm_per_layer,
-        loss_chunk_len=cfg.model.loss_chunk_len, hooks=hooks,
-        loss_scale_period=cfg.optim.loss_scale_period, grad_numerics=cfg.metrics.grad_numerics,
-        attention_segments=model_cfg.attention_segments,
-    )
+    step_fn = steps.make_train_step(model_spec, tx, schedule, optim=optim.OptimConfig.from_config(cfg.optim),
+                                    metrics=metrics_lib.MetricsConfig.from_config(cfg.metrics), rules=rules,
+                                    hooks=hooks)
     setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
         shardings=shardings, batch_sharding=batch_sharding, schedule=schedule, tx=tx,
         train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
         eval_step=steps.jit_eval_step(
-            steps.make_eval_step(model_spec, rules, cfg.model.loss_chunk_len), shardings.params, batch_sharding
+            steps.make_eval_step(model_spec, rules), shardings.params, batch_sharding
         ),
     )
     if cfg.run.init_from and not abstract:

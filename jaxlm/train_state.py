@@ -61,6 +61,7 @@ class ModelSpec:
     grad_kernels: frozenset = frozenset()
     joints: tuple = ()
     aux_names: tuple[str, ...] = ()  # the model's auxiliary outputs (`jaxlm.models.aux`)
+    cfg: ModelConfig | None = None  # the model's settings (its dropout, attention kernel, loss chunks)
 
     def cast_for_compute(self, trainable):
         """The trainable parameters with the `cast_dtypes` leaves cast to their compute dtype (the others
@@ -221,7 +222,7 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     joints = tuple(j for j in layers.joints(model) if all(path in kernels for path in j.paths))
     kernels -= {path for j in layers.joints(model) if j not in joints for path in j.paths}
     model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts,
-                           grad_kernels=frozenset(kernels), joints=joints, aux_names=model.aux_names)
+                           grad_kernels=frozenset(kernels), joints=joints, aux_names=model.aux_names, cfg=cfg)
     return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
 
 

@@ -196,19 +196,22 @@ def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
                                             model__max_seq_len=32), jax.devices()[:1])
     batch = random_batch(4, 32, setup.model_cfg.vocab_size)  # two documents and padding: 3 runs per row
     batch["segment_ids"][1] = np.repeat(np.arange(1, 9), 4)  # row 1 (micro-batch 1 of 2): 8 documents
-    step = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
-                                         attention_segments=4))
+    import dataclasses
+
+    from jaxlm.optim import OptimConfig
+
+    # cuDNN's packed layout compiled for 4 documents a row (a GPU's setting; on this CPU the step only counts)
+    spec = dataclasses.replace(setup.model_spec, cfg=dataclasses.replace(setup.model_cfg, attention_segments=4))
+    step = jax.jit(steps.make_train_step(spec, setup.tx, setup.schedule, optim=OptimConfig(micro_batches=2)))
     _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch))
     assert float(metrics["attention_masked"]) == 0.5  # micro-batch 0 fits (3 runs a row), 1 does not
     # the kernel chosen on the host (the step's static `packed`): every micro-batch ran it
-    step = jax.jit(steps.make_train_step(setup.model_spec, setup.tx, setup.schedule, micro_batches=2,
-                                         attention_segments=4), static_argnums=2)
+    step = jax.jit(steps.make_train_step(spec, setup.tx, setup.schedule, optim=OptimConfig(micro_batches=2)),
+                   static_argnums=2)
     for packed, masked in ((True, 0.0), (False, 1.0)):
         _, metrics = step(setup.state, jax.tree.map(jnp.asarray, batch), packed)
         assert float(metrics["attention_masked"]) == masked
     assert setup.attention_choice(batch) is None  # no packed layout on this CPU: the step decides (it has none)
-    import dataclasses
-
     packed_setup = dataclasses.replace(setup, model_cfg=dataclasses.replace(setup.model_cfg, attention_segments=4))
     assert packed_setup.attention_choice(batch) is False  # row 1's 8 documents: the masked kernel
     assert packed_setup.attention_choice(random_batch(4, 32, 64)) is True  # 3 runs a row fit

@@ -170,8 +170,7 @@ def _train(model_cfg, n_steps, mesh_shape=(2, 1, 2, 2), trainable="", lr=1e-2):
     mesh = mesh_lib.make_mesh(mesh_shape)
     state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, model_spec=model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step = steps.jit_train_step(steps.make_train_step(model_spec, tx, schedule, rules=rules,
-                                                      dropout=model_cfg.lora_dropout > 0), shardings, batch_sharding)
+    step = steps.jit_train_step(steps.make_train_step(model_spec, tx, schedule, rules=rules), shardings, batch_sharding)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in random_batch(8, 32, 96).items()}
     before, losses = flat(jax.device_get(state.params)), []
     with jax.set_mesh(mesh):

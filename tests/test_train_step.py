@@ -11,6 +11,7 @@ import pytest
 from helpers import random_batch, small_config
 from jaxlm import config, optim, steps, train_state
 from jaxlm import mesh as mesh_lib
+from jaxlm.optim import OptimConfig
 
 MESHES = [(1, 1, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 1, 2, 2)]  # data alone is covered by (2, 1, 2, 2)
 
@@ -24,8 +25,8 @@ def _setup(mesh_shape, model_cfg, *, micro_batches=1, steps_total=100, **optim_o
     state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     step = steps.jit_train_step(
-        steps.make_train_step(model_spec, tx, schedule, micro_batches=micro_batches, rules=rules), shardings,
-        batch_sharding,
+        steps.make_train_step(model_spec, tx, schedule, optim=OptimConfig(micro_batches=micro_batches), rules=rules),
+        shardings, batch_sharding,
     )
     return mesh, state, step, batch_sharding, model_spec, rules
 
@@ -198,8 +199,8 @@ def test_a_non_finite_loss_never_reaches_the_state():
     before = jax.device_get((state.params, state.opt_state))
     for z_loss, skipped in ((float("inf"), 1), (0.0, 0)):
         step = steps.jit_train_step(
-            steps.make_train_step(model_spec, tx, schedule, z_loss=z_loss, rules=rules), shardings, sharding
-        )
+            steps.make_train_step(model_spec, tx, schedule, optim=OptimConfig(z_loss=z_loss), rules=rules), shardings,
+            sharding)
         with jax.set_mesh(mesh):
             state, metrics = step(state, _put(batch, sharding))
         assert int(metrics["skipped"]) == skipped
@@ -363,8 +364,9 @@ def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     tx, schedule = optim.make_optimizer(cfg.optim, 100, model_spec.decay_mask)
     state2, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, seed=0)  # the step donates its state
     uncast = dataclasses.replace(model_spec, cast_dtypes=None)
-    plain = steps.jit_train_step(steps.make_train_step(uncast, tx, schedule, micro_batches=4, rules=rules), shardings,
-                                 batch_sharding)
+    plain = steps.jit_train_step(
+        steps.make_train_step(uncast, tx, schedule, optim=OptimConfig(micro_batches=4), rules=rules), shardings,
+        batch_sharding)
     gbatch = _put(batch, batch_sharding)
     with jax.set_mesh(mesh):
         ours, m1 = jax.device_get(step(state, gbatch))
@@ -397,8 +399,9 @@ def test_compute_kernels_make_the_step_without_them(mesh_shape, dtype):
     tx, schedule = optim.make_optimizer(cfg.optim, 100, model_spec.decay_mask)
     state2, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, seed=0)  # the step donates its state
     without = dataclasses.replace(model_spec, grad_kernels=frozenset(), joints=())
-    plain = steps.jit_train_step(steps.make_train_step(without, tx, schedule, micro_batches=4, rules=rules), shardings,
-                                 batch_sharding)
+    plain = steps.jit_train_step(
+        steps.make_train_step(without, tx, schedule, optim=OptimConfig(micro_batches=4), rules=rules), shardings,
+        batch_sharding)
     gbatch = _put(batch, batch_sharding)
     with jax.set_mesh(mesh):
         if dtype == jnp.bfloat16:  # weight gradients (batch and positions contracted) made in float32

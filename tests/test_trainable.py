@@ -10,6 +10,7 @@ from helpers import random_batch, small_config
 from jaxlm import config, optim, steps, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
+from jaxlm.optim import OptimConfig
 
 
 def _step(trainable: str, mesh_shape=(1, 1, 2, 1), micro_batches=1):
@@ -21,7 +22,7 @@ def _step(trainable: str, mesh_shape=(1, 1, 2, 1), micro_batches=1):
     mesh = mesh_lib.make_mesh(mesh_shape)
     state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules, seed=0, model_spec=model_spec)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    step_fn = steps.make_train_step(model_spec, tx, schedule, rules=rules, micro_batches=micro_batches)
+    step_fn = steps.make_train_step(model_spec, tx, schedule, rules=rules, optim=OptimConfig(micro_batches=micro_batches))
     step = steps.jit_train_step(step_fn, shardings, batch_sharding)
     batch = {k: jax.device_put(v, batch_sharding) for k, v in random_batch(8, 32, 96).items()}
     before = jax.device_get(state.params)

@@ -231,6 +231,8 @@ class ModelConfig:
     pipeline_microbatches: int = 1
     pipeline_repeats: int = 1
     remat: str = "none"
+    # The logits and the loss this many positions at a time (0 = the whole sequence: `steps.summed_loss`)
+    loss_chunk_len: int = 0
     # The projections' contraction (`layers.Projection.einsum_op`; config.model.matmul): False = `jnp.einsum`;
     # True = `layers.accumulating_einsum`, float32 accumulation made explicit, the form XLA:CPU runs natively
     # in bfloat16 (`from_config` resolves matmul=auto to it on a CPU with bfloat16 compute).
@@ -340,6 +342,7 @@ class ModelConfig:
             param_dtype=DTYPES[m["param_dtype"]],
             scan_layers=m["scan_layers"],
             remat=m["remat"],
+            loss_chunk_len=m.get("loss_chunk_len", 0),
         )
         fields.update(overrides)
         platform = platform or jax.default_backend()
