@@ -39,6 +39,7 @@ from jaxlm import quant
 from jaxlm.errors import UserError
 from jaxlm.models import layers, quantized
 from jaxlm.models.transformer import ModelConfig, abstract_model
+from jaxlm.models.transforms.lora import Adapted, lora_equations
 from jaxlm.section import Section, check, setting
 from jaxlm.train_state import build_model
 
@@ -118,7 +119,7 @@ def sites(cfg: ModelConfig) -> tuple[Site, ...]:
     """Every adapted projection of the model `cfg` describes, from an abstract build."""
     out = []
     for path, projection in layers.projections(abstract_model(cfg)):
-        if projection.lora_a is None:
+        if not isinstance(projection, Adapted) or projection.lora_a is None:
             continue
         names = tuple(projection.base.get_metadata()["out_sharding"])
         stacked = names[0] == "layers" and len(names) == len(projection.equation.split("->")[0].split(",")[1]) + 1
@@ -174,7 +175,7 @@ def fill_missing(loaded: dict, fresh: dict) -> dict:
 
 def delta(site: Site, a: jax.Array, b: jax.Array) -> jax.Array:
     """The adapter's update of the kernel, (alpha / rank) A B, shaped like the kernel, in float32."""
-    to_h, to_y = layers.lora_equations(site.equation)
+    to_h, to_y = lora_equations(site.equation)
     a_sub, b_sub = to_h.split("->")[0].split(",")[1], to_y.split("->")[0].split(",")[1]
     kernel_sub = site.equation.split("->")[0].split(",")[1]
     if site.stacked:  # a leading layers axis on A, B and the kernel

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlm.models import layers, transformer
+from jaxlm.models.transforms.prune import MaskedKernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ def add_masks(params: dict, cfg, shardings: dict, mesh) -> dict:
     sharded as `shardings` (the masked model's) says."""
     out = jax.tree.map(lambda x: x, params)  # fresh dicts, shared leaves
     for path, projection in layers.projections(transformer.abstract_model(cfg)):
-        if projection.kernel_mask is None:
+        if not isinstance(projection, MaskedKernel):
             continue
         node, where = out, shardings
         for key in path:

@@ -1,4 +1,4 @@
-"""LoRA adapters on the projections (`config.lora`, `layers.Projection.add_adapter`, `jaxlm.lora`):
+"""LoRA adapters on the projections (`config.lora`, `transforms.lora.Adapted.add_adapter`, `jaxlm.lora`):
 a new adapter changes nothing, adapters shard like their kernels, only they train (base bit-equal, no
 gradient or optimizer state for it), merging them into the kernels gives the same logits, and a LoRA
 run starts from a base run's checkpoint with fresh adapters."""
@@ -20,7 +20,7 @@ from jaxlm import config, inference, init_from, lora, memory, optim, steps, trai
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
-from jaxlm.models.layers import lora_equations
+from jaxlm.models.transforms.lora import lora_equations
 
 ATTENTION = ("wq", "wk", "wv", "wo")
 ALL_LLAMA = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

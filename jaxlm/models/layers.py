@@ -227,73 +227,33 @@ def _weight_grad_einsum_bwd(equation, residuals, g):
 
 
 weight_grad_einsum.defvjp(_weight_grad_einsum_fwd, _weight_grad_einsum_bwd)
-# The logical name of an adapter's rank dimension: small, never sharded (config.default_rules maps it to none).
-LORA_RANK_AXIS = "lora_rank"
-
-
-def lora_equations(equation: str) -> tuple[str, str]:
-    """The two contractions of a LoRA adapter beside `einsum(equation, x, kernel)`: (x, A) -> h and
-    (h, B) -> y, where A holds the kernel's input (contracted) dimensions then a rank dimension and B
-    the rank dimension then the kernel's output dimensions. wq's "btd,dnh->btnh" gives
-    ("btd,dr->btr", "btr,rnh->btnh"); wo's "btnh,nhd->btd" gives ("btnh,nhr->btr", "btr,rd->btd")."""
-    lhs, out = equation.split("->")
-    x, kernel = lhs.split(",")
-    r = next(c for c in "rzyxwqponmlkjigfeca" if c not in equation)
-    a = "".join(c for c in kernel if c in x) + r
-    b = r + "".join(c for c in kernel if c not in x)
-    h = "".join(c for c in x if c not in kernel) + r
-    return f"{x},{a}->{h}", f"{h},{b}->{out}"
-
-
 class Projection(nnx.Module):
     """One weight matmul, `einsum(equation, x, kernel)`: q, k, v, o, the MLP's and the unembedding.
 
-    It owns the kernel (stored in `param_dtype`, with its logical axis names), the kernel's cast to
-    the compute `dtype` (`weight()`) and the contraction (`einsum_op`, `jnp.einsum` by default, as
-    `flax.nnx.Einsum` takes one). What comes next plugs in here: a quantized kernel overrides
-    `weight()` (dequantize, fake-quantize, apply a sparsity mask), a different contraction replaces
-    `einsum_op` (an int8 matmul), an adapter adds its own parameters beside `kernel` (LoRA:
-    `add_adapter`). `projections` finds every one in a model by path.
-
-    With `quant` (QLoRA's frozen base, `config.lora.quantize_base`, or a compressed model, `jaxlm.compress`),
-    the kernel is stored as integer codes (`jaxlm.quant`): `kernel_q` (uint8, packed along the last input
-    axis, the kernel's logical names), `kernel_scale` (its groups' scales, the grouped axis unsharded),
-    `kernel_zero` (asymmetric formats) and, with double quantization, `kernel_scale_absmax` and
-    `kernel_scale_offset`: `QuantizedParam`s, never trained. `weight()` dequantizes them inside the
-    compiled step, so the device holds the integer weights. With `qat`, the float kernel trains and the
-    forward pass sees it fake-quantized. With `masked`, a `PruningMask` (`kernel_mask`) rides beside the
-    kernel, which holds zeros where the mask does.
+    A plain kernel: it owns the kernel (stored in `param_dtype`, with its logical axis names), the
+    kernel's cast to the compute `dtype` (`weight()`) and the contraction (`einsum_op`, `jnp.einsum` by
+    default, as `flax.nnx.Einsum` takes one; the CPU's accumulating matmul or float8 are others). The
+    features that change how a projection stores or computes its weight, or add to its output
+    (quantized kernels, QAT, pruning masks, LoRA adapters), are its subclasses in
+    `jaxlm.models.transforms`, which override `store_kernel`, `weight`, `__call__` and the properties
+    below. `projections` finds every one in a model by path.
     """
 
     def __init__(self, equation: str, shape: tuple[int, ...], names: tuple, *, init: Initializer, dtype,
-                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum, quant: quant_lib.QuantSpec | None = None,
-                 qat: quant_lib.QuantSpec | None = None, masked: bool = False):
+                 param_dtype, rngs: nnx.Rngs, einsum_op: EinsumOp = jnp.einsum):
         self.equation, self.dtype, self.einsum_op = equation, dtype, einsum_op
-        # One layer's kernel: its shape and logical names, whether stored as `kernel` or quantized.
+        # One layer's kernel: its shape and logical names, however it is stored.
         self.kernel_shape, self.kernel_names = tuple(shape), tuple(names)
-        self.quant, self.quant_axis = quant, max(self.in_axes)  # integer storage, grouped along the last input axis
-        self.qat = qat
-        kernel = make_param(rngs, init, shape, names, param_dtype)
-        if quant is None:
-            self.kernel = kernel
-        else:  # `kernel` quantized (a fresh model's random init; `quantized.quantize_params` does it for loaded ones)
-            leaves = quant_lib.quantize(kernel[...], quant, self.quant_axis)
-            scale_names = tuple(None if i == self.quant_axis else n for i, n in enumerate(names))
-            for key, value in leaves.items():
-                leaf_names = {"q": names, "scale": scale_names, "zero": scale_names}.get(key, (None,))
-                setattr(self, f"kernel_{key}", QuantizedParam(value, out_sharding=leaf_names, decay=False,
-                                                              eager_sharding=False))
-        # A pruning mask: all True in a fresh model (nothing pruned yet); `jaxlm.compress` or gradual
-        # pruning (`jaxlm.pruning_masks`) sets it.
-        self.kernel_mask = PruningMask(jnp.ones(shape, bool), out_sharding=names, decay=False,
-                                       eager_sharding=False) if masked else nnx.data(None)
-        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # LoRA's A and B, once `add_adapter` ran
-        self.lora_scale, self.lora_dropout = 0.0, 0.0
+        self.store_kernel(make_param(rngs, init, shape, names, param_dtype))
+
+    def store_kernel(self, kernel: nnx.Param) -> None:
+        """Keep the freshly drawn kernel: as it is here; quantized, or with a mask beside it, in a transform."""
+        self.kernel = kernel
 
     @property
     def base(self) -> nnx.Variable:
-        """The stored base weight: `kernel`, or its packed integer codes `kernel_q` (same logical names)."""
-        return self.kernel if self.quant is None else self.kernel_q
+        """The stored base weight: `kernel` (a quantized kernel's codes `kernel_q`, with the same logical names)."""
+        return self.kernel
 
     @property
     def in_axes(self) -> tuple[int, ...]:
@@ -301,78 +261,39 @@ class Projection(nnx.Module):
         x, kernel = self.equation.split("->")[0].split(",")
         return tuple(i for i, c in enumerate(kernel) if c in x)
 
+    @property
+    def quant_axis(self) -> int:
+        """The kernel's last input axis: the one a quantized format groups its values along."""
+        return max(self.in_axes)
+
     def weight(self) -> jax.Array:
-        """The kernel as the contraction uses it, in the compute dtype: cast; dequantized from its integer
-        codes and scales (in float32, then cast: the same weight as `quantized.dequantize_params` gives);
-        or, under quantization-aware training, fake-quantized (`quant.fake_quantize`: the integer format's
-        weight forward, a straight-through gradient backward)."""
-        if self.quant is not None:
-            leaves = {key: getattr(self, f"kernel_{key}")[...] for key in self.quant.keys}
-            return quant_lib.dequantize(leaves, self.quant, self.quant_axis, self.dtype)
-        if self.qat is not None:
-            return quant_lib.fake_quantize(self.kernel[...], self.qat, self.quant_axis).astype(self.dtype)
+        """The kernel as the contraction uses it, in the compute dtype."""
         return self.kernel[...].astype(self.dtype)
 
     @property
     def compute_kernel(self) -> ComputeKernel | None:
         """The kernel's `ComputeKernel`, when a train step with micro-batches put one in its place."""
-        value = self.kernel.get_raw_value() if self.quant is None else None
+        value = self.kernel.get_raw_value()
         return value if isinstance(value, ComputeKernel) else None
 
     @property
     def fusable(self) -> bool:
-        """Whether this projection is a plain `jnp.einsum` of its cast kernel (not quantized or fake-quantized,
-        no adapter, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it can
-        share one matmul with others of the same input (`project_qkv`)."""
-        return self.quant is None and self.qat is None and self.lora_a is None and self.einsum_op is jnp.einsum
+        """Whether this projection is a plain `jnp.einsum` of its cast kernel (no transform that changes its
+        weight or output, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it
+        can share one matmul with others of the same input (`project_qkv`)."""
+        return self.einsum_op is jnp.einsum
 
     def cast_leaves(self) -> dict[str, object]:
-        """The leaves whose forward use is a plain cast to the compute dtype, with that dtype: `kernel`
-        (not under QAT, whose fake quantization computes in float32, nor quantized) and the adapter's.
+        """The leaves whose forward use is a plain cast to the compute dtype, with that dtype (`kernel`).
         A train step with micro-batches casts these once per step (`steps.make_train_step`) instead of
         in every micro-batch: the same weights, the same gradients."""
-        out = {} if self.quant is not None or self.qat is not None else {"kernel": self.dtype}
-        if self.lora_a is not None:
-            out.update(lora_a=self.dtype, lora_b=self.dtype)
-        return out
-
-    def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
-        """A LoRA adapter (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B; nothing at rank 0.
-
-        A [the kernel's input dims..., rank] starts as PEFT's (kaiming-uniform, U(-1, 1) / sqrt(fan_in)),
-        B [rank, the kernel's output dims...] at zero, so a new adapter changes nothing. Both are
-        `nnx.LoRAParam`s (an `nnx.Param` subclass: `optim.trainable=type:LoRAParam` selects them), in
-        float32 and cast to the compute dtype like the kernel, decayed like any matrix (PEFT's
-        convention under Hugging Face's Trainer). Their logical names are the kernel's input names +
-        `lora_rank` and `lora_rank` + its output names, so they shard like the kernel under any rules.
-        """
-        if rank <= 0:
-            return
-        shape, names = self.kernel_shape, self.kernel_names
-        ins, outs = self.in_axes, tuple(i for i in range(len(shape)) if i not in self.in_axes)
-        bound = 1.0 / math.sqrt(math.prod(shape[i] for i in ins))
-        a_shape = (*(shape[i] for i in ins), rank)
-        b_shape = (rank, *(shape[i] for i in outs))
-        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound),
-                                    out_sharding=(*(names[i] for i in ins), LORA_RANK_AXIS), decay=True,
-                                    eager_sharding=False)
-        self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32),
-                                    out_sharding=(LORA_RANK_AXIS, *(names[i] for i in outs)), decay=True,
-                                    eager_sharding=False)
-        self.lora_scale, self.lora_dropout = alpha / rank, dropout
-
-    def adapter(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """The adapter's term, (alpha / rank) (dropout(x) A) B, in the compute dtype, shaped like the output."""
-        to_h, to_y = lora_equations(self.equation)
-        h = jnp.einsum(to_h, dropout(x, self.lora_dropout, dropout_key), self.lora_a[...].astype(self.dtype))
-        return jnp.einsum(to_y, h * jnp.asarray(self.lora_scale, self.dtype), self.lora_b[...].astype(self.dtype))
+        return {"kernel": self.dtype}
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """`dropout_key`: the adapter's dropout (training only); the kernel's contraction has none."""
-        if (kernel := self.compute_kernel) is not None:  # only plain projections get one: no adapter
+        """`dropout_key`: for a transform's own dropout (LoRA's); the kernel's contraction has none."""
+        if (kernel := self.compute_kernel) is not None:
             return kernel.einsum(self.equation, x, self.dtype)
-        y = self.einsum_op(self.equation, x, self.weight())
-        return y if self.lora_a is None else y + self.adapter(x, dropout_key)
+        return self.einsum_op(self.equation, x, self.weight())
 
 
 def cast_leaves(module: nnx.Module) -> dict[tuple, object]:
@@ -600,15 +521,15 @@ class Attention(nnx.Module):
         pd, std = cfg.param_dtype, cfg.init_std
         self.cfg = cfg
         kw = dict(dtype=cfg.dtype, param_dtype=pd, rngs=rngs)
-        self.wq = Projection("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std), **kw,
-                             **cfg.projection_kw("wq"))
-        self.wk = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw,
-                             **cfg.projection_kw("wk"))
-        self.wv = Projection("btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"), init=normal(std), **kw,
-                             **cfg.projection_kw("wv"))
+        self.wq = cfg.projection("wq", "btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), init=normal(std),
+                                 **kw)
+        self.wk = cfg.projection("wk", "btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                 init=normal(std), **kw)
+        self.wv = cfg.projection("wv", "btd,dkh->btkh", (d, k, h), ("embed", "kv_heads", "head_dim"),
+                                 init=normal(std), **kw)
         # Residual projections start smaller so the residual stream's variance does not grow with depth.
-        self.wo = Projection("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"),
-                             init=normal(cfg.residual_init_std), **kw, **cfg.projection_kw("wo"))
+        self.wo = cfg.projection("wo", "btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"),
+                                 init=normal(cfg.residual_init_std), **kw)
         self.qkv_bias = cfg.use_bias or cfg.qkv_bias  # Qwen2: biases on q, k and v only
         if self.qkv_bias:
             self.bq = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pd, decay=False)

@@ -1,7 +1,7 @@
 """A model's parameters quantized and back: which projections hold a 4-bit kernel (`sites`), and the
 tree conversions between float kernels and their quantized leaves (`quantize_params`,
 `dequantize_params`). The formats themselves (codes, packing, scales) are `jaxlm.quant`'s, which
-knows nothing of models; this module knows the model's layout (`layers.Projection.quant`).
+knows nothing of models; this module knows the model's layout (`transforms.QuantizedKernel`).
 
 `CompressConfig` is the `config.compress` section: the compressed structure of the targeted
 projections (quantized kernels here, pruning masks: `jaxlm.pruning_masks`), how `python -m
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import jax
 
-from jaxlm.models import layers, transformer
+from jaxlm.models import layers, transformer, transforms
 from jaxlm.quant import FORMATS, dequantize, fake_quantize, quantize
 from jaxlm.section import Section, check, setting
 
@@ -131,7 +131,7 @@ def sites(cfg) -> tuple[Site, ...]:
     out = []
     model = transformer.abstract_model(cfg)
     for path, projection in layers.projections(model):
-        if projection.quant is not None:
+        if isinstance(projection, transforms.QuantizedKernel):
             stacked = len(projection.base.shape) == len(projection.kernel_shape) + 1
             out.append(Site(path=tuple(path), axis=projection.quant_axis, stacked=stacked))
     if model.embed.quant is not None:
@@ -192,7 +192,7 @@ def _fake_quantize_params(params: dict, cfg) -> dict:
     spec = cfg.quant_spec
     model = transformer.abstract_model(cfg)
     found = [(tuple(path), "kernel", p.quant_axis, len(p.kernel_shape))
-             for path, p in layers.projections(model) if p.qat is not None]
+             for path, p in layers.projections(model) if isinstance(p, transforms.FakeQuantizedKernel)]
     if model.embed.qat is not None:
         found.append((("embed",), "embedding", model.embed.quant_axis, 2))
     for path, weight, axis, ndim in found:

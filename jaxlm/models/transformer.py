@@ -22,7 +22,7 @@ from jaxlm import precision
 from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
-from jaxlm.models import aux, layers, pipeline_parallel
+from jaxlm.models import aux, layers, pipeline_parallel, transforms
 from jaxlm.models.attention import (
     CACHE_AXES,
     IMPLEMENTATIONS,
@@ -295,10 +295,23 @@ class ModelConfig:
             return layers.fp8_einsum
         return layers.accumulating_einsum if self.accumulating_dots else jnp.einsum
 
-    def projection_kw(self, name: str) -> dict:
-        """The storage and contraction arguments of `layers.Projection` for the projections called `name`."""
-        return dict(quant=self.quant_of(name), qat=self.qat_of(name), masked=name in self.prune_targets,
-                    einsum_op=self.einsum_op)
+    def projection(self, name: str, equation: str, shape: tuple[int, ...], names: tuple, **kwargs) -> layers.Projection:
+        """A projection called `name` (wq, w_down, unembed, ...): a plain `layers.Projection`, or the class of
+        the transforms this model gives it (`jaxlm.models.transforms`: a quantized, fake-quantized or masked
+        kernel, a LoRA adapter), with the model's contraction. `kwargs`: init, dtype, param_dtype, rngs."""
+        parts, extra = set(), {}
+        if (spec := self.quant_of(name)) is not None:
+            parts.add(transforms.QuantizedKernel)
+            extra["quant"] = spec
+        if (spec := self.qat_of(name)) is not None:
+            parts.add(transforms.FakeQuantizedKernel)
+            extra["qat"] = spec
+        if name in self.prune_targets:
+            parts.add(transforms.MaskedKernel)
+        if self.lora_rank_of(name):
+            parts.add(transforms.Adapted)
+        cls = transforms.projection_class(frozenset(parts))
+        return cls(equation, shape, names, einsum_op=self.einsum_op, **extra, **kwargs)
 
     def lora_rank_of(self, name: str) -> int:
         """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
@@ -558,9 +571,10 @@ class Block(nnx.Module):
 
 
 def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    """LoRA adapters on the block's projections that `cfg.lora_targets` names (`Projection.add_adapter`)."""
+    """LoRA adapters on the block's projections that `cfg.lora_targets` names (`transforms.Adapted`)."""
     for path, projection in list(layers.projections(block)):
-        projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
+        if isinstance(projection, transforms.Adapted):
+            projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
 
 
 def _pipelined_block(x, block, key, positions, segment_ids):
@@ -606,16 +620,16 @@ class Transformer(nnx.Module):
             cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.use_bias, rngs=rngs
         )
         if not cfg.tie_embeddings:
-            self.unembed = layers.Projection(
-                "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init=layers.normal(cfg.init_std),
-                dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs, **cfg.projection_kw("unembed"),
+            self.unembed = cfg.projection(
+                "unembed", "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                init=layers.normal(cfg.init_std), dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
             )
         # LoRA adapters, drawn after every base weight, so that these are the same with or without
         # adapters (one seed, one base model). The unembedding's (when lora.targets names it) has no dropout.
         if not cfg.scan_layers:
             for block in self.blocks:
                 add_adapters(block, cfg, rngs)
-        if not cfg.tie_embeddings:
+        if not cfg.tie_embeddings and isinstance(self.unembed, transforms.Adapted):
             self.unembed.add_adapter(cfg.lora_rank_of("unembed"), cfg.lora_alpha, rngs=rngs)
 
     def __call__(

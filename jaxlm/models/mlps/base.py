@@ -98,8 +98,8 @@ class MLP(nnx.Module):
         for name, (i, o) in self.projections.items():
             init = layers.normal(cfg.residual_init_std if o == EMBED else cfg.init_std)
             shape = (cfg.d_model, cfg.mlp_dim) if i == EMBED else (cfg.mlp_dim, cfg.d_model)
-            setattr(self, name, layers.Projection(_EQUATIONS[i, o], shape, (i, o), init=init, dtype=cfg.dtype,
-                                                  param_dtype=cfg.param_dtype, rngs=rngs, **cfg.projection_kw(name)))
+            setattr(self, name, cfg.projection(name, _EQUATIONS[i, o], shape, (i, o), init=init, dtype=cfg.dtype,
+                                               param_dtype=cfg.param_dtype, rngs=rngs))
 
     def build_biases(self, cfg, rngs: nnx.Rngs) -> None:
         """The biases of `biases`, zeros, when the model has biases (a hidden one split like the hidden

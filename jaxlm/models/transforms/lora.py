@@ -1,0 +1,84 @@
+"""LoRA adapters on a projection (Hu et al., 2021): y = x W + (alpha / rank) (dropout(x) A) B.
+
+The projection keeps its kernel (plain, quantized or masked); `Adapted` adds A and B beside it and
+their term to its output. What to do with trained adapters (merge, export to PEFT) is `jaxlm.lora`'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.models import layers
+
+# The logical name of an adapter's rank dimension: small, never sharded (mesh.default_rules maps it to none).
+LORA_RANK_AXIS = "lora_rank"
+
+
+def lora_equations(equation: str) -> tuple[str, str]:
+    """The two contractions of a LoRA adapter beside `einsum(equation, x, kernel)`: (x, A) -> h and
+    (h, B) -> y, where A holds the kernel's input (contracted) dimensions then a rank dimension and B
+    the rank dimension then the kernel's output dimensions. wq's "btd,dnh->btnh" gives
+    ("btd,dr->btr", "btr,rnh->btnh"); wo's "btnh,nhd->btd" gives ("btnh,nhr->btr", "btr,rd->btd")."""
+    lhs, out = equation.split("->")
+    x, kernel = lhs.split(",")
+    r = next(c for c in "rzyxwqponmlkjigfeca" if c not in equation)
+    a = "".join(c for c in kernel if c in x) + r
+    b = r + "".join(c for c in kernel if c not in x)
+    h = "".join(c for c in x if c not in kernel) + r
+    return f"{x},{a}->{h}", f"{h},{b}->{out}"
+
+
+class Adapted(layers.Projection):
+    """A projection with a LoRA adapter, once `add_adapter` ran (after every base weight of the model is
+    drawn, so that those are the same with or without adapters: one seed, one base model)."""
+
+    def store_kernel(self, kernel) -> None:
+        super().store_kernel(kernel)
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
+        self.lora_scale, self.lora_dropout = 0.0, 0.0
+
+    def add_adapter(self, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
+        """A [the kernel's input dims..., rank] starts as PEFT's (kaiming-uniform, U(-1, 1) / sqrt(fan_in)),
+        B [rank, the kernel's output dims...] at zero, so a new adapter changes nothing. Both are
+        `nnx.LoRAParam`s (an `nnx.Param` subclass: `optim.trainable=type:LoRAParam` selects them), in
+        float32 and cast to the compute dtype like the kernel, decayed like any matrix (PEFT's
+        convention under Hugging Face's Trainer). Their logical names are the kernel's input names +
+        `lora_rank` and `lora_rank` + its output names, so they shard like the kernel under any rules.
+        """
+        shape, names = self.kernel_shape, self.kernel_names
+        ins, outs = self.in_axes, tuple(i for i in range(len(shape)) if i not in self.in_axes)
+        bound = 1.0 / math.sqrt(math.prod(shape[i] for i in ins))
+        a_shape = (*(shape[i] for i in ins), rank)
+        b_shape = (rank, *(shape[i] for i in outs))
+        self.lora_a = nnx.LoRAParam(jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound),
+                                    out_sharding=(*(names[i] for i in ins), LORA_RANK_AXIS), decay=True,
+                                    eager_sharding=False)
+        self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32),
+                                    out_sharding=(LORA_RANK_AXIS, *(names[i] for i in outs)), decay=True,
+                                    eager_sharding=False)
+        self.lora_scale, self.lora_dropout = alpha / rank, dropout
+
+    def adapter(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The adapter's term, (alpha / rank) (dropout(x) A) B, in the compute dtype, shaped like the output."""
+        to_h, to_y = lora_equations(self.equation)
+        h = jnp.einsum(to_h, layers.dropout(x, self.lora_dropout, dropout_key), self.lora_a[...].astype(self.dtype))
+        return jnp.einsum(to_y, h * jnp.asarray(self.lora_scale, self.dtype), self.lora_b[...].astype(self.dtype))
+
+    @property
+    def fusable(self) -> bool:
+        return False
+
+    def cast_leaves(self) -> dict[str, object]:
+        out = super().cast_leaves()
+        if self.lora_a is not None:
+            out.update(lora_a=self.dtype, lora_b=self.dtype)
+        return out
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`dropout_key`: the adapter's dropout (training only); the kernel's contraction has none."""
+        y = super().__call__(x, dropout_key)
+        return y if self.lora_a is None else y + self.adapter(x, dropout_key)
