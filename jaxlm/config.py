@@ -20,7 +20,6 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from jaxlm import loss_scale
 from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
@@ -252,7 +251,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                                             compress=cfg.compress)
     _check(not cfg.checkpoint.keep_best or d.val_tokens > 0, "checkpoint.keep_best", cfg.checkpoint.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
-    loss_scale.validate(cfg)
+    if o.loss_scale == "dynamic" and m.dtype == "float32":
+        raise UserError("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed: float32 "
+                        "gradients do not underflow; use loss_scale='auto' or a float16 model.dtype")
 
 
 # ----------------------------------------------------------------------------- derived values

@@ -17,9 +17,6 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-import ml_collections
-
-from jaxlm.errors import UserError
 
 MIN_SCALE = 1.0  # the scale never goes below this: an overflow at 1 is a real non-finite gradient
 FACTOR = 2.0  # halved on overflow, doubled after `period` finite steps
@@ -44,23 +41,7 @@ class LossScale:
         return LossScale(scale=scale.astype(jnp.float32), good_steps=good.astype(jnp.int32))
 
 
-def enabled(cfg: ml_collections.ConfigDict, compute_dtype) -> bool:
-    """Whether the run scales its loss: `optim.loss_scale` dynamic, or auto with float16 compute
+def enabled(mode: str, compute_dtype) -> bool:
+    """Whether a run scales its loss: `optim.loss_scale` (`mode`) dynamic, or auto with float16 compute
     (`compute_dtype`: the model's, `model.dtype=auto` resolved)."""
-    mode = cfg.optim.loss_scale
     return mode == "dynamic" or (mode == "auto" and jnp.dtype(compute_dtype) == jnp.float16)
-
-
-def validate(cfg: ml_collections.ConfigDict) -> None:
-    o = cfg.optim
-    if o.loss_scale not in ("auto", "dynamic", "none"):
-        raise UserError(f"config.optim.loss_scale={o.loss_scale!r} is not allowed: one of 'auto' (dynamic with "
-                        f"float16 compute), 'dynamic', 'none'")
-    if o.loss_scale == "dynamic" and cfg.model.dtype == "float32":
-        raise UserError("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed: float32 "
-                        "gradients do not underflow; use loss_scale='auto' or a float16 model.dtype")
-    if not o.loss_scale_init >= 1:
-        raise UserError(f"config.optim.loss_scale_init={o.loss_scale_init!r} is not allowed: 1 or more (e.g. 32768)")
-    if not o.loss_scale_period >= 1:
-        raise UserError(f"config.optim.loss_scale_period={o.loss_scale_period!r} is not allowed: finite steps "
-                        f"before the scale doubles, 1 or more (e.g. 2000)")

@@ -74,6 +74,11 @@ class OptimConfig(Section):
         check(self.on_nonfinite in ("skip", "stop"), self.key("on_nonfinite"), self.on_nonfinite, "'skip' or 'stop'")
         check(self.micro_batches >= 0, self.key("micro_batches"), self.micro_batches,
               "a positive integer, or 0 for as few as fit in device memory")
+        check(self.loss_scale in ("auto", "dynamic", "none"), self.key("loss_scale"), self.loss_scale,
+              "one of 'auto' (dynamic with float16 compute), 'dynamic', 'none'")
+        check(self.loss_scale_init >= 1, self.key("loss_scale_init"), self.loss_scale_init, "1 or more (e.g. 32768)")
+        check(self.loss_scale_period >= 1, self.key("loss_scale_period"), self.loss_scale_period,
+              "finite steps before the scale doubles, 1 or more (e.g. 2000)")
 
 
 def make_schedule(o, total_steps: int) -> optax.Schedule:

@@ -579,7 +579,7 @@ def _compute_dtype(cfg: ml_collections.ConfigDict, saved: dict) -> tuple[ml_coll
     checkpoint was trained in (a float16 run carries a loss scale in its state)."""
     device = jax.local_devices()[0]
     if cfg.model.dtype != "auto":
-        scaled = " with dynamic loss scaling" if loss_scale.enabled(cfg, cfg.model.dtype) else ""
+        scaled = " with dynamic loss scaling" if loss_scale.enabled(cfg.optim.loss_scale, cfg.model.dtype) else ""
         return cfg, f"compute {cfg.model.dtype}{scaled} (model.dtype)"
     chosen, why = precision.auto_dtype(device.platform, precision.compute_capability(device))
     earlier = saved.get("config", {}).get("model", {}).get("dtype")  # a run from before auto existed

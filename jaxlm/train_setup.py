@@ -127,7 +127,7 @@ def build(
     hooks = pruning_masks.step_hooks(model_cfg, cfg.compress)  # the model's transforms' parts of the step
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
                                         extra=[t for hook in hooks for t in hook.optimizer_transforms()])
-    scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg, model_cfg.dtype) else 0.0
+    scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg.optim.loss_scale, model_cfg.dtype) else 0.0
     if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
                                                             loss_scale=scale)

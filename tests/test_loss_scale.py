@@ -104,10 +104,11 @@ def test_bfloat16_and_float32_runs_carry_no_scale():
     import jax.numpy as jnp
 
     cfg = config.load_recipe("tiny")
-    assert loss_scale.enabled(cfg, jnp.float16)
-    assert not loss_scale.enabled(cfg, jnp.bfloat16) and not loss_scale.enabled(cfg, jnp.float32)
+    mode = cfg.optim.loss_scale
+    assert loss_scale.enabled(mode, jnp.float16)
+    assert not loss_scale.enabled(mode, jnp.bfloat16) and not loss_scale.enabled(mode, jnp.float32)
     config.apply_overrides(cfg, [("optim.loss_scale", "dynamic")])
-    assert loss_scale.enabled(cfg, jnp.bfloat16)
+    assert loss_scale.enabled(cfg.optim.loss_scale, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("platform, capability, expected", [
