@@ -330,7 +330,7 @@ def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[s
 def _write_peft(directory: pathlib.Path, base: pathlib.Path, tensors: dict[str, np.ndarray], modules: dict[str, str],
                 cfg) -> None:
     """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter."""
-    settings = lora.peft_settings(cfg)
+    settings = cfg.lora.peft_settings()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     _write_json(directory / "adapter_config.json", {

@@ -95,13 +95,16 @@ def model_config(cfg: ml_collections.ConfigDict, platform: str, dtype: str | Non
     """The run's model for inference: no dropout or remat; its LoRA adapters (config.lora), if any; the
     attention kernel chosen for `platform` (a run trained with cuDNN attention is evaluated on a CPU with
     XLA's); `dtype` overrides the compute dtype."""
-    overrides: dict[str, Any] = dict(dropout=0.0, lora_dropout=0.0, remat="none")
+    overrides: dict[str, Any] = dict(dropout=0.0, remat="none")
     if dtype:
         if dtype not in transformer.DTYPES:
             raise UserError(f"--dtype={dtype}: use one of {', '.join(transformer.DTYPES)}")
         overrides["dtype"] = transformer.DTYPES[dtype]
-    return transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", lora=cfg.lora,
-                                               compress=cfg.compress, **overrides)
+    model_cfg = transformer.ModelConfig.from_config(cfg.model, platform, attention="auto", lora=cfg.lora,
+                                                    compress=cfg.compress, **overrides)
+    if model_cfg.lora is not None:  # the adapters' dropout off too
+        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, dropout=0.0))
+    return model_cfg
 
 
 def make_inference_mesh(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig, model_spec, devices,

@@ -211,11 +211,11 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     # A pruning run from a dense source reads the kernels, its masks start all True.
     saved = compressed_structure(_read_config(source, flag))
     target = lora.base_params(setup.state.params)
-    quantized = setup.model_cfg.quant is not None and not saved.get("quantize")
-    unmasked = bool(setup.model_cfg.prune_targets) and not float(saved.get("sparsity", 0) or 0) > 0
+    quantized = setup.model_cfg.stored_quant is not None and not saved.get("quantize")
+    unmasked = setup.model_cfg.pruned is not None and not float(saved.get("sparsity", 0) or 0) > 0
     if quantized or unmasked:
-        read_cfg = dataclasses.replace(setup.model_cfg, quantize="" if quantized else setup.model_cfg.quantize,
-                                       prune_targets=() if unmasked else setup.model_cfg.prune_targets)
+        read_cfg = dataclasses.replace(setup.model_cfg, quantized=None if quantized else setup.model_cfg.quantized,
+                                       pruned=None if unmasked else setup.model_cfg.pruned)
         abstract, *_ = train_state.abstract_state(read_cfg, optax.identity(), setup.mesh, setup.rules)
         target = lora.base_params(abstract.params)
     try:  # onto the abstract params: the new run's shardings and param_dtype
@@ -227,7 +227,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
         params = quantize_base(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if unmasked:
         params = pruning_masks.add_masks(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
-    if setup.model_cfg.lora_targets:
+    if setup.model_cfg.lora is not None:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)
     scale = None if setup.state.loss_scale is None else cfg.optim.loss_scale_init

@@ -19,10 +19,11 @@ scanned layers stacked on a leading axis):
 - `adapter_params` / `base_params` split the adapters from the rest; `fill_missing` completes
   parameters read from a checkpoint without adapters with freshly initialised ones (`init_adapters`),
   which is how a LoRA run starts from a base run (`run.init_from`).
-- `adapters` and `peft_settings` give, per adapted projection and layer, A and B shaped like the
-  kernel's input and output dimensions, and the rank, alpha and targets: what an exporter to PEFT's
-  format (adapter_config.json, adapter_model.safetensors) needs. PEFT's lora_A.weight is [rank, inputs]
-  and lora_B.weight [outputs, rank] with its scaling lora_alpha / r per module, the same as here.
+- `adapters` and the transform's `peft_settings` (`ModelConfig.lora`) give, per adapted projection and
+  layer, A and B shaped like the kernel's input and output dimensions, and the rank, alpha and
+  targets: what an exporter to PEFT's format (adapter_config.json, adapter_model.safetensors) needs.
+  PEFT's lora_A.weight is [rank, inputs] and lora_B.weight [outputs, rank] with its scaling
+  lora_alpha / r per module, the same as here.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ ADAPTER_KEYS = ("lora_a", "lora_b")
 def without_lora(cfg: ModelConfig) -> ModelConfig:
     """The same model without adapters, and without QLoRA's quantization of the base: what `merge`
     returns the parameters of (float kernels)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), lora_dropout=0.0, quantize="")
+    return dataclasses.replace(cfg, lora=None, quantized=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ def sites(cfg: ModelConfig) -> tuple[Site, ...]:
         names = names[1:] if stacked else names
         ins = projection.in_axes
         out.append(Site(path=tuple(path), name=path[-1], equation=projection.equation,
-                        rank=cfg.lora_rank_of(path[-1]), scale=projection.lora_scale, stacked=stacked,
+                        rank=cfg.lora.rank_of(path[-1]), scale=projection.lora_scale, stacked=stacked,
                         input_names=tuple(names[i] for i in ins),
                         output_names=tuple(n for i, n in enumerate(names) if i not in ins)))
     return tuple(out)
@@ -231,23 +232,9 @@ def adapters(params: dict, cfg: ModelConfig) -> list[Adapter]:
         node = _get(params, site.path)
         a, b = node["lora_a"], node["lora_b"]
         per_layer = [(i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
-        out += [Adapter(name=site.name, layer=layer, a=la, b=lb, rank=site.rank, alpha=cfg.lora_alpha,
+        out += [Adapter(name=site.name, layer=layer, a=la, b=lb, rank=site.rank, alpha=cfg.lora.alpha,
                         input_names=site.input_names, output_names=site.output_names) for layer, la, lb in per_layer]
     return sorted(out, key=lambda x: (x.layer is None, x.layer or 0, x.name))
-
-
-def peft_settings(cfg: ModelConfig) -> dict[str, Any]:
-    """PEFT's LoraConfig fields for these adapters, with jaxlm's projection names in `target_modules`
-    and `rank_pattern` (an exporter maps them to the checkpoint's, e.g. wq -> q_proj)."""
-    return {
-        "r": cfg.lora_rank,
-        "lora_alpha": cfg.lora_alpha,
-        "target_modules": list(cfg.lora_targets),
-        "rank_pattern": {name: rank for name, rank in cfg.lora_ranks if rank != cfg.lora_rank},
-        "lora_dropout": cfg.lora_dropout,
-        "bias": "none",
-        "use_rslora": False,  # the scale is alpha / rank, not alpha / sqrt(rank)
-    }
 
 
 def init_adapters(cfg: ModelConfig, param_shardings: dict, mesh: jax.sharding.Mesh, seed: int = 0) -> dict:

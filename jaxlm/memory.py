@@ -281,7 +281,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`
-    fp8 = (2 * s.x + s.q + s.mlp) if m.fp8_dots else 0.0
+    fp8 = (2 * s.x + s.q + s.mlp) if m.matmul == "fp8" else 0.0
     if policy == "dots_no_batch":
         return block_input + projections + fused + fp8
     if policy in ("dots", "dots_mlp"):  # also the attention's batched matmuls (XLA attention only)
@@ -425,7 +425,7 @@ def estimate(
     # Weights that one layer's backward (and the loss) holds at full size over fsdp and data (still
     # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
     tensor = sizes["tensor"]
-    bits = m.quant.bits if m.quant else 4
+    bits = m.stored_quant.bits if m.stored_quant else 4
     layer_params = [n / m.n_layers for n in tree_weights(state.params["blocks"], bits)]  # (per device, all)
     full_weights = [2 * F32 * layer_params[1] / tensor, 2 * F32 * layer_params[1]]
     # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
@@ -441,7 +441,8 @@ def estimate(
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
-        if m.fp8_dots and m.remat in ("dots", "dots_mlp", "dots_no_batch"):  # each layer's weights in float8, gathered
+        # each layer's weights in float8, gathered
+        if m.matmul == "fp8" and m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             saved += m.n_layers * layer_params[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if m.attention != "cudnn":
@@ -464,13 +465,12 @@ def estimate(
 
     saved, layer, logits, workspace = activations(sizes, 0)
     saved_total, layer_total, logits_total, workspace_total = activations({axis: 1 for axis in sizes}, 1)
-    selection = cfg.optim.trainable or (train_state.LORA_TRAINABLE if m.lora_targets else "")  # build_model_spec's
+    selection = cfg.optim.trainable or (train_state.LORA_TRAINABLE if m.lora is not None else "")  # build_model_spec's
     trainable_note = "" if trainable_bytes == param_bytes else f", trainable only (optim.trainable={selection!r})"
     rows = [
-        Row("parameters", *param_bytes, _dtype_name(m.param_dtype) + (
-            f", {', '.join(m.quant_targets)} in {m.quantize} (group {m.quant_group or 'per channel'}"
-            f"{', double quant' if m.double_quant else ''})" if m.quant else "")
-            + (", pruning masks (bool)" if m.prune_targets else "")),
+        Row("parameters", *param_bytes, _dtype_name(m.param_dtype)
+            + (f", {m.quantized.describe()}" if m.stored_quant else "")
+            + (", pruning masks (bool)" if m.pruned is not None else "")),
         *([Row("gradients", *accumulator, f"float32, summed over {cfg.optim.micro_batches} micro-batches"
                + trainable_note)] if accumulate else
           [Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note)]),

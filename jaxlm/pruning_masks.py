@@ -51,7 +51,7 @@ class PruningHook:
 def step_hooks(model_cfg: transformer.ModelConfig, compress) -> list[PruningHook]:
     """The train step's hooks for a model with pruned projections (none without): gradual pruning when
     the `config.compress` section schedules it (compress.prune_end > 0)."""
-    if not model_cfg.prune_targets:
+    if model_cfg.pruned is None:
         return []
     gradual = dict(final=compress.sparsity, start=compress.prune_start, end=compress.prune_end,
                    every=compress.prune_every) if compress.prune_end > 0 else None

@@ -356,7 +356,7 @@ def make_train_step(
         raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.train_setup.resolve_config)")
     micro_batches, z_loss, loss_scale_period = optim.micro_batches, optim.z_loss, optim.loss_scale_period
     cfg = model_spec.cfg
-    dropout = cfg is not None and (cfg.dropout > 0 or cfg.lora_dropout > 0)
+    dropout = cfg is not None and (cfg.dropout > 0 or (cfg.lora is not None and cfg.lora.dropout > 0))
     loss_chunk_len = cfg.loss_chunk_len if cfg is not None else 0
     attention_segments = cfg.attention_segments if cfg is not None else 0
     grad_numerics, grad_norm_per_layer = metrics.grad_numerics, metrics.grad_norm_per_layer

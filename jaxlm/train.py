@@ -426,7 +426,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     if predicted:
         console(f"jaxlm: predicted: {energy.format_prediction(predicted, f'{cfg.run.steps - resume_step:,} steps')}")
     if setup.init_from:
-        bits = setup.model_cfg.quant.bits if setup.model_cfg.quant else 4
+        bits = setup.model_cfg.stored_quant.bits if setup.model_cfg.stored_quant else 4
         console(f"jaxlm: {init_from.describe(setup.init_from, state.params, bits)}")
     if jax.process_index() == 0:
         data.tokenizer.save(run_dir / data.tokenizer.file_name)

@@ -193,9 +193,9 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     """Structure and metadata of the model, from an abstract build (no arrays allocated);
     `trainable` is `optim.trainable` (`trainable_filter`): empty, every parameter trains, or with LoRA
-    adapters (`cfg.lora_targets`) the adapters alone (`LORA_TRAINABLE`). Quantized weights and pruning
+    adapters (`cfg.lora`) the adapters alone (`LORA_TRAINABLE`). Quantized weights and pruning
     masks (`layers.Frozen`: QLoRA's 4-bit base, a compressed model's codes) never train, whatever it selects."""
-    trainable = trainable or (LORA_TRAINABLE if cfg.lora_targets else "")
+    trainable = trainable or (LORA_TRAINABLE if cfg.lora is not None else "")
     # With no mesh in scope: under one, nnx.eval_shape would map the logical names without the rules.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))

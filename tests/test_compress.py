@@ -199,7 +199,7 @@ def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(fac
     floats.identical(saved["after"]["corpus"]["loss"], report["after"]["corpus"]["loss"], why=floats.MOVED)
     assert "| loss (val) |" in (out / "compress_report.md").read_text()
     # the model computes with exactly the round-to-nearest weights of the source's kernels
-    spec = run.model_cfg.quant
+    spec = run.model_cfg.stored_quant
     w = jax.vmap(lambda k: quant.dequantize(quant.quantize(k, spec, 0), spec, 0))(
         source.params["blocks"]["mlp"]["w_up"]["kernel"])
     stored = {k[len("kernel_"):]: v for k, v in run.params["blocks"]["mlp"]["w_up"].items()}
@@ -375,12 +375,14 @@ def test_a_compressed_model_counts_the_weights_it_stands_for():
     from helpers import small_config
     from jaxlm import train_state
     from jaxlm.models import transformer
+    from jaxlm.models.transforms import Pruned, Quantized
 
-    for fields in (dict(prune_targets=("wq", "w_up")), dict(quantize="int3", quant_group=16, quant_targets=("wq", "wo")),
-                   dict(quantize="int8", quant_group=0, quant_targets=("w_down",), prune_targets=("w_down",)),
-                   dict(quantize="int4", quant_group=16, quant_targets=("embed", "wv")),
-                   dict(quantize="int4", quant_group=16, quant_targets=("embed",), tie_embeddings=True)):
+    for fields in (dict(pruned=Pruned(("wq", "w_up"))),
+                   dict(quantized=Quantized(quant.QuantSpec("int3", 16), ("wq", "wo"))),
+                   dict(quantized=Quantized(quant.QuantSpec("int8", 0), ("w_down",)), pruned=Pruned(("w_down",))),
+                   dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("embed", "wv"))),
+                   dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("embed",)), tie_embeddings=True)):
         cfg = small_config(**fields)
         params = jax.eval_shape(lambda c=cfg: nnx.to_pure_dict(nnx.state(train_state.build_model(c))))
-        bits = cfg.quant.bits if cfg.quant else 4
+        bits = cfg.stored_quant.bits if cfg.stored_quant else 4
         assert quant.count(params, bits) == transformer.param_count(cfg)["total"], fields

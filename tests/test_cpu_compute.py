@@ -60,7 +60,7 @@ def test_accumulating_einsum_is_the_float32_einsum_rounded_forward_and_backward(
 def test_auto_accumulates_on_a_cpu_in_bfloat16_only():
     def resolved(platform, **model):
         m = config.recipe("tiny", **{f"model__{k}": v for k, v in model.items()}).model
-        return transformer.ModelConfig.from_config(m, platform, log_choice=False).accumulating_dots
+        return transformer.ModelConfig.from_config(m, platform, log_choice=False).matmul == "accumulate"
 
     assert resolved("cpu") is True  # tiny computes in bfloat16
     assert resolved("cpu", dtype="float32") is False
@@ -102,7 +102,7 @@ def test_the_compiled_cpu_step_runs_the_projections_dots_in_bfloat16():
     counts = {}
     for matmul in ("xla", "auto"):
         t, batch = _step_and_batch(matmul, n_layers)
-        assert t.model_cfg.accumulating_dots is (matmul == "auto")
+        assert (t.model_cfg.matmul == "accumulate") is (matmul == "auto")
         with jax.set_mesh(t.mesh):
             counts[matmul] = _dots_by_operand_dtype(t.train_step.lower(t.state, batch).compile().as_text())
     # each projection: its forward dot and its two gradients' dots, all on bfloat16 operands

@@ -20,14 +20,14 @@ from jaxlm import config, inference, init_from, lora, memory, optim, steps, trai
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
-from jaxlm.models.transforms.lora import lora_equations
+from jaxlm.models.transforms.lora import LoRA, lora_equations
 
 ATTENTION = ("wq", "wk", "wv", "wo")
 ALL_LLAMA = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def lora_config(rank=4, targets=ATTENTION, ranks=(), **kw):
-    return small_config(lora_rank=rank, lora_alpha=8.0, lora_targets=tuple(targets), lora_ranks=tuple(ranks), **kw)
+def lora_config(rank=4, targets=ATTENTION, ranks=(), dropout=0.0, **kw):
+    return small_config(lora=LoRA(rank, 8.0, tuple(targets), tuple(ranks), dropout), **kw)
 
 
 def params_of(cfg, seed=0):
@@ -119,7 +119,7 @@ def test_per_module_ranks_and_param_count():
     assert counts["lora"] == adapters == 2 * (16 * (64 + 64) + 3 * 4 * (64 + 64) + 2 * 4 * (64 + 128) + 2 * (128 + 64))
     assert counts["total"] == sum(x.size for x in jax.tree.leaves(params_of(cfg)))
     # From the config: the scale is alpha / rank per module, as PEFT's rank_pattern
-    settings = lora.peft_settings(cfg)
+    settings = cfg.lora.peft_settings()
     assert settings["r"] == 4 and settings["rank_pattern"] == {"w_down": 2, "wq": 16}
     assert [s.scale for s in lora.sites(cfg) if s.name == "wq"] == [8.0 / 16]
 
@@ -127,12 +127,12 @@ def test_per_module_ranks_and_param_count():
 def test_the_config_section_resolves_all_and_names_that_match_nothing_are_one_line():
     cfg = config.recipe("tiny", lora__rank=8, lora__targets="all", lora__ranks="w_up:2", lora__alpha=32.0)
     m = transformer.ModelConfig.from_config(cfg.model, "cpu", lora=cfg.lora)
-    assert set(m.lora_targets) == set(ALL_LLAMA) and m.lora_rank_of("w_up") == 2 and m.lora_rank_of("wq") == 8
-    assert m.lora_rank_of("unembed") == 0 and m.lora_alpha == 32.0
+    assert set(m.lora.targets) == set(ALL_LLAMA) and m.lora.rank_of("w_up") == 2 and m.lora.rank_of("wq") == 8
+    assert m.lora.rank_of("unembed") == 0 and m.lora.alpha == 32.0
     gelu = config.recipe("tiny", model__variant="gpt2", lora__rank=8, lora__targets="all,unembed")
-    assert transformer.ModelConfig.from_config(gelu.model, "cpu", lora=gelu.lora).lora_targets == (
+    assert transformer.ModelConfig.from_config(gelu.model, "cpu", lora=gelu.lora).lora.targets == (
         "w_in", "w_out", "wk", "wo", "wq", "wv", "unembed")
-    assert not transformer.ModelConfig.from_config(config.recipe("tiny").model, "cpu").lora_targets  # default: off
+    assert transformer.ModelConfig.from_config(config.recipe("tiny").model, "cpu").lora is None  # default: off
     for overrides, message in [
         (dict(lora__targets="wq,q_proj"), r"config.lora.targets='wq,q_proj': 'q_proj' is not a projection of this "
                                           r"model; its projections: unembed, w_down, w_gate, w_up, wk, wo, wq, wv, "
@@ -181,7 +181,7 @@ def _train(model_cfg, n_steps, mesh_shape=(2, 1, 2, 2), trainable="", lr=1e-2):
 
 
 def test_only_the_adapters_train_the_base_stays_bit_equal_and_the_loss_goes_down():
-    cfg = lora_config(targets=ALL_LLAMA, lora_dropout=0.1)
+    cfg = lora_config(targets=ALL_LLAMA, dropout=0.1)
     model_spec, before, state, losses = _train(cfg, 12)
     after = flat(jax.device_get(state.params))
     adapters = [p for p in after if "lora_" in p]
@@ -253,11 +253,12 @@ def test_scanned_and_unscanned_layers_agree_with_adapters():
 
 
 def test_adapter_dropout_acts_in_training_only():
-    cfg = lora_config(lora_dropout=0.5)
+    cfg = lora_config(dropout=0.5)
     params = with_random_b(params_of(cfg))
     plain = forward(cfg, params, TOKENS)
     # Without a key dropout is left out of the trace: both configs lower to the same program.
-    floats.identical(forward(dataclasses.replace(cfg, lora_dropout=0.0), params, TOKENS), plain,
+    floats.identical(forward(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, dropout=0.0)), params, TOKENS),
+                     plain,
                      why=floats.SAME_PROGRAM)
     dropped = forward(cfg, params, TOKENS, jax.random.key(3))
     assert not np.allclose(dropped, plain, atol=1e-4)
@@ -301,7 +302,7 @@ def test_a_lora_run_starts_from_a_base_run_trains_its_adapters_and_evaluates_wit
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialized from" in result.stdout
     run = inference.load_run(tmp_path / "lora")
-    assert run.step == 6 and run.model_cfg.lora_rank == 4 and len(run.model_cfg.lora_targets) == 7
+    assert run.step == 6 and run.model_cfg.lora.rank == 4 and len(run.model_cfg.lora.targets) == 7
     tuned = flat(jax.device_get(run.params))
     # the base: bit-equal to the source's (read from its checkpoint, frozen, saved and read back)
     floats.identical({p: tuned[p] for p in theirs}, theirs, why=floats.MOVED)

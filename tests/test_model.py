@@ -12,6 +12,7 @@ from flax import nnx
 from helpers import small_config
 from jaxlm.models import attention
 from jaxlm.models.transformer import Transformer, flops_per_token, param_count
+from jaxlm.models.transforms import LoRA
 from jaxlm.train_state import build_model, build_model_spec
 
 
@@ -94,9 +95,8 @@ def test_dropout_is_active_only_with_a_key():
         dict(scan_layers=False, use_bias=True),
         dict(qkv_bias=True, n_kv_heads=2),  # Qwen2: q/k/v biases alone
         # LoRA adapters (a `lora` entry): per-module ranks, the unembedding's, unscanned, GELU's projections
-        dict(lora_rank=4, lora_targets=("wq", "wk", "wv", "wo", "w_down", "unembed"), lora_ranks=(("wq", 8),),
-             n_kv_heads=2),
-        dict(lora_rank=2, lora_targets=("w_in", "w_out", "wo"), mlp="gelu", norm="layernorm", use_bias=True,
+        dict(lora=LoRA(4, 16.0, ("wq", "wk", "wv", "wo", "w_down", "unembed"), (("wq", 8),)), n_kv_heads=2),
+        dict(lora=LoRA(2, 16.0, ("w_in", "w_out", "wo")), mlp="gelu", norm="layernorm", use_bias=True,
              scan_layers=False),
     ],
 )
@@ -106,7 +106,7 @@ def test_param_count_from_config_equals_the_built_model(kw):
     built = sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["total"] == built
     adapters = sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
-    assert param_count(cfg)["lora"] == adapters and (adapters > 0) == bool(cfg.lora_targets)
+    assert param_count(cfg)["lora"] == adapters and (adapters > 0) == (cfg.lora is not None)
 
 
 def test_flops_per_token_matches_a_hand_count():
@@ -367,8 +367,8 @@ def _dot_generals(jaxpr) -> int:
     (dict(n_kv_heads=2, remat="dots_mlp"), True, True),  # ... and kept
     (dict(n_kv_heads=2, remat="full"), True, False),
     (dict(n_kv_heads=8), False, True),  # every head its own key and value: three
-    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("wq",)), False, True),  # an adapter on q: three
-    (dict(n_kv_heads=2, lora_rank=4, lora_targets=("w_up",)), True, False),  # an adapter on up: two
+    (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("wq",))), False, True),  # an adapter on q: three
+    (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("w_up",))), True, False),  # an adapter on up: two
 ])
 def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_and_gradients(kw, qkv, gate_up,
                                                                                             monkeypatch):
@@ -542,7 +542,7 @@ def test_no_compute_kernels_where_the_weight_is_not_a_plain_trained_kernel():
     """LoRA (the base frozen, the adapters not plain kernels), a part of a joint group frozen (the group is
     left to the model's own join, per micro-batch), the accumulating matmul: none or fewer `ComputeKernel`s."""
     cfg = small_config(n_kv_heads=4, remat="dots_mlp", tie_embeddings=False, scan_layers=False, n_layers=1)
-    assert not build_model_spec(dataclasses.replace(cfg, lora_rank=4, lora_targets=("wq", "wv"))).grad_kernels
-    assert not build_model_spec(dataclasses.replace(cfg, accumulating_dots=True)).grad_kernels
+    assert not build_model_spec(dataclasses.replace(cfg, lora=LoRA(4, 16.0, ("wq", "wv")))).grad_kernels
+    assert not build_model_spec(dataclasses.replace(cfg, matmul="accumulate")).grad_kernels
     only_q = build_model_spec(cfg, trainable="wq|w_gate|w_down")
     assert only_q.joints == () and only_q.grad_kernels == {("blocks", 0, "mlp", "w_down", "kernel")}

@@ -26,6 +26,7 @@ from jaxlm import config, inference, init_from, lora, memory, quant, train_setup
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import quantized, transformer
+from jaxlm.models.transforms import LoRA, Quantized
 
 BLOCKS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FORMATS = ("nf4", "int4")  # the 4-bit formats; tests/test_compress.py checks every format
@@ -108,7 +109,7 @@ def test_dequantization_error_is_within_the_bound_on_trained_weights(facts_run, 
     params = jax.device_get(inference.load_run(facts_run).params)
     spec, model_cfg = quant.QuantSpec(fmt, 64), inference.load_run(facts_run).model_cfg
     checked, relative = 0, []
-    for site in quantized.sites(dataclasses.replace(model_cfg, quantize=fmt, quant_targets=BLOCKS)):
+    for site in quantized.sites(dataclasses.replace(model_cfg, quantized=Quantized(quant.QuantSpec(fmt), BLOCKS))):
         w = np.asarray(params[site.path[0]][site.path[1]][site.path[2]]["kernel"])  # [layers, ...]
         axis = site.axis + 1
         g = quant.group_size(64, w.shape[axis])
@@ -153,9 +154,8 @@ ALIGNED = dict(d_model=128, n_heads=2, n_kv_heads=2, head_dim=64, mlp_dim=256)  
 def qlora_config(fmt="nf4", double=False, group=64, **kw):
     blocks = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if kw.get("mlp") != "gelu" else (
         "wq", "wk", "wv", "wo", "w_in", "w_out")
-    return small_config(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                                                    "w_down"),
-                        quantize=fmt, quant_group=group, double_quant=double, quant_targets=blocks, **kw)
+    return small_config(lora=LoRA(4, 8.0, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")),
+                        quantized=Quantized(quant.QuantSpec(fmt, group, double), blocks), **kw)
 
 
 @pytest.mark.parametrize("double, bytes_per_weight", [(False, 0.5625), (True, 0.5 + 1 / 64 + 4 / (64 * 256))])
@@ -178,7 +178,7 @@ def test_the_device_holds_the_base_in_4_bits(double, bytes_per_weight):
         {np.dtype("int8")} if double else set()))
     assert params["unembed"]["kernel"].dtype == np.float32 and "kernel" in params["unembed"]
     # parameters are counted by the weights they stand for
-    assert transformer.param_count(cfg) == transformer.param_count(dataclasses.replace(cfg, quantize=""))
+    assert transformer.param_count(cfg) == transformer.param_count(dataclasses.replace(cfg, quantized=None))
     assert quant.count(params) == transformer.param_count(cfg)["total"]
 
 
@@ -186,7 +186,8 @@ def test_the_device_holds_the_base_in_4_bits(double, bytes_per_weight):
 @pytest.mark.parametrize("kw", [{}, dict(scan_layers=False, mlp="gelu", norm="layernorm", use_bias=True)])
 def test_a_qlora_model_computes_with_the_dequantized_base_and_merges(kw):
     mlp = ("w_in", "w_out") if kw.get("mlp") == "gelu" else ("w_gate", "w_up", "w_down")
-    cfg = dataclasses.replace(qlora_config("int4", double=True, group=32, **kw), lora_targets=("wq", "wo") + mlp)
+    cfg = qlora_config("int4", double=True, group=32, **kw)
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, targets=("wq", "wo") + mlp))
     fresh = params = params_of(cfg)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -196,13 +197,13 @@ def test_a_qlora_model_computes_with_the_dequantized_base_and_merges(kw):
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 4, 96)
     adapted = forward(cfg, params, tokens)
     # the QLoRA model = the LoRA model whose kernels are the dequantized ones
-    unquantized = dataclasses.replace(cfg, quantize="")
+    unquantized = dataclasses.replace(cfg, quantized=None)
     np.testing.assert_allclose(forward(unquantized, quantized.dequantize_params(params, cfg), tokens), adapted,
                                rtol=1e-5, atol=1e-5)
     # merged: float kernels, the model without LoRA and without quantization
     merged = lora.merge(params, cfg)
     base_cfg = lora.without_lora(cfg)
-    assert base_cfg.quant is None and jax.tree.structure(merged) == jax.tree.structure(params_of(base_cfg))
+    assert base_cfg.quantized is None and jax.tree.structure(merged) == jax.tree.structure(params_of(base_cfg))
     assert all(v.dtype == np.float32 for v in flat(merged).values())
     np.testing.assert_allclose(forward(base_cfg, merged, tokens), adapted, rtol=1e-5, atol=1e-5)
     assert not np.allclose(forward(base_cfg, lora.base_weights(params, cfg), tokens), adapted, atol=1e-3)
@@ -275,7 +276,7 @@ def test_config_keys_are_checked_in_one_line():
         config.recipe("tiny", lora__rank=4, lora__quantize_base="nf4", lora__quant_group=48)
     cfg = config.recipe("tiny", lora__rank=4, lora__quantize_base="int4", lora__quant_group=512, lora__double_quant=True)
     m = transformer.ModelConfig.from_config(cfg.model, "cpu", lora=cfg.lora)
-    assert m.quant == quant.QuantSpec("int4", 512, True)  # 512 > every grouped axis: one group per row
+    assert m.stored_quant == quant.QuantSpec("int4", 512, True)  # 512 > every grouped axis: one group per row
 
 
 @pytest.mark.parametrize("double", [False, True])
@@ -358,7 +359,7 @@ def test_a_qlora_run_from_a_base_run_trains_its_adapters_resumes_exactly_and_eva
     assert code == 0 and "resuming from step 3" in out + err, err[-3000:]
     floats.identical(_losses(tmp_path / "parts"), losses, why=floats.SAME_PROGRAM)  # a resume: the same run
     whole, parts = inference.load_run(tmp_path / "whole"), inference.load_run(tmp_path / "parts")
-    assert whole.step == parts.step == 6 and whole.model_cfg.quant == quant.QuantSpec("nf4", 64, True)
+    assert whole.step == parts.step == 6 and whole.model_cfg.stored_quant == quant.QuantSpec("nf4", 64, True)
     trained, resumed = flat(jax.device_get(whole.params)), flat(jax.device_get(parts.params))
     floats.identical(resumed, trained, why=floats.SAME_PROGRAM)
     for path, value in trained.items():

@@ -41,6 +41,7 @@ from jaxlm.models.transformer import (
     matmul_params,
     param_count,
 )
+from jaxlm.models.transforms import LoRA
 
 NAMES = sorted(MLPS)
 REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
@@ -62,8 +63,8 @@ def test_every_entry_is_registered_under_its_own_name():
 @pytest.mark.parametrize("kind, name", COMPONENTS)
 def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
     targets = tuple(MLPS[name].projections) if kind == "mlp" else ("w_up",)
-    cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2, lora_rank=2,
-                       lora_targets=("wq", *targets), lora_ranks=((targets[0], 3),))
+    cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2,
+                       lora=LoRA(2, 16.0, ("wq", *targets), ((targets[0], 3),)))
     state = nnx.state(_built(cfg))
     assert param_count(cfg)["total"] == sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["lora"] == sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))

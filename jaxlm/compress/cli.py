@@ -54,17 +54,17 @@ def _params_bytes(params) -> int:
 
 def _float_cfg(model_cfg):
     """The source's model as float kernels (a QAT run's fake quantization off)."""
-    return dataclasses.replace(model_cfg, quantize="", quant_targets=(), qat=False)
+    return dataclasses.replace(model_cfg, quantized=None)
 
 
 def _resolve(run: inference.LoadedRun, overrides: Sequence[tuple[str, Any]]):
     """The output's config: the run's, with the command line's compress keys (a QAT run: its own format,
     now written for real)."""
     cfg = run.cfg.copy_and_resolve_references()
-    if run.model_cfg.quant is not None or run.model_cfg.prune_targets:
+    if run.model_cfg.stored_quant is not None or run.model_cfg.pruned is not None:
         raise UserError(f"{run.run_dir} is compressed already (compress.quantize={cfg.compress.quantize!r}, "
                         f"compress.sparsity={cfg.compress.sparsity}); compress the run it came from")
-    if run.model_cfg.lora_targets:
+    if run.model_cfg.lora is not None:
         raise UserError(f"{run.run_dir} has LoRA adapters (lora.rank={cfg.lora.rank}); merge them first "
                         f"(python -m jaxlm.hf export --adapters=merge, then import), and compress the merged run")
     bad = [key for key, _ in overrides if not key.startswith("compress.")]
@@ -134,7 +134,7 @@ def _target_bytes(params: dict, names: Sequence[str]) -> int:
 def measure(run: inference.LoadedRun, docs, examples: dict, gen_tokens: int, targets: Sequence[str]) -> dict[str, Any]:
     """What the report compares: parameters, non-zeros, bytes on the device (all weights, and the
     compressed projections' alone), quality, generation speed."""
-    bits = run.model_cfg.quant.bits if run.model_cfg.quant else 4
+    bits = run.model_cfg.stored_quant.bits if run.model_cfg.stored_quant else 4
     leaves = jax.tree.leaves(run.params)
     floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
     out: dict[str, Any] = {
@@ -184,7 +184,7 @@ def compress_run(run_dir, output, overrides: Sequence[tuple[str, Any]] = (), *, 
     if source.model_cfg != run.model_cfg:  # a QAT run: its float kernels, measured as the float model they are
         source = _variant(run, run.cfg, source.model_cfg, run.params)
     log.info("measuring %s step %d", run.run_dir, run.step)
-    targets = sorted(set(out_cfg.quant_targets) | set(out_cfg.prune_targets))
+    targets = sorted({name for transform in out_cfg.transforms for name in transform.targets})
     before = measure(source, docs, examples, gen_tokens, targets)
     with jax.set_mesh(run.mesh):
         params, done = methods.compress_params(source.params, source.model_cfg, out_cfg, cfg.compress, mesh=run.mesh,

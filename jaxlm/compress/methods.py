@@ -63,12 +63,13 @@ def targets(out_cfg: transformer.ModelConfig) -> list[Target]:
     out = []
     for path, projection in layers.projections(transformer.abstract_model(out_cfg)):
         name = path[-1]
-        if name not in out_cfg.quant_targets and name not in out_cfg.prune_targets:
+        if not any(name in transform.targets for transform in out_cfg.transforms):
             continue
         stacked = out_cfg.scan_layers and path[0] == "blocks"
         out.append(Target(path=tuple(path), name=name, kernel_shape=projection.kernel_shape,
                           n_in=len(projection.in_axes), axis=projection.quant_axis, stacked=stacked))
-    if "embed" in out_cfg.quant_targets:  # the token embedding [vocab, width], grouped along its width
+    # the token embedding [vocab, width], grouped along its width
+    if out_cfg.quantized is not None and "embed" in out_cfg.quantized.targets:
         out.append(Target(path=("embed",), name="embed", kernel_shape=(out_cfg.vocab_size, out_cfg.d_model), n_in=1,
                           axis=layers.Embed.quant_axis, stacked=False))
     return out
@@ -102,7 +103,7 @@ class Settings:
 
     @classmethod
     def of(cls, co, out_cfg: transformer.ModelConfig) -> Settings:
-        return cls(quantize=out_cfg.quant, method=co.method, damp=float(co.gptq_damp), block=int(co.gptq_block),
+        return cls(quantize=out_cfg.stored_quant, method=co.method, damp=float(co.gptq_damp), block=int(co.gptq_block),
                    act_order=bool(co.act_order), sparsity=float(co.sparsity),
                    nm=quantized.prune_pattern(co.pattern), criterion=co.criterion, scope=co.scope)
 

@@ -176,6 +176,10 @@ def _fp8_einsum_bwd(equation, residuals, g):
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 
+# The projections' contractions by name (config.model.matmul; `ModelConfig.matmul`): XLA's einsum, the
+# float32 accumulation made explicit (CPUs with bfloat16 compute), float8 operands with per-tensor scales
+CONTRACTIONS: dict[str, EinsumOp] = {"xla": jnp.einsum, "accumulate": accumulating_einsum, "fp8": fp8_einsum}
+
 
 @jax.tree_util.register_pytree_node_class
 class ComputeKernel:

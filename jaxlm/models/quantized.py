@@ -160,7 +160,7 @@ def quantize_params(params: dict, cfg) -> dict:
     those of `cfg`: each quantized weight replaced by its leaves (`kernel_q`, `kernel_scale`, ...;
     `embedding_q`, ... for the token embedding), each layer of a stacked kernel quantized on its own. Jit it with the
     quantized model's shardings as `out_shardings` (as `init_from` does) to quantize in place, shard by shard."""
-    spec = cfg.quant
+    spec = cfg.stored_quant
     for site in sites(cfg):
         params = _copy_to(params, site.path)
         node = _node(params, site.path)
@@ -174,7 +174,7 @@ def dequantize_params(params: dict, cfg, dtype=None) -> dict:
     """The inverse of `quantize_params` (up to the quantization error): each quantized weight's
     leaves replaced by the `kernel` (or `embedding`) they stand for, in `dtype` (default the model's param_dtype).
     Unchanged when `cfg` quantizes nothing."""
-    spec = cfg.quant
+    spec = cfg.stored_quant
     if spec is None:
         return params
     dtype = dtype or cfg.param_dtype
@@ -189,7 +189,7 @@ def dequantize_params(params: dict, cfg, dtype=None) -> dict:
 
 def _fake_quantize_params(params: dict, cfg) -> dict:
     """A QAT model's target kernels (and embedding) replaced by the weights its forward pass computes with."""
-    spec = cfg.quant_spec
+    spec = cfg.quantized.spec
     model = transformer.abstract_model(cfg)
     found = [(tuple(path), "kernel", p.quant_axis, len(p.kernel_shape))
              for path, p in layers.projections(model) if isinstance(p, transforms.FakeQuantizedKernel)]
@@ -212,7 +212,7 @@ def to_float(params: dict, cfg) -> tuple[dict, transformer.ModelConfig]:
     as those of the same model with plain float kernels computing the same function, and that model:
     kernels dequantized (in param_dtype) or fake-quantized (QAT), masks dropped (the kernels hold the
     zeros). What an export to another framework writes."""
-    if cfg.qat:
+    if cfg.quantized is not None and cfg.quantized.fake:
         params = _fake_quantize_params(params, cfg)
     params = _drop_masks(dequantize_params(params, cfg))
-    return params, dataclasses.replace(cfg, quantize="", quant_targets=(), qat=False, prune_targets=())
+    return params, dataclasses.replace(cfg, quantized=None, pruned=None)

@@ -77,7 +77,7 @@ REMAT_POLICIES = {
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_len")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-MATMUL_IMPLS = ("auto", "xla", "accumulate", "fp8")  # config.model.matmul (`ModelConfig.from_config` resolves auto)
+MATMUL_IMPLS = ("auto", *layers.CONTRACTIONS)  # config.model.matmul (`ModelConfig.from_config` resolves auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,89 +233,50 @@ class ModelConfig:
     remat: str = "none"
     # The logits and the loss this many positions at a time (0 = the whole sequence: `steps.summed_loss`)
     loss_chunk_len: int = 0
-    # The projections' contraction (`layers.Projection.einsum_op`; config.model.matmul): False = `jnp.einsum`;
-    # True = `layers.accumulating_einsum`, float32 accumulation made explicit, the form XLA:CPU runs natively
-    # in bfloat16 (`from_config` resolves matmul=auto to it on a CPU with bfloat16 compute).
-    accumulating_dots: bool = False
-    fp8_dots: bool = False  # config.model.matmul=fp8: `layers.fp8_einsum` (float8 operands, per-tensor scales)
+    # The projections' contraction (`layers.CONTRACTIONS`; config.model.matmul, `from_config` resolving auto to
+    # accumulate, float32 accumulation made explicit, on a CPU with bfloat16 compute): xla | accumulate | fp8
+    matmul: str = "xla"
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
     # cuDNN's packed layout for packed documents, at most this many per row (0: the document mask instead);
     # config.model.attention_segments where the kernel is cuDNN on a GPU that takes it, else 0 (`from_config`)
     attention_segments: int = 0
-    # LoRA adapters (config.lora, `with_lora`): the projections that get one, by attribute name ("all"
-    # resolved), their rank (lora_ranks overrides it per name), alpha (the update is scaled by alpha / rank)
-    # and the dropout on their input. No targets = no adapters.
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ()
-    lora_ranks: tuple[tuple[str, int], ...] = ()
-    lora_dropout: float = 0.0
-    # Quantized kernels (`quant`; jaxlm.quant's formats): the projections named in `quant_targets` store
-    # theirs as integer codes and scales, frozen ("" = none): QLoRA's base (config.lora.quantize_base,
-    # every block projection) or a compressed model (config.compress, python -m jaxlm.compress). With
-    # `qat`, the targets keep float kernels that the forward pass fake-quantizes (quantization-aware training).
-    quantize: str = ""  # "" | nf4 | int8 | int4 | int3
-    quant_group: int = 64  # values per scale; 0 = one scale per output channel
-    double_quant: bool = False
-    quant_symmetric: bool = True
-    quant_targets: tuple[str, ...] = ()
-    qat: bool = False
-    # Pruned projections: each holds a mask beside its kernel (`kernel_mask`), zeros where weights were
-    # pruned; fine-tuning keeps them zero (config.compress.sparsity; `jaxlm.pruning_masks`).
-    prune_targets: tuple[str, ...] = ()
+    # The model's transforms (`jaxlm.models.transforms`), None when absent: LoRA adapters (config.lora,
+    # `with_lora`), quantized or fake-quantized weights (QLoRA's base, a compressed model, QAT:
+    # `with_lora`, `with_compress`) and pruning masks (config.compress.sparsity, `with_compress`)
+    lora: transforms.LoRA | None = None
+    quantized: transforms.Quantized | None = None
+    pruned: transforms.Pruned | None = None
 
     @property
     def residual_init_std(self) -> float:
         return layers.residual_init_std(self.init_std, self.n_layers)
 
     @property
-    def quant_spec(self) -> quant_lib.QuantSpec | None:
-        """The quantized format of the targets (stored, or fake with `qat`); None without one."""
-        if not self.quantize:
-            return None
-        return quant_lib.QuantSpec(self.quantize, self.quant_group, self.double_quant, self.quant_symmetric)
+    def transforms(self) -> tuple:
+        """The model's transforms, in the order they compose."""
+        return tuple(t for t in (self.lora, self.quantized, self.pruned) if t is not None)
 
     @property
-    def quant(self) -> quant_lib.QuantSpec | None:
-        """How the targets' kernels are stored (None: in param_dtype, also under `qat`)."""
-        return None if self.qat else self.quant_spec
-
-    def quant_of(self, name: str) -> quant_lib.QuantSpec | None:
-        """The stored format of the projections called `name` (wq, w_down, unembed, ...); None = float."""
-        return self.quant if name in self.quant_targets else None
-
-    def qat_of(self, name: str) -> quant_lib.QuantSpec | None:
-        """The format the projections called `name` are fake-quantized to in the forward pass (QAT)."""
-        return self.quant_spec if self.qat and name in self.quant_targets else None
+    def stored_quant(self) -> quant_lib.QuantSpec | None:
+        """The format the quantized weights are stored in (None: none are, also under QAT)."""
+        return self.quantized.stored if self.quantized is not None else None
 
     @property
     def einsum_op(self) -> layers.EinsumOp:
         """The projections' (and the tied unembedding's) contraction."""
-        if self.fp8_dots:
-            return layers.fp8_einsum
-        return layers.accumulating_einsum if self.accumulating_dots else jnp.einsum
+        return layers.CONTRACTIONS[self.matmul]
 
     def projection(self, name: str, equation: str, shape: tuple[int, ...], names: tuple, **kwargs) -> layers.Projection:
         """A projection called `name` (wq, w_down, unembed, ...): a plain `layers.Projection`, or the class of
         the transforms this model gives it (`jaxlm.models.transforms`: a quantized, fake-quantized or masked
         kernel, a LoRA adapter), with the model's contraction. `kwargs`: init, dtype, param_dtype, rngs."""
         parts, extra = set(), {}
-        if (spec := self.quant_of(name)) is not None:
-            parts.add(transforms.QuantizedKernel)
-            extra["quant"] = spec
-        if (spec := self.qat_of(name)) is not None:
-            parts.add(transforms.FakeQuantizedKernel)
-            extra["qat"] = spec
-        if name in self.prune_targets:
-            parts.add(transforms.MaskedKernel)
-        if self.lora_rank_of(name):
-            parts.add(transforms.Adapted)
+        for transform in self.transforms:
+            more, arguments = transform.parts(name)
+            parts |= more
+            extra.update(arguments)
         cls = transforms.projection_class(frozenset(parts))
         return cls(equation, shape, names, einsum_op=self.einsum_op, **extra, **kwargs)
-
-    def lora_rank_of(self, name: str) -> int:
-        """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
-        return dict(self.lora_ranks).get(name, self.lora_rank) if name in self.lora_targets else 0
 
     @classmethod
     def from_config(cls, m, platform: str | None = None, *, attention: str | None = None, log_choice: bool = True,
@@ -363,9 +324,9 @@ class ModelConfig:
             capability = precision.compute_capability() if platform == "gpu" and jax.default_backend() == "gpu" else None
             fields["dtype"] = DTYPES[precision.auto_dtype(platform, capability)[0]]
         matmul = m.get("matmul", "auto")
-        fields["accumulating_dots"] = matmul == "accumulate" or (
-            matmul == "auto" and platform == "cpu" and fields["dtype"] == jnp.bfloat16)
-        fields["fp8_dots"] = matmul == "fp8"
+        if matmul == "auto":
+            matmul = "accumulate" if platform == "cpu" and fields["dtype"] == jnp.bfloat16 else "xla"
+        fields["matmul"] = matmul
         if fields["dtype"] == jnp.float16 and platform == "cpu" and jax.default_backend() == "cpu":
             precision.check_float16(platform)
         if matmul == "fp8" and platform == "gpu" and jax.default_backend() == "gpu":
@@ -380,7 +341,7 @@ class ModelConfig:
         fields["attention_segments"] = packed_attention_segments(m, fields["attention"], platform)
         cfg = cls(**fields)
         if lora is not None:
-            cfg = dataclasses.replace(with_lora(cfg, lora), **{k: v for k, v in overrides.items() if k.startswith("lora_")})
+            cfg = with_lora(cfg, lora)
         return cfg if compress is None else with_compress(cfg, compress)
 
 
@@ -417,11 +378,10 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     listing those it has."""
     rank, ranks = int(lora["rank"]), _lora_ranks(lora["ranks"])
     quantize = lora.get("quantize_base", "") or ""
-    off = dict(lora_rank=0, lora_targets=(), lora_ranks=(), lora_alpha=float(lora["alpha"]),
-               lora_dropout=float(lora["dropout"]), quantize=quantize,
-               quant_group=int(lora.get("quant_group", 64)), double_quant=bool(lora.get("double_quant", False)),
-               quant_symmetric=True, qat=False,
-               quant_targets=tuple(n for n in projection_names(cfg) if n != "unembed") if quantize else ())
+    base = None if not quantize else transforms.Quantized(
+        quant_lib.QuantSpec(quantize, int(lora.get("quant_group", 64)), bool(lora.get("double_quant", False))),
+        targets=tuple(n for n in projection_names(cfg) if n != "unembed"))
+    off = dict(lora=None, quantized=base)
     if rank <= 0:
         if ranks:
             raise UserError(f"config.lora.ranks={lora['ranks']!r} needs config.lora.rank > 0 (the rank of the "
@@ -446,8 +406,9 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     if outside:
         raise UserError(f"config.lora.ranks={lora['ranks']!r}: {outside[0]!r} is not among config.lora.targets="
                         f"{lora['targets']!r}; add it to the targets, or drop its rank")
-    return dataclasses.replace(cfg, **{**off, "lora_rank": rank, "lora_targets": tuple(dict.fromkeys(targets)),
-                                       "lora_ranks": tuple(sorted(ranks.items()))})
+    adapters = transforms.LoRA(rank=rank, alpha=float(lora["alpha"]), targets=tuple(dict.fromkeys(targets)),
+                               ranks=tuple(sorted(ranks.items())), dropout=float(lora["dropout"]))
+    return dataclasses.replace(cfg, **{**off, "lora": adapters})
 
 
 @functools.lru_cache(maxsize=32)
@@ -459,8 +420,7 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 def _plain(cfg: ModelConfig) -> ModelConfig:
     """`cfg` without adapters or quantization (the projections' names and kernels are the same)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_ranks=(), quantize="", quant_targets=(),
-                               qat=False, prune_targets=(), attention="xla")
+    return dataclasses.replace(cfg, lora=None, quantized=None, pruned=None, attention="xla")
 
 
 def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -471,18 +431,18 @@ def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
 
 def check_quant_groups(cfg: ModelConfig, key: str) -> None:
     """Each quantized projection's grouped axis (its kernel's last input axis; the embedding's width)
-    takes `cfg.quant_group` values per scale: a shorter axis is one group, a longer one must be a
+    takes `cfg.quantized.spec.group` values per scale: a shorter axis is one group, a longer one must be a
     multiple of it (UserError naming the weight and the config `key` to change)."""
-    spec = cfg.quant_spec
+    spec, targets = cfg.quantized.spec, cfg.quantized.targets
     axes = [(f"projection {path[-1]}", p.kernel_shape[p.quant_axis], p.kernel_names[p.quant_axis])
-            for path, p in layers.projections(abstract_model(_plain(cfg))) if path[-1] in cfg.quant_targets]
-    if "embed" in cfg.quant_targets:
+            for path, p in layers.projections(abstract_model(_plain(cfg))) if path[-1] in targets]
+    if "embed" in targets:
         axes.append(("the token embedding (embed)", cfg.d_model, "embed"))
     for weight, size, name in axes:
         try:
             quant_lib.group_size(spec, size)
         except ValueError as e:
-            raise UserError(f"{key}={cfg.quant_group}: {weight} is grouped along its {name!r} axis "
+            raise UserError(f"{key}={spec.group}: {weight} is grouped along its {name!r} axis "
                             f"and {e} ({spec.format}); use a group that divides {size} (or is larger than it, or 0: "
                             f"one group per row)") from None
 
@@ -512,21 +472,22 @@ def with_compress(cfg: ModelConfig, c) -> ModelConfig:
     quantize, sparsity = c["quantize"] or "", float(c["sparsity"])
     if not quantize and sparsity <= 0:
         return cfg
-    if quantize and cfg.quantize:
-        raise UserError(f"config.compress.quantize={quantize!r} and config.lora.quantize_base={cfg.quantize!r} both "
+    if quantize and cfg.quantized is not None:
+        raise UserError(f"config.compress.quantize={quantize!r} and config.lora.quantize_base="
+                        f"{cfg.quantized.spec.format!r} both "
                         f"quantize the base; keep one (a compressed run with LoRA adapters keeps its own format: "
                         f"set lora.quantize_base='')")
     targets = resolve_targets(cfg, c["targets"], "config.compress.targets")
     fields: dict[str, Any] = {}
     if quantize:
-        fields.update(quantize=quantize, quant_group=int(c["group"]), quant_symmetric=bool(c["symmetric"]),
-                      double_quant=False, quant_targets=targets, qat=bool(c["qat"]))
+        fields["quantized"] = transforms.Quantized(
+            quant_lib.QuantSpec(quantize, int(c["group"]), False, bool(c["symmetric"])), targets, fake=bool(c["qat"]))
     if sparsity > 0:
         if "embed" in targets:
             raise UserError(f"config.compress.targets={c['targets']!r} names embed with config.compress.sparsity="
                             f"{sparsity:g}: the token embedding can be quantized, not pruned (a pruned row is a token "
                             f"lost); leave embed out of the targets")
-        fields["prune_targets"] = targets
+        fields["pruned"] = transforms.Pruned(targets)
     out = dataclasses.replace(cfg, **fields)
     if quantize:
         check_quant_groups(out, "config.compress.group")
@@ -571,10 +532,10 @@ class Block(nnx.Module):
 
 
 def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-    """LoRA adapters on the block's projections that `cfg.lora_targets` names (`transforms.Adapted`)."""
+    """LoRA adapters on the block's projections that `cfg.lora` names (`transforms.Adapted`)."""
     for path, projection in list(layers.projections(block)):
         if isinstance(projection, transforms.Adapted):
-            projection.add_adapter(cfg.lora_rank_of(path[-1]), cfg.lora_alpha, rngs=rngs, dropout=cfg.lora_dropout)
+            projection.add_adapter(cfg.lora.rank_of(path[-1]), cfg.lora.alpha, rngs=rngs, dropout=cfg.lora.dropout)
 
 
 def _pipelined_block(x, block, key, positions, segment_ids):
@@ -598,7 +559,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = layers.Embed(
             cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
-            quant=cfg.quant_of("embed"), qat=cfg.qat_of("embed"), einsum_op=cfg.einsum_op,
+            quant=cfg.quantized.stored_of("embed") if cfg.quantized else None,
+            qat=cfg.quantized.fake_of("embed") if cfg.quantized else None, einsum_op=cfg.einsum_op,
         )
         if cfg.position == "learned":
             self.pos_embed = layers.make_param(
@@ -630,7 +592,7 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 add_adapters(block, cfg, rngs)
         if not cfg.tie_embeddings and isinstance(self.unembed, transforms.Adapted):
-            self.unembed.add_adapter(cfg.lora_rank_of("unembed"), cfg.lora_alpha, rngs=rngs)
+            self.unembed.add_adapter(cfg.lora.rank_of("unembed"), cfg.lora.alpha, rngs=rngs)
 
     def __call__(
         self,
@@ -655,7 +617,7 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed_tokens(tokens, positions)
         keys = None
-        if dropout_key is not None and (cfg.dropout > 0 or cfg.lora_dropout > 0):
+        if dropout_key is not None and (cfg.dropout > 0 or (cfg.lora is not None and cfg.lora.dropout > 0)):
             dropout_key, embed_key = jax.random.split(dropout_key)
             x = layers.dropout(x, cfg.dropout, embed_key)
             keys = jax.random.split(dropout_key, cfg.n_layers)
@@ -789,9 +751,10 @@ def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def lora_param_count(cfg: ModelConfig) -> int:
     """The LoRA adapters' parameters: rank x (inputs + outputs) of each adapted projection."""
-    per_layer = sum(cfg.lora_rank_of(name) * (i + o) for name, (i, o) in layer_projection_shapes(cfg).items())
-    unembed = cfg.lora_rank_of("unembed") * (cfg.d_model + cfg.vocab_size) * (not cfg.tie_embeddings)
-    return cfg.n_layers * per_layer + unembed
+    if cfg.lora is None:
+        return 0
+    return cfg.lora.param_count(layer_projection_shapes(cfg), cfg.n_layers,
+                                None if cfg.tie_embeddings else (cfg.d_model, cfg.vocab_size))
 
 
 def matmul_params(cfg: ModelConfig) -> int:

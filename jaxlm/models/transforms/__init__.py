@@ -10,9 +10,12 @@ it here, a mixin that keeps the parameters' names (so checkpoints read the same 
 - `prune.MaskedKernel`: a pruning mask (`kernel_mask`) beside the kernel.
 - `lora.Adapted`: LoRA adapters (`lora_a`, `lora_b`) added to the output.
 
-`projection_class` composes the ones a projection takes into one class (cached, so a model's
-structure is the same object from build to build); `transformer.ModelConfig.projection` picks them
-from the model's settings for each projection by name.
+Each module also holds the transform as the model's settings carry it (`ModelConfig.lora`, `.quantized`,
+`.pruned`: `LoRA`, `Quantized`, `Pruned`), with what the rest of the code asks of it: which
+projections it takes and with what (`parts`), and its own arithmetic (LoRA's parameter count and PEFT
+settings, the quantized format's description). `projection_class` composes a projection's parts into
+one class (cached, so a model's structure is the same object from build to build);
+`transformer.ModelConfig.projection` asks each of the model's transforms for its parts by name.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from __future__ import annotations
 import functools
 
 from jaxlm.models import layers
-from jaxlm.models.transforms.lora import Adapted
-from jaxlm.models.transforms.prune import MaskedKernel
-from jaxlm.models.transforms.quantize import FakeQuantizedKernel, QuantizedKernel
+from jaxlm.models.transforms.lora import Adapted, LoRA
+from jaxlm.models.transforms.prune import MaskedKernel, Pruned
+from jaxlm.models.transforms.quantize import FakeQuantizedKernel, Quantized, QuantizedKernel
+
+__all__ = ["LoRA", "Adapted", "MaskedKernel", "Pruned", "FakeQuantizedKernel", "Quantized", "QuantizedKernel",
+           "PROJECTION_TRANSFORMS", "projection_class"]
 
 # Every transform of a projection, in the order they compose (the first one's methods run first)
 PROJECTION_TRANSFORMS = (Adapted, MaskedKernel, FakeQuantizedKernel, QuantizedKernel)

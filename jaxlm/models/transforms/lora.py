@@ -6,7 +6,9 @@ their term to its output. What to do with trained adapters (merge, export to PEF
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,47 @@ def lora_equations(equation: str) -> tuple[str, str]:
     b = r + "".join(c for c in kernel if c not in x)
     h = "".join(c for c in x if c not in kernel) + r
     return f"{x},{a}->{h}", f"{h},{b}->{out}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """The model's adapters (`ModelConfig.lora`, from `config.lora`): the projections that get one, by
+    attribute name, their rank (`ranks` overrides it per name), `alpha` (the update is scaled by
+    alpha / rank) and the dropout on their input."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    ranks: tuple[tuple[str, int], ...] = ()
+    dropout: float = 0.0
+
+    def rank_of(self, name: str) -> int:
+        """The rank of the adapter on the projections called `name` (wq, w_down, unembed, ...); 0 = none."""
+        return dict(self.ranks).get(name, self.rank) if name in self.targets else 0
+
+    def parts(self, name: str) -> tuple[set[type], dict[str, Any]]:
+        """The projection transforms (`Adapted`) and their arguments for the projections called `name`."""
+        return ({Adapted}, {}) if self.rank_of(name) else (set(), {})
+
+    def param_count(self, layer_shapes: dict[str, tuple[int, int]], n_layers: int,
+                    unembed_shape: tuple[int, int] | None) -> int:
+        """The adapters' parameters: rank x (inputs + outputs) of each adapted projection, over the layers
+        (`layer_shapes`: each block projection's (inputs, outputs)) and the unembedding (None when tied)."""
+        per_layer = sum(self.rank_of(name) * (i + o) for name, (i, o) in layer_shapes.items())
+        return n_layers * per_layer + (self.rank_of("unembed") * sum(unembed_shape) if unembed_shape else 0)
+
+    def peft_settings(self) -> dict[str, Any]:
+        """PEFT's LoraConfig fields for these adapters, with jaxlm's projection names in `target_modules`
+        and `rank_pattern` (an exporter maps them to the checkpoint's, e.g. wq -> q_proj)."""
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": list(self.targets),
+            "rank_pattern": {name: rank for name, rank in self.ranks if rank != self.rank},
+            "lora_dropout": self.dropout,
+            "bias": "none",
+            "use_rslora": False,  # the scale is alpha / rank, not alpha / sqrt(rank)
+        }
 
 
 class Adapted(layers.Projection):

@@ -3,9 +3,24 @@ kernel holds zeros there too, and fine-tuning keeps them zero (`jaxlm.pruning_ma
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 
 from jaxlm.models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    """The model's pruned projections (`ModelConfig.pruned`, from `config.compress.sparsity`): each target
+    holds a mask beside its kernel; the step keeps the pruned weights zero (`jaxlm.pruning_masks`)."""
+
+    targets: tuple[str, ...]
+
+    def parts(self, name: str) -> tuple[set[type], dict[str, Any]]:
+        """The projection transforms (`MaskedKernel`) and their arguments for the projections called `name`."""
+        return ({MaskedKernel}, {}) if name in self.targets else (set(), {})
 
 
 class MaskedKernel(layers.Projection):

@@ -4,10 +4,52 @@ the forward pass sees quantized (`FakeQuantizedKernel`, quantization-aware train
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 
 from jaxlm import quant as quant_lib
 from jaxlm.models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """The model's quantized projections (`ModelConfig.quantized`): the weights named in `targets`
+    (projections by attribute name, and `embed`, the token embedding) in the format `spec`, stored as
+    integer codes and scales, frozen: QLoRA's base (`config.lora.quantize_base`, every block projection)
+    or a compressed model (`config.compress`). With `fake`, they keep float kernels that the forward pass
+    fake-quantizes (quantization-aware training)."""
+
+    spec: quant_lib.QuantSpec
+    targets: tuple[str, ...]
+    fake: bool = False
+
+    @property
+    def stored(self) -> quant_lib.QuantSpec | None:
+        """How the targets' kernels are stored (None: in param_dtype, as under `fake`)."""
+        return None if self.fake else self.spec
+
+    def stored_of(self, name: str) -> quant_lib.QuantSpec | None:
+        """The stored format of the weights called `name`; None = float."""
+        return self.stored if name in self.targets else None
+
+    def fake_of(self, name: str) -> quant_lib.QuantSpec | None:
+        """The format the weights called `name` are fake-quantized to in the forward pass (QAT)."""
+        return self.spec if self.fake and name in self.targets else None
+
+    def parts(self, name: str) -> tuple[set[type], dict[str, Any]]:
+        """The projection transforms and their arguments for the projections called `name`."""
+        if (spec := self.stored_of(name)) is not None:
+            return {QuantizedKernel}, {"quant": spec}
+        if (spec := self.fake_of(name)) is not None:
+            return {FakeQuantizedKernel}, {"qat": spec}
+        return set(), {}
+
+    def describe(self) -> str:
+        """What the memory plan says of them: the targets, the format, the group."""
+        return (f"{', '.join(self.targets)} in {self.spec.format} (group {self.spec.group or 'per channel'}"
+                f"{', double quant' if self.spec.double else ''})")
 
 
 class QuantizedKernel(layers.Projection):
