@@ -15,7 +15,8 @@ on one device for one micro-batch of B sequences of T tokens, split as `config.m
 the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, which dominate long
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
 counted as it is, except that without remat in one program (layers unrolled, the CPU's default) XLA
-keeps what the blocks' backward recomputes, computed ahead (`blocked_kept`). The measurements
+keeps what the blocks' backward recomputes, computed ahead. Each kernel's own terms are its entry's
+in `attention.KERNELS` (`attention.Kernel`); this module asks them. The measurements
 behind all of this are in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
 
@@ -38,7 +39,6 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import attention, pipeline_parallel, transformer
-from jaxlm.models.attention import attention_block
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
 
@@ -174,19 +174,6 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
     )
 
 
-def _flash(m) -> bool:
-    """Whether the model's attention kernel keeps no [T, S] scores (Pallas's repeated key/value heads not
-    counted)."""
-    return not attention.KERNELS[m.attention].keeps_scores
-
-
-def attention_forward_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
-    """What the attention kernel itself keeps for its backward pass (per device)."""
-    if _flash(m):
-        return F32 * s.head_stats  # flash attention keeps only its softmax statistics
-    return (F32 + act_bytes) * s.scores  # XLA: the f32 softmax and the probabilities
-
-
 def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
     """Bytes one block keeps for its backward pass without remat, weights aside (per device): the
     residuals of its jaxpr (`jax.ad_checkpoint.print_saved_residuals`), the norms and activation
@@ -206,7 +193,7 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     rope = POSITIONS[m.position].saved_bytes_per_token(m.head_dim) * s.tokens  # RoPE: sin and cos, for q and k
     attention_out = a * s.q
     hidden = mlp.saved_hidden * a * s.mlp  # SwiGLU: gate, up, product; GELU: its input and output
-    return norms + qkv + rope + attention_forward_bytes(m, s, a) + attention_out + hidden
+    return norms + qkv + rope + attention.KERNELS[m.attention].forward_bytes(s, a) + attention_out + hidden
 
 
 def one_program(m) -> bool:
@@ -216,28 +203,6 @@ def one_program(m) -> bool:
     layers inside the schedule's loop: never one program (the 4-stage tiny step's peak holds no causal
     block's scores; benchmarks/BENCHMARKS.md)."""
     return m.pipeline_stages <= 1 and (not m.scan_layers or m.scan_unroll >= m.n_layers)
-
-
-def _seq_len(s: ActivationSizes) -> int:
-    """The sequence length the attention's scores span ([.., T, T] per head)."""
-    return round(s.scores / s.head_stats)
-
-
-def blocked_kept(m, s: ActivationSizes) -> float:
-    """What XLA keeps of the causal blocks' backward pass without remat in one program (`one_program`),
-    computed ahead in the forward because it needs nothing from the loss: each block's probabilities,
-    recomputed from the saved log-sum-exp, in float32 (merged with the forward's scores) and in the
-    values' dtype, and each block's keys and values up to it, transposed for the backward's matmuls. n
-    blocks of queries against the keys up to them: (n + 1) / 2n of the [T, T] square, and n (n + 1) / 2
-    blocks of keys and of values. Read from XLA:CPU's buffer live ranges at the step's peak, where every
-    layer holds them (125m and 1b on 8 devices at 2,048 tokens: 1,512 and 7,056 MiB per layer,
-    benchmarks/BENCHMARKS.md)."""
-    seq_len = _seq_len(s)
-    n = -(-seq_len // attention_block(seq_len))
-    # the values' dtype: the compute dtype, but float32 for float16, as `blocked_attention` runs it on a CPU
-    # (where this term arises: the layers are one program by default; a GPU's float16 is counted alike)
-    c = F32 if np.dtype(m.dtype) == np.float16 else _itemsize(m.dtype)
-    return (F32 + c) * s.scores * (n + 1) / (2 * n) + c * s.kv * (n + 1)
 
 
 def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float) -> float:
@@ -251,43 +216,29 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
     # scores and their gradients, the rest of the layer its recomputed activations; the weights'
     # gather and gradient overlap both.
-    if _flash(m):  # q, k, v, the output, their gradients, the softmax statistics
-        attention = 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
-        if m.attention == "blocked":  # one query block's scores, probabilities and gradients; f32 dk, dv
-            seq_len = _seq_len(s)
-            attention += (3 * F32 + a) * s.scores * attention_block(seq_len) / seq_len + 2 * F32 * s.kv
-    else:  # f32 logits and softmax, the probabilities, and the gradients of both
-        attention = (3 * F32 + a) * s.scores
-    rest = layer_forward_bytes(m, s, a, recomputed=False) - attention_forward_bytes(m, s, a)
-    return max(rest, attention) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
+    kernel = attention.KERNELS[m.attention]
+    rest = layer_forward_bytes(m, s, a, recomputed=False) - kernel.forward_bytes(s, a)
+    return max(rest, kernel.backward_bytes(s, a)) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
 def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> float:
     """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
-    a = act_bytes
+    a, kernel = act_bytes, attention.KERNELS[m.attention]
     if policy == "none":
-        saved = layer_forward_bytes(m, s, a)
-        if m.attention == "blocked" and one_program(m):
-            saved += blocked_kept(m, s)
-        return saved
+        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
     mlp_dots = MLPS[m.mlp].hidden_dots() * a * s.mlp  # SwiGLU: gate and up; GELU: in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
-    # cuDNN's fused attention forward is saved with the dots (transformer._fused_attention_saveable):
-    # its output and softmax statistics
-    fused = a * s.q + F32 * s.head_stats if m.attention == "cudnn" else 0.0
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`
     fp8 = (2 * s.x + s.q + s.mlp) if m.matmul == "fp8" else 0.0
-    if policy == "dots_no_batch":
-        return block_input + projections + fused + fp8
-    if policy in ("dots", "dots_mlp"):  # also the attention's batched matmuls (XLA attention only)
-        batched = (F32 * s.scores + a * s.q) if not _flash(m) else 0.0
+    if policy in ("dots", "dots_mlp", "dots_no_batch"):  # and the attention kernel's own (`Kernel.dots_saved`)
+        attention_saved = kernel.dots_saved(s, a, batched=policy != "dots_no_batch")
         hidden = a * s.mlp if policy == "dots_mlp" else 0.0  # the MLP's hidden activation (layers.MLP_HIDDEN)
-        return block_input + projections + batched + fused + fp8 + hidden
+        return block_input + projections + attention_saved + fp8 + hidden
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
@@ -445,7 +396,7 @@ def estimate(
         if m.matmul == "fp8" and m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             saved += m.n_layers * layer_params[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
-        if m.attention != "cudnn":
+        if attention.KERNELS[m.attention].takes_mask:
             saved += s.scores  # the attention mask, one for all layers
         whole = s  # the loss runs outside the pipelined stack, on the whole micro-batch
         if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer

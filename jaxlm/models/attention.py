@@ -36,18 +36,86 @@ log = logging.getLogger(__name__)
 
 
 
+F32 = 4  # bytes of a float32
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """An attention kernel (config.model.attention), with what the planner asks of it."""
+    """An attention kernel (config.model.attention), with what the memory planner (`jaxlm.memory`) asks of
+    it. `s`: one micro-batch's per-device element counts (`memory.ActivationSizes`: q and kv [B, T, heads x
+    head_dim], scores [B, N, T, T], head_stats [B, N, T]); `a`: the activations' bytes per element."""
 
     name: str
     # Whether it keeps the [T, S] softmax probabilities for the backward pass (XLA's attention), or only
     # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
     keeps_scores: bool
+    takes_mask: bool = True  # whether it reads the [T, T] mask the model builds (cuDNN takes segment ids)
+
+    def forward_bytes(self, s, a: int) -> float:
+        """What it keeps for its backward pass: the float32 softmax and the probabilities, or only the
+        softmax statistics."""
+        return (F32 + a) * s.scores if self.keeps_scores else F32 * s.head_stats
+
+    def backward_bytes(self, s, a: int) -> float:
+        """Its phase of a recomputed layer's backward: the recomputed scores and their gradients (float32
+        logits and softmax, the probabilities, the gradients of both); a flash kernel's q, k, v, output,
+        their gradients and the softmax statistics."""
+        if self.keeps_scores:
+            return (3 * F32 + a) * s.scores
+        return 2 * a * (2 * s.q + 2 * s.kv) + F32 * s.head_stats
+
+    def dots_saved(self, s, a: int, batched: bool) -> float:
+        """What remat's dots policies save of it beyond the projections: XLA's batched matmuls' outputs
+        (the float32 logits and the output; `batched`: the policy saves batched matmuls)."""
+        return (F32 * s.scores + a * s.q) if self.keeps_scores and batched else 0.0
+
+    def kept_in_one_program(self, s, dtype) -> float:
+        """What XLA keeps beyond `forward_bytes` without remat when the layers are one program
+        (`memory.one_program`)."""
+        return 0.0
 
 
-KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), Kernel("blocked", keeps_scores=False),
-                               Kernel("cudnn", keeps_scores=False), Kernel("pallas", keeps_scores=False))}
+def _seq_len(s) -> int:
+    """The sequence length the attention's scores span ([.., T, T] per head)."""
+    return round(s.scores / s.head_stats)
+
+
+class BlockedKernel(Kernel):
+    """`blocked_attention`'s: a flash kernel made of XLA ops, one query block at a time."""
+
+    def backward_bytes(self, s, a: int) -> float:
+        """A flash kernel's, and one query block's scores, probabilities and gradients; float32 dk, dv."""
+        seq_len = _seq_len(s)
+        return (super().backward_bytes(s, a) + (3 * F32 + a) * s.scores * attention_block(seq_len) / seq_len
+                + 2 * F32 * s.kv)
+
+    def kept_in_one_program(self, s, dtype) -> float:
+        """The causal blocks' backward pass computed ahead in the forward, as it needs nothing from the loss:
+        each block's probabilities, recomputed from the saved log-sum-exp, in float32 (merged with the
+        forward's scores) and in the values' dtype, and each block's keys and values up to it, transposed
+        for the backward's matmuls. n blocks of queries against the keys up to them: (n + 1) / 2n of the
+        [T, T] square, and n (n + 1) / 2 blocks of keys and of values. Read from XLA:CPU's buffer live
+        ranges at the step's peak, where every layer holds them (benchmarks/BENCHMARKS.md)."""
+        seq_len = _seq_len(s)
+        n = -(-seq_len // attention_block(seq_len))
+        # the values' dtype: the compute dtype, but float32 for float16, as `blocked_attention` runs it on a
+        # CPU (where this term arises: the layers are one program by default; a GPU's float16 is counted alike)
+        c = F32 if np.dtype(dtype) == np.float16 else np.dtype(dtype).itemsize
+        return (F32 + c) * s.scores * (n + 1) / (2 * n) + c * s.kv * (n + 1)
+
+
+class CudnnKernel(Kernel):
+    """cuDNN's flash attention (`cudnn_attention`)."""
+
+    def dots_saved(self, s, a: int, batched: bool) -> float:
+        """Its fused forward, saved with the dots whatever the policy (`transformer._fused_attention_saveable`):
+        the output and the softmax statistics."""
+        return a * s.q + F32 * s.head_stats
+
+
+KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), BlockedKernel("blocked", keeps_scores=False),
+                               CudnnKernel("cudnn", keeps_scores=False, takes_mask=False),
+                               Kernel("pallas", keeps_scores=False))}
 IMPLEMENTATIONS = tuple(KERNELS)
 
 
