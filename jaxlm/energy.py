@@ -270,7 +270,7 @@ class EstimateReader:
                 f"estimated: {self.watts:g} W x {self.num_devices} device(s) x wall time")
 
 
-def open_reader(cfg_energy: ml_collections.ConfigDict, devices: Sequence[Any],
+def open_reader(cfg_energy: EnergyConfig | ml_collections.ConfigDict, devices: Sequence[Any],
                 rapl_root: str | os.PathLike = "/sys/class/powercap", nvml: Any = None):
     """The first source that works for this process's `devices` (or the one `energy.source` names):
     (reader or None, a line saying what is metered and how, or why nothing is)."""
@@ -344,7 +344,7 @@ class Prices:
     price_per_device_hour: float
 
     @classmethod
-    def from_config(cls, e: ml_collections.ConfigDict) -> Prices:
+    def from_config(cls, e: EnergyConfig | ml_collections.ConfigDict) -> Prices:
         return cls(e.grid_gco2e_per_kwh, e.price_per_kwh, e.price_per_device_hour)
 
     @property
@@ -363,14 +363,14 @@ class RunMeter:
     same logging steps (it sums the processes' joules, a collective); `before_j` is what earlier
     segments of the run (before a resume) recorded in the checkpoint."""
 
-    def __init__(self, cfg: ml_collections.ConfigDict, devices: Sequence[Any], num_devices: int,
+    def __init__(self, settings: EnergyConfig, devices: Sequence[Any], num_devices: int,
                  before_j: float = 0.0, before_device_s: float = 0.0,
                  sum_processes: Callable[[int], list[int]] | None = None, **open_kwargs):
-        self.prices = Prices.from_config(cfg.energy)
-        reader, self.line = open_reader(cfg.energy, devices, **open_kwargs)
+        self.prices = Prices.from_config(settings)
+        reader, self.line = open_reader(settings, devices, **open_kwargs)
         self.measured = bool(reader and reader.measured)
         self.source = reader.source if reader else "off"
-        self._poller = Poller(reader, cfg.energy.poll_s) if reader else None
+        self._poller = Poller(reader, settings.poll_s) if reader else None
         self._sum = sum_processes or distributed.all_values
         self.num_devices = num_devices
         self.before_j, self.before_device_s = before_j, before_device_s

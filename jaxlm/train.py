@@ -373,8 +373,8 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "
             f"{data.tokenizer.sha256[:16]}); use the same data.tokenizer_* settings, or config.run.fresh=true"
         )
-    meter = energy.RunMeter(cfg, jax.local_devices(), jax.device_count(), before_j=saved.get("energy_j", 0.0),
-                            before_device_s=saved.get("device_s", 0.0))
+    meter = energy.RunMeter(energy.EnergyConfig.from_config(cfg.energy), jax.local_devices(), jax.device_count(),
+                            before_j=saved.get("energy_j", 0.0), before_device_s=saved.get("device_s", 0.0))
     try:
         return _train_metered(cfg, run_dir, ckpt, data, resume_step, saved, meter)
     finally:

@@ -167,7 +167,8 @@ def test_the_accounts_across_a_resume_count_each_joule_once():
         nvml.millijoules[0] += int(joules * 1e3)
 
     two_processes = lambda mj: [mj, mj]  # noqa: E731  (this process's millijoules, and another's equal share)
-    whole = energy.RunMeter(cfg, gpus(1), 2, sum_processes=two_processes, nvml=nvml)
+    settings = energy.EnergyConfig.from_config(cfg.energy)
+    whole = energy.RunMeter(settings, gpus(1), 2, sum_processes=two_processes, nvml=nvml)
     burn(1000)
     first = whole.interval(1, 100)
     assert first["energy_j"] == pytest.approx(2000) and "energy_j_per_step" not in first  # start-up: no per-step
@@ -180,7 +181,7 @@ def test_the_accounts_across_a_resume_count_each_joule_once():
     whole.close()
 
     burn(300)  # another run's steps 11-15, then it is killed: spent, but in no checkpoint
-    resumed = energy.RunMeter(cfg, gpus(1), 2, before_j=0.0, sum_processes=two_processes, nvml=nvml)
+    resumed = energy.RunMeter(settings, gpus(1), 2, before_j=0.0, sum_processes=two_processes, nvml=nvml)
     resumed.rebase(checkpoint_j, 0.0)  # the checkpoint restored
     burn(700)  # steps 11-20 again
     out = resumed.interval(20, 100)
