@@ -38,7 +38,7 @@ from jaxlm import axes, optim, quant, roofline, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
-from jaxlm.models import attention, pipeline_parallel, transformer
+from jaxlm.models import attention, layers, pipeline_parallel, transformer
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
 
@@ -234,7 +234,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`
-    fp8 = (2 * s.x + s.q + s.mlp) if m.matmul == "fp8" else 0.0
+    fp8 = layers.CONTRACTIONS[m.matmul].saved_operand_bytes * (2 * s.x + s.q + s.mlp)
     if policy in ("dots", "dots_mlp", "dots_no_batch"):  # and the attention kernel's own (`Kernel.dots_saved`)
         attention_saved = kernel.dots_saved(s, a, batched=policy != "dots_no_batch")
         hidden = a * s.mlp if policy == "dots_mlp" else 0.0  # the MLP's hidden activation (layers.MLP_HIDDEN)
@@ -392,9 +392,10 @@ def estimate(
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
         saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
-        # each layer's weights in float8, gathered
-        if m.matmul == "fp8" and m.remat in ("dots", "dots_mlp", "dots_no_batch"):
-            saved += m.n_layers * layer_params[1] / mesh_sizes["tensor"]
+        # each layer's weights as the contraction saves them (float8), gathered
+        if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
+            operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes
+            saved += operand_bytes * m.n_layers * layer_params[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if attention.KERNELS[m.attention].takes_mask:
             saved += s.scores  # the attention mask, one for all layers

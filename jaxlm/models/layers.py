@@ -176,9 +176,23 @@ def _fp8_einsum_bwd(equation, residuals, g):
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 
-# The projections' contractions by name (config.model.matmul; `ModelConfig.matmul`): XLA's einsum, the
-# float32 accumulation made explicit (CPUs with bfloat16 compute), float8 operands with per-tensor scales
-CONTRACTIONS: dict[str, EinsumOp] = {"xla": jnp.einsum, "accumulate": accumulating_einsum, "fp8": fp8_einsum}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """How the projections multiply (config.model.matmul; `ModelConfig.matmul`), with what the memory planner
+    (`jaxlm.memory`) asks of it."""
+
+    einsum: EinsumOp
+    # Bytes per element of the operands it saves for the backward pass under remat's dots policies, beside
+    # the dots' outputs: float8's inputs and weights (`FP8_OPERANDS`), one byte each; 0 = none
+    saved_operand_bytes: int = 0
+
+
+# By name: XLA's einsum, the float32 accumulation made explicit (CPUs with bfloat16 compute), float8
+# operands with per-tensor scales
+CONTRACTIONS = {"xla": Contraction(jnp.einsum), "accumulate": Contraction(accumulating_einsum),
+                "fp8": Contraction(fp8_einsum, saved_operand_bytes=1)}
 
 
 @jax.tree_util.register_pytree_node_class

@@ -264,7 +264,7 @@ class ModelConfig:
     @property
     def einsum_op(self) -> layers.EinsumOp:
         """The projections' (and the tied unembedding's) contraction."""
-        return layers.CONTRACTIONS[self.matmul]
+        return layers.CONTRACTIONS[self.matmul].einsum
 
     def projection(self, name: str, equation: str, shape: tuple[int, ...], names: tuple, **kwargs) -> layers.Projection:
         """A projection called `name` (wq, w_down, unembed, ...): a plain `layers.Projection`, or the class of
