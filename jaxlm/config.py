@@ -171,13 +171,18 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
         applied.append((key, text, value, node, parts[-1]))
     for i, (key, text, value, node, leaf) in enumerate(applied):
         later = [a for a in applied[i + 1:] if a[0] == key]
-        if not later and node[leaf] != value:  # a later override of a linked key changed it
-            other = next(a for a in reversed(applied[i + 1:]) if a[2] == node[leaf])
+        if not later and not _same(node[leaf], value):  # a later override of a linked key changed it
+            other = next(a for a in reversed(applied[i + 1:]) if _same(a[2], node[leaf]))
             raise UserError(
                 f"--config.{key}={text} and --config.{other[0]}={other[1]} contradict each other: the two keys are "
                 f"linked to one value, which either sets; give only one of them (drop --config.{other[0]}={other[1]} "
                 f"to set both to {value!r})"
             )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, nan included (nan != nan: a key set to nan still holds what it was set to)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 _FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)
@@ -229,6 +234,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     Each section checks its own keys (`Section.validate`); what follows are the checks across sections."""
     typed = sections(cfg)
     for section in typed.values():
+        section.check_values()  # every key by its type: finite numbers, integers, bools (`Section.check_values`)
         section.validate()
     m, d, o, pl = cfg.model, cfg.data, cfg.optim, cfg.pipeline
     if cfg.mesh.stage > 1 or cfg.mesh.stage == -1:

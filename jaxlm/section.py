@@ -15,6 +15,7 @@ the recipes and the command line users know, for the typing these dataclasses al
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -35,6 +36,10 @@ def check(ok: bool, key: str, value: Any, allowed: str) -> None:
 def check_choice(key: str, value: Any, choices: Sequence[str], allow_empty: bool = False) -> None:
     ok = value in choices or (allow_empty and value == "")
     check(ok, key, value, "one of " + ", ".join(repr(c) for c in choices) + (" or ''" if allow_empty else ""))
+
+
+# A field's declared type (a name under `from __future__ import annotations`) -> what `check_values` checks
+_TYPES = {"float": float, "int": int, "bool": bool, "str": str, "dict": dict}
 
 
 def _plain(value: Any) -> Any:
@@ -66,6 +71,26 @@ class Section:
 
     def key(self, field: str) -> str:
         return f"{self.section}.{field}"
+
+    def check_values(self) -> None:
+        """What every key gets by its declared type, in every section, before its own `validate`: a
+        number of that type (an integer for an int; an int or a float for a float, and finite: never
+        nan or inf), a bool, a string, a group of string values. One line naming the first that is not."""
+        for field in dataclasses.fields(self):
+            kind = _TYPES.get(field.type if isinstance(field.type, str) else getattr(field.type, "__name__", ""))
+            value, key = getattr(self, field.name), self.key(field.name)
+            if kind is float:
+                check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                      key, value, "a finite number")
+            elif kind is int:
+                check(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+            elif kind is bool:
+                check(isinstance(value, bool), key, value, "true or false")
+            elif kind is str:
+                check(isinstance(value, str), key, value, "a string")
+            elif kind is dict:
+                check(isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()), key, value,
+                      "a group of keys with string values")
 
     def validate(self) -> None:
         """Check what needs no other section (a check across sections belongs to `jaxlm.config`)."""

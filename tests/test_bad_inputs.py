@@ -218,6 +218,11 @@ CASES = [
     Case("zero-lr", "train", T("--config.optim.peak_lr=0"), 2, ("config.optim.peak_lr=0.0 is not allowed",
                                                               "a positive number")),
     Case("negative-lr", "train", T("--config.optim.peak_lr=-3e-4"), 2, ("config.optim.peak_lr=-0.0003",), slow=True),
+    # any float key, any section: finite (`Section.check_values`); tests/test_sections.py tries every key
+    Case("nan-float", "train", T("--config.optim.peak_lr=nan"), 2, ("config.optim.peak_lr=nan is not allowed",
+                                                                   "a finite number")),
+    Case("inf-float", "train", T("--config.energy.poll_s=inf"), 2, ("config.energy.poll_s=inf is not allowed",
+                                                                   "a finite number"), slow=True),
     Case("unknown-variant", "train", T("--config.model.variant=mamba"), 2, ("'mamba' is not allowed", "'llama'")),
     Case("kv-heads-not-divisor", "train", T("--config.model.n_kv_heads=3"), 2, ("n_kv_heads=3",
                                                                               "a divisor of model.n_heads=4")),

@@ -89,3 +89,39 @@ def test_the_config_json_of_a_run_of_commit_a89b6fe_still_loads(tmp_path):
         for key, value in kept.items():  # a group of keys (mesh.rules) holds the saved ones and today's others
             now = getattr(section, key)
             assert ({k: now[k] for k in value} if isinstance(value, dict) else now) == value, key
+
+
+def _keys_of_type(kind: str) -> list[str]:
+    """Every key of every section declared with the type named `kind` (float, int, bool)."""
+    return [f"{name}.{field.name}" for name, cls in config.SECTIONS.items() for field in dataclasses.fields(cls)
+            if (field.type if isinstance(field.type, str) else field.type.__name__) == kind]
+
+
+# Values no key of the type accepts, as the command line gives them (`--config.<key>=<text>`)
+BAD_BY_TYPE = {"float": ("nan", "inf", "-inf", "1e999", "many"), "int": ("1.5", "nan", "inf", "many"),
+               "bool": ("maybe", "2")}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_BY_TYPE))
+def test_every_key_refuses_the_values_its_type_never_takes_in_one_line(kind):
+    """By class, not by key: every float of every section refuses nan and the infinities, every int a
+    fraction or nan, every bool what is not one, each as one line naming the key (generated from the
+    sections: a new key is covered the day it is declared)."""
+    keys = _keys_of_type(kind)
+    assert len(keys) >= {"float": 20, "int": 40, "bool": 10}[kind], keys  # the enumeration found the sections' keys
+    for key in keys:
+        for text in BAD_BY_TYPE[kind]:
+            cfg = config.load_recipe("tiny")
+            with pytest.raises(UserError) as raised:
+                config.apply_overrides(cfg, [(key, text)])
+                config.validate(cfg)
+            message = str(raised.value)
+            assert "\n" not in message and key in message, (key, text, message)
+
+
+def test_a_non_finite_float_from_a_recipe_is_refused_as_from_the_command_line():
+    """The check is the section's, not the parser's: a recipe (Python) that computes nan is refused too."""
+    cfg = config.load_recipe("tiny")
+    cfg.optim.peak_lr = float("nan")
+    with pytest.raises(UserError, match=re.escape("config.optim.peak_lr=nan is not allowed: a finite number")):
+        config.validate(cfg)
