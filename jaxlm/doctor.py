@@ -18,7 +18,6 @@ the layout: which process this is, where the layout came from, devices per proce
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -35,9 +34,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxlm import distributed, energy, metrics, precision
+from jaxlm import cli, distributed, energy, metrics, precision
 from jaxlm import mesh as mesh_lib
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, report_error
 from jaxlm.models import attention
 
 EXIT_OK, EXIT_PROBLEM = 0, 1
@@ -538,19 +537,28 @@ def _initialize_distributed(args) -> tuple[str | None, str | None]:
         return None, f"jax.distributed.initialize failed: {_first_line(e)}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.doctor", description=__doc__.splitlines()[0])
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.doctor` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--expect", choices=("auto", "gpu", "cpu", "tpu"), default="auto",
                         help="the platform JAX must use (auto: a GPU where nvidia-smi lists one)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--matmul_size", type=int, default=None, help="n of the n x n x n bf16 matmul timing")
+    parser.add_number("--matmul_size", kind=int, minimum=1, default=None, help="n of the n x n x n bf16 matmul timing")
     parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (with --distributed)")
-    parser.add_argument("--num_processes", type=int, default=None)
-    parser.add_argument("--process_id", type=int, default=None)
-    parser.add_argument("--distributed_timeout_s", type=float, default=distributed.DEFAULT_TIMEOUT_S,
-                        help="how long to wait for the coordinator and the other processes")
-    args = parser.parse_args(argv)
+    parser.add_number("--num_processes", kind=int, minimum=1, default=None)
+    parser.add_number("--process_id", kind=int, minimum=0, default=None)
+    parser.add_number("--distributed_timeout_s", above=0, default=distributed.DEFAULT_TIMEOUT_S,
+                      help="how long to wait for the coordinator and the other processes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UserError as e:
+        return report_error(e)
     distributed_error = layout = None
     if args.distributed or args.coordinator:
         layout, distributed_error = _initialize_distributed(args)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd
 
-from jaxlm import inference, steps
+from jaxlm import cli, inference, steps
 from jaxlm.data import loader, pipeline, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
@@ -412,8 +412,6 @@ def format_table(results: dict[str, Any]) -> str:
 def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     task_files = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     examples = {pathlib.Path(t).stem: read_examples(t) for t in task_files}  # bad files fail before loading
-    if args.max_tokens < 0:
-        raise UserError(f"--max_tokens={args.max_tokens}: use 0 (all) or more")
     run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype)
     scorer = make_scorer(run)
     results: dict[str, Any] = {"run_dir": str(run.run_dir), "step": run.step,
@@ -436,10 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again to evaluate")
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.evaluate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--corpus", default="val",
                         help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
     parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
@@ -449,12 +448,19 @@ def _main(argv: Sequence[str] | None = None) -> int:
                         help="chat rows: '' (the tokenizer's own), chatml, simple or a .jinja file (default: the run's)")
     parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field with the text")
     parser.add_argument("--separator", default="", help="text files: split documents on this string")
-    parser.add_argument("--max_tokens", type=int, default=1_000_000, help="evaluate on about this many tokens; 0 = all")
+    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=1_000_000,
+                      help="evaluate on about this many tokens; 0 = all")
     parser.add_argument("--tasks", default="", help="multiple-choice JSONL files, comma-separated")
-    parser.add_argument("--seq_len", type=int, default=None, help="tokens per row (default: the run's data.seq_len)")
-    parser.add_argument("--batch_size", type=int, default=None, help="rows per batch (default: the run's)")
+    parser.add_number("--seq_len", kind=int, minimum=2, default=None,
+                      help="tokens per row (default: the run's data.seq_len)")
+    parser.add_number("--batch_size", kind=int, minimum=1, default=None, help="rows per batch (default: the run's)")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
     parser.add_argument("--output", default=None, help="results JSON (default: <run_dir>/eval-<step>.json)")
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     args.separator = sources.unescape(args.separator)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -61,8 +61,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxlm import cli, init_from
 from jaxlm import config as config_lib
-from jaxlm import init_from
 from jaxlm import train as train_lib
 from jaxlm.console import duration
 from jaxlm.data import loader
@@ -975,20 +975,17 @@ def _parse_seeds(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--seeds {text!r}: use comma-separated integers, e.g. 0,1,2") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like the other jaxlm commands
-        sys.exit(report_error(message))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m jaxlm.experiment", description=__doc__.split("\n\n")[0])
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.experiment` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.experiment", description=__doc__.split("\n\n")[0])
     parser.add_argument("experiment", help="a Python file defining EXPERIMENT = Experiment(...)")
-    parser.add_argument("--parallel", type=int, default=1, help="runs at once; 0 = in this process, one by one")
+    parser.add_number("--parallel", kind=int, minimum=0, allowed="1 or more, or 0 to run in this process", default=1,
+                      help="runs at once; 0 = in this process, one by one")
     parser.add_argument("--print_commands", "--print-commands", action="store_true",
                         help="print one command per unfinished run (for a cluster) instead of running")
     parser.add_argument("--collect", action="store_true", help="only collect the results of the runs on disk")
     parser.add_argument("--search", choices=("grid", "random", "optuna"), help="search the search_space")
-    parser.add_argument("--trials", type=int, help="random and optuna searches: how many trials in all")
+    parser.add_number("--trials", kind=int, minimum=1, help="random and optuna searches: how many trials in all")
     stop = parser.add_mutually_exclusive_group()
     stop.add_argument("--early_stop", "--early-stop", action="store_true", default=None,
                       help="stop runs whose validation loss is worse than the median at the same step")
@@ -1001,12 +998,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output_dir", "--output-dir", default="runs", help="runs go to <output_dir>/<experiment>/")
     parser.add_argument("--results_dir", "--results-dir",
                         help="where results.md/csv and loss.png go (default: the sweep's directory)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UserError as e:  # one line, exit 2, like the other jaxlm commands
+        return report_error(e)
     # SIGTERM (a cluster ending this job) stops the runs it started too: they save and can be resumed.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        if args.parallel < 0:
-            raise UserError(f"--parallel={args.parallel}: use 1 or more, or 0 to run in this process")
         exp = load_experiment(args.experiment)
         sweep(exp, output_dir=args.output_dir, search=args.search, trials=args.trials, seeds=args.seeds,
               overrides=args.set, parallel=args.parallel, early_stop=args.early_stop, only=args.only,

@@ -15,7 +15,6 @@ always gives the same text.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -31,7 +30,7 @@ from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import inference, train_state
+from jaxlm import cli, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
@@ -316,22 +315,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again")
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.generate", description=__doc__.split("\n\n")[0])
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.generate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     parser.add_argument("--prompts_file", help="a file with one prompt per line (adds to --prompt)")
-    parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_number("--num_samples", kind=int, minimum=1, default=1, help="completions per prompt")
+    parser.add_number("--max_new_tokens", kind=int, minimum=1, default=128)
+    parser.add_number("--temperature", minimum=0, allowed="0 (greedy) or a positive number", default=0.8,
+                      help="0 = greedy")
+    parser.add_number("--top_k", kind=int, minimum=0, allowed="0 (off) or a positive number of tokens", default=0,
+                      help="0 = off")
+    parser.add_number("--top_p", above=0, maximum=1, allowed="a probability in (0, 1]; 1 is off", default=1.0,
+                      help="1 = off")
+    parser.add_number("--seed", kind=int, default=0)
     parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
     parser.add_argument("--param_dtype", default=None, help="cast parameters as they load, e.g. bfloat16")
     parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -344,8 +352,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
                 raise UserError(f"--prompts_file={args.prompts_file}: {e.strerror}") from None
         if not prompts:
             raise UserError("give at least one --prompt=TEXT (or --prompts_file=FILE)")
-        if args.num_samples < 1:
-            raise UserError(f"--num_samples={args.num_samples}: use 1 or more")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         generator = load(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
         batch = [p for p in prompts for _ in range(args.num_samples)]

@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxlm import checkpoint, distributed, inference, lora, train_state
+from jaxlm import checkpoint, cli, distributed, inference, lora, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
@@ -395,8 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again with a new --output")
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.hf", description=__doc__,
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.hf` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="a Hugging Face model directory -> a jaxlm run directory")
@@ -407,13 +408,19 @@ def _main(argv: Sequence[str] | None) -> int:
     exp = commands.add_parser("export", help="a jaxlm run -> a Hugging Face model directory")
     exp.add_argument("--run_dir", required=True)
     exp.add_argument("--output", required=True, help="the directory to write (new)")
-    exp.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest that loads)")
+    exp.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
     exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
-    exp.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors files of at most this size")
+    exp.add_number("--max_shard_gb", above=0, allowed="a positive size in GB", default=5.0,
+                   help="safetensors files of at most this size")
     exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
                      help="a LoRA run: merge the adapters into the weights, or write them in PEFT's format beside "
                           "the base (--adapter_output)")
     exp.add_argument("--adapter_output", default="", help="--adapters=peft: where (default <output>/adapter)")
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = make_parser()
     argv, layout_flags = distributed.pop_flags(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")

@@ -24,7 +24,6 @@ that fit are listed as `--config` overrides. Exit code 0: fits; 1: does not fit;
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -41,7 +40,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxlm import axes, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
+from jaxlm import axes, cli, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
@@ -475,24 +474,18 @@ def format_report(report: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit code 2, like every jaxlm user error
-        raise UserError(message)
-
-
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """The command: `_main`, its errors, interrupts and environment failures as one line and an exit code."""
     return run_command(lambda: _main(argv, own_process=own_process), resume="run the same command again")
 
 
-def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
-    """The command; `own_process`: nothing else runs in this process (`python -m jaxlm.plan`), so
-    without --compile JAX is kept off the accelerators (the analytic figure needs no device)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _Parser(prog="python -m jaxlm.plan", description=__doc__.splitlines()[2], allow_abbrev=False)
-    parser.add_argument("--devices", type=int, required=True, help="number of devices the run uses")
-    parser.add_argument("--device_memory_gib", type=float, default=None,
-                        help="memory of one device (default 80, or the --target's)")
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.plan` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.plan", description=__doc__.splitlines()[2], allow_abbrev=False)
+    parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", required=True,
+                      help="number of devices the run uses")
+    parser.add_number("--device_memory_gib", above=0, allowed="a positive size in GiB", default=None,
+                      help="memory of one device (default 80, or the --target's)")
     parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
                         help="compile the real GPU program for compile-only devices of this kind (no GPU needed; "
                              "`make h100-env`) and report its memory and roofline: kernels, collectives, the "
@@ -505,16 +498,20 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
                         help="with --target: also compile each remat policy at several micro-batch counts and "
                              "choose the pair with the best roofline-bound MFU that fits without recompute XLA adds")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """The command; `own_process`: nothing else runs in this process (`python -m jaxlm.plan`), so
+    without --compile JAX is kept off the accelerators (the analytic figure needs no device)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
     try:
         config_args = [a for a in argv if a.startswith("--config")]
         args = parser.parse_args([a for a in argv if not a.startswith("--config")])
-        if args.devices < 1:
-            raise UserError(f"--devices={args.devices}: give a positive number of devices")
         target = roofline.TARGETS[args.target] if args.target else None
         if args.device_memory_gib is None:
             args.device_memory_gib = target.memory_bytes / GIB if target else 80.0
-        if args.device_memory_gib <= 0:
-            raise UserError(f"--device_memory_gib={args.device_memory_gib}: give a positive size in GiB")
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning never needs device memory
         if target is not None:  # compile-only devices: JAX itself runs on the CPU (the plugin needs no GPU then)
             jax.config.update("jax_platforms", "cpu")

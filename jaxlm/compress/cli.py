@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from jaxlm import checkpoint, evaluate, generate, inference, quant, train_state
+from jaxlm import cli as jaxlm_cli
 from jaxlm import config as config_lib
 from jaxlm.compress import calibrate, methods
 from jaxlm.data.tokenizer import write_bytes_atomically
@@ -277,18 +278,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again with a new --output")
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.compress", description=__doc__,
+def make_parser() -> jaxlm_cli.Parser:
+    """The command line of `python -m jaxlm.compress` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = jaxlm_cli.Parser(prog="python -m jaxlm.compress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run_dir", required=True, help="the trained run to compress")
     parser.add_argument("--output", required=True, help="the run directory to write (new)")
-    parser.add_argument("--step", type=int, default=None, help="the checkpoint (default: the newest that loads)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
     parser.add_argument("--corpus", default="val", help="what the report measures quality on: val (the run's "
                         "validation split), text files, a prepared directory, or none")
-    parser.add_argument("--max_tokens", type=int, default=200_000, help="of --corpus, at most this many tokens")
+    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=200_000,
+                      help="of --corpus, at most this many tokens")
     parser.add_argument("--tasks", default="", help="comma-separated multiple-choice JSONL files (jaxlm.evaluate's)")
-    parser.add_argument("--gen_tokens", type=int, default=32, help="new tokens per row in the generation speed "
-                        "measurement (0 = none)")
+    parser.add_number("--gen_tokens", kind=int, minimum=0, default=32, help="new tokens per row in the generation "
+                      "speed measurement (0 = none)")
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = make_parser()
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     overrides = []
     for item in rest:
@@ -296,8 +304,6 @@ def _main(argv: Sequence[str] | None) -> int:
         if not key.startswith("--config.") or not eq:
             parser.error(f"unrecognized argument {item!r} (config keys are given as --config.compress.<key>=<value>)")
         overrides.append((key[len("--config."):], value))
-    if args.max_tokens < 0:
-        raise UserError(f"--max_tokens={args.max_tokens}: use 0 (all) or more")
     logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     report = compress_run(args.run_dir, args.output, overrides, step=args.step, corpus=args.corpus, tasks=tasks,

@@ -31,7 +31,6 @@ re-run after a kill re-reads the inputs, skips the shards already on disk (each 
 atomically) and ends with the same bytes as a run that was never interrupted.
 """
 
-import argparse
 import collections
 import concurrent.futures
 import dataclasses
@@ -52,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tqdm
 
+from jaxlm import cli
 from jaxlm.data import sft, sources
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in, write_bytes_atomically
 from jaxlm.errors import Terminated, UserError, report_error, run_command
@@ -513,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again to continue")
 
 
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.data.prepare", description=__doc__.split("\n\n")[0])
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.data.prepare` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True,
                         help="'builtin', 'builtin_chat', or files, directories and globs, comma-separated")
     parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
@@ -525,14 +526,20 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--separator", default="",
                         help="text files: split documents on this string (escapes such as \\n\\n are decoded);"
                         " empty: one document per file")
-    parser.add_argument("--max_bytes", type=int, default=0, help="builtin only: stop after this many bytes")
+    parser.add_number("--max_bytes", kind=int, minimum=0, default=0, help="builtin only: stop after this many bytes")
     parser.add_argument("--tokenizer", required=True,
                         help="a SentencePiece .model file or a Hugging Face tokenizer.json (or its directory)")
     parser.add_argument("--output", required=True, help="the directory to write (or to continue)")
-    parser.add_argument("--shard_docs", type=int, default=4096, help="documents per shard")
-    parser.add_argument("--val_fraction", type=float, default=0.01)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
+    # (shard_docs, val_fraction and workers: their ranges are `prepare`'s own checks, for its library callers too)
+    parser.add_number("--shard_docs", kind=int, default=4096, help="documents per shard")
+    parser.add_number("--val_fraction", default=0.01)
+    parser.add_number("--seed", kind=int, default=0, help="seed of the train/validation split")
+    parser.add_number("--workers", kind=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
+    return parser
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     try:
         sft_spec = sft.Spec(args.format, args.chat_template) if args.format in sft.FORMATS else None

@@ -12,7 +12,6 @@ trained here has pad, unk, bos, eos = 0, 1, 2, 3. `HFTokenizer` reads a checkpoi
 """
 
 import abc
-import argparse
 import functools
 import hashlib
 import io
@@ -28,6 +27,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_model
 
+from jaxlm import cli
 from jaxlm.data.sources import SourceSpec, iter_documents, unescape
 from jaxlm.errors import UserError, report_error, run_command
 
@@ -615,25 +615,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again")
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
-    parser = argparse.ArgumentParser(prog="python -m jaxlm.data.tokenizer", description=__doc__)
+def make_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.data.tokenizer` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.data.tokenizer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a tokenizer on a corpus and write its .model file")
     train.add_argument("--input", required=True, help="'builtin', or files, directories, globs (comma-separated)")
     train.add_argument("--format", default="auto", help="auto | text | jsonl | parquet")
     train.add_argument("--text_field", default="text", help="the JSONL field / Parquet column with the text")
     train.add_argument("--separator", default="", help="text files: split documents on this string")
-    train.add_argument("--vocab_size", type=int, required=True)
+    train.add_number("--vocab_size", kind=int, required=True)  # its range is the tokenizer's own check
     train.add_argument("--model_type", default="bpe", choices=MODEL_TYPES)
-    train.add_argument("--max_bytes", type=int, default=100_000_000, help="train on the first N bytes of the corpus")
+    train.add_number("--max_bytes", kind=int, minimum=1, default=100_000_000,
+                     help="train on the first N bytes of the corpus")
     train.add_argument("--output", required=True, help="path of the .model file to write")
     encode = commands.add_parser("encode", help="print the ids of a text")
     encode.add_argument("--model", required=True)
     encode.add_argument("text")
     decode = commands.add_parser("decode", help="print the text of space-separated ids")
     decode.add_argument("--model", required=True)
-    decode.add_argument("ids", nargs="+", type=int)
+    decode.add_argument("ids", nargs="+", type=cli.number(int))
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxlm.data.tokenizer train|encode|decode ...`"""
+    parser = make_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
