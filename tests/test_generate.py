@@ -218,7 +218,7 @@ def test_parameters_can_be_loaded_in_bfloat16(run_dir):
     [
         ([f"--prompt={'alice likes apples. ' * 40}"], "but the model's context is 64 tokens (model.max_seq_len)"),
         (["--prompt=alice", "--step=3"], "--step=3: "),
-        (["--prompt=alice", "--top_p=0"], "--top_p=0.0: use a probability in (0, 1]"),
+        (["--prompt=alice", "--top_p=0"], "--top_p=0.0 is not allowed: a probability in (0, 1]"),
         ([], "give at least one --prompt=TEXT"),
     ],
 )
