@@ -37,6 +37,7 @@ from flax import nnx
 from flax.core import spmd
 
 from jaxlm import cli, inference, steps
+from jaxlm import run_dir as run_dir_lib
 from jaxlm.data import loader, pipeline, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
@@ -465,17 +466,26 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args.separator = sources.unescape(args.separator)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.output:  # refused before the work: a file of another kind, or one inside a run's checkpoints
+            run_dir_lib.check_output_file(pathlib.Path(args.output))
         results = run_evaluation(args)
-        output = pathlib.Path(args.output) if args.output else pathlib.Path(args.run_dir) / f"eval-{results['step']}.json"
-        if jax.process_index() == 0:
-            try:
-                output.write_text(json.dumps(results, indent=2) + "\n")
-            except OSError as e:
-                raise UserError(f"cannot write the results to {output}: {e.strerror}; give another --output") from None
     except UserError as e:
         return report_error(e)
+    # The results first, so a run that cannot be written to (read-only) still gives them; the file after
     print(f"jaxlm: {results['run_dir']} step {results['step']} on {results['devices']} ({results['dtype']})")
     print(format_table(results))
+    output = pathlib.Path(args.output) if args.output else pathlib.Path(args.run_dir) / f"eval-{results['step']}.json"
+    if jax.process_index() == 0:
+        try:
+            run_dir_lib.check_output_file(output, "--output" if args.output else "the results file")
+            output.write_text(json.dumps(results, indent=2) + "\n")
+        except (OSError, UserError) as e:
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            if args.output:  # asked for: an error (the results are above)
+                return report_error(f"cannot write the results to {output}: {why}; give another --output")
+            print(f"jaxlm: warning: the results were not written to the run directory ({why}); give "
+                  f"--output=FILE to keep them", file=sys.stderr)
+            return 0
     print(f"jaxlm: results written to {output}")
     return 0
 

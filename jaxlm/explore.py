@@ -44,7 +44,7 @@ from jaxlm.data import loader
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
-from jaxlm.run_dir import make_run_dir, run_dir_path
+from jaxlm.run_dir import check_run_dir, make_run_dir, run_dir_path
 from jaxlm.table import Table
 
 Model = train_setup.TrainSetup | inference.LoadedRun  # what inspection, forward and sampling accept
@@ -377,6 +377,7 @@ def save(setup: train_setup.TrainSetup, data: loader.Data, run_dir: str | pathli
         cfg = copy.deepcopy(cfg)
         cfg.run.output_dir, cfg.run.name = str(run_dir.parent), run_dir.name
     step = int(jax.device_get(setup.state.step))
+    check_run_dir(run_dir)  # a directory jaxlm did not write is refused, as the CLI refuses it
     make_run_dir(run_dir, cfg, step)
     data.tokenizer.save(run_dir / data.tokenizer.file_name)
     meta = {"config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,

@@ -42,6 +42,7 @@ from safetensors.numpy import save_file
 from jaxlm import checkpoint, cli, distributed, inference, lora, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
+from jaxlm import run_dir as run_dir_lib
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, run_command
 from jaxlm.models import hf as hf_map
@@ -134,8 +135,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
     hf_dir, output = pathlib.Path(hf_dir), pathlib.Path(output)
     if not hf_dir.is_dir():
         raise UserError(f"--hf_dir={hf_dir} is not a directory; give a Hugging Face model directory")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    run_dir_lib.check_new_output(output, is_a_run=True)
     if param_dtype not in transformer.DTYPES:
         raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
     hf = hf_map.read_json(hf_dir / "config.json", "import")
@@ -251,8 +251,9 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
     format, which `peft.PeftModel.from_pretrained(base, adapter_output)` loads. A QLoRA run's 4-bit
     base is exported dequantized (the weights the run trained over), merged or as PEFT's base."""
     output = pathlib.Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    run_dir_lib.check_new_output(output)
+    if adapter_output:
+        run_dir_lib.check_new_output(pathlib.Path(adapter_output), "--adapter_output")
     if adapters not in ADAPTER_CHOICES:
         raise UserError(f"--adapters={adapters}: use one of {', '.join(ADAPTER_CHOICES)}")
     run = inference.load_run(run_dir, step=step)

@@ -16,6 +16,8 @@ import jax
 import ml_collections
 
 from jaxlm import metrics as metrics_lib
+from jaxlm.errors import UserError
+from jaxlm.run_lock import LOCK_NAME
 from jaxlm.section import Section, check, setting
 
 
@@ -61,6 +63,89 @@ class RunConfig(Section):
 def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:
     """`output_dir/name`; the name defaults to the recipe's, so re-running a command resumes its run."""
     return pathlib.Path(cfg.run.output_dir) / (cfg.run.name or cfg.run.recipe)
+
+
+# What a run directory may hold before its config.json is written: its lock
+OWN_FILES = (LOCK_NAME,)
+
+
+# ----------------------------------------------------------------------------- what a command may write
+
+
+def is_run(path: pathlib.Path) -> bool:
+    """Whether `path` is a run directory jaxlm wrote (`python -m jaxlm.train`, `hf import`, `compress`):
+    its config.json is a jaxlm config, a JSON object with `run` and `model` sections. A Hugging Face
+    model's config.json, or a user's own, is not."""
+    try:
+        saved = json.loads((pathlib.Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and isinstance(saved.get("run"), dict) and isinstance(saved.get("model"), dict)
+
+
+def run_containing(path: pathlib.Path) -> pathlib.Path | None:
+    """The run directory `path` is in (or is), if any: the nearest of it and its parents that `is_run`."""
+    path = pathlib.Path(path).absolute()
+    return next((p for p in (path, *path.parents) if is_run(p)), None)
+
+
+def _locked_by_jaxlm(run_dir: pathlib.Path) -> bool:
+    """Whether the directory holds a jaxlm run's lock (`run_lock.RunLock`: JSON with the holder's pid): a run
+    that has not written its config.json yet, which the lock then reports (in use, or taken over)."""
+    try:
+        holder = json.loads((run_dir / LOCK_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(holder, dict) and "pid" in holder and "host" in holder
+
+
+def check_run_dir(run_dir: pathlib.Path) -> None:
+    """A run writes only into a run directory of its own kind: a new or empty directory, or one jaxlm
+    wrote (which it resumes). Anything else, a Hugging Face model directory or a folder of the user's own
+    files, is refused in one line before anything is written or moved."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} (run.output_dir/run.name) is a file, not a directory; choose another "
+                        f"config.run.name or config.run.output_dir")
+    if any(p.name not in OWN_FILES for p in run_dir.iterdir()) and not is_run(run_dir) and not _locked_by_jaxlm(run_dir):
+        raise UserError(f"{run_dir} (run.output_dir/run.name) holds files jaxlm did not write (no jaxlm config.json "
+                        f"in it); a run writes only into its own directory: choose another config.run.name or "
+                        f"config.run.output_dir")
+
+
+def check_new_output(output: pathlib.Path, flag: str = "--output", *, is_a_run: bool = False) -> None:
+    """A command's new output directory (hf import and export, compress, a PEFT adapter): refused in one
+    line when it exists and is not empty, when it lies inside a run's checkpoints, or, for an output that
+    is itself a run (`is_a_run`), anywhere inside another run, where resuming or cleaning that run would
+    meet it."""
+    output = pathlib.Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"{flag}={output} exists and is not empty; give a new directory")
+    inside = run_containing(output.parent)
+    if inside is not None and (is_a_run or "checkpoints" in output.absolute().relative_to(inside.absolute()).parts):
+        raise UserError(f"{flag}={output} is inside the run directory {inside}; give a directory outside it")
+
+
+def check_output_file(path: pathlib.Path, flag: str = "--output") -> None:
+    """A command's output file (`evaluate --output`): written only where nothing is lost, a new file or an
+    earlier result of the same kind (a JSON object with `run_dir` and `step`), never inside a run's
+    checkpoints nor over one of a run's own files."""
+    path = pathlib.Path(path)
+    named = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    inside = run_containing(path.parent)
+    if inside is not None and "checkpoints" in path.absolute().relative_to(inside.absolute()).parts:
+        raise UserError(f"{named} is inside the checkpoints of {inside}; give a file outside them")
+    if path.is_dir():
+        raise UserError(f"{named} is a directory; give a file name")
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "run_dir" in earlier and "step" in earlier):
+            raise UserError(f"{named} exists and is not an earlier result of this command; give a new file "
+                            f"(it is left as it is)")
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path:

@@ -44,7 +44,7 @@ from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, DataConfig, load_data, rows_held
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
-from jaxlm.run_dir import Sinks, config_differences, make_run_dir, run_dir_path, set_aside
+from jaxlm.run_dir import Sinks, check_run_dir, config_differences, make_run_dir, run_dir_path, set_aside
 from jaxlm.run_lock import LOCK_NAME, RunLock
 from jaxlm.train_setup import TrainSetup, evaluate, resolve_config
 
@@ -255,6 +255,7 @@ def run(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     anything there until it ends: a second run on the same directory stops at once, touching nothing.
     """
     run_dir = run_dir_path(cfg)
+    check_run_dir(run_dir)  # a directory jaxlm did not write is refused before the lock touches it
     lock, refusal = None, ""
     if jax.process_index() == 0:
         try:

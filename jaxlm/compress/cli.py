@@ -36,6 +36,7 @@ import optax
 from jaxlm import checkpoint, evaluate, generate, inference, quant, train_state
 from jaxlm import cli as jaxlm_cli
 from jaxlm import config as config_lib
+from jaxlm import run_dir as run_dir_lib
 from jaxlm.compress import calibrate, methods
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError, run_command
@@ -167,8 +168,7 @@ def compress_run(run_dir, output, overrides: Sequence[tuple[str, Any]] = (), *, 
                  gen_tokens: int = 32) -> dict[str, Any]:
     """Write the compressed run directory `output` and return its report (see the module's docstring)."""
     output = pathlib.Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"--output={output} exists and is not empty; give a new directory")
+    run_dir_lib.check_new_output(output, is_a_run=True)
     examples = {pathlib.Path(t).stem: evaluate.read_examples(t) for t in tasks}  # bad files fail before loading
     run = inference.load_run(run_dir, step=step)
     cfg = _resolve(run, overrides)
