@@ -296,7 +296,7 @@ class Checkpointer:
         the snapshots' buffers are freed once on the host (as donating them would)."""
         in_thread = snapshots is not None
         try:
-            with self._failed_save():  # Orbax's save first waits for the previous one, raising what it raised
+            with self._failed_save(current=step):  # Orbax's save first waits for the previous one, raising what it raised
                 started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
             # Orbax's save returns only once the previous save has committed: record that one's manifest.
             self._record_manifest(background=True)
@@ -351,17 +351,18 @@ class Checkpointer:
         self._record_manifest(background=False)
 
     @contextlib.contextmanager
-    def _failed_save(self, *, closing: bool = False):
+    def _failed_save(self, *, closing: bool = False, current: int | None = None):
         """A save that failed in the background (a disk full, a path no longer writable): one line
         naming it and the newest complete checkpoint, which it left the newest. Orbax raises the
-        failure again at every later call; `closing`, once it has been reported, it is not."""
+        failure again at every later call; `closing`, once it has been reported, it is not. `current`:
+        the step being saved, the one that failed when no earlier save is pending."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 -- tensorstore reports OS errors as ValueError
             if closing and self._failure_reported:
                 return
             self._failure_reported = True
-            step, self._unrecorded = self._unrecorded, None
+            step, self._unrecorded = (self._unrecorded if self._unrecorded is not None else current), None
             newest = complete_steps(self.directory)
             raise EnvironmentFailure(
                 f"saving checkpoint {self.directory / str(step if step is not None else '?')} failed "

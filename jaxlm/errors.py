@@ -12,6 +12,7 @@ before it exits 75 or 130 (`jaxlm.train`).
 import errno
 import importlib.util
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -77,7 +78,16 @@ _ENVIRONMENT_ERRNOS = {
     errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
     errno.EFBIG: "the file grew past the size limit", errno.ENOTDIR: "a part of the path is a file, not a directory",
     errno.EISDIR: "it is a directory", errno.EEXIST: "it exists and is not a directory", errno.EIO: "an I/O error",
+    errno.ENAMETOOLONG: "the file name is too long for the filesystem",
 }
+# A library's I/O error that is an OSError in all but its type (safetensors', tokenizers' Rust errors end so)
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def os_errno_in(e: BaseException) -> int | None:
+    """The errno a non-OSError exception reports in its text ("... (os error 27)"), or None."""
+    found = _OS_ERROR_IN_TEXT.search(str(e))
+    return int(found.group(1)) if found else None
 
 
 def describe_os_error(e: OSError) -> str | None:
@@ -122,6 +132,12 @@ def run_command(body: Callable[[], int | None], *, resume: str = "run the same c
     except KeyboardInterrupt:
         print(f"jaxlm: interrupted; {resume}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:  # a library's own I/O error (safetensors, tokenizers): the environment's, as an OSError
+        number = os_errno_in(e)
+        if number not in _ENVIRONMENT_ERRNOS:
+            raise
+        print(f"jaxlm: error: {_ENVIRONMENT_ERRNOS[number]} ({str(e).splitlines()[0]})", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

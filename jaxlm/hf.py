@@ -153,17 +153,17 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
                                                 rules)
     started = time.time()
     params = _read_params(files, abstract, model_cfg, arch)
-    output.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        write_bytes_atomically(output / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
-        tok.save(output / tok.file_name)
     meta = {"config": cfg.to_dict(), "tokenizer_sha256": tok.sha256, "params_only": True,
             "imported_from": {"hf_dir": str(hf_dir.resolve()), "model_type": arch,
                               "dtypes": sorted({files.dtype(n) for n in files.names()})}}
-    with checkpoint.Checkpointer(output / "checkpoints", async_save=False) as ckpt:
-        ckpt.save(0, {"params": params}, meta=meta, force=True)
-        ckpt.wait()
-        ckpt.record_manifest(0)
+    with run_dir_lib.new_output(output, is_a_run=True) as partial:  # whole or not at all
+        if jax.process_index() == 0:
+            write_bytes_atomically(partial / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
+            tok.save(partial / tok.file_name)
+        with checkpoint.Checkpointer(partial / "checkpoints", async_save=False) as ckpt:
+            ckpt.save(0, {"params": params}, meta=meta, force=True)
+            ckpt.wait()
+            ckpt.record_manifest(0)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     log.info("imported %s (%s, %.1fM parameters) in %.1f s", hf_dir, arch, count / 1e6, time.time() - started)
     return output
@@ -274,31 +274,37 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
         raise UserError(f"{run_dir} has no LoRA adapters (lora.rank=0); --adapters=peft exports a run trained with them")
     arch = hf_map.architecture_of(model_cfg)
     peft_tensors = _peft_tensors(*adapted, model_cfg, arch, np_dtype) if adapted else None  # checked before writing
-    writer = _ShardWriter(output, max_shard_bytes) if jax.process_index() == 0 else None
-    for name, tensor in hf_map.hf_tensors(params, model_cfg, arch, np_dtype, to_host=_to_host,
-                                          build=writer is not None):
+    with run_dir_lib.new_output(output) as partial:  # whole or not at all
+        writer = _ShardWriter(partial, max_shard_bytes) if jax.process_index() == 0 else None
+        for name, tensor in hf_map.hf_tensors(params, model_cfg, arch, np_dtype, to_host=_to_host,
+                                              build=writer is not None):
+            if writer:
+                writer.add(name, tensor)
         if writer:
-            writer.add(name, tensor)
-    if writer:
-        tok = run.tokenizer
-        writer.close()
-        # A pad id that is only the eos stand-in (`Tokenizer.pad_id`) is no pad token of the model's.
-        pad_id = None if tok.pad_id == tok.eos_id else tok.pad_id
-        hf = hf_map.hf_config(model_cfg, arch, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad_id, dtype=dtype)
-        _write_json(output / "config.json", hf)
-        generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"], "do_sample": False}
-        if hf["pad_token_id"] is not None:
-            generation["pad_token_id"] = hf["pad_token_id"]
-        _write_json(output / "generation_config.json", generation)
-        tok.save(output / tok.file_name)
-        if tok.file_name == "tokenizer.model":  # SentencePiece: say which pieces are special, and that BOS starts a text
-            _write_json(output / "tokenizer_config.json", {
-                **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None for kind in ("bos", "eos", "unk")},
-                "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
-                "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
-        if peft_tensors is not None:
-            _write_peft(pathlib.Path(adapter_output) if adapter_output else output / "adapter", output,
-                        *peft_tensors, adapted[1])
+            tok = run.tokenizer
+            writer.close()
+            # A pad id that is only the eos stand-in (`Tokenizer.pad_id`) is no pad token of the model's.
+            pad_id = None if tok.pad_id == tok.eos_id else tok.pad_id
+            hf = hf_map.hf_config(model_cfg, arch, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad_id, dtype=dtype)
+            _write_json(partial / "config.json", hf)
+            generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"], "do_sample": False}
+            if hf["pad_token_id"] is not None:
+                generation["pad_token_id"] = hf["pad_token_id"]
+            _write_json(partial / "generation_config.json", generation)
+            tok.save(partial / tok.file_name)
+            if tok.file_name == "tokenizer.model":  # SentencePiece: say which pieces are special, and that BOS starts a text
+                _write_json(partial / "tokenizer_config.json", {
+                    **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None
+                       for kind in ("bos", "eos", "unk")},
+                    "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
+                    "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
+            if peft_tensors is not None:
+                if adapter_output:  # a directory of its own, written whole or not at all too
+                    with run_dir_lib.new_output(pathlib.Path(adapter_output), "--adapter_output",
+                                                collective=False) as adapter_partial:
+                        _write_peft(adapter_partial, output, *peft_tensors, adapted[1])
+                else:
+                    _write_peft(partial / "adapter", output, *peft_tensors, adapted[1])
     return output
 
 

@@ -6,15 +6,20 @@ a Hugging Face tokenizer.json with its tokenizer_config.json), summary.json and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
+import shutil
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import jax
 import ml_collections
 
+from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
 from jaxlm.errors import UserError
 from jaxlm.run_lock import LOCK_NAME
@@ -125,6 +130,42 @@ def check_new_output(output: pathlib.Path, flag: str = "--output", *, is_a_run: 
     inside = run_containing(output.parent)
     if inside is not None and (is_a_run or "checkpoints" in output.absolute().relative_to(inside.absolute()).parts):
         raise UserError(f"{flag}={output} is inside the run directory {inside}; give a directory outside it")
+
+
+def partial_path(output: pathlib.Path) -> pathlib.Path:
+    """Where `new_output` writes `output` until it is complete: a hidden sibling, the same for every process."""
+    return output.with_name(f".{output.name}.partial")
+
+
+@contextlib.contextmanager
+def new_output(output: pathlib.Path, flag: str = "--output", *, is_a_run: bool = False,
+               collective: bool = True) -> Iterator[pathlib.Path]:
+    """Write the new directory `output` whole or not at all: the body writes into `partial_path(output)`
+    (what an earlier, interrupted attempt left there is cleared first), which process 0 renames to `output`
+    once every process is done; a failure or an interrupt removes it. So an export, import or compression
+    that stops halfway leaves nothing in the way of the same command run again. Checked first as
+    `check_new_output` checks it. `collective=False`: only this process writes it (no barriers)."""
+    output = pathlib.Path(output)
+    check_new_output(output, flag, is_a_run=is_a_run)
+    partial = partial_path(output)
+    writer = not collective or jax.process_index() == 0
+    if writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    if collective:
+        distributed.barrier(f"new_output/{output.name}")
+    try:
+        yield partial
+        if collective:
+            distributed.barrier(f"new_output/{output.name}/done")
+    except BaseException:
+        if writer:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if writer:
+        if output.is_dir():  # an empty directory given as the output (checked): replaced
+            output.rmdir()
+        os.replace(partial, output)
 
 
 def check_output_file(path: pathlib.Path, flag: str = "--output") -> None:

@@ -79,6 +79,13 @@ def _write(path: str, text: str) -> Callable[[pathlib.Path, dict], None]:
     return setup
 
 
+def _exported(case: pathlib.Path, world: dict) -> None:
+    """{case}/exported: the shared run as a Hugging Face model directory."""
+    result = subprocess.run([sys.executable, "-m", "jaxlm.hf", "export", f"--run_dir={world['run']}",
+                             f"--output={case / 'exported'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def _copy_run(case: pathlib.Path, world: dict) -> pathlib.Path:
     shutil.copytree(world["run"], case / "facts")
     return case / "facts"
@@ -375,6 +382,13 @@ CASES = [
     Case("hf-export-output-taken", "hf", ("export", "--run_dir={run}", "--output={case}/taken"), 2,
          ("--output=", "taken exists and is not empty", "give a new directory"), setup=_write("taken/mine.txt", "kept"),
          unchanged="{case}/taken"),
+    # a disk that fills during an export or an import: one line, and nothing left in the way of the same command
+    # (`run_dir.new_output` writes a hidden sibling and renames it when complete)
+    Case("hf-export-disk-full", "hf", ("export", "--run_dir={run}", "--output={case}/out"), 74,
+         ("past the size limit",), file_size_limit=200_000, then="resumes", slow=True),
+    Case("hf-import-disk-full", "hf", ("import", "--hf_dir={case}/exported", "--output={case}/out"), 74,
+         ("checkpoints/0 failed", "File too large"), setup=_exported, file_size_limit=5_000, then="resumes",
+         slow=True),
     # --- what a command may write: only its own kind of directory or file (jaxlm.run_dir's checks)
     Case("train-into-a-foreign-directory", "train", T("--config.run.name=hfmodel"), 2,
          ("hfmodel (run.output_dir/run.name) holds files jaxlm did not write", "choose another config.run.name"),

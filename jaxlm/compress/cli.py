@@ -193,40 +193,40 @@ def compress_run(run_dir, output, overrides: Sequence[tuple[str, Any]] = (), *, 
     compressed = _variant(run, cfg, out_cfg, params)
     log.info("measuring the compressed model")
     after = measure(compressed, docs, examples, gen_tokens, targets)
-    output.mkdir(parents=True, exist_ok=True)
-    with cfg.unlocked():
-        cfg.run.name, cfg.run.output_dir = output.name, str(output.parent)
-    meta = {"config": cfg.to_dict(), "tokenizer_sha256": run.tokenizer.sha256, "params_only": True,
-            "compressed_from": {"run_dir": str(run.run_dir.resolve()), "step": run.step,
-                                **{k: v for k, v in meta.items() if k == "imported_from"}}}
-    if jax.process_index() == 0:
-        write_bytes_atomically(output / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
-        shutil.copyfile(run.run_dir / run.tokenizer.file_name, output / run.tokenizer.file_name)
-    with checkpoint.Checkpointer(output / "checkpoints", async_save=False) as ckpt:
-        ckpt.save(run.step, {"params": compressed.params}, meta=meta, force=True)
-        ckpt.wait()
-        ckpt.record_manifest(run.step)
-    report = {
-        "source": {"run_dir": str(run.run_dir), "step": run.step},
-        "output": str(output),
-        "compress": {k: cfg.compress[k] for k in cfg.compress.keys()},
-        "devices": f"{len(run.mesh.devices.flat)}x {run.mesh.devices.flat[0].device_kind}",
-        "corpus": corpus,
-        "seconds": done["seconds"],
-        "calibration": {"sequences": done["calibration_sequences"], "seq_len": done["calibration_seq_len"]},
-        "targets": done["targets"],
-        "before": before,
-        "after": after,
-        # the source's checkpoint holds its optimizer state and data position too (a compressed one: parameters)
-        "disk_bytes": {"checkpoint": _dir_bytes(output / "checkpoints" / str(run.step)),
-                       "source_checkpoint": _dir_bytes(run.run_dir / "checkpoints" / str(run.step))},
-    }
-    # The same weights in bfloat16, the usual serving format: the whole model's, and the compressed projections'.
-    report["bf16_bytes"] = 2 * before["parameters"]
-    report["bf16_target_bytes"] = before["target_bytes"] // np.dtype(run.model_cfg.param_dtype).itemsize * 2
-    if jax.process_index() == 0:
-        write_bytes_atomically(output / "compress_report.json", json.dumps(report, indent=2).encode())
-        write_bytes_atomically(output / "compress_report.md", format_report(report).encode())
+    with run_dir_lib.new_output(output, is_a_run=True) as partial:  # whole or not at all
+        with cfg.unlocked():
+            cfg.run.name, cfg.run.output_dir = output.name, str(output.parent)
+        meta = {"config": cfg.to_dict(), "tokenizer_sha256": run.tokenizer.sha256, "params_only": True,
+                "compressed_from": {"run_dir": str(run.run_dir.resolve()), "step": run.step,
+                                    **{k: v for k, v in meta.items() if k == "imported_from"}}}
+        if jax.process_index() == 0:
+            write_bytes_atomically(partial / "config.json", json.dumps(cfg.to_dict(), indent=2).encode())
+            shutil.copyfile(run.run_dir / run.tokenizer.file_name, partial / run.tokenizer.file_name)
+        with checkpoint.Checkpointer(partial / "checkpoints", async_save=False) as ckpt:
+            ckpt.save(run.step, {"params": compressed.params}, meta=meta, force=True)
+            ckpt.wait()
+            ckpt.record_manifest(run.step)
+        report = {
+            "source": {"run_dir": str(run.run_dir), "step": run.step},
+            "output": str(output),
+            "compress": {k: cfg.compress[k] for k in cfg.compress.keys()},
+            "devices": f"{len(run.mesh.devices.flat)}x {run.mesh.devices.flat[0].device_kind}",
+            "corpus": corpus,
+            "seconds": done["seconds"],
+            "calibration": {"sequences": done["calibration_sequences"], "seq_len": done["calibration_seq_len"]},
+            "targets": done["targets"],
+            "before": before,
+            "after": after,
+            # the source's checkpoint holds its optimizer state and data position too (a compressed one: parameters)
+            "disk_bytes": {"checkpoint": _dir_bytes(partial / "checkpoints" / str(run.step)),
+                           "source_checkpoint": _dir_bytes(run.run_dir / "checkpoints" / str(run.step))},
+        }
+        # The same weights in bfloat16, the usual serving format: the whole model's, and the compressed projections'.
+        report["bf16_bytes"] = 2 * before["parameters"]
+        report["bf16_target_bytes"] = before["target_bytes"] // np.dtype(run.model_cfg.param_dtype).itemsize * 2
+        if jax.process_index() == 0:
+            write_bytes_atomically(partial / "compress_report.json", json.dumps(report, indent=2).encode())
+            write_bytes_atomically(partial / "compress_report.md", format_report(report).encode())
     return report
 
 
