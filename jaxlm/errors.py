@@ -133,6 +133,10 @@ def run_command(body: Callable[[], int | None], *, resume: str = "run the same c
         print(f"jaxlm: interrupted; {resume}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # a library's own I/O error (safetensors, tokenizers): the environment's, as an OSError
+        if str(e).startswith("Unable to initialize backend"):  # JAX_PLATFORMS naming a backend this machine lacks
+            print(f"jaxlm: error: {str(e).splitlines()[0]}; `python -m jaxlm.doctor` says what this machine has",
+                  file=sys.stderr)
+            return EXIT_ENVIRONMENT
         number = os_errno_in(e)
         if number not in _ENVIRONMENT_ERRNOS:
             raise

@@ -350,6 +350,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
                     prompts += [line.rstrip("\n") for line in f if line.strip()]
             except OSError as e:
                 raise UserError(f"--prompts_file={args.prompts_file}: {e.strerror}") from None
+            except UnicodeDecodeError as e:
+                raise UserError(f"--prompts_file={args.prompts_file} is not UTF-8 text (byte {e.start}); give a text "
+                                f"file") from None
         if not prompts:
             raise UserError("give at least one --prompt=TEXT (or --prompts_file=FILE)")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)

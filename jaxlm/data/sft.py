@@ -334,6 +334,9 @@ class Encoder:
                 pad_token=tok.token_text(tok.pad_id), unk_token=tok.token_text(tok.unk_id))
         except jinja2.TemplateError as e:  # raise_exception, an undefined name, a sandbox refusal
             raise UserError(f"{where or 'a conversation'}: {self.template_name} refuses it: {e.message or e}") from None
+        except Exception as e:  # noqa: BLE001 -- the template is user code: its own error ({{ 1 // 0 }}, a range limit)
+            raise UserError(f"{where or 'a conversation'}: {self.template_name} failed rendering it: "
+                            f"{type(e).__name__}: {e}; fix the chat template") from None
 
     def prompt_ids(self, tok: Tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
         """The ids a chat model is prompted with: `messages` rendered with the generation prompt."""
