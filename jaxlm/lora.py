@@ -55,23 +55,23 @@ class LoraConfig(Section):
     rank: int = setting(0, "the adapters' rank; 0 = no adapters")
     alpha: float = setting(16.0, "the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)")
     targets: str = setting(
-        'wq,wk,wv,wo',
+        "wq,wk,wv,wo",
         'comma-separated projection names (wq wk wv wo, w_gate w_up w_down or w_in w_out, unembed); "all" = '
         'every projection but the unembedding')
-    ranks: str = setting('', 'ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all')
+    ranks: str = setting("", 'ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all')
     dropout: float = setting(0.0, "dropout on the adapters' input in training (not on the unembedding's)")
     quantize_base: str = setting(
-        '',
+        "",
         "QLoRA (needs lora.rank > 0): every block projection's frozen kernel (all but the unembedding, "
         'adapted or not) stored in 4 bits and dequantized in the step: "" (off) | nf4 (QLoRA\'s NormalFloat4) '
         '| int4 (symmetric, levels -7..7 of absmax / 7). jaxlm.quant states the error bounds.')
     quant_group: int = setting(
         64,
         "values per scale (their absmax), along each kernel's last input axis: an axis shorter than this is "
-        'one group; a longer one must be a multiple of it (else an error naming the projection). Even.')
+        "one group; a longer one must be a multiple of it (else an error naming the projection). Even.")
     double_quant: bool = setting(
         False,
-        'the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less')
+        "the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less")
 
     def validate(self) -> None:
         check(self.rank >= 0, self.key("rank"), self.rank, "0 (no adapters) or a positive integer")

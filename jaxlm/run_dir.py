@@ -31,22 +31,22 @@ class RunConfig(Section):
     """The run: its directory, its length and logging, its seed, and where a fine-tune starts from."""
 
     section: ClassVar[str] = "run"
-    name: str = setting('', 'run directory under output_dir; "" = the recipe\'s name. An existing run there is resumed')
-    fresh: bool = setting(False, 'true: move an existing run directory aside (kept, renamed) and start over')
-    output_dir: str = setting('runs', 'where run directories live (run.name under it)')
+    name: str = setting("", 'run directory under output_dir; "" = the recipe\'s name. An existing run there is resumed')
+    fresh: bool = setting(False, "true: move an existing run directory aside (kept, renamed) and start over")
+    output_dir: str = setting("runs", "where run directories live (run.name under it)")
     seed: int = setting(0, "the parameters' initialization and dropout (the data order is data.seed)")
-    steps: int = setting(1000, 'optimizer steps')
-    log_every: int = setting(10, 'a console line and a metrics.jsonl entry every N steps')
-    eval_every: int = setting(0, '0 = only at the end')
-    peak_flops: float = setting(0.0, 'peak FLOP/s of one device for MFU; 0 = from the table of known devices')
+    steps: int = setting(1000, "optimizer steps")
+    log_every: int = setting(10, "a console line and a metrics.jsonl entry every N steps")
+    eval_every: int = setting(0, "0 = only at the end")
+    peak_flops: float = setting(0.0, "peak FLOP/s of one device for MFU; 0 = from the table of known devices")
     compile_cache_dir: str = setting(
-        '.cache/jaxlm/xla',
+        ".cache/jaxlm/xla",
         'XLA\'s persistent compilation cache: restarts skip compiling; "" = off')
     xla_flags: str = setting(
-        '',
+        "",
         '"--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA\'s defaults')
     init_from: str = setting(
-        '',
+        "",
         'Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run '
         'starts from (step 0, fresh optimizer and data; a resumed run ignores it). Its architecture (every '
         'model key but init_from.COMPUTE_MODEL_KEYS) and tokenizer replace the recipe\'s. "" = random init')

@@ -42,52 +42,52 @@ class DataConfig(Section):
 
     section: ClassVar[str] = "data"
     corpus: str = setting(
-        'builtin',
+        "builtin",
         "'builtin' (the Python standard library's source files, read at run time, never downloaded), "
         "'builtin_chat' (600 short conversations shipped in the package, for SFT: "
-        'jaxlm/data/builtin_chat.py), or files, directories and globs, comma-separated: .txt/.md (text), '
-        '.jsonl[.gz], .parquet.')
+        "jaxlm/data/builtin_chat.py), or files, directories and globs, comma-separated: .txt/.md (text), "
+        ".jsonl[.gz], .parquet.")
     format: str = setting(
-        'auto',
+        "auto",
         'auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning '
         'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, loss on the '
         'assistant\'s turns) | prompt_completion ({"prompt", "completion"}, loss on the completion and EOS)')
     chat_template: str = setting(
-        '',
+        "",
         'data.format=chat: the Jinja template conversations are rendered with. "" = the tokenizer\'s own (a '
         'Hugging Face tokenizer_config.json\'s), chatml, simple ("### User:" headers, EOS after each answer: '
         'for tokenizers without chat tokens, such as one trained here), or a .jinja file')
-    text_field: str = setting('text', 'jsonl field / parquet column with the text')
-    separator: str = setting('', 'text files: "" = one document per file, else split on it (e.g. "\\n\\n")')
-    builtin_max_bytes: int = setting(8000000, 'corpus=builtin: read at most this many bytes of the files')
-    tokenizer_path: str = setting('', '"" = train one on the corpus (cached in cache_dir), else a .model file')
+    text_field: str = setting("text", "jsonl field / parquet column with the text")
+    separator: str = setting("", 'text files: "" = one document per file, else split on it (e.g. "\\n\\n")')
+    builtin_max_bytes: int = setting(8000000, "corpus=builtin: read at most this many bytes of the files")
+    tokenizer_path: str = setting("", '"" = train one on the corpus (cached in cache_dir), else a .model file')
     tokenizer_train_bytes: int = setting(100000000, "train the tokenizer on the corpus's first this-many bytes")
-    val_fraction: float = setting(0.01, 'documents held out (by a hash of their text) for validation')
-    val_tokens: int = setting(65536, 'the fixed held-out set: the first this-many validation tokens')
-    seq_len: int = setting(256, 'tokens per training row; linked to model.max_seq_len')
-    global_batch_size: int = setting(32, 'sequences per optimizer step, over all devices')
-    tokenizer_type: str = setting('bpe', 'bpe | unigram | char | byte')
+    val_fraction: float = setting(0.01, "documents held out (by a hash of their text) for validation")
+    val_tokens: int = setting(65536, "the fixed held-out set: the first this-many validation tokens")
+    seq_len: int = setting(256, "tokens per training row; linked to model.max_seq_len")
+    global_batch_size: int = setting(32, "sequences per optimizer step, over all devices")
+    tokenizer_type: str = setting("bpe", "bpe | unigram | char | byte")
     tokenizer_vocab_size: int = setting(2048, "the trained tokenizer's vocabulary; linked to model.vocab_size")
-    cache_dir: str = setting('.cache/jaxlm', 'the tokenizer and the prepared (tokenized) corpus, keyed by their inputs')
-    num_workers: int = setting(0, 'grain worker processes (0 = in the main process)')
+    cache_dir: str = setting(".cache/jaxlm", "the tokenizer and the prepared (tokenized) corpus, keyed by their inputs")
+    num_workers: int = setting(0, "grain worker processes (0 = in the main process)")
     shards: int = setting(
         0,
-        'The global batch is read as this many independent streams (each a slice of the documents and '
-        'global_batch_size / shards rows of every batch); each process reads the streams its rows come from. '
-        '0 = one per process when the run starts (so the batches follow the process count); a resumed run '
-        'keeps its count whatever its process count. Any fixed count gives the same batches on 1 process or '
-        'many; a multiple of every process count you will use (e.g. 8) also spares each process reading rows '
-        'it drops.')
+        "The global batch is read as this many independent streams (each a slice of the documents and "
+        "global_batch_size / shards rows of every batch); each process reads the streams its rows come from. "
+        "0 = one per process when the run starts (so the batches follow the process count); a resumed run "
+        "keeps its count whatever its process count. Any fixed count gives the same batches on 1 process or "
+        "many; a multiple of every process count you will use (e.g. 8) also spares each process reading rows "
+        "it drops.")
     tokenize_on_the_fly: bool = setting(
         False,
-        'false: tokenize the corpus once into cached token shards (any size; the fastest reads). true: keep '
-        'the raw documents in host memory and tokenize them in the pipeline (in the workers), with no prepare'
-        ' step: for small corpora and tokenizer ablations.')
+        "false: tokenize the corpus once into cached token shards (any size; the fastest reads). true: keep "
+        "the raw documents in host memory and tokenize them in the pipeline (in the workers), with no prepare"
+        " step: for small corpora and tokenizer ablations.")
     verify_shards: bool = setting(
         False,
         "check every prepared shard's sha256 at start (reads all data); sizes are always checked")
     on_damaged_shard: str = setting(
-        'stop',
+        "stop",
         "a truncated or corrupt shard: 'stop' with its name, or 'skip' it with a warning")
     seed: int = setting(0, "the order of the documents (shuffling) and of the train/validation split's hash")
 

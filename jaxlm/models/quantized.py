@@ -41,43 +41,43 @@ class CompressConfig(Section):
 
     section: ClassVar[str] = "compress"
     targets: str = setting(
-        'blocks',
+        "blocks",
         'comma-separated weight names or shell patterns (wq, w_*, unembed, embed); "blocks" = every '
         'projection of the blocks (the embedding and the unembedding stay in full precision unless named; the'
         ' embedding, a lookup table, is quantized by round to nearest along its width and never pruned)')
     quantize: str = setting(
-        '',
+        "",
         '"" (off) | int8 | int4 | int3 | nf4: the targets\' kernels as packed integer codes + scales')
     group: int = setting(128, "values per scale along each kernel's last input axis; 0 = one scale per output channel")
-    symmetric: bool = setting(True, 'False: asymmetric integers (a scale and a zero point per group)')
+    symmetric: bool = setting(True, "False: asymmetric integers (a scale and a zero point per group)")
     qat: bool = setting(
         False,
-        'training: the targets keep float kernels, fake-quantized to compress.quantize in the forward pass '
-        'with a straight-through gradient; python -m jaxlm.compress (method rtn) then writes the integer '
-        'model')
+        "training: the targets keep float kernels, fake-quantized to compress.quantize in the forward pass "
+        "with a straight-through gradient; python -m jaxlm.compress (method rtn) then writes the integer "
+        "model")
     method: str = setting(
-        'rtn',
-        'how python -m jaxlm.compress quantizes: rtn (round to nearest) | gptq (Frantar et al. 2022)')
+        "rtn",
+        "how python -m jaxlm.compress quantizes: rtn (round to nearest) | gptq (Frantar et al. 2022)")
     gptq_damp: float = setting(0.01, "GPTQ: this fraction of the Hessian's mean diagonal added to its diagonal")
-    gptq_block: int = setting(128, 'GPTQ: columns quantized between two lazy batch updates')
+    gptq_block: int = setting(128, "GPTQ: columns quantized between two lazy batch updates")
     act_order: bool = setting(
         True,
         "GPTQ: columns in order of decreasing Hessian diagonal (the groups' scales stay contiguous)")
     sparsity: float = setting(0.0, "the fraction of the targets' weights pruned to zero; 0 = no pruning")
-    pattern: str = setting('unstructured', 'unstructured | N:M (e.g. 2:4: N of every M consecutive input weights kept)')
-    criterion: str = setting('magnitude', 'what is pruned: the smallest |W| (magnitude) or |W| x input norm (wanda)')
+    pattern: str = setting("unstructured", "unstructured | N:M (e.g. 2:4: N of every M consecutive input weights kept)")
+    criterion: str = setting("magnitude", "what is pruned: the smallest |W| (magnitude) or |W| x input norm (wanda)")
     scope: str = setting(
-        'layer',
-        'unstructured magnitude pruning: per matrix (layer) or over all targets at once (global)')
-    calib_samples: int = setting(128, 'calibration sequences (GPTQ, Wanda)')
-    calib_seq_len: int = setting(2048, 'their length (at most model.max_seq_len)')
-    calib_corpus: str = setting('', 'the calibration text (data.corpus\'s syntax); "" = the run\'s own training data')
+        "layer",
+        "unstructured magnitude pruning: per matrix (layer) or over all targets at once (global)")
+    calib_samples: int = setting(128, "calibration sequences (GPTQ, Wanda)")
+    calib_seq_len: int = setting(2048, "their length (at most model.max_seq_len)")
+    calib_corpus: str = setting("", 'the calibration text (data.corpus\'s syntax); "" = the run\'s own training data')
     prune_start: int = setting(
         0,
-        'gradual pruning while training (Zhu and Gupta 2017): the sparsity rises from 0 at prune_start to '
-        'compress.sparsity at prune_end as 1 - (1 - t)^3, the masks recomputed every prune_every steps')
+        "gradual pruning while training (Zhu and Gupta 2017): the sparsity rises from 0 at prune_start to "
+        "compress.sparsity at prune_end as 1 - (1 - t)^3, the masks recomputed every prune_every steps")
     prune_end: int = setting(0, "0 = no gradual pruning (the masks stay as the run's checkpoint holds them)")
-    prune_every: int = setting(100, 'steps between two recomputations of the masks')
+    prune_every: int = setting(100, "steps between two recomputations of the masks")
 
     def validate(self) -> None:
         key = self.key

@@ -87,18 +87,18 @@ class ModelSection(Section):
     resolves."""
 
     section: ClassVar[str] = "model"
-    variant: str = setting('llama', 'a name in jaxlm.models.transformer.VARIANTS')
-    norm: str = setting('', 'rmsnorm | layernorm')
-    mlp: str = setting('', 'a name in jaxlm.models.mlps.MLPS (swiglu, gelu, ...); "" = the variant\'s')
-    position: str = setting('', 'rope | learned')
+    variant: str = setting("llama", "a name in jaxlm.models.transformer.VARIANTS")
+    norm: str = setting("", "rmsnorm | layernorm")
+    mlp: str = setting("", 'a name in jaxlm.models.mlps.MLPS (swiglu, gelu, ...); "" = the variant\'s')
+    position: str = setting("", "rope | learned")
     use_bias: int = setting(-1, "-1 = the variant's choice, 0 = no biases, 1 = biases")
     qkv_bias: int = setting(-1, "biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1")
-    vocab_size: int = setting(2048, 'tokens in the vocabulary; linked to data.tokenizer_vocab_size')
+    vocab_size: int = setting(2048, "tokens in the vocabulary; linked to data.tokenizer_vocab_size")
     d_model: int = setting(256, "the residual stream's width")
-    n_layers: int = setting(4, 'decoder blocks')
-    n_heads: int = setting(4, 'query heads')
-    n_kv_heads: int = setting(0, '0 = n_heads (no grouping)')
-    head_dim: int = setting(0, '0 = d_model // n_heads')
+    n_layers: int = setting(4, "decoder blocks")
+    n_heads: int = setting(4, "query heads")
+    n_kv_heads: int = setting(0, "0 = n_heads (no grouping)")
+    head_dim: int = setting(0, "0 = d_model // n_heads")
     mlp_dim: int = setting(
         0,
         "0 = the MLP's default width (its class's `default_dim`: 8/3 d rounded up to 256 for SwiGLU)")
@@ -109,54 +109,54 @@ class ModelSection(Section):
     norm_eps: float = setting(1e-05, "added to the norms' variance")
     rope_theta: float = setting(10000.0, "RoPE's base wavelength")
     rope_scaling: str = setting(
-        'none',
+        "none",
         "Context extension of RoPE: none | linear (frequencies / rope_factor) | llama3 (Llama 3.1's: long "
-        'wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)')
+        "wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)")
     rope_factor: float = setting(1.0, "rope_scaling's stretch of the context")
     rope_low_freq_factor: float = setting(
         1.0,
-        'llama3: wavelengths above original_max_len / this are divided by rope_factor')
-    rope_high_freq_factor: float = setting(4.0, 'llama3: wavelengths below original_max_len / this are kept')
-    rope_original_max_len: int = setting(0, 'llama3: the context length the model was trained with')
+        "llama3: wavelengths above original_max_len / this are divided by rope_factor")
+    rope_high_freq_factor: float = setting(4.0, "llama3: wavelengths below original_max_len / this are kept")
+    rope_original_max_len: int = setting(0, "llama3: the context length the model was trained with")
     init_std: float = setting(
         0.02,
         "the weights' initial standard deviation (residual projections: scaled down with depth)")
     dropout: float = setting(0.0, "on the embedding and each block's residual branches, in training")
     dtype: str = setting(
-        'auto',
-        'compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively '
-        '(CPUs, TPUs, GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs '
-        '(jaxlm.precision)')
-    param_dtype: str = setting('float32', 'parameters and optimizer state: float32 | bfloat16 | float16')
-    scan_layers: bool = setting(True, 'one stacked block run by a scan (fast to compile); false: a list of blocks')
+        "auto",
+        "compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively "
+        "(CPUs, TPUs, GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs "
+        "(jaxlm.precision)")
+    param_dtype: str = setting("float32", "parameters and optimizer state: float32 | bfloat16 | float16")
+    scan_layers: bool = setting(True, "one stacked block run by a scan (fast to compile); false: a list of blocks")
     scan_unroll: int = setting(
         0,
-        'Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of '
-        'them on a CPU or GPU without remat, which runs faster unrolled: benchmarks/BENCHMARKS.md; else 1: a '
-        'loop, whose buffers XLA reuses from layer to layer)')
-    remat: str = setting('none', 'none | full | dots | dots_mlp | dots_no_batch')
+        "Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of "
+        "them on a CPU or GPU without remat, which runs faster unrolled: benchmarks/BENCHMARKS.md; else 1: a "
+        "loop, whose buffers XLA reuses from layer to layer)")
+    remat: str = setting("none", "none | full | dots | dots_mlp | dots_no_batch")
     attention: str = setting(
-        'auto',
-        'auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the '
-        'diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)')
+        "auto",
+        "auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the "
+        "diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)")
     attention_segments: int = setting(
         16,
-        'cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed '
-        'layout, compiled for at most this many documents per row; a batch with a row of more takes the '
-        'masked kernel (same result, slower). 0: always the document mask '
-        '(jaxlm.models.attention.cudnn_packed_attention)')
+        "cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed "
+        "layout, compiled for at most this many documents per row; a batch with a row of more takes the "
+        "masked kernel (same result, slower). 0: always the document mask "
+        "(jaxlm.models.attention.cudnn_packed_attention)")
     matmul: str = setting(
-        'auto',
+        "auto",
         "The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla "
-        '(jnp.einsum as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own '
-        'gradients: on a CPU, the form XLA runs natively in bfloat16, for a faster step; '
-        'jaxlm.models.layers.accumulating_einsum) | fp8 (float8 operands with per-tensor scales, e4m3 '
-        'forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum; GPUs of compute capability 8.9+, emulated '
-        'on a CPU)')
+        "(jnp.einsum as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own "
+        "gradients: on a CPU, the form XLA runs natively in bfloat16, for a faster step; "
+        "jaxlm.models.layers.accumulating_einsum) | fp8 (float8 operands with per-tensor scales, e4m3 "
+        "forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum; GPUs of compute capability 8.9+, emulated "
+        "on a CPU)")
     loss_chunk_len: int = setting(
         0,
-        'Make the logits and the loss this many positions at a time (0 = the whole sequence at once): only '
-        '[batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].')
+        "Make the logits and the loss this many positions at a time (0 = the whole sequence at once): only "
+        "[batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].")
 
     def validate(self) -> None:
         key = self.key
