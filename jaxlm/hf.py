@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -204,6 +205,8 @@ def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) 
                 raise UserError(f"tensor {names[name]} is {dtype}; jaxlm imports F32, BF16 and F16 weights")
     used = set(names.values())
     tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()
+    if tied & set(files.names()):
+        _check_tied_head(files, parts, names, model_cfg)
     extra = [n for n in files.names() if n not in used and n not in tied and not n.endswith(hf_map.BUFFERS)]
     if extra:
         raise UserError(f"{files.directory} holds tensors this {arch} config does not use ({', '.join(extra[:3])}"
@@ -221,7 +224,29 @@ def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) 
             return hf_map.read_slice(sources[0], part, index).astype(dtype)
 
         flat[path] = jax.make_array_from_callback(target.shape, target.sharding, block)
+    for path, part, layer, stacked in parts:  # a weight that is not finite would train and sample nan
+        if not bool(jax.device_get(jnp.isfinite(flat[path]).all())):
+            tensors = ", ".join(names[n] for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)[:2])
+            raise UserError(f"{files.directory}: tensor {tensors} holds nan or inf values as read in "
+                            f"{np.dtype(model_cfg.param_dtype).name} (a damaged checkpoint, or weights beyond that "
+                            f"dtype's range: --param_dtype=float32 reads them whole); download or save it again")
     return _unflatten(flat)
+
+
+def _check_tied_head(files: SafetensorsFiles, parts, names: dict[str, str], model_cfg) -> None:
+    """config.json ties the output layer to the embedding, but the files also hold an lm_head.weight: one
+    that equals the embedding is the tie written out (imported tied); one that differs is a model that
+    transformers loads untied, which jaxlm would import as something else: refused in one line."""
+    path, part, layer, stacked = next(p for p in parts if p[0][0] == "embed")
+    embedding = names[hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)[0]]
+    whole = tuple(slice(None) for _ in part.hf_shape)
+    if files.shape("lm_head.weight") != files.shape(embedding) or not np.array_equal(
+            hf_map.read_slice(files.slice("lm_head.weight"), part, whole),
+            hf_map.read_slice(files.slice(embedding), part, whole)):
+        raise UserError(f"{files.directory}/config.json ties the output layer to the embedding (tie_word_embeddings), "
+                        f"but its weights hold an lm_head.weight that differs from {embedding}, which transformers "
+                        f"loads untied: set \"tie_word_embeddings\": false in config.json to import the model it "
+                        f"computes")
 
 
 def _unflatten(flat: dict[tuple, Any]) -> dict:

@@ -86,6 +86,26 @@ def _exported(case: pathlib.Path, world: dict) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def _exported_tied(case: pathlib.Path, world: dict) -> None:
+    """{case}/exported with a config.json that ties the head its weights hold apart (an edited config)."""
+    _exported(case, world)
+    path = case / "exported" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
+
+
+def _exported_nan(case: pathlib.Path, world: dict) -> None:
+    """{case}/exported with a nan in one weight (a damaged save)."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    _exported(case, world)
+    path = case / "exported" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].copy()
+    tensors["model.norm.weight"][0] = np.nan
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def _copy_run(case: pathlib.Path, world: dict) -> pathlib.Path:
     shutil.copytree(world["run"], case / "facts")
     return case / "facts"
@@ -376,6 +396,12 @@ CASES = [
          setup=lambda c, w: (_write("hf/config.json", HF_LLAMA)(c, w), _write(
              "hf/model.safetensors.index.json",
              '{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}')(c, w)), slow=True),
+    # an import computes what the source computes, or is refused
+    Case("hf-import-tied-but-head-differs", "hf", ("import", "--hf_dir={case}/exported", "--output={case}/out"), 2,
+         ("ties the output layer to the embedding", "differs from model.embed_tokens.weight",
+          '"tie_word_embeddings": false'), setup=_exported_tied, slow=True),
+    Case("hf-import-nan-weight", "hf", ("import", "--hf_dir={case}/exported", "--output={case}/out"), 2,
+         ("tensor model.norm.weight holds nan or inf values",), setup=_exported_nan, slow=True),
     Case("hf-import-not-json", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
          ("config.json is not valid JSON",), setup=_write("hf/config.json", "model_type: llama"), slow=True),
     Case("hf-export-peft-without-adapters", "hf", ("export", "--run_dir={copy}", "--output={case}/out",
