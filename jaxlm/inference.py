@@ -79,6 +79,10 @@ def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); it is written by python -m jaxlm.train") from None
+    if isinstance(saved, dict) and not isinstance(saved.get("run"), dict) and (
+            "model_type" in saved or "architectures" in saved):  # a Hugging Face model's config.json
+        raise UserError(f"{run_dir} is a Hugging Face model directory, not a jaxlm run; import it first: python -m "
+                        f"jaxlm.hf import --hf_dir={run_dir} --output=<a new run directory>, and give that")
 
     def merge(base: dict, over: dict) -> dict:
         out = dict(base)

@@ -397,6 +397,9 @@ CASES = [
              "hf/model.safetensors.index.json",
              '{"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}')(c, w)), slow=True),
     # an import computes what the source computes, or is refused
+    Case("eval-a-hugging-face-directory", "evaluate", ("--run_dir={case}/exported",), 2,
+         ("is a Hugging Face model directory, not a jaxlm run", "python -m jaxlm.hf import --hf_dir="),
+         setup=_exported, slow=True),
     Case("hf-import-tied-but-head-differs", "hf", ("import", "--hf_dir={case}/exported", "--output={case}/out"), 2,
          ("ties the output layer to the embedding", "differs from model.embed_tokens.weight",
           '"tie_word_embeddings": false'), setup=_exported_tied, slow=True),

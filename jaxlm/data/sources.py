@@ -78,7 +78,9 @@ def _format_of(path: str, strict: bool = True) -> str | None:
     fmt = _EXTENSIONS.get(os.path.splitext(name)[1].lower())
     if fmt is None and strict:
         raise UserError(
-            f"cannot tell the format of {path} from its extension; set the format (text, jsonl or parquet)"
+            f"cannot tell the format of {path} from its extension ({', '.join(sorted(_EXTENSIONS))}, optionally "
+            f".gz); rename it, or give the format where the command takes one (config.data.format, evaluate "
+            f"--format); python -m jaxlm.compress reads those extensions only"
         )
     return fmt
 
