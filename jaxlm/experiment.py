@@ -63,6 +63,7 @@ import numpy as np
 
 from jaxlm import cli, init_from
 from jaxlm import config as config_lib
+from jaxlm import run_dir as run_dir_lib
 from jaxlm import train as train_lib
 from jaxlm.console import duration
 from jaxlm.data import loader
@@ -512,7 +513,7 @@ def read_metrics(run_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return [], []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = run_dir_lib.read_jsonl(path)  # a line cut by an interrupted write: left out, with a warning
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
@@ -527,7 +528,7 @@ def run_row(run: Run) -> dict[str, Any]:
         row[f"best_{key}"] = min(values) if values else None
     row["best_val_step"] = min(evals, key=lambda r: r["val_loss"])["step"] if evals else None
     summary_path = run.run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = run_dir_lib.read_json(summary_path) if summary_path.is_file() else {}
     row["tokens_per_s"], row["train_s"] = summary.get("tokens_per_s"), summary.get("train_s")
     # energy (jaxlm.energy), and per unit of loss it bought: from the first logged step's loss to the final
     # validation loss (the training loss where nothing was evaluated); estimates have energy_measured = 0

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -21,9 +22,12 @@ import ml_collections
 
 from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.run_lock import LOCK_NAME
 from jaxlm.section import Section, check, setting
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,15 +235,53 @@ def config_differences(saved: dict, cfg: ml_collections.ConfigDict, defaults: ml
     ]
 
 
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    """The records of an append-only log (metrics.jsonl). A line that is not a whole JSON object, as a
+    process killed or a machine losing power mid-write leaves the last one, is dropped with a warning:
+    never a traceback, and every whole record is kept."""
+    return [record for _, record in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: pathlib.Path) -> list[tuple[str, dict]]:
+    """(line, record) for every whole record of `path` (`read_jsonl`)."""
+    records, dropped = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append((line, record))
+        else:
+            dropped.append(number)
+    if dropped:
+        log.warning("%s: line(s) %s not a whole record (cut by an interrupted write?): left out", path,
+                    ", ".join(map(str, dropped[:5])) + (" ..." if len(dropped) > 5 else ""))
+    return records
+
+
+def read_json(path: pathlib.Path) -> dict:
+    """A run's JSON file (summary.json) as a dict; {} with a warning when it is not whole."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s could not be read (%s): left out", path, e)
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def make_run_dir(run_dir: pathlib.Path, cfg: ml_collections.ConfigDict, resume_step: int) -> None:
     """Create the run directory, or ready an existing one to continue after `resume_step`: the
-    metrics of later steps (lost with the process that logged them) are dropped, so none repeat."""
+    metrics of later steps (lost with the process that logged them) are dropped, so none repeat, and a
+    last line cut by an interrupted write with them. config.json is replaced whole (`write_bytes_atomically`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.to_json(indent=2) + "\n")
+    write_bytes_atomically(run_dir / "config.json", (cfg.to_json(indent=2) + "\n").encode())
     jsonl = run_dir / "metrics.jsonl"
     if jsonl.exists() and jax.process_index() == 0:
-        kept = [line for line in jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-        jsonl.write_text("".join(line + "\n" for line in kept))
+        kept = [line for line, record in _jsonl_lines(jsonl) if record["step"] <= resume_step]
+        write_bytes_atomically(jsonl, "".join(line + "\n" for line in kept).encode())
 
 
 class Sinks:

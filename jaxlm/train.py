@@ -42,9 +42,10 @@ from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
 from jaxlm.data.loader import Data, DataConfig, load_data, rows_held
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
-from jaxlm.run_dir import Sinks, check_run_dir, config_differences, make_run_dir, run_dir_path, set_aside
+from jaxlm.run_dir import Sinks, check_run_dir, config_differences, make_run_dir, read_json, run_dir_path, set_aside
 from jaxlm.run_lock import LOCK_NAME, RunLock
 from jaxlm.train_setup import TrainSetup, evaluate, resolve_config
 
@@ -348,7 +349,7 @@ def _already_complete(run_dir: pathlib.Path, step: int) -> dict[str, Any]:
         f"jaxlm: {run_dir} is already complete at step {step}; raise config.run.steps to train on, "
         f"or set config.run.fresh=true to start over"
     )
-    return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return read_json(run_dir / "summary.json") if (run_dir / "summary.json").exists() else {}
 
 
 def _set_aside_damaged(ckpt: checkpoint.Checkpointer, run_dir: pathlib.Path, resume_step: int) -> None:
@@ -562,7 +563,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         meter.run_joules()
         summary.update(meter.totals(), energy_source=meter.source)
     if jax.process_index() == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_bytes_atomically(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     val = f" (val {val_loss:.4f})" if val_loss is not None else ""
     rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
     console(

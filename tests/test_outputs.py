@@ -63,3 +63,33 @@ def test_an_output_file_replaces_only_an_earlier_result(tmp_path):
     earlier.write_text(json.dumps({"run_dir": str(run), "step": 20}))
     run_dir.check_output_file(earlier)
     run_dir.check_output_file(tmp_path / "new.json")
+
+
+def test_a_run_file_cut_at_any_byte_reads_back_without_a_traceback(tmp_path, caplog):
+    """What a killed process leaves: metrics.jsonl and summary.json cut at every byte of their last record.
+    Resuming keeps every whole record up to the resume step and drops the cut one with a warning; the
+    summary reads as empty with a warning; the experiment reader sees the whole records."""
+    import random
+
+    from jaxlm import config, experiment
+
+    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10}) for s in range(1, 6)]
+    whole = "".join(line + "\n" for line in lines).encode()
+    cuts = sorted(random.Random(0).sample(range(len(whole) - len(lines[-1]) - 1, len(whole)), 8))
+    for cut in cuts:
+        run = tmp_path / f"cut{cut}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_bytes(whole[:cut])
+        caplog.clear()
+        run_dir.make_run_dir(run, config.base_config(), resume_step=4)
+        kept = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert kept == [1, 2, 3, 4], cut
+        (run / "metrics.jsonl").write_bytes(whole[:cut])
+        train, _ = experiment.read_metrics(run)
+        complete = cut >= len(whole) - 1  # the last record whole (its newline or not)
+        assert [r["step"] for r in train] == [1, 2, 3, 4, 5][: 5 if complete else 4], cut
+        assert any("not a whole record" in r.getMessage() for r in caplog.records) != complete, cut
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": 5, "final_loss": 4.5}, indent=2)[:-7])
+    caplog.clear()
+    assert run_dir.read_json(summary) == {} and any("could not be read" in r.getMessage() for r in caplog.records)
