@@ -20,12 +20,13 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from jaxlm import paths
 from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.data.loader import DataConfig
 from jaxlm.energy import EnergyConfig
-from jaxlm.errors import UserError, in_user_file, run_user_file
+from jaxlm.errors import UserError, in_user_file, is_utf8, run_user_file
 from jaxlm.lora import LoraConfig
 from jaxlm.mesh import MeshConfig
 from jaxlm.metrics import MetricsConfig, ProfileConfig
@@ -116,11 +117,15 @@ def _parse_value(key: str, value: Any, current: Any) -> Any:
                 value.lower(), value
             )
         elif expected in (int, float):
-            try:
-                number = float(value.replace("_", ""))
-                value = int(number) if expected is int and number.is_integer() else number
+            text = value.replace("_", "")
+            try:  # an int exactly as written (a float would round one past 2**53)
+                value = int(text) if expected is int else float(text)
             except ValueError:
-                pass
+                try:
+                    number = float(text)
+                    value = int(number) if expected is int and number.is_integer() else number
+                except ValueError:
+                    pass
         else:
             try:
                 value = ast.literal_eval(value)
@@ -203,6 +208,8 @@ def split_cli(argv: Sequence[str], default_recipe: str | None = None) -> tuple[s
             recipe_arg = m.group("value")
         else:
             overrides.append((m.group("key"), m.group("value")))
+    if recipe_arg is not None and not is_utf8(recipe_arg):
+        raise UserError(f"--config={recipe_arg!r} is not UTF-8 text: rename the file, or type the path in UTF-8")
     if recipe_arg is None:
         raise UserError(f"--config is required: --config=configs/<recipe>.py, recipes: {', '.join(recipe_names())}")
     return recipe_arg, overrides
@@ -226,6 +233,16 @@ _check = section_lib.check  # the one line every config check raises
 def sections(cfg: ml_collections.ConfigDict) -> dict[str, section_lib.Section]:
     """Every section of `cfg` as its typed dataclass, by name."""
     return {name: cls.from_config(cfg[name]) for name, cls in SECTIONS.items()}
+
+
+def check_paths(cfg: ml_collections.ConfigDict) -> None:
+    """The paths a starting run writes, checked before any work (`Section.check_paths`; the run's own
+    directory, output_dir/name, too): one line naming the key."""
+    for section in sections(cfg).values():
+        section.check_paths()
+    run = cfg.run.name or cfg.run.recipe
+    if run:
+        paths.check(str(pathlib.Path(cfg.run.output_dir) / run), kind="dir", io="out", name="config.run.name")
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:

@@ -38,6 +38,17 @@ class Terminated(Exception):
     """SIGTERM arrived outside the training loop (which handles it itself)."""
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` is UTF-8 text. A command-line argument that is not (a file name in another
+    encoding) reaches Python holding lone surrogates (PEP 383), which every path and C++ library call
+    later fails on; each command refuses it where it reads it, in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def in_user_file(error: Exception, path: str | pathlib.Path) -> UserError:
     """The error a user's Python file (a recipe, an experiment) raised, as one line naming the file
     and line: a SyntaxError's own line, otherwise the innermost frame inside that file."""

@@ -438,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def make_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.evaluate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
+    parser.add_path("--run_dir", kind="dir", io="in", required=True,
+                    help="a training run's directory (run.output_dir/run.name)")
     parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--corpus", default="val",
                         help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
@@ -456,7 +457,8 @@ def make_parser() -> cli.Parser:
                       help="tokens per row (default: the run's data.seq_len)")
     parser.add_number("--batch_size", kind=int, minimum=1, default=None, help="rows per batch (default: the run's)")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
-    parser.add_argument("--output", default=None, help="results JSON (default: <run_dir>/eval-<step>.json)")
+    parser.add_path("--output", kind="file", io="out", default=None,
+                    help="results JSON (default: <run_dir>/eval-<step>.json)")
     return parser
 
 

@@ -979,7 +979,7 @@ def _parse_seeds(text: str) -> list[int]:
 def make_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.experiment` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.experiment", description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", help="a Python file defining EXPERIMENT = Experiment(...)")
+    parser.add_path("experiment", kind="file", io="in", help="a Python file defining EXPERIMENT = Experiment(...)")
     parser.add_number("--parallel", kind=int, minimum=0, allowed="1 or more, or 0 to run in this process", default=1,
                       help="runs at once; 0 = in this process, one by one")
     parser.add_argument("--print_commands", "--print-commands", action="store_true",
@@ -996,8 +996,9 @@ def make_parser() -> cli.Parser:
     parser.add_argument("--set", type=_parse_set, action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every run (repeatable)")
     parser.add_argument("--only", type=lambda s: [v for v in s.split(",") if v], help="comma-separated variants to run")
-    parser.add_argument("--output_dir", "--output-dir", default="runs", help="runs go to <output_dir>/<experiment>/")
-    parser.add_argument("--results_dir", "--results-dir",
+    parser.add_path("--output_dir", "--output-dir", kind="dir", io="out", default="runs",
+                    help="runs go to <output_dir>/<experiment>/")
+    parser.add_path("--results_dir", "--results-dir", kind="dir", io="out",
                         help="where results.md/csv and loss.png go (default: the sweep's directory)")
     return parser
 

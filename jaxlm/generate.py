@@ -318,10 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def make_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.generate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run_dir", required=True, help="a training run's directory (run.output_dir/run.name)")
+    parser.add_path("--run_dir", kind="dir", io="in", required=True,
+                    help="a training run's directory (run.output_dir/run.name)")
     parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
-    parser.add_argument("--prompts_file", help="a file with one prompt per line (adds to --prompt)")
+    parser.add_path("--prompts_file", kind="file", io="in", help="a file with one prompt per line (adds to --prompt)")
     parser.add_number("--num_samples", kind=int, minimum=1, default=1, help="completions per prompt")
     parser.add_number("--max_new_tokens", kind=int, minimum=1, default=128)
     parser.add_number("--temperature", minimum=0, allowed="0 (greedy) or a positive number", default=0.8,
@@ -330,7 +331,7 @@ def make_parser() -> cli.Parser:
                       help="0 = off")
     parser.add_number("--top_p", above=0, maximum=1, allowed="a probability in (0, 1]; 1 is off", default=1.0,
                       help="1 = off")
-    parser.add_number("--seed", kind=int, default=0)
+    parser.add_number("--seed", kind=int, minimum=0, default=0)
     parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
     parser.add_argument("--param_dtype", default=None, help="cast parameters as they load, e.g. bfloat16")

@@ -433,13 +433,13 @@ def make_parser() -> cli.Parser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="a Hugging Face model directory -> a jaxlm run directory")
-    imp.add_argument("--hf_dir", required=True, help="config.json, safetensors, tokenizer")
-    imp.add_argument("--output", required=True, help="the run directory to write (new)")
+    imp.add_path("--hf_dir", kind="dir", io="in", required=True, help="config.json, safetensors, tokenizer")
+    imp.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
     imp.add_argument("--param_dtype", default="float32", help="float32 (default: for training) | bfloat16 | float16")
-    imp.add_argument("--tokenizer", default="", help="a tokenizer file, where the directory has none")
+    imp.add_path("--tokenizer", kind="any", io="in", default="", help="a tokenizer file, where the directory has none")
     exp = commands.add_parser("export", help="a jaxlm run -> a Hugging Face model directory")
-    exp.add_argument("--run_dir", required=True)
-    exp.add_argument("--output", required=True, help="the directory to write (new)")
+    exp.add_path("--run_dir", kind="dir", io="in", required=True)
+    exp.add_path("--output", kind="dir", io="out", required=True, help="the directory to write (new)")
     exp.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
     exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
     exp.add_number("--max_shard_gb", above=0, allowed="a positive size in GB", default=5.0,
@@ -447,7 +447,8 @@ def make_parser() -> cli.Parser:
     exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
                      help="a LoRA run: merge the adapters into the weights, or write them in PEFT's format beside "
                           "the base (--adapter_output)")
-    exp.add_argument("--adapter_output", default="", help="--adapters=peft: where (default <output>/adapter)")
+    exp.add_path("--adapter_output", kind="dir", io="out", default="",
+                 help="--adapters=peft: where (default <output>/adapter)")
     return parser
 
 

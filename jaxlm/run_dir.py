@@ -24,6 +24,7 @@ from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
+from jaxlm.paths import is_run
 from jaxlm.run_lock import LOCK_NAME
 from jaxlm.section import Section, check, setting
 
@@ -37,7 +38,7 @@ class RunConfig(Section):
     section: ClassVar[str] = "run"
     name: str = setting("", 'run directory under output_dir; "" = the recipe\'s name. An existing run there is resumed')
     fresh: bool = setting(False, "true: move an existing run directory aside (kept, renamed) and start over")
-    output_dir: str = setting("runs", "where run directories live (run.name under it)")
+    output_dir: str = setting("runs", "where run directories live (run.name under it)", path=("dir", "out"))
     seed: int = setting(0, "the parameters' initialization and dropout (the data order is data.seed)")
     steps: int = setting(1000, "optimizer steps")
     log_every: int = setting(10, "a console line and a metrics.jsonl entry every N steps")
@@ -45,7 +46,7 @@ class RunConfig(Section):
     peak_flops: float = setting(0.0, "peak FLOP/s of one device for MFU; 0 = from the table of known devices")
     compile_cache_dir: str = setting(
         ".cache/jaxlm/xla",
-        'XLA\'s persistent compilation cache: restarts skip compiling; "" = off')
+        'XLA\'s persistent compilation cache: restarts skip compiling; "" = off', path=("dir", "out"))
     xla_flags: str = setting(
         "",
         '"--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA\'s defaults')
@@ -79,17 +80,6 @@ OWN_FILES = (LOCK_NAME,)
 
 
 # ----------------------------------------------------------------------------- what a command may write
-
-
-def is_run(path: pathlib.Path) -> bool:
-    """Whether `path` is a run directory jaxlm wrote (`python -m jaxlm.train`, `hf import`, `compress`):
-    its config.json is a jaxlm config, a JSON object with `run` and `model` sections. A Hugging Face
-    model's config.json, or a user's own, is not."""
-    try:
-        saved = json.loads((pathlib.Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and isinstance(saved.get("run"), dict) and isinstance(saved.get("model"), dict)
 
 
 def run_containing(path: pathlib.Path) -> pathlib.Path | None:

@@ -19,12 +19,21 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from jaxlm.errors import UserError
+from jaxlm import paths
+from jaxlm.errors import UserError, is_utf8
+
+# The largest integer a key takes unless it declares another `limit`: the train step counts steps in
+# int32, JAX folds a seed into 32 bits, and no size of a model or a batch comes near it, so a larger
+# value is a typo (or an absurd size the planner need not trace to refuse).
+INT_LIMIT = 2**31 - 1
 
 
-def setting(default: Any, doc: str) -> Any:
-    """A section's key: its default and what it means, in one line."""
-    return dataclasses.field(default=default, metadata={"doc": doc})
+def setting(default: Any, doc: str, *, limit: int = INT_LIMIT, path: tuple[str, str] | None = None) -> Any:
+    """A section's key: its default and what it means, in one line; an int key's magnitude is at most
+    `limit` (a byte count may declare a larger one); a path a run writes or reads declares `path`,
+    (kind, io) as `jaxlm.paths.check` takes them, checked by `Section.check_paths` when a command
+    starts (never by `validate`: a stored config names paths of another time or machine)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "limit": limit, "path": path})
 
 
 def check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -74,8 +83,9 @@ class Section:
 
     def check_values(self) -> None:
         """What every key gets by its declared type, in every section, before its own `validate`: a
-        number of that type (an integer for an int; an int or a float for a float, and finite: never
-        nan or inf), a bool, a string, a group of string values. One line naming the first that is not."""
+        number of that type (an integer for an int, at most its `limit` in magnitude; an int or a float
+        for a float, and finite: never nan or inf), a bool, a string (UTF-8), a group of string values.
+        One line naming the first that is not."""
         for field in dataclasses.fields(self):
             kind = _TYPES.get(field.type if isinstance(field.type, str) else getattr(field.type, "__name__", ""))
             value, key = getattr(self, field.name), self.key(field.name)
@@ -84,13 +94,25 @@ class Section:
                       key, value, "a finite number")
             elif kind is int:
                 check(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+                limit = field.metadata.get("limit", INT_LIMIT)
+                check(abs(value) <= limit, key, value, f"an integer of at most {limit:,} in magnitude")
             elif kind is bool:
                 check(isinstance(value, bool), key, value, "true or false")
             elif kind is str:
                 check(isinstance(value, str), key, value, "a string")
+                check(is_utf8(value), key, value, "UTF-8 text (rename the file, or type the value in UTF-8)")
             elif kind is dict:
                 check(isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()), key, value,
                       "a group of keys with string values")
+                check(all(is_utf8(v) for v in value.values()), key, value, "UTF-8 text")
+
+    def check_paths(self) -> None:
+        """Every `path` key that is set, checked as the command that is starting will use it
+        (`jaxlm.paths.check`: one line naming the key)."""
+        for field in dataclasses.fields(self):
+            declared, value = field.metadata.get("path"), getattr(self, field.name)
+            if declared and value:
+                paths.check(value, kind=declared[0], io=declared[1], name=f"config.{self.key(field.name)}")
 
     def validate(self) -> None:
         """Check what needs no other section (a check across sections belongs to `jaxlm.config`)."""

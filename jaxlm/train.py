@@ -641,6 +641,7 @@ def _main(argv: list[str]) -> int:
         argv, layout_flags = distributed.pop_flags(list(argv))
         cfg = init_from.config_from_cli(argv)
         config_lib.validate(cfg)  # before any device work
+        config_lib.check_paths(cfg)  # and what it will write
         if cfg.run.xla_flags:
             console(f"jaxlm: XLA_FLAGS={xla_flags.apply(cfg.run.xla_flags)}")  # before JAX starts, checked
         joined = distributed.join(**layout_flags)  # a multi-process run: join it first

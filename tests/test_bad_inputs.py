@@ -366,7 +366,7 @@ CASES = [
          ("chat.jsonl:2", "not valid JSON"), setup=_write("chat.jsonl", CHAT_ROW + '{"messages": [\n')),
     # --- the run directory (train)
     Case("output-dir-is-a-file", "train", T("--config.run.output_dir={case}/afile"), 2,
-         ("cannot lock the run directory", "Not a directory", "config.run.output_dir"), setup=_write("afile", "x")),
+         ("config.run.output_dir=", "afile' is a file; give a directory"), setup=_write("afile", "x")),
     Case("output-dir-uncreatable", "train", T("--config.run.output_dir=/proc/jaxlm-cannot-be-here"), 2,
          ("cannot lock the run directory", "config.run.output_dir")),
     Case("run-dir-in-use", "train", FACTS(), 2, ("is in use by another run", f"pid {os.getpid()}"),
@@ -384,7 +384,7 @@ CASES = [
          unchanged="{copy}"),
     # --- Hugging Face checkpoints in and out (jaxlm.hf); tests/test_hf.py has the cases that need real weights
     Case("hf-import-not-a-directory", "hf", ("import", "--hf_dir={case}/nope", "--output={case}/out"), 2,
-         ("--hf_dir=", "nope is not a directory", "Hugging Face model directory")),
+         ("--hf_dir=", "nope' does not exist")),
     Case("hf-import-unknown-architecture", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
          ('config.json: model_type="mamba"', "jaxlm imports llama, mistral, qwen2, gpt2"),
          setup=_write("hf/config.json", '{"model_type": "mamba", "vocab_size": 300}')),
@@ -431,7 +431,8 @@ CASES = [
          ("--adapter_output=", "taken exists and is not empty"), setup=_write("taken/adapter_config.json", "{}"),
          unchanged="{case}/taken", slow=True),
     Case("hf-import-into-a-run", "hf", ("import", "--hf_dir={case}/src", "--output={copy}/checkpoints/99"), 2,
-         ("checkpoints/99 is inside the run directory", "outside it"),
+         ("checkpoints/99' is inside", "facts/checkpoints, which holds only the checkpoints training saves",
+          "outside it"),
          setup=lambda c, w: (_copy_run(c, w), (c / "src").mkdir()), unchanged="{copy}"),
     Case("compress-output-inside-a-run", "compress", ("--run_dir={run}", "--output={copy}/int8",
                                                       "--config.compress.quantize=int8"), 2,
@@ -647,6 +648,98 @@ VARIANTS = {
 CASES = [dataclasses.replace(c, slow=True) if c.name in VARIANTS else c for c in CASES]
 
 
+# ----------------------------------------------------------------------------- generated: every path flag and key
+
+# Each class of bad path (tests/test_paths.py checks every class on every declared flag and key in this process)
+# with its value and a word of its line; the real commands below each meet one class, rotating, so that every
+# command and every class is seen through a real CLI.
+PATH_CLASSES = {
+    "not-utf8": ("{case}/r\udcff", "UTF-8 text"),
+    "name-too-long": ("{case}/" + "n" * 300, "bytes and the filesystem allows"),
+    "missing": ("{case}/missing/x", "does not exist"),
+    "dir-for-file": ("{case}", "is a directory"),
+    "file-for-dir": ("{corpus}", "is a file"),
+    "under-a-file": ("{corpus}/x", "nothing can be written under it"),
+    "in-checkpoints": ("{run}/checkpoints/99", "holds only the checkpoints training saves"),
+}
+# (a module's `make_parser`, the words of its subcommands): the commands with declared path flags
+PATH_COMMANDS = ("evaluate", "generate", "hf", "compress.cli", "data.prepare", "data.tokenizer", "experiment")
+# The first of these cases stay in the default suite; the rest run in `make check`
+PATH_CASES_FAST = 4
+
+
+def _applies(name: str, kind: str, io: str) -> bool:
+    return {"dir-for-file": kind == "file", "file-for-dir": kind == "dir", "missing": io == "in",
+            "under-a-file": io == "out", "in-checkpoints": io == "out"}.get(name, True)
+
+
+def _next_class(turn: int, kind: str, io: str) -> tuple[str, int]:
+    """The first class at or after `turn` (in PATH_CLASSES' order, round) that applies; the next turn."""
+    names = list(PATH_CLASSES)
+    for step in range(len(names)):
+        name = names[(turn + step) % len(names)]
+        if _applies(name, kind, io):
+            return name, turn + step + 1
+    raise AssertionError((kind, io))
+
+
+def _good_path(kind: str, io: str) -> str:
+    return "{case}/new" if io == "out" else "{corpus}" if kind == "file" else "{tok}" if kind == "any" else "{run}"
+
+
+def _path_cases() -> list[Case]:
+    import argparse
+    import importlib
+
+    def required(parser, skip):
+        for action in parser._actions:
+            if action is skip or isinstance(action, argparse._SubParsersAction):
+                continue
+            if hasattr(action, "jaxlm_path"):
+                value = _good_path(*action.jaxlm_path)
+            elif getattr(action.type, "__name__", "") in ("int", "float"):
+                value = "1"
+            else:
+                value = str(next(iter(action.choices))) if action.choices else "x"
+            if not action.option_strings and action.nargs not in ("?", "*"):
+                yield value
+            elif action.option_strings and action.required:
+                yield f"{action.option_strings[0]}={value}"
+
+    targets = []  # (command, subcommand words, parser, action)
+    for command in PATH_COMMANDS:
+        top = importlib.import_module(f"jaxlm.{command}").make_parser()
+        subs = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+        parsers = [((), top)] if not subs else [((w,), p) for w, p in subs[0].choices.items()]
+        targets += [(command, words, parser, a) for words, parser in parsers for a in parser._actions
+                    if hasattr(a, "jaxlm_path")]
+    from jaxlm import config
+
+    keys = [(f"config.{n}.{f.name}", *f.metadata["path"]) for n, cls in config.SECTIONS.items()
+            for f in dataclasses.fields(cls) if f.metadata.get("path")]
+    out, turn = [], 0
+    for command, words, parser, action in targets:
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        name, turn = _next_class(turn, *action.jaxlm_path)
+        value, word = PATH_CLASSES[name]
+        given = f"{flag}={value}" if action.option_strings else value
+        label = flag.lstrip("-") if action.option_strings else "file"
+        module = command.removesuffix(".cli")  # (python -m jaxlm.compress runs compress.cli's main)
+        out.append(Case(f"path-{module.split('.')[-1]}{'-' + words[0] if words else ''}-{label}-{name}", module,
+                        (*words, *required(parser, action), given), 2, (f"{flag}=" if action.option_strings else "",
+                                                                        word), unchanged="{run}"))
+    for key, kind, io in keys:
+        name, turn = _next_class(turn, kind, io)
+        value, word = PATH_CLASSES[name]
+        out.append(Case(f"path-train-{key.removeprefix('config.')}-{name}", "train", T(f"--{key}={value}"), 2,
+                        (word,), unchanged="{run}"))
+    return [dataclasses.replace(c, slow=i >= PATH_CASES_FAST) for i, c in enumerate(out)]
+
+
+PATH_CASES = _path_cases()
+CASES += PATH_CASES
+
+
 # ----------------------------------------------------------------------------- running them
 
 
@@ -737,6 +830,12 @@ def results(world, request):
 def test_the_catalogue_is_large_and_its_names_unique():
     assert len(CASES) >= 70
     assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_the_generated_path_cases_meet_every_class_and_every_command():
+    assert {c.name.rsplit("-", 1)[0] for c in PATH_CASES} and len(PATH_CASES) >= 20
+    assert {name for name in PATH_CLASSES if any(c.name.endswith(name) for c in PATH_CASES)} == set(PATH_CLASSES)
+    assert {c.command for c in PATH_CASES} == {*PATH_COMMANDS, "train"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else [])

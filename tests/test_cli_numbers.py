@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import tempfile
 
 import pytest
 
@@ -27,12 +29,16 @@ def _numeric(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
 
 
 def _required(parser: argparse.ArgumentParser, but: argparse.Action) -> list[str]:
-    """Values for the parser's other required arguments (a path, or 1 for a number)."""
+    """Values for the parser's other required arguments (a path of its kind, 1 for a number, else a word)."""
     out = []
     for action in parser._actions:
         if action.dest == but.dest or isinstance(action, argparse._SubParsersAction):
             continue
         value = "1" if action.type is not None and getattr(action.type, "__name__", "") in ("int", "float") else "x"
+        if hasattr(action, "jaxlm_path"):  # (jaxlm.paths checks it first)
+            kind, io = action.jaxlm_path
+            value = os.path.join(tempfile.gettempdir(), "jaxlm-new") if io == "out" else __file__ if kind == "file" \
+                else tempfile.gettempdir()
         if action.option_strings and action.required:
             out.append(f"{action.option_strings[0]}={value}")
         elif not action.option_strings and action.nargs not in ("?", "*"):
@@ -47,8 +53,9 @@ CASES = [(command, words, action) for command in COMMANDS
 def _outside(action) -> list[str]:
     """Values just outside the flag's range (none for a flag without one)."""
     minimum, above, maximum, below, _ = getattr(action, "jaxlm_range", (None,) * 5)
+    limit = getattr(action, "jaxlm_limit", None)  # an int's ceiling, in magnitude
     return [str(v) for v in (minimum - 1 if minimum is not None else None, above, maximum + 1 if maximum is not None
-                             else None, below) if v is not None]
+                             else None, below, limit + 1 if limit is not None else None) if v is not None]
 
 
 def test_every_command_declares_its_numbers_through_the_shared_parser():

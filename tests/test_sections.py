@@ -98,17 +98,23 @@ def _keys_of_type(kind: str) -> list[str]:
 
 
 # Values no key of the type accepts, as the command line gives them (`--config.<key>=<text>`)
-BAD_BY_TYPE = {"float": ("nan", "inf", "-inf", "1e999", "many"), "int": ("1.5", "nan", "inf", "many"),
-               "bool": ("maybe", "2")}
+BAD_BY_TYPE = {"float": ("nan", "inf", "-inf", "1e999", "many"),
+               "int": ("1.5", "nan", "inf", "many", str(2**62 + 1), str(-(2**62) - 1)),
+               "bool": ("maybe", "2"), "str": ("r\udcff",)}  # (a file name in another encoding, as Python sees it)
+
+
+# Keys that hold one value (a FieldReference in base_config): either's name is the value's
+LINKED = {"data.seq_len": "model.max_seq_len", "data.tokenizer_vocab_size": "model.vocab_size"}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_BY_TYPE))
 def test_every_key_refuses_the_values_its_type_never_takes_in_one_line(kind):
     """By class, not by key: every float of every section refuses nan and the infinities, every int a
-    fraction or nan, every bool what is not one, each as one line naming the key (generated from the
-    sections: a new key is covered the day it is declared)."""
+    fraction, nan or a size past any ceiling, every bool what is not one, every string what is not
+    UTF-8, each as one line naming the key (generated from the sections: a new key is covered the day
+    it is declared)."""
     keys = _keys_of_type(kind)
-    assert len(keys) >= {"float": 20, "int": 40, "bool": 10}[kind], keys  # the enumeration found the sections' keys
+    assert len(keys) >= {"float": 20, "int": 40, "bool": 10, "str": 30}[kind], keys  # the enumeration found them
     for key in keys:
         for text in BAD_BY_TYPE[kind]:
             cfg = config.load_recipe("tiny")
@@ -116,7 +122,21 @@ def test_every_key_refuses_the_values_its_type_never_takes_in_one_line(kind):
                 config.apply_overrides(cfg, [(key, text)])
                 config.validate(cfg)
             message = str(raised.value)
-            assert "\n" not in message and key in message, (key, text, message)
+            assert "\n" not in message and (key in message or LINKED.get(key, key) in message), (key, text, message)
+
+
+def test_an_int_past_its_ceiling_is_refused_and_one_at_it_is_not_for_that_reason():
+    """The ceiling (`section.INT_LIMIT`, or the key's own `limit`) is checked by magnitude."""
+    from jaxlm.section import INT_LIMIT
+
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("run.steps", str(INT_LIMIT + 1))])
+    with pytest.raises(UserError, match=re.escape("config.run.steps=2147483648 is not allowed: an integer of at most "
+                                                  "2,147,483,647 in magnitude")):
+        config.validate(cfg)
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("run.steps", str(INT_LIMIT)), ("data.tokenizer_train_bytes", str(2**40))])
+    config.validate(cfg)  # a byte count declares its own, larger limit
 
 
 def test_a_non_finite_float_from_a_recipe_is_refused_as_from_the_command_line():

@@ -282,8 +282,8 @@ def make_parser() -> jaxlm_cli.Parser:
     """The command line of `python -m jaxlm.compress` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = jaxlm_cli.Parser(prog="python -m jaxlm.compress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run_dir", required=True, help="the trained run to compress")
-    parser.add_argument("--output", required=True, help="the run directory to write (new)")
+    parser.add_path("--run_dir", kind="dir", io="in", required=True, help="the trained run to compress")
+    parser.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
     parser.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
     parser.add_argument("--corpus", default="val", help="what the report measures quality on: val (the run's "
                         "validation split), text files, a prepared directory, or none")

@@ -59,16 +59,19 @@ class DataConfig(Section):
         'for tokenizers without chat tokens, such as one trained here), or a .jinja file')
     text_field: str = setting("text", "jsonl field / parquet column with the text")
     separator: str = setting("", 'text files: "" = one document per file, else split on it (e.g. "\\n\\n")')
-    builtin_max_bytes: int = setting(8000000, "corpus=builtin: read at most this many bytes of the files")
+    builtin_max_bytes: int = setting(8000000, "corpus=builtin: read at most this many bytes of the files",
+                                     limit=2**62)
     tokenizer_path: str = setting("", '"" = train one on the corpus (cached in cache_dir), else a .model file')
-    tokenizer_train_bytes: int = setting(100000000, "train the tokenizer on the corpus's first this-many bytes")
+    tokenizer_train_bytes: int = setting(100000000, "train the tokenizer on the corpus's first this-many bytes",
+                                         limit=2**62)
     val_fraction: float = setting(0.01, "documents held out (by a hash of their text) for validation")
     val_tokens: int = setting(65536, "the fixed held-out set: the first this-many validation tokens")
     seq_len: int = setting(256, "tokens per training row; linked to model.max_seq_len")
     global_batch_size: int = setting(32, "sequences per optimizer step, over all devices")
     tokenizer_type: str = setting("bpe", "bpe | unigram | char | byte")
     tokenizer_vocab_size: int = setting(2048, "the trained tokenizer's vocabulary; linked to model.vocab_size")
-    cache_dir: str = setting(".cache/jaxlm", "the tokenizer and the prepared (tokenized) corpus, keyed by their inputs")
+    cache_dir: str = setting(".cache/jaxlm", "the tokenizer and the prepared (tokenized) corpus, keyed by their inputs",
+                             path=("dir", "out"))
     num_workers: int = setting(0, "grain worker processes (0 = in the main process)")
     shards: int = setting(
         0,

@@ -526,15 +526,17 @@ def make_parser() -> cli.Parser:
     parser.add_argument("--separator", default="",
                         help="text files: split documents on this string (escapes such as \\n\\n are decoded);"
                         " empty: one document per file")
-    parser.add_number("--max_bytes", kind=int, minimum=0, default=0, help="builtin only: stop after this many bytes")
-    parser.add_argument("--tokenizer", required=True,
+    parser.add_number("--max_bytes", kind=int, minimum=0, limit=2**62, default=0,
+                      help="builtin only: stop after this many bytes")
+    parser.add_path("--tokenizer", kind="any", io="in", required=True,
                         help="a SentencePiece .model file or a Hugging Face tokenizer.json (or its directory)")
-    parser.add_argument("--output", required=True, help="the directory to write (or to continue)")
+    parser.add_path("--output", kind="dir", io="out", required=True, help="the directory to write (or to continue)")
     # (shard_docs, val_fraction and workers: their ranges are `prepare`'s own checks, for its library callers too)
-    parser.add_number("--shard_docs", kind=int, default=4096, help="documents per shard")
+    parser.add_number("--shard_docs", kind=int, minimum=1, default=4096, help="documents per shard")
     parser.add_number("--val_fraction", default=0.01)
-    parser.add_number("--seed", kind=int, default=0, help="seed of the train/validation split")
-    parser.add_number("--workers", kind=int, default=len(os.sched_getaffinity(0)), help="processes (default: all)")
+    parser.add_number("--seed", kind=int, minimum=0, default=0, help="seed of the train/validation split")
+    parser.add_number("--workers", kind=int, minimum=1, default=len(os.sched_getaffinity(0)),
+                      help="processes (default: all)")
     return parser
 
 

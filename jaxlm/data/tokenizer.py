@@ -626,14 +626,14 @@ def make_parser() -> cli.Parser:
     train.add_argument("--separator", default="", help="text files: split documents on this string")
     train.add_number("--vocab_size", kind=int, required=True)  # its range is the tokenizer's own check
     train.add_argument("--model_type", default="bpe", choices=MODEL_TYPES)
-    train.add_number("--max_bytes", kind=int, minimum=1, default=100_000_000,
+    train.add_number("--max_bytes", kind=int, minimum=1, limit=2**62, default=100_000_000,
                      help="train on the first N bytes of the corpus")
-    train.add_argument("--output", required=True, help="path of the .model file to write")
+    train.add_path("--output", kind="file", io="out", required=True, help="path of the .model file to write")
     encode = commands.add_parser("encode", help="print the ids of a text")
-    encode.add_argument("--model", required=True)
+    encode.add_path("--model", kind="any", io="in", required=True)
     encode.add_argument("text")
     decode = commands.add_parser("decode", help="print the text of space-separated ids")
-    decode.add_argument("--model", required=True)
+    decode.add_path("--model", kind="any", io="in", required=True)
     decode.add_argument("ids", nargs="+", type=cli.number(int))
     return parser
 
