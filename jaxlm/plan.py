@@ -314,6 +314,12 @@ def format_choice(choice: dict[str, Any], report: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the plan
 
 
+# --compile refuses a program the analytic plan puts at more than this many times a device's memory:
+# tracing and compiling such sizes hangs or aborts XLA (10**12 layers; a 10**9-wide model), and no
+# layout of a real run is that far from fitting.
+COMPILE_CEILING = 1000
+
+
 def plan(
     cfg: ml_collections.ConfigDict, num_devices: int, device_memory_bytes: float, *, platform: str = "gpu",
     compile: bool = False, devices=None, target: roofline.Target | None = None,
@@ -347,6 +353,12 @@ def plan(
         "compiled": None,
     }
     decided_by, per_device = "analytic", est.per_device_bytes
+    if compile and est.per_device_bytes > COMPILE_CEILING * device_memory_bytes:
+        raise UserError(
+            f"--compile: the analytic plan needs {format_bytes(est.per_device_bytes)} per device, over "
+            f"{COMPILE_CEILING:,} times a device's {format_bytes(device_memory_bytes)}; XLA can take hours on (or "
+            "abort) a program of that size, so it is not compiled: shrink the model or the batch, or use more "
+            "devices (without --compile, the plan says what fits)")
     if compile:
         if devices is None:
             devices = target_devices(target, num_devices) if target is not None else compile_devices(num_devices)

@@ -219,12 +219,28 @@ def test_a_run_that_fits_says_by_how_much(capsys):
         (["--config=configs/tiny.py", "--devices=3"], "does not divide over data*fsdp=3 devices"),
         (["--config=configs/tiny.py", "--devices=8", "--config.model.d_modl=3"], "did you mean 'model.d_model'"),
         (["--config=configs/tiny.py", "--devices=8", "--device_memory_gib=0"], "--device_memory_gib=0.0"),
+        # sizes no machine holds: refused from the analytic plan, before tracing (which would hang or abort XLA)
+        (["--config=configs/tiny.py", "--devices=8", "--compile", "--config.model.n_layers=1000000000"],
+         "--compile: the analytic plan needs"),
+        (["--config=configs/tiny.py", "--devices=8", "--compile", "--config.model.d_model=1000000000"],
+         f"over {plan.COMPILE_CEILING:,} times a device's 80.00 GiB"),
+        (["--config=configs/tiny.py", "--devices=8", "--config.model.n_layers=1000000000000"],
+         "config.model.n_layers=1000000000000 is not allowed: an integer of at most 2,147,483,647"),
     ],
 )
 def test_user_errors_get_one_line_and_exit_code_2(args, expected, capsys):
     assert plan.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxlm: error:") and expected in err[0], err
+
+
+def test_auto_unrolls_every_layer_only_up_to_its_ceiling_so_a_deep_stack_compiles_as_a_loop():
+    """scan_unroll=0 unrolls all layers on a CPU without remat (faster), but XLA's compile time grows
+    with the layers unrolled: past UNROLL_AUTO_MAX a loop (20,000 layers compiled for 5 minutes and more)."""
+    for layers, unroll in ((4, 4), (transformer.UNROLL_AUTO_MAX, transformer.UNROLL_AUTO_MAX),
+                           (transformer.UNROLL_AUTO_MAX + 1, 1), (20000, 1)):
+        cfg = config.recipe("tiny", model__n_layers=layers)
+        assert transformer.ModelConfig.from_config(cfg.model, "cpu", log_choice=False).scan_unroll == unroll, layers
 
 
 @pytest.mark.slow

@@ -77,6 +77,9 @@ REMAT_POLICIES = {
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_len")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# model.scan_unroll=0 unrolls every layer only up to this many (the deepest open models have 126 or fewer);
+# a deeper stack is a loop, whose compile time does not grow with its depth.
+UNROLL_AUTO_MAX = 128
 MATMUL_IMPLS = ("auto", *layers.CONTRACTIONS)  # config.model.matmul (`ModelConfig.from_config` resolves auto)
 
 
@@ -132,8 +135,8 @@ class ModelSection(Section):
     scan_unroll: int = setting(
         0,
         "Layers per iteration of the layer scan (its parameters stay stacked either way): 0 = auto (all of "
-        "them on a CPU or GPU without remat, which runs faster unrolled: benchmarks/BENCHMARKS.md; else 1: a "
-        "loop, whose buffers XLA reuses from layer to layer)")
+        "them on a CPU or GPU without remat, up to 128 layers, which runs faster unrolled: benchmarks/BENCHMARKS.md; "
+        "else 1: a loop, whose buffers XLA reuses from layer to layer)")
     remat: str = setting("none", "none | full | dots | dots_mlp | dots_no_batch")
     attention: str = setting(
         "auto",
@@ -333,8 +336,9 @@ class ModelConfig:
             precision.check_fp8(platform, precision.compute_capability())
         # auto: unrolled on a CPU or GPU, unless remat asks to save memory (an unrolled program keeps more
         # alive). On GPUs the loop's per-layer copies in and out of the stacked buffers and its host-side
-        # launches go, for a faster step in less memory (measured: benchmarks/BENCHMARKS.md)
-        unroll_all = platform in ("cpu", "gpu") and fields["remat"] == "none"
+        # launches go, for a faster step in less memory (measured: benchmarks/BENCHMARKS.md). Past
+        # UNROLL_AUTO_MAX layers, a loop: XLA's compile time grows with the layers unrolled.
+        unroll_all = platform in ("cpu", "gpu") and fields["remat"] == "none" and m["n_layers"] <= UNROLL_AUTO_MAX
         fields["scan_unroll"] = min(m.get("scan_unroll", 0) or (m["n_layers"] if unroll_all else 1), m["n_layers"])
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
