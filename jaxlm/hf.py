@@ -141,12 +141,12 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
         raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
     hf = hf_map.read_json(hf_dir / "config.json", "import")
     arch, keys = hf_map.model_keys(hf)
+    cfg = _run_config(keys, arch, param_dtype, output)  # the file's values checked before its tensors are read
     files = SafetensorsFiles(hf_dir)
     tok = _load_tokenizer(pathlib.Path(tokenizer) if tokenizer else hf_dir)
     if tok.vocab_size > keys["vocab_size"]:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but config.json's vocab_size is "
                         f"{keys['vocab_size']}; give the model's own tokenizer")
-    cfg = _run_config(keys, param_dtype, output)
     devices = list(devices) if devices is not None else jax.devices()
     model_cfg = inference.model_config(cfg, devices[0].platform)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
@@ -178,14 +178,17 @@ def _load_tokenizer(path: pathlib.Path) -> Tokenizer:
                         "SentencePiece .model)") from None
 
 
-def _run_config(keys: dict, param_dtype: str, output: pathlib.Path) -> ml_collections.ConfigDict:
+def _run_config(keys: dict, arch: str, param_dtype: str, output: pathlib.Path) -> ml_collections.ConfigDict:
     """The imported run's config: the defaults, with the model from config.json."""
     values = config_lib.base_config().to_dict()  # plain values: max_seq_len and seq_len unlinked
     values["model"].update(keys, param_dtype=param_dtype)
     values["data"].update(seq_len=min(keys["max_seq_len"], EVAL_SEQ_LEN), tokenizer_vocab_size=keys["vocab_size"])
     values["run"].update(name=output.name, output_dir=str(output.parent))
     cfg = ml_collections.ConfigDict(values)
-    config_lib.validate(cfg)
+    try:
+        config_lib.validate(cfg)
+    except UserError as e:  # a value of the file: named by its field, not by the jaxlm key it became
+        raise UserError(hf_map.in_file_terms(str(e), arch)) from None
     return cfg
 
 

@@ -142,7 +142,7 @@ def test_unscanned_layers_read_and_write_the_same_tensors(models):
     """The same name map serves a model whose blocks are a list (model.scan_layers=False)."""
     model, hf_dir = models["qwen2"]
     arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
-    cfg = hf._run_config(keys, "float32", hf_dir / "unused")
+    cfg = hf._run_config(keys, arch, "float32", hf_dir / "unused")
     cfg.model.scan_layers = False
     model_cfg = inference.model_config(cfg, "cpu", "float32")
     spec = train_state.build_model_spec(model_cfg)
@@ -409,7 +409,7 @@ def test_each_device_reads_only_its_block_of_every_tensor(models):
     up to it exactly once; nothing is read whole and then sliced."""
     _, hf_dir = models["llama"]
     arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
-    cfg = hf._run_config(keys, "float32", hf_dir / "unused")
+    cfg = hf._run_config(keys, arch, "float32", hf_dir / "unused")
     model_cfg = inference.model_config(cfg, "cpu", "float32")
     spec = train_state.build_model_spec(model_cfg)
     mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, spec, jax.devices(), mesh_lib.rules_from_config(

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +98,33 @@ def _rope_keys(hf: dict) -> dict:
                 "rope_high_freq_factor": float(params["high_freq_factor"]),
                 "rope_original_max_len": int(params["original_max_position_embeddings"])}
     raise _refuse(f"{field}.rope_type", kind, "jaxlm has RoPE scaling 'default', 'linear' and 'llama3' only")
+
+
+# The config.json field each jaxlm key of an import comes from (`model_keys`), by architecture: what an
+# import's errors name, so that the user reads the field of the file they gave
+_FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+           "mlp_dim": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps",
+           "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta"}
+_GPT2_FIELDS = {"vocab_size": "vocab_size", "d_model": "n_embd", "n_layers": "n_layer", "n_heads": "n_head",
+                "mlp_dim": "n_inner", "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"}
+_LINKED = {"data.seq_len": "max_seq_len", "data.tokenizer_vocab_size": "vocab_size"}  # keys set from model keys
+_KEY = re.compile(r"(?:config\.)?((?:model|data)\.\w+)")
+
+
+def in_file_terms(message: str, arch: str) -> str:
+    """A config check's line about an imported model, with each jaxlm key its config.json came from
+    replaced by that field: "config.model.n_kv_heads=3 ... model.n_heads=4" becomes "config.json:
+    num_key_value_heads=3 ... num_attention_heads=4"."""
+    fields = _GPT2_FIELDS if arch == "gpt2" else _FIELDS
+
+    def field(m: re.Match) -> str:
+        key = m.group(1)
+        own = _LINKED.get(key, key.removeprefix("model."))
+        return fields.get(own, m.group(0)) if key.startswith("model.") or key in _LINKED else m.group(0)
+
+    text = _KEY.sub(field, message)
+    return f"config.json: {text}" if text != message else message
 
 
 def model_keys(hf: dict) -> tuple[str, dict]:
