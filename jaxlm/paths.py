@@ -92,8 +92,8 @@ def check(text: str, *, kind: str, io: str, name: str) -> None:
             raise EnvironmentFailure(f"{label}: permission denied (it cannot be read)")
         return
     if (checkpoints := checkpoints_containing(path)) is not None:
-        raise UserError(f"{label} is inside {checkpoints}, which holds only the checkpoints training saves; "
-                        "give a path outside it")
+        raise UserError(f"{label} is inside the checkpoints of {checkpoints.parent} (only training writes there); "
+                        "give a path outside them")
     if os.path.lexists(path):
         if kind == "file" and path.is_dir():
             raise UserError(f"{label} is a directory; give the path of a file")

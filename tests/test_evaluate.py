@@ -176,7 +176,7 @@ def _no_checkpoints(run_dir, tmp_path) -> pathlib.Path:
     "case, expected",
     [
         ("no_checkpoints", "has no checkpoints (nothing complete in"),
-        ("missing_dir", "does not exist; give --run_dir="),
+        ("missing_dir", "nope' does not exist"),
         ("bad_step", "--step=7: "),
         ("not_json", "bad.jsonl:2: not JSON"),
         ("no_choices", "bad.jsonl:1: no 'choices'"),

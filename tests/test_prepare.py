@@ -347,7 +347,7 @@ def test_cli_reports_bad_input_in_one_line(tok_path: str, tmp_path, capsys) -> N
     assert "holds no documents" in error("--input", str(tmp_path / "blank.txt"))
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
     assert "bad.jsonl:2" in error("--input", str(tmp_path / "bad.jsonl"))
-    assert "tokenizer model not found" in error("--input", "builtin", "--tokenizer", str(tmp_path / "nope.model"))
+    assert "nope.model' does not exist" in error("--input", "builtin", "--tokenizer", str(tmp_path / "nope.model"))
 
 
 # --- progress through the data ---
