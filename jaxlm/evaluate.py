@@ -39,7 +39,7 @@ from flax.core import spmd
 from jaxlm import cli, inference, steps
 from jaxlm import run_dir as run_dir_lib
 from jaxlm.data import loader, pipeline, prepare, sft, sources
-from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
 
 log = logging.getLogger(__name__)
@@ -480,7 +480,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if jax.process_index() == 0:
         try:
             run_dir_lib.check_output_file(output, "--output" if args.output else "the results file")
-            output.write_text(json.dumps(results, indent=2) + "\n")
+            write_bytes_atomically(output, (json.dumps(results, indent=2) + "\n").encode())  # whole or not at all
         except (OSError, UserError) as e:
             why = e.strerror if isinstance(e, OSError) else str(e)
             if args.output:  # asked for: an error (the results are above)

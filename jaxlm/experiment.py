@@ -44,8 +44,10 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import io
 import itertools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -67,6 +69,7 @@ from jaxlm import run_dir as run_dir_lib
 from jaxlm import train as train_lib
 from jaxlm.console import duration
 from jaxlm.data import loader
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_user_file
 from jaxlm.table import Table
 
@@ -76,6 +79,8 @@ METRICS = ("final_loss", "best_loss", "final_val_loss", "best_val_loss",
 STOPPED = "stopped.json"  # written into a run directory that early stopping ended
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
 POLL_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- search spaces
@@ -263,12 +268,8 @@ def run_status(run: Run) -> str:
     if (run.run_dir / STOPPED).is_file():
         return "stopped"
     summary = run.run_dir / "summary.json"
-    if summary.is_file():
-        try:
-            if json.loads(summary.read_text()).get("steps", 0) >= run.steps:
-                return "done"
-        except json.JSONDecodeError:
-            pass
+    if summary.is_file() and run_dir_lib.read_json(summary).get("steps", 0) >= run.steps:  # ({} when not whole)
+        return "done"
     if (run.run_dir / "metrics.jsonl").is_file() or (run.run_dir / "checkpoints").is_dir():
         return "partial"
     return "pending"
@@ -296,9 +297,12 @@ class MetricsTail:
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         out = []
-        for line in complete.decode("utf-8").splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if "val_loss" in record and record["step"] > self.last_step:
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except ValueError:  # not a whole record (read from mid-line after a resume rewrote the file)
+                continue
+            if isinstance(record, dict) and "val_loss" in record and record.get("step", 0) > self.last_step:
                 self.last_step = record["step"]
                 out.append((record["step"], record["val_loss"]))
         return out
@@ -448,7 +452,7 @@ def _start(run: Run, slot: int, groups: list[str] | None) -> _Job:
 def _finish(job: _Job, code: int) -> str:
     if job.stop is not None and code in (0, 75):
         if code == 75:  # stopped before its last step: remember why, so a resume skips it
-            (job.run.run_dir / STOPPED).write_text(json.dumps(job.stop) + "\n")
+            write_bytes_atomically(job.run.run_dir / STOPPED, (json.dumps(job.stop) + "\n").encode())
             return f"stopped at step {job.stop['step']} (val_loss {job.stop['val_loss']:.4f})"
     if code == 0:
         return "done"
@@ -627,21 +631,26 @@ def markdown_report(title: str, description: str, rows: Sequence[dict[str, Any]]
     stopped = [r for r in rows if r["status"] == "stopped"]
     if stopped:
         lines += ["", "Stopped early: " + ", ".join(
-            f"{r['run']} at step {r['steps']} (val loss {r['final_val_loss']:.4f})" for r in stopped)]
+            f"{r['run']} at step {r['steps']}"
+            + ("" if r["final_val_loss"] is None else f" (val loss {r['final_val_loss']:.4f})") for r in stopped)]
     lines += ["", f"Collected {datetime.date.today().isoformat()} by `python -m jaxlm.experiment`."]
     return "\n".join(lines) + "\n"
 
 
 def write_csv(path: pathlib.Path, rows: Sequence[dict[str, Any]]) -> None:
+    """`rows` as CSV, replacing `path` whole (`write_bytes_atomically`)."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    write_bytes_atomically(path, text.getvalue().encode("utf-8"))
 
 
 def read_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """results.csv or curves.csv back as dicts, numbers as numbers and empty cells as None."""
+    """results.csv or curves.csv back as dicts, numbers as numbers and empty cells as None. A last row
+    cut short (the file does not end its line, as `write_csv` always does) is left out with a warning:
+    its last cell may be a number cut to fewer digits."""
 
     def parse(text: str) -> Any:
         if text == "":
@@ -653,9 +662,16 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
                 pass
         return text
 
-    with open(path, newline="", encoding="utf-8") as f:
-        return [{k: (v if k in ("run", "variant", "status", "overrides") else parse(v)) for k, v in r.items()}
-                for r in csv.DictReader(f)]
+    text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    whole = [r for r in rows if None not in r and None not in r.values()]  # (a row with cells missing or extra)
+    if rows and not text.endswith("\n") and whole and whole[-1] is rows[-1]:
+        whole.pop()
+    if len(whole) < len(rows):
+        log.warning("%s: %d row(s) not whole (cut by an interrupted write?): left out; python -m jaxlm.experiment "
+                    "<file> --collect writes it again", path, len(rows) - len(whole))
+    return [{k: (v if k in ("run", "variant", "status", "overrides") else parse(v)) for k, v in r.items()}
+            for r in whole]
 
 
 def mean_curves(
@@ -752,7 +768,8 @@ def write_results(results: Results, directory: pathlib.Path, title: str, descrip
     directory.mkdir(parents=True, exist_ok=True)
     write_csv(directory / "results.csv", results.rows)
     write_csv(directory / "curves.csv", results.curves)
-    (directory / "results.md").write_text(markdown_report(title, description, results.rows, results.metric, setup))
+    write_bytes_atomically(directory / "results.md",
+                           markdown_report(title, description, results.rows, results.metric, setup).encode("utf-8"))
     written = [directory / n for n in ("results.md", "results.csv", "curves.csv")]
     try:
         results.plot(directory / "loss.png", title)
@@ -856,22 +873,38 @@ def _optuna_runs(exp: Experiment, root: pathlib.Path, seeds, extra, trials: int,
     return runs(), stopper, on_finish, len(finished), study
 
 
-def _record(root: pathlib.Path, runs: Sequence[Run]) -> None:
-    """Add runs to <sweep>/experiment.json, the list `--collect` reads for optuna searches."""
+def _record(root: pathlib.Path, runs: Sequence[Run], *, rebuilt: bool = False) -> None:
+    """Add runs to <sweep>/experiment.json, the list `--collect` reads for optuna searches; replaced whole
+    (`write_bytes_atomically`). `rebuilt`: `runs` are all the sweep's (its variants), so a file that is
+    not whole is written again from them, with a warning, rather than refused."""
     path = root / "experiment.json"
-    known = json.loads(path.read_text())["runs"] if path.is_file() else {}
+    known = _read_recorded(path, rebuilt=rebuilt)
     for run in runs:
         known[run.name] = {"variant": run.variant, "seed": run.seed, "overrides": run.overrides, "flags": run.flags}
-    root.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"runs": known}, indent=1) + "\n")
+    write_bytes_atomically(path, (json.dumps({"runs": known}, indent=1) + "\n").encode())
+
+
+def _read_recorded(path: pathlib.Path, *, rebuilt: bool = False) -> dict[str, dict[str, Any]]:
+    """experiment.json's runs ({} when absent). One that is not whole (cut by a killed process or a lost disk)
+    is refused in one line, or with `rebuilt` (`_record`) left out with a warning."""
+    if not path.is_file():
+        return {}
+    try:
+        runs = json.loads(path.read_text())["runs"]
+        if not isinstance(runs, dict) or not all(isinstance(r, dict) and "flags" in r for r in runs.values()):
+            raise ValueError("not a list of runs")
+    except (ValueError, KeyError, TypeError) as e:
+        if rebuilt:
+            log.warning("%s is not whole (%s): written again from the experiment's variants", path, e)
+            return {}
+        raise UserError(f"{path} is not whole ({type(e).__name__}: cut by an interrupted write?); restore it from a "
+                        f"copy, or delete it: the search then lists only the trials it runs from now on") from None
+    return runs
 
 
 def _recorded_runs(root: pathlib.Path) -> list[Run]:
-    path = root / "experiment.json"
-    if not path.is_file():
-        return []
     out = []
-    for name, r in json.loads(path.read_text())["runs"].items():
+    for name, r in _read_recorded(root / "experiment.json").items():
         cfg = init_from.config_from_cli(r["flags"])
         out.append(Run(name=name, variant=r["variant"], seed=r["seed"], overrides=r["overrides"], flags=r["flags"],
                        run_dir=root / name, steps=cfg.run.steps))
@@ -927,7 +960,7 @@ def sweep(exp: Experiment, *, output_dir: str | os.PathLike = "runs", search: st
                 raise UserError(f"--only: no variant {unknown[0]!r}; variants: {', '.join(variants)}")
             variants = {k: v for k, v in variants.items() if k in only}
         runs = make_runs(exp, variants, seeds, root, extra)
-        _record(root, runs)
+        _record(root, runs, rebuilt=True)
         todo = [r for r in runs if run_status(r) not in ("done", "stopped")]
         if print_commands:
             for run in todo:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
+import re
 import sys
 import time
 import uuid
@@ -19,8 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.section import Section, check, check_choice, setting
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device, by a substring of `jax.Device.device_kind` (first match wins,
 # so the more specific names come first). Vendor datasheet figures without sparsity.
@@ -239,6 +244,25 @@ class TensorBoardSink:
         self._events.close()
 
 
+WANDB_ID = re.compile(r"[0-9a-f]{16}")  # what `wandb_run_id` writes
+
+
+def wandb_run_id(run_dir: pathlib.Path) -> str:
+    """The W&B run id kept in `run_dir/wandb_id`, made and written (whole: `write_bytes_atomically`) on a
+    run's first start. One that is not a whole id (cut by a killed process or a lost disk) would silently
+    log to another W&B run: a new one is made instead, with a warning."""
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text(errors="replace").strip() if id_file.exists() else None
+    if run_id is not None and not WANDB_ID.fullmatch(run_id):
+        log.warning("%s holds %r, not a whole W&B run id (cut by an interrupted write?): this run logs to a new "
+                    "W&B run", id_file, run_id[:40])
+        run_id = None
+    if run_id is None:
+        run_id = uuid.uuid4().hex[:16]
+        write_bytes_atomically(id_file, (run_id + "\n").encode())
+    return run_id
+
+
 class WandbSink:
     """Weights & Biases: the same values, one W&B run per run directory (its id is kept there, so a
     resumed run continues the same W&B run). W&B ignores steps at or below its last logged one; a
@@ -252,9 +276,7 @@ class WandbSink:
                 "config.metrics.wandb=true needs the wandb package: pip install wandb (or the [tracking] extra), "
                 "or set config.metrics.wandb=false"
             ) from None
-        id_file = run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:16]
-        id_file.write_text(run_id + "\n")
+        run_id = wandb_run_id(run_dir)
         self._run = wandb.init(project=project, entity=entity or None, name=name, id=run_id, resume="allow",
                                dir=str(run_dir), config=config)
 

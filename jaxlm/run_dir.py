@@ -98,6 +98,18 @@ def _locked_by_jaxlm(run_dir: pathlib.Path) -> bool:
     return isinstance(holder, dict) and "pid" in holder and "host" in holder
 
 
+def _config_cut_short(run_dir: pathlib.Path) -> bool:
+    """Whether the directory is a jaxlm run whose config.json a killed process or a lost disk left not whole
+    JSON: its checkpoints/ beside it (which carry the config; the resume writes config.json again)."""
+    try:
+        json.loads((run_dir / "config.json").read_text())
+    except ValueError:
+        return (run_dir / "checkpoints").is_dir()
+    except OSError:
+        return False
+    return False
+
+
 def check_run_dir(run_dir: pathlib.Path) -> None:
     """A run writes only into a run directory of its own kind: a new or empty directory, or one jaxlm
     wrote (which it resumes). Anything else, a Hugging Face model directory or a folder of the user's own
@@ -107,7 +119,8 @@ def check_run_dir(run_dir: pathlib.Path) -> None:
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} (run.output_dir/run.name) is a file, not a directory; choose another "
                         f"config.run.name or config.run.output_dir")
-    if any(p.name not in OWN_FILES for p in run_dir.iterdir()) and not is_run(run_dir) and not _locked_by_jaxlm(run_dir):
+    if (any(p.name not in OWN_FILES for p in run_dir.iterdir()) and not is_run(run_dir) and not _locked_by_jaxlm(run_dir)
+            and not _config_cut_short(run_dir)):
         raise UserError(f"{run_dir} (run.output_dir/run.name) holds files jaxlm did not write (no jaxlm config.json "
                         f"in it); a run writes only into its own directory: choose another config.run.name or "
                         f"config.run.output_dir")

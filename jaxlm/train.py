@@ -45,7 +45,16 @@ from jaxlm.data.loader import Data, DataConfig, load_data, rows_held
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
-from jaxlm.run_dir import Sinks, check_run_dir, config_differences, make_run_dir, read_json, run_dir_path, set_aside
+from jaxlm.run_dir import (
+    Sinks,
+    check_run_dir,
+    config_differences,
+    is_run,
+    make_run_dir,
+    read_json,
+    run_dir_path,
+    set_aside,
+)
 from jaxlm.run_lock import LOCK_NAME, RunLock
 from jaxlm.train_setup import TrainSetup, evaluate, resolve_config
 
@@ -299,6 +308,8 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
                 f"another config.run.name, or config.run.fresh=true to start over"
             )
     if resume_step >= cfg.run.steps and verified:
+        if jax.process_index() == 0 and not is_run(run_dir):  # config.json cut short: the checkpoint's copy
+            write_bytes_atomically(run_dir / "config.json", (json.dumps(saved["config"], indent=2) + "\n").encode())
         return _already_complete(run_dir, resume_step)
 
     t0 = time.time()

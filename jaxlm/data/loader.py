@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -201,7 +202,10 @@ def _cached_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
     d = data
     path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
     if path.exists():
-        return tokenizer.Tokenizer.load(path)
+        try:
+            return tokenizer.Tokenizer.load(path)
+        except UserError as e:  # cut by a killed process or a lost disk: trained again, the same (a resume checks)
+            console(f"jaxlm: warning: {e} (data.cache_dir); training it again")
     console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
     docs, total = [], 0
     spec = sft_spec(data)
@@ -239,12 +243,25 @@ def prepared_dir(data: DataConfig) -> pathlib.Path:
     with _cache_lock(data):
         tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(data, key)
         out = cached_prepared_dir(data, tok.sha256, key)
-        if not prepare.is_prepared(out, complete=True):
+        damage = prepare.damage(out)  # a file cut by a killed process or a lost disk: the cache mends itself
+        if damage:
+            console(f"jaxlm: warning: {damage}; preparing {d.corpus} again into data.cache_dir")
+            if _unreadable_manifest(out):
+                shutil.rmtree(out)  # (only the cache: derived from the corpus, made again the same)
+        if damage or not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
             prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
                             workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(data),
                             in_process_bytes=prepare.IN_PROCESS_BYTES)
     return out
+
+
+def _unreadable_manifest(directory: pathlib.Path) -> bool:
+    try:
+        prepare.read_manifest(directory)
+    except UserError:
+        return True
+    return False
 
 
 def cached_prepared_dir(data: DataConfig, tokenizer_sha256: str, key: str | None = None) -> pathlib.Path:
@@ -262,7 +279,11 @@ def load_data(data: DataConfig, shards: int | None = None, rows: slice | None = 
     if d.tokenize_on_the_fly:
         return _load_on_the_fly(data, shards, rows)
     directory = prepared_dir(data)
-    tok = tokenizer.Tokenizer.load(prepare.tokenizer_file(directory))
+    try:
+        tok = tokenizer.Tokenizer.load(prepare.tokenizer_file(directory))
+    except UserError as e:  # a prepared corpus given as data.corpus (the cache mends itself in prepared_dir)
+        raise UserError(f"{e}; run jaxlm.data.prepare into {directory} again with the same arguments to write it "
+                        f"again") from None
     if d.tokenizer_path and tokenizer.Tokenizer.load(d.tokenizer_path).sha256 != tok.sha256:
         raise UserError(
             f"{directory} was prepared with another tokenizer than data.tokenizer_path={d.tokenizer_path}; "

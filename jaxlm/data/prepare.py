@@ -120,7 +120,7 @@ def prepare(
     if is_prepared(out):
         previous = read_manifest(out)
         _check_same_inputs(out, previous, manifest)
-        if previous["complete"] and not _remove_damaged_shards(out, previous):
+        if previous["complete"] and not _remove_damaged_shards(out, previous) and not _tokenizer_damage(out, previous):
             return previous
     elif out.exists() and (not out.is_dir() or any(p.suffix != ".tmp" for p in out.iterdir())):
         raise UserError(f"{out} is not an empty directory and holds no {MANIFEST}; give a new --output directory")
@@ -197,6 +197,41 @@ def is_prepared(directory: str | os.PathLike, *, complete: bool = False) -> bool
     if not (pathlib.Path(directory) / MANIFEST).is_file():
         return False
     return not complete or read_manifest(directory)["complete"]
+
+
+def damage(directory: str | os.PathLike) -> str | None:
+    """What a cut or damaged file leaves wrong in the prepared `directory`, or None when it is whole (or
+    holds no manifest): its manifest not whole JSON, or, once complete, its tokenizer file or a shard
+    not what the manifest records. Cheap: shards are checked by size (`open_prepared(verify=True)`
+    hashes them). `prepare` into the directory again mends the tokenizer and the shards."""
+    out = pathlib.Path(directory)
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        manifest = read_manifest(out)
+    except UserError:
+        return f"{out / MANIFEST} is not a whole manifest"
+    if not manifest.get("complete"):
+        return None
+    problem = _tokenizer_damage(out, manifest)
+    if problem:
+        return problem
+    for split in SPLITS:
+        for entry in manifest["splits"][split]["shards"]:
+            if problem := _shard_damage(out / entry["file"], entry, verify=False):
+                return f"shard {out / entry['file']} {problem}"
+    return None
+
+
+def _tokenizer_damage(out: pathlib.Path, manifest: Manifest) -> str | None:
+    """Why the tokenizer file of the complete prepared directory `out` is not the one its manifest names, or None."""
+    try:
+        sha256 = Tokenizer.load(tokenizer_file(out)).sha256
+    except UserError as e:
+        return str(e)
+    if sha256 != manifest["tokenizer"]["sha256"]:
+        return f"the tokenizer file of {out} is not the one its shards were made with (sha256)"
+    return None
 
 
 def tokenizer_file(directory: str | os.PathLike) -> pathlib.Path:

@@ -44,11 +44,15 @@ FILE_NAMES = ("tokenizer.json", "tokenizer.model")
 
 
 def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see a partial file."""
+    """Write to a temporary file beside `path`, then rename: readers never see a partial file. The bytes
+    reach the disk before the rename, so a machine losing power leaves the old file or the new one, never
+    the new name on a file cut short."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp_path = f"{path}.{uuid.uuid4().hex}.tmp"
     with open(tmp_path, "xb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp_path, path)
 
 
