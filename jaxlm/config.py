@@ -49,7 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
     """The base recipe: every key jaxlm knows, with its default (its section's). Recipes derive from this.
 
     Two pairs of keys are one value each (`FieldReference`s): model.max_seq_len and data.seq_len,
-    model.vocab_size and data.tokenizer_vocab_size; setting either sets both."""
+    model.vocab_size and data.tokenizer_vocab_size; setting either sets both (`apply_overrides`: the
+    lengths given both apart each keep their own; `run.init_from` keeps the source's context)."""
     c = ml_collections.ConfigDict()
     seq_len = config_dict.FieldReference(DataConfig.defaults()["seq_len"])
     vocab_size = config_dict.FieldReference(DataConfig.defaults()["tokenizer_vocab_size"])
@@ -150,12 +151,18 @@ def _unknown_key(key: str, leaf: str, parent: ml_collections.ConfigDict, prefix:
     return UserError(f"unknown config key {key!r}{hint}; {where}: {', '.join(keys)}")
 
 
+# The linked keys that may be given apart: the model's context (its positions) and the training rows'
+# length, at most that (a fine-tune on short rows of a long-context model; RoPE trained short)
+SEPARABLE = {"model.max_seq_len", "data.seq_len"}
+
+
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str, Any]]) -> None:
     """Apply (dotted key, value) pairs; values given as strings are parsed to the field's type.
 
     Keys linked to one value (`FieldReference`s: model.vocab_size and data.tokenizer_vocab_size,
     data.seq_len and model.max_seq_len) may be set through either; set to different values by the
-    same overrides, they contradict each other, which is refused naming both.
+    same overrides, they contradict each other, which is refused naming both, except the model's
+    context and the rows' length (`SEPARABLE`), which then each take their own value.
     """
     applied = []
     for key, text in overrides:
@@ -178,6 +185,13 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
         later = [a for a in applied[i + 1:] if a[0] == key]
         if not later and not _same(node[leaf], value):  # a later override of a linked key changed it
             other = next(a for a in reversed(applied[i + 1:]) if _same(a[2], node[leaf]))
+            if {key, other[0]} == SEPARABLE:  # both given: each keeps its own value (the model's gets its own field)
+                model_len, data_len = (value, other[2]) if key == "model.max_seq_len" else (other[2], value)
+                with cfg.unlocked():
+                    del cfg.model["max_seq_len"]
+                    cfg.model["max_seq_len"] = model_len
+                cfg.data.seq_len = data_len
+                continue
             raise UserError(
                 f"--config.{key}={text} and --config.{other[0]}={other[1]} contradict each other: the two keys are "
                 f"linked to one value, which either sets; give only one of them (drop --config.{other[0]}={other[1]} "

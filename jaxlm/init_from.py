@@ -129,17 +129,15 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         cfg.compress[key] = value
     for key, value in architecture(saved["model"], defaults).items():
         try:
-            if key == "max_seq_len" and cfg.model[key] != value:
-                # A table of learned positions: the model's length is the source's, the data's need not
-                # be; the recipe links the two (one FieldReference), so the model's gets its own field.
-                with cfg.unlocked():
-                    del cfg.model[key]
-                    cfg.model[key] = value
+            if key == "max_seq_len":  # a table of learned positions: the source's, as every position's length
+                _keep_context(cfg, value)
             else:
                 cfg.model[key] = value
         except TypeError:
             raise UserError(f"{origin}: its model.{key}={value!r} does not fit this jaxlm's model.{key} "
                             f"(a {type(cfg.model[key]).__name__}); give a run directory this jaxlm wrote") from None
+    if "model.max_seq_len" not in {key for key, _, _ in given}:
+        _keep_context(cfg, saved["model"].get("max_seq_len", defaults["max_seq_len"]))
     for key, text, value in given:
         if _get(cfg, key) != value:
             raise UserError(
@@ -161,6 +159,18 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         raise UserError(f"{origin}: {where} has no tokenizer file ({' or '.join(tokenizer.FILE_NAMES)}); copy the run's "
                         f"tokenizer there, or give config.data.tokenizer_path")
     cfg.data.tokenizer_path = str(found)
+
+
+def _keep_context(cfg: ml_collections.ConfigDict, max_seq_len: int) -> None:
+    """The model's context is the source's (`model.max_seq_len`), whatever the training rows' length
+    (`data.seq_len`, at most it): a fine-tune on short rows keeps the base's positions, so it generates
+    and exports with them. The recipe links the two keys (one FieldReference); the model's gets a field
+    of its own. A `--config.model.max_seq_len` given on the command line (a RoPE context extension)
+    wins: the caller does not call this then."""
+    if cfg.model.max_seq_len != max_seq_len or cfg.model.get_ref("max_seq_len") is cfg.data.get_ref("seq_len"):
+        with cfg.unlocked():
+            del cfg.model["max_seq_len"]
+            cfg.model["max_seq_len"] = max_seq_len
 
 
 # The keys of config.compress that are the model's structure (quantized kernels, pruning masks): a run

@@ -133,7 +133,10 @@ def test_the_linked_pairs_are_found_and_every_recipe_keeps_only_those():
         assert linked_pairs(lambda name=name: config_lib.load_recipe(name)) <= set(BASE_PAIRS), name
 
 
-@pytest.mark.parametrize("pair", BASE_PAIRS, ids=["-".join(p) for p in BASE_PAIRS])
+REFUSED_PAIRS = [p for p in BASE_PAIRS if set(p) != config_lib.SEPARABLE]
+
+
+@pytest.mark.parametrize("pair", REFUSED_PAIRS, ids=["-".join(p) for p in REFUSED_PAIRS])
 def test_linked_keys_set_to_disagree_are_refused_naming_both(pair):
     a, b = pair
     value = _leaves(config_lib.base_config())[a]
@@ -151,6 +154,24 @@ def test_linked_keys_set_to_disagree_are_refused_naming_both(pair):
         config_lib.apply_overrides(cfg, overrides)
         leaves = _leaves(cfg)
         assert leaves[a] == leaves[b] == one, overrides
+
+
+def test_the_models_context_and_the_rows_length_given_apart_each_keep_their_own():
+    """The one separable pair (`config.SEPARABLE`): given both, in either order, each keeps its value; given
+    one, both take it; the rows longer than the context are the section check's one line."""
+    assert config_lib.SEPARABLE in [set(p) for p in BASE_PAIRS]
+    for overrides in ([("data.seq_len", "64"), ("model.max_seq_len", "512")],
+                      [("model.max_seq_len", "512"), ("data.seq_len", "64")]):
+        cfg = config_lib.base_config()
+        config_lib.apply_overrides(cfg, overrides)
+        config_lib.validate(cfg)
+        assert (cfg.data.seq_len, cfg.model.max_seq_len) == (64, 512), overrides
+    cfg = config_lib.base_config()
+    config_lib.apply_overrides(cfg, [("data.seq_len", "64")])
+    assert (cfg.data.seq_len, cfg.model.max_seq_len) == (64, 64)
+    config_lib.apply_overrides(cfg, [("data.seq_len", "600"), ("model.max_seq_len", "512")])
+    with pytest.raises(UserError, match=r"config.data.seq_len=600 is not allowed: at most model.max_seq_len=512"):
+        config_lib.validate(cfg)
 
 
 def test_linked_keys_that_disagree_on_the_command_line_stop_train_in_one_line():

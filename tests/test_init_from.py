@@ -201,6 +201,27 @@ def test_a_learned_position_table_keeps_the_sources_length_and_the_data_its_own(
         init_from.config_from_cli([*finetune_args(tmp_path, fake, "learned"), "--config.model.max_seq_len=64"])
 
 
+def test_a_fine_tune_on_short_rows_keeps_the_sources_context(source, tmp_path):
+    """RoPE: the positions are no parameter, but the model's context (model.max_seq_len) is still the
+    source's, whatever the rows' length (data.seq_len, linked to it in the recipe): a fine-tune on short
+    rows generates and exports with the base's context. A context given on the command line (a RoPE
+    extension) wins, apart from the rows' length."""
+    long = tmp_path / "long"
+    shutil.copytree(source, long)
+    saved = json.loads((long / "config.json").read_text())
+    saved["model"]["max_seq_len"] = 512
+    (long / "config.json").write_text(json.dumps(saved))
+    cfg = init_from.config_from_cli(finetune_args(tmp_path, long, "short"))  # data.seq_len=64 on the command line
+    config.validate(cfg)
+    assert (cfg.model.position or "rope", cfg.model.max_seq_len, cfg.data.seq_len) == ("rope", 512, 64)
+    cfg.data.seq_len = 32  # apart: the rows' length no longer moves the model's context
+    assert cfg.model.max_seq_len == 512
+    extended = init_from.config_from_cli([*finetune_args(tmp_path, long, "ext"), "--config.model.max_seq_len=1024"])
+    assert (extended.model.max_seq_len, extended.data.seq_len) == (1024, 64)
+    with pytest.raises(UserError, match=r"config.data.seq_len=1024 is not allowed: at most model.max_seq_len=512"):
+        config.validate(init_from.config_from_cli([*finetune_args(tmp_path, long, "rows"), "--config.data.seq_len=1024"]))
+
+
 @pytest.mark.slow  # ~10 s of CLI training; resuming itself is covered by tests/test_resume.py
 def test_resuming_a_finetuned_run_ignores_init_from_and_continues_exactly(source, finetuned, tmp_path):
     """Stopped at step 4 and resumed to 8 with its source moved away: the same losses, bit for bit,
