@@ -26,7 +26,7 @@ from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.paths import is_run
 from jaxlm.run_lock import LOCK_NAME
-from jaxlm.section import Section, check, setting
+from jaxlm.section import Section, check, check_choice, setting
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ class RunConfig(Section):
     steps: int = setting(1000, "optimizer steps")
     log_every: int = setting(10, "a console line and a metrics.jsonl entry every N steps")
     eval_every: int = setting(0, "0 = only at the end")
+    eval_at_start: str = setting(
+        "auto", "a held-out evaluation before the first step, the baseline a fine-tune is read against (step 0 in "
+                "the metrics, `initial_val_loss` in summary.json): auto = for a run started from run.init_from | on | off")
     peak_flops: float = setting(0.0, "peak FLOP/s of one device for MFU; 0 = from the table of known devices")
     compile_cache_dir: str = setting(
         ".cache/jaxlm/xla",
@@ -62,12 +65,22 @@ class RunConfig(Section):
         check(self.steps > 0, self.key("steps"), self.steps, "a positive integer")
         check(self.log_every > 0, self.key("log_every"), self.log_every, "a positive integer")
         check(self.eval_every >= 0, self.key("eval_every"), self.eval_every, "0 (only at the end) or more")
+        check_choice(self.key("eval_at_start"), self.eval_at_start, EVAL_AT_START)
         check(self.peak_flops >= 0, self.key("peak_flops"), self.peak_flops,
               "0 (known devices) or the FLOP/s of one device")
         check(self.init_step >= -1, self.key("init_step"), self.init_step,
               "-1 (the newest checkpoint that loads) or a step")
         check(self.init_step == -1 or bool(self.init_from), self.key("init_step"), self.init_step,
               "-1 while run.init_from is empty (set run.init_from to the run directory to read that step of)")
+
+
+EVAL_AT_START = ("auto", "on", "off")
+
+
+def eval_at_start(run: RunConfig | ml_collections.ConfigDict) -> bool:
+    """Whether a new run evaluates before its first step (`run.eval_at_start`; auto: when it starts from
+    another run's parameters, whose held-out loss is then the baseline its fine-tuning is read against)."""
+    return run.eval_at_start == "on" or (run.eval_at_start == "auto" and bool(run.init_from))
 
 
 def run_dir_path(cfg: ml_collections.ConfigDict) -> pathlib.Path:

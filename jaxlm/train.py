@@ -34,6 +34,7 @@ from jaxlm import (
     loss_scale,
     memory,
     precision,
+    quant,
     train_setup,
     xla_flags,
 )
@@ -49,6 +50,7 @@ from jaxlm.run_dir import (
     Sinks,
     check_run_dir,
     config_differences,
+    eval_at_start,
     is_run,
     make_run_dir,
     read_json,
@@ -414,9 +416,13 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     derived, model_cfg = setup.derived, setup.model_cfg
     make_run_dir(run_dir, cfg, resume_step)
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
+    params_total = transformer.param_count(model_cfg)["total"]
+    params_trained = trainable_count(setup, state.params)
     console(
-        f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {transformer.param_count(model_cfg)['total'] / 1e6:.2f}M "
-        f"parameters, {derived.num_devices} {setup.mesh.devices.flat[0].platform} device(s), mesh "
+        f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {params_total / 1e6:.2f}M parameters"
+        + ("" if params_trained == params_total else
+           f" ({format_count(params_trained)} trainable, {100 * params_trained / params_total:.2f}%)")
+        + f", {derived.num_devices} {setup.mesh.devices.flat[0].platform} device(s), mesh "
         f"{axes.describe(derived.mesh_shape)}, "
         f"attention={model_cfg.attention}"
         + (f" (packed layout, up to {model_cfg.attention_segments} documents per row)"
@@ -466,17 +472,27 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         }
         if origin:
             meta["init_from"] = origin
+        if initial_val_loss is not None:
+            meta["initial_val_loss"] = initial_val_loss  # (a resumed run's summary still has it)
         sinks.flush()  # the metrics of every step this checkpoint covers are on disk before it is
         ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
 
     eval_target_bytes = data.eval_target_bytes
 
-    pending, val_loss, step = None, None, resume_step
+    pending, val_loss, step, initial_val_loss = None, None, resume_step, saved.get("initial_val_loss")
     kernels: set[bool | None] = set()  # the `packed` arguments of the steps compiled so far
     # Every process acts on a signal, or on process 0's clock saying a save is due, at the same step.
     agreement = distributed.StepAgreement()
     try:
         with jax.set_mesh(setup.mesh), StopSignals() as signals:
+            if not resume_step and eval_at_start(cfg.run):  # the baseline: the held-out loss before any step
+                val = evaluate(setup, state.params, data.eval_batches, eval_target_bytes)
+                log.pause()
+                if val:
+                    initial_val_loss = val["val_loss"]
+                    sinks.write(0, val)
+                    log.progress.line(f"step {0:>6}/{total_steps} | val loss {initial_val_loss:.4f} | perplexity "
+                                      f"{val['val_perplexity']:.2f} (before the first step)")
             for step in range(resume_step + 1, total_steps + 1):
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
@@ -556,6 +572,9 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         "steps": total_steps,
         "resumed_from": resume_step,
         "init_from": origin,  # where the parameters at step 0 came from (run.init_from), or None
+        "params": params_total,
+        "trainable_params": params_trained,  # (what the optimizer updates: LoRA's adapters, optim.trainable)
+        "initial_val_loss": initial_val_loss,  # before the first step (run.eval_at_start), or None
         "first_loss": log.losses[0],
         "final_loss": log.losses[-1],
         "val_loss": val_loss,
@@ -584,6 +603,20 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         f"checkpoint {summary['checkpoint_dir']}"
     )
     return summary
+
+
+def trainable_count(setup: TrainSetup, params) -> int:
+    """The weights the optimizer updates (`ModelSpec.split`'s trainable part; arrays or shapes)."""
+    bits = setup.model_cfg.stored_quant.bits if setup.model_cfg.stored_quant else 4
+    return quant.count(setup.model_spec.split(params)[0], bits)
+
+
+def format_count(n: int) -> str:
+    """12,345 -> "12.3K": a parameter count as the start-of-run line shows it."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit != 'K' else 1}f}{unit}"
+    return str(n)
 
 
 def _compute_dtype(cfg: ml_collections.ConfigDict, saved: dict) -> tuple[ml_collections.ConfigDict, str]:

@@ -156,13 +156,15 @@ def evaluate(setup: TrainSetup, params, batches: list[dict[str, np.ndarray]],
     """Held-out metrics over fixed batches: `val_loss` (token-mean cross-entropy, nats),
     `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
     the UTF-8 bytes the target tokens stand for; it compares runs with different tokenizers) when
-    `target_bytes` is given. Empty when there are no batches."""
+    `target_bytes` is given. Empty when there are no batches, or no token in them to score."""
     if not batches:
         return {}
     sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch), setup.attention_choice(batch))
                            for batch in batches])
     total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
-    loss = total / max(tokens, 1.0)
+    if not tokens:  # nothing to score (SFT rows whose answers were all cut off): no loss, rather than 0
+        return {}
+    loss = total / tokens
     out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
     if target_bytes:
         out["val_bits_per_byte"] = total / math.log(2) / target_bytes

@@ -503,4 +503,15 @@ def _eval_batches(data: DataConfig, val_docs, where: str, rows: slice) -> list[d
     # The global batches, the same on every process count; each process keeps its rows.
     batches = pipeline.make_eval_batches(val_docs, seq_len=d.seq_len, batch_size=d.global_batch_size,
                                          max_batches=max_batches)
+    if sft_spec(data) is not None:  # the loss is on the answers only: they are what the held-out set measures
+        answers = sum(int((b["weights"] > 0).sum()) for b in batches)
+        if answers < SFT_MIN_VAL_TOKENS:
+            console(f"jaxlm: warning: the held-out set holds {answers:,} answer tokens in {len(val_docs):,} "
+                    f"conversations, fewer than the {SFT_MIN_VAL_TOKENS:,} a validation loss needs to mean much: raise "
+                    f"data.val_fraction (now {d.val_fraction}) and data.val_tokens (now {d.val_tokens:,})")
     return [{k: v[rows] for k, v in batch.items()} for batch in batches]
+
+
+# SFT: fewer answer tokens than this in the held-out set get a warning (its loss's noise then hides the
+# differences a fine-tune is compared by; the SFT recipes hold out enough of the built-in chat corpus)
+SFT_MIN_VAL_TOKENS = 1024
