@@ -4,11 +4,11 @@ The corpus is read, its tokenizer trained (or loaded) and the corpus tokenized i
 shards on first use; both are cached in `data.cache_dir` keyed by their inputs, so the next run
 starts at once. Then the grain pipeline packs, shuffles and shards them for this process.
 
-SFT data (data.format=chat or prompt_completion, `jaxlm.data.sft`) takes the same path with a loss
-weight per token. It is rendered and tokenized before the first step either way: into the cached
-prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's workers),
-so that a bad row stops the run before any device work and the start-of-run line can count every
-token trained on.
+SFT data (data.format=chat, sharegpt, alpaca or prompt_completion, `jaxlm.data.sft`) takes the same
+path with a loss weight per token. It is rendered and tokenized before the first step either way: into
+the cached prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's
+workers), so that a bad row stops the run before any device work and the start-of-run line can count
+every token trained on.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ class DataConfig(Section):
     format: str = setting(
         "auto",
         'auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning '
-        'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, loss on the '
-        'assistant\'s turns) | prompt_completion ({"prompt", "completion"}, loss on the completion and EOS)')
+        'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, or ShareGPT and '
+        'Alpaca rows told by their fields; loss on the assistant\'s turns) | sharegpt ({"conversations": '
+        '[{"from", "value"}, ...]}) | alpaca ({"instruction", "input", "output"}) | prompt_completion '
+        '({"prompt", "completion"}, loss on the completion and EOS)')
     chat_template: str = setting(
         "",
         'data.format=chat: the Jinja template conversations are rendered with. "" = the tokenizer\'s own (a '

@@ -11,8 +11,8 @@ The output directory holds:
                       and tokenizer_config.json; `tokenizer_file` finds either)
   train-00000.tokens  the shards: two .npy arrays back to back, int64 document offsets [D + 1],
   val-00000.tokens    then the tokens [offsets[-1]] (uint16, or uint32 for vocabularies over 65536);
-                      SFT data (`--format chat|prompt_completion`) adds a third, the uint8 0/1 loss
-                      weight of each token (`jaxlm.data.sft`)
+                      SFT data (`--format chat|sharegpt|alpaca|prompt_completion`) adds a third,
+                      the uint8 0/1 loss weight of each token (`jaxlm.data.sft`)
 
 Format versions: 1 is the two-array shard; 2 adds the manifest's "sft" section and the weights
 array. A text corpus is still written as version 1 (the same bytes as before, readable by older
@@ -554,7 +554,8 @@ def make_parser() -> cli.Parser:
     parser.add_argument("--input", required=True,
                         help="'builtin', 'builtin_chat', or files, directories and globs, comma-separated")
     parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
-                        help="of the files; chat or prompt_completion: SFT rows of JSONL / Parquet files")
+                        help="of the files; chat (messages, ShareGPT or Alpaca rows, told by their fields), sharegpt,"
+                        " alpaca or prompt_completion: SFT rows of JSONL / Parquet files")
     parser.add_argument("--chat_template", default="",
                         help="--format chat: '' (the tokenizer's own), chatml, simple, or a .jinja file")
     parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field holding the text")
