@@ -364,6 +364,8 @@ CASES = [
     Case("eval-chat-file-bad-row", "evaluate",
          ("--run_dir={run}", "--corpus={case}/chat.jsonl", "--format=chat", "--chat_template=simple"), 2,
          ("chat.jsonl:2", "not valid JSON"), setup=_write("chat.jsonl", CHAT_ROW + '{"messages": [\n')),
+    Case("sft-messages-without-format-chat", "train", T("--config.data.corpus={case}/chat.jsonl"), 2,
+         ("chat.jsonl:1", "no field 'text' (found: messages)", "data.format=chat"), setup=_write("chat.jsonl", CHAT_ROW)),
     # --- the run directory (train)
     Case("output-dir-is-a-file", "train", T("--config.run.output_dir={case}/afile"), 2,
          ("config.run.output_dir=", "afile' is a file; give a directory"), setup=_write("afile", "x")),
