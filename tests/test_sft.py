@@ -441,6 +441,17 @@ def test_sharegpt_and_alpaca_files_prepare_to_the_bytes_of_messages(tmp_path, sp
         list(sft.iter_examples(sources.SourceSpec(str(tmp_path / "sharegpt.jsonl")), "alpaca"))
 
 
+def test_a_failed_cached_preparation_leaves_no_directory_in_the_cache(tmp_path, sp):
+    sp.save(tmp_path / "tok.model")
+    good = _sharegpt(SAME[0], SHAREGPT_NAMES[0])
+    bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "observation", "value": "42"}]}
+    path = _write_rows(tmp_path / "chats.jsonl", *[good] * 20, bad)
+    cfg = _config(tmp_path, corpus=path, format="chat", tokenizer_path=str(tmp_path / "tok.model"))
+    with pytest.raises(UserError, match=r"chats.jsonl:21: message 2 is from 'observation'"):
+        loader.load_data(cfg)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".lock"]
+
+
 def test_bad_templates_formats_and_prompt_completion_rows_are_one_line(tmp_path, sp):
     with pytest.raises(UserError, match="this tokenizer has no chat template; set data.chat_template to chatml, simple"):
         sft.Encoder.make(sft.Spec("chat", ""), sp)

@@ -8,7 +8,7 @@ SFT data (data.format=chat, sharegpt, alpaca or prompt_completion, `jaxlm.data.s
 path with a loss weight per token. It is rendered and tokenized before the first step either way: into
 the cached prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's
 workers), so that a bad row stops the run before any device work and the start-of-run line can count
-every token trained on.
+every token trained on. A cached preparation that fails (a bad row) leaves nothing in data.cache_dir.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from jaxlm.console import console
 from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
-from jaxlm.errors import UserError
+from jaxlm.errors import Terminated, UserError
 from jaxlm.section import Section, check, setting
 
 
@@ -252,9 +252,16 @@ def prepared_dir(data: DataConfig) -> pathlib.Path:
                 shutil.rmtree(out)  # (only the cache: derived from the corpus, made again the same)
         if damage or not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
-            prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(data),
-                            in_process_bytes=prepare.IN_PROCESS_BYTES)
+            try:
+                prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
+                                workers=os.cpu_count() or 1, progress=jax.process_index() == 0,
+                                sft_spec=sft_spec(data), in_process_bytes=prepare.IN_PROCESS_BYTES)
+            except (KeyboardInterrupt, Terminated):
+                raise  # the next run continues it
+            except BaseException:
+                # (the cache: once the bad row is fixed, the corpus has another key and this would never be read)
+                shutil.rmtree(out, ignore_errors=True)
+                raise
     return out
 
 
