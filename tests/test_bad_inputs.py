@@ -52,6 +52,7 @@ class Case:
     env: tuple[tuple[str, str], ...] = ()
     one_device: bool = False
     slow: bool = False
+    no_progress_bar: bool = False  # a data error found while preparing: stderr shows no progress bar before its line
 
 
 def T(*flags: str) -> tuple[str, ...]:
@@ -221,6 +222,7 @@ def FINETUNE(*flags: str) -> tuple[str, ...]:
 
 TASKS_SHAPE = '{"context": "alice likes", "choices": [" apples.", " figs."], "answer": 0}\n'
 CHAT_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+SHAREGPT_ROW = '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}\n'
 
 
 def SFT(file: str, *flags: str) -> tuple[str, ...]:
@@ -364,6 +366,17 @@ CASES = [
     Case("eval-chat-file-bad-row", "evaluate",
          ("--run_dir={run}", "--corpus={case}/chat.jsonl", "--format=chat", "--chat_template=simple"), 2,
          ("chat.jsonl:2", "not valid JSON"), setup=_write("chat.jsonl", CHAT_ROW + '{"messages": [\n')),
+    Case("sft-messages-without-format-chat", "train", T("--config.data.corpus={case}/chat.jsonl"), 2,
+         ("chat.jsonl:1", "no field 'text' (found: messages)", "data.format=chat"), setup=_write("chat.jsonl", CHAT_ROW)),
+    # prepared into data.cache_dir with a given tokenizer: the bad row stops the preparation, which leaves nothing
+    Case("sft-sharegpt-unknown-role", "train", SFT("chat.jsonl", "--config.data.tokenizer_path={tok}"), 2,
+         ("chat.jsonl:2", "message 2 is from 'observation'", "no ShareGPT role"),
+         setup=_write("chat.jsonl", SHAREGPT_ROW + SHAREGPT_ROW.replace('"gpt"', '"observation"')),
+         unchanged="{case}/cache", no_progress_bar=True),
+    Case("sft-alpaca-without-output", "train", SFT("chat.jsonl", "--config.data.tokenizer_path={tok}"), 2,
+         ("chat.jsonl:1", "no field 'output'", "data.format=alpaca"),
+         setup=_write("chat.jsonl", '{"instruction": "Say hi", "input": ""}\n'), unchanged="{case}/cache",
+         no_progress_bar=True),
     # --- the run directory (train)
     Case("output-dir-is-a-file", "train", T("--config.run.output_dir={case}/afile"), 2,
          ("config.run.output_dir=", "afile' is a file; give a directory"), setup=_write("afile", "x")),
@@ -636,6 +649,7 @@ VARIANTS = {
     "unknown-section", "kv-heads-not-divisor", "heads-over-tensor", "micro-batches-not-divisor",
     "recipe-without-get-config", "experiment-missing", "corpus-empty", "tokenizer-not-a-model", "prepared-unfinished",
     "sft-row-without-messages", "sft-template-file-missing", "output-dir-uncreatable", "resume-with-another-lr",
+    "sft-alpaca-without-output",
     "hf-import-pickles-only", "hf-export-output-taken", "compress-output-taken", "init-from-own-directory",
     "init-from-contradicting-flag", "launcher-env-not-a-number", "eval-config-not-json", "eval-no-tokenizer",
     "eval-newest-truncated", "eval-unknown-split", "eval-tasks-no-choices", "eval-output-unwritable",
@@ -865,6 +879,8 @@ def test_bad_input(case: Case, results):
     for word in case.words:
         assert word in text, f"{word!r} not in: {text}\n{where}"
     assert not r["changed"], f"{case.unchanged} changed\n{where}"
+    if case.no_progress_bar:
+        assert "docs/s" not in r["err"] and "prepare:" not in r["err"], where
     if case.then == "resumes":
         assert r["then"][0] == 0, f"the same command afterwards: {r['then']}"
 

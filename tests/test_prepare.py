@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import floats
@@ -338,9 +339,10 @@ def test_cli_reports_bad_input_in_one_line(tok_path: str, tmp_path, capsys) -> N
         assert prepare.main(["--tokenizer", tok_path, "--output", str(out), *args]) == 2  # later flags win
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.endswith("\n")
-        last = err.strip().splitlines()[-1]  # after the progress bar, if it started
-        assert last.startswith("jaxlm: error: ")
-        return last
+        assert err.count("\n") == 1 and "docs/s" not in err, err  # the line alone: no progress bar before it
+        assert err.startswith("jaxlm: error: ")
+        assert not out.exists()  # the directory it began is gone with the failure
+        return err.strip()
 
     assert "no input files match" in error("--input", str(tmp_path / "missing/*.txt"))
     (tmp_path / "blank.txt").write_text("  \n\n")
@@ -348,6 +350,44 @@ def test_cli_reports_bad_input_in_one_line(tok_path: str, tmp_path, capsys) -> N
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
     assert "bad.jsonl:2" in error("--input", str(tmp_path / "bad.jsonl"))
     assert "nope.model' does not exist" in error("--input", "builtin", "--tokenizer", str(tmp_path / "nope.model"))
+
+
+def test_a_failed_prepare_removes_the_directory_it_began_and_keeps_one_it_continues(tok: Tokenizer, tmp_path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(400)) + '{"body": "x"}\n')
+    source, options = sources.SourceSpec(str(path)), dict(val_fraction=0.0, shard_docs=1, workers=1, progress=False)
+    bad_row = "c.jsonl:401: no field 'text'"
+    with pytest.raises(UserError, match=bad_row):
+        prepare.prepare(source, tok, tmp_path / "new" / "out", **{**options, "shard_docs": 100})
+    assert not (tmp_path / "new" / "out").exists()  # made by prepare: removed
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=bad_row):
+        prepare.prepare(source, tok, tmp_path / "empty", **{**options, "shard_docs": 100})
+    assert list((tmp_path / "empty").iterdir()) == []  # the user's directory stays, as it was
+    # Interrupted (Ctrl-C) after a few shards, then failing at the bad row: its shards stay to be continued.
+    out, inside = tmp_path / "continued", threading.Event()
+
+    def interrupt() -> None:
+        while not (out / "train-00002.tokens").exists():
+            time.sleep(0.001)
+        if inside.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    inside.set()
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare(source, tok, out, **options)
+    finally:
+        inside.clear()
+        thread.join()
+    written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tokens")}
+    assert 3 <= len(written) < 400 and not prepare.read_manifest(out)["complete"]
+    with pytest.raises(UserError, match=bad_row):
+        prepare.prepare(source, tok, out, **options)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.tokens") if p.name in written} == written
+    assert not prepare.read_manifest(out)["complete"]
 
 
 # --- progress through the data ---

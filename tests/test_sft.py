@@ -333,6 +333,20 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
     (GOOD, "{{ ''.__class__.__mro__ }}", ("refuses it", "__class__")),  # nor reaching Python's internals
     (GOOD, "{% for m in messages %}{{ m.content }}{% if loop.last %}<end>{% endif %}{% endfor %}",
      ("does not render the conversation up to message 2 as the start of the whole",)),
+    # ShareGPT and Alpaca rows, told by their fields
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{}"}]}, "simple",
+     ("message 2 is from 'function_call', which is no ShareGPT role", "human, user, gpt")),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}, "simple",
+     ("message 2 (gpt) has no 'value' string", "data.format=sharegpt")),
+    ({"conversations": [{"value": "hi"}]}, "simple", ("message 1 has no 'from' string",)),
+    ({"conversations": []}, "simple", ("'conversations' must be a non-empty list",)),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]}, "simple",
+     ("message 2 (assistant) is empty",)),
+    ({"instruction": "Say hi"}, "simple", ("no field 'output' (found: instruction)", "data.format=alpaca")),
+    ({"instruction": "Say hi", "output": ""}, "simple", ("the output is empty",)),
+    ({"instruction": "Say hi", "input": 3, "output": "hi"}, "simple", ("'input' is a int, not a string",)),
+    ({"instruction": "Say hi", "output": "hi", "history": [["a"]]}, "simple", ("'history' must be a list of",)),
+    ({"prompt": "a", "completion": "b"}, "simple", ("no field 'messages'", "set data.format=prompt_completion")),
 ])
 def test_a_bad_row_or_template_is_one_line_naming_the_file_and_line(tmp_path, sp, row, template, words):
     line = 3  # a bad row is the third; a bad template fails on the first
@@ -346,6 +360,96 @@ def test_a_bad_row_or_template_is_one_line_naming_the_file_and_line(tmp_path, sp
             encoder(sp, example)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{path}:{line}: ") and all(w in message for w in words), message
+
+
+# The same conversations as messages, ShareGPT and Alpaca rows (the last two: what Alpaca can hold).
+SAME = [
+    [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"},
+     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Japan?"},
+     {"role": "assistant", "content": "Tokyo, 東京 🗼"}],
+    [{"role": "user", "content": "Translate to French\ncat"}, {"role": "assistant", "content": " le chat\n"}],
+]
+SHAREGPT_NAMES = ({"user": "human", "assistant": "gpt", "system": "system"},
+                  {"user": "user", "assistant": "chatgpt", "system": "system"})
+
+
+def _sharegpt(messages: list[dict], names: dict[str, str]) -> dict:
+    return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in messages], "id": 7}
+
+
+def _alpaca(messages: list[dict]) -> dict:
+    """The Alpaca row of a conversation: its system message, earlier turns as history, the last turn's user
+    message as instruction (and input, after a newline), its answer as output."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    turns = [m["content"] for m in messages if m["role"] != "system"]
+    instruction, _, given = turns[-2].partition("\n")
+    row = {"instruction": instruction, "input": given, "output": turns[-1]}
+    if system:
+        row["system"] = system[0]
+    if len(turns) > 2:
+        row["history"] = [turns[i : i + 2] for i in range(0, len(turns) - 2, 2)]
+    return row
+
+
+@pytest.mark.parametrize("case", ["sp-simple", "qwen2-own", "llama3-own"])
+def test_sharegpt_and_alpaca_rows_give_the_ids_and_weights_of_the_same_messages(case, sp, hf_dirs, tmp_path):
+    kind, template, _, _ = CASES[case]
+    tok = _tokenizer(kind, sp, hf_dirs)
+    files = {
+        "messages": _write_rows(tmp_path / "messages.jsonl", *({"messages": m} for m in SAME + CONVERSATIONS)),
+        "sharegpt": _write_rows(tmp_path / "sharegpt.jsonl", *(_sharegpt(m, SHAREGPT_NAMES[i % 2])
+                                                              for i, m in enumerate(SAME + CONVERSATIONS))),
+        "alpaca": _write_rows(tmp_path / "alpaca.jsonl", *(_alpaca(m) for m in SAME)),
+    }
+    encoded = {}
+    for form, path in files.items():
+        for fmt in ("chat", "sharegpt" if form == "sharegpt" else "alpaca" if form == "alpaca" else "chat"):
+            encoder = sft.Encoder.make(sft.Spec(fmt, template), tok)
+            examples = list(sft.iter_examples(sources.SourceSpec(path), fmt))
+            encoded[form, fmt] = [(e.key, *encoder(tok, e)) for e in examples]
+    reference = encoded["messages", "chat"]
+    assert len(reference) == len(SAME + CONVERSATIONS) and all(w.sum() > 0 for _, _, w in reference)
+    for (form, fmt), got in encoded.items():
+        expected = reference if form != "alpaca" else reference[: len(SAME)]
+        assert len(got) == len(expected), (form, fmt)
+        for (key, ids, weights), (ref_key, ref_ids, ref_weights) in zip(got, expected):
+            assert key == ref_key  # the same validation split too
+            np.testing.assert_array_equal(ids, ref_ids)
+            np.testing.assert_array_equal(weights, ref_weights)
+
+
+def test_sharegpt_and_alpaca_files_prepare_to_the_bytes_of_messages(tmp_path, sp):
+    """Through `prepare` (and its validation split, by content): the same shards, whatever the rows' format;
+    a named format refuses the others' rows."""
+    rows = {"messages": [{"messages": m} for m in SAME * 8],
+            "sharegpt": [_sharegpt(m, SHAREGPT_NAMES[i % 2]) for i, m in enumerate(SAME * 8)],
+            "alpaca": [_alpaca(m) for m in SAME * 8]}
+    shards = {}
+    for form, fmt in (("messages", "chat"), ("sharegpt", "chat"), ("alpaca", "chat"), ("sharegpt", "sharegpt"),
+                      ("alpaca", "alpaca")):
+        path = _write_rows(tmp_path / f"{form}.jsonl", *rows[form])
+        out = tmp_path / f"{form}-{fmt}"
+        prepare.prepare(sources.SourceSpec(path), sp, out, val_fraction=0.3, progress=False,
+                        sft_spec=sft.Spec(fmt, "simple"))
+        shards[form, fmt] = {p.name: p.read_bytes() for p in sorted(out.glob("*.tokens"))}
+    assert {"train-00000.tokens", "val-00000.tokens"} <= set(shards["messages", "chat"])
+    assert all(got == shards["messages", "chat"] for got in shards.values())
+    with pytest.raises(UserError, match=r"messages.jsonl:1: no field 'conversations' .*data.format=chat reads"):
+        list(sft.iter_examples(sources.SourceSpec(str(tmp_path / "messages.jsonl")), "sharegpt"))
+    with pytest.raises(UserError, match=r"sharegpt.jsonl:1: no field 'instruction' .*data.format=chat reads"):
+        list(sft.iter_examples(sources.SourceSpec(str(tmp_path / "sharegpt.jsonl")), "alpaca"))
+
+
+def test_a_failed_cached_preparation_leaves_no_directory_in_the_cache(tmp_path, sp):
+    sp.save(tmp_path / "tok.model")
+    good = _sharegpt(SAME[0], SHAREGPT_NAMES[0])
+    bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "observation", "value": "42"}]}
+    path = _write_rows(tmp_path / "chats.jsonl", *[good] * 20, bad)
+    cfg = _config(tmp_path, corpus=path, format="chat", tokenizer_path=str(tmp_path / "tok.model"))
+    with pytest.raises(UserError, match=r"chats.jsonl:21: message 2 is from 'observation'"):
+        loader.load_data(cfg)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".lock"]
 
 
 def test_bad_templates_formats_and_prompt_completion_rows_are_one_line(tmp_path, sp):

@@ -83,6 +83,16 @@ def test_builtin_corpus_is_a_source():
          "{p}/bad.jsonl:2: not valid JSON"),
         (lambda p: write_jsonl(p / "f.jsonl", [{"text": "a"}, {"body": "b"}]), dict(paths="{p}/f.jsonl"),
          "{p}/f.jsonl:2: no field 'text' (found: body); set config.data.text_field"),
+        # fine-tuning rows read as text: the line names the data.format that reads them
+        (lambda p: write_jsonl(p / "m.jsonl", [{"messages": []}]), dict(paths="{p}/m.jsonl"),
+         "{p}/m.jsonl:1: no field 'text' (found: messages); these are fine-tuning rows: set config.data.format=chat"),
+        (lambda p: write_jsonl(p / "s.jsonl", [{"conversations": [], "id": 1}]), dict(paths="{p}/s.jsonl"),
+         "(found: conversations, id); these are fine-tuning rows: set config.data.format=chat"),
+        (lambda p: write_jsonl(p / "a.jsonl", [{"instruction": "i", "output": "o"}]),
+         dict(paths="{p}/a.jsonl", format="jsonl"), "set config.data.format=chat"),
+        (lambda p: pq.write_table(pa.table({"prompt": ["a"], "completion": ["b"]}), p / "pc.parquet"),
+         dict(paths="{p}/pc.parquet"), "no column 'text' (found: prompt, completion); these are fine-tuning rows: "
+         "set config.data.format=prompt_completion"),
         (lambda p: write_jsonl(p / "n.jsonl", [{"text": 3}]), dict(paths="{p}/n.jsonl"), "field 'text' is a int"),
         (lambda p: pq.write_table(pa.table({"body": ["a"]}), p / "c.parquet"), dict(paths="{p}/c.parquet"),
          "no column 'text' (found: body)"),

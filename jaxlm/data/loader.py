@@ -4,11 +4,11 @@ The corpus is read, its tokenizer trained (or loaded) and the corpus tokenized i
 shards on first use; both are cached in `data.cache_dir` keyed by their inputs, so the next run
 starts at once. Then the grain pipeline packs, shuffles and shards them for this process.
 
-SFT data (data.format=chat or prompt_completion, `jaxlm.data.sft`) takes the same path with a loss
-weight per token. It is rendered and tokenized before the first step either way: into the cached
-prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's workers),
-so that a bad row stops the run before any device work and the start-of-run line can count every
-token trained on.
+SFT data (data.format=chat, sharegpt, alpaca or prompt_completion, `jaxlm.data.sft`) takes the same
+path with a loss weight per token. It is rendered and tokenized before the first step either way: into
+the cached prepared shards, or with data.tokenize_on_the_fly into host memory (not in the pipeline's
+workers), so that a bad row stops the run before any device work and the start-of-run line can count
+every token trained on. A cached preparation that fails (a bad row) leaves nothing in data.cache_dir.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from jaxlm.console import console
 from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
-from jaxlm.errors import UserError
+from jaxlm.errors import Terminated, UserError
 from jaxlm.section import Section, check, setting
 
 
@@ -51,8 +51,10 @@ class DataConfig(Section):
     format: str = setting(
         "auto",
         'auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning '
-        'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, loss on the '
-        'assistant\'s turns) | prompt_completion ({"prompt", "completion"}, loss on the completion and EOS)')
+        'rows of JSONL / Parquet files: chat ({"messages": [{"role", "content"}, ...]}, or ShareGPT and '
+        'Alpaca rows told by their fields; loss on the assistant\'s turns) | sharegpt ({"conversations": '
+        '[{"from", "value"}, ...]}) | alpaca ({"instruction", "input", "output"}) | prompt_completion '
+        '({"prompt", "completion"}, loss on the completion and EOS)')
     chat_template: str = setting(
         "",
         'data.format=chat: the Jinja template conversations are rendered with. "" = the tokenizer\'s own (a '
@@ -250,9 +252,16 @@ def prepared_dir(data: DataConfig) -> pathlib.Path:
                 shutil.rmtree(out)  # (only the cache: derived from the corpus, made again the same)
         if damage or not prepare.is_prepared(out, complete=True):
             console(f"jaxlm: preparing {d.corpus} into {out}")
-            prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
-                            workers=os.cpu_count() or 1, progress=jax.process_index() == 0, sft_spec=sft_spec(data),
-                            in_process_bytes=prepare.IN_PROCESS_BYTES)
+            try:
+                prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
+                                workers=os.cpu_count() or 1, progress=jax.process_index() == 0,
+                                sft_spec=sft_spec(data), in_process_bytes=prepare.IN_PROCESS_BYTES)
+            except (KeyboardInterrupt, Terminated):
+                raise  # the next run continues it
+            except BaseException:
+                # (the cache: once the bad row is fixed, the corpus has another key and this would never be read)
+                shutil.rmtree(out, ignore_errors=True)
+                raise
     return out
 
 

@@ -11,8 +11,8 @@ The output directory holds:
                       and tokenizer_config.json; `tokenizer_file` finds either)
   train-00000.tokens  the shards: two .npy arrays back to back, int64 document offsets [D + 1],
   val-00000.tokens    then the tokens [offsets[-1]] (uint16, or uint32 for vocabularies over 65536);
-                      SFT data (`--format chat|prompt_completion`) adds a third, the uint8 0/1 loss
-                      weight of each token (`jaxlm.data.sft`)
+                      SFT data (`--format chat|sharegpt|alpaca|prompt_completion`) adds a third,
+                      the uint8 0/1 loss weight of each token (`jaxlm.data.sft`)
 
 Format versions: 1 is the two-array shard; 2 adds the manifest's "sft" section and the weights
 array. A text corpus is still written as version 1 (the same bytes as before, readable by older
@@ -41,6 +41,7 @@ import logging
 import multiprocessing
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -53,7 +54,7 @@ import tqdm
 
 from jaxlm import cli
 from jaxlm.data import sft, sources
-from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in, write_bytes_atomically
+from jaxlm.data.tokenizer import FILE_NAMES, HF_CONFIG_FILE, Tokenizer, find_in, write_bytes_atomically
 from jaxlm.errors import Terminated, UserError, report_error, run_command
 
 if TYPE_CHECKING:
@@ -98,7 +99,10 @@ def prepare(
     the tokenizer's threads (the same bytes either way).
 
     Continues an interrupted run of the same inputs and tokenizer (and rewrites shards that no
-    longer match a complete manifest); refuses a directory prepared from anything else.
+    longer match a complete manifest); refuses a directory prepared from anything else. A run that
+    fails (a bad row, a full disk) into a directory it began removes what it wrote there (and the
+    directory, if it made it), so that the corrected data can go to the same place; one interrupted
+    (Ctrl-C, SIGTERM), or continuing an earlier run's directory, leaves it to be continued.
     """
     if shard_docs < 1 or workers < 1:
         raise UserError(f"shard_docs and workers must be at least 1; got {shard_docs} and {workers}")
@@ -117,22 +121,43 @@ def prepare(
     }
     if encoder:
         manifest["sft"] = {**dataclasses.asdict(sft_spec), "template_sha256": encoder.template_sha256}
-    if is_prepared(out):
+    begun = not is_prepared(out)  # this run begins the directory (else it continues or mends an earlier one)
+    if not begun:
         previous = read_manifest(out)
         _check_same_inputs(out, previous, manifest)
         if previous["complete"] and not _remove_damaged_shards(out, previous) and not _tokenizer_damage(out, previous):
             return previous
     elif out.exists() and (not out.is_dir() or any(p.suffix != ".tmp" for p in out.iterdir())):
         raise UserError(f"{out} is not an empty directory and holds no {MANIFEST}; give a new --output directory")
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    _remove_partial_writes(out)
-    _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
-    tokenizer.save(out / tokenizer.file_name)
-    manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder, in_process_bytes)
+    try:
+        _remove_partial_writes(out)
+        _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
+        tokenizer.save(out / tokenizer.file_name)
+        manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder, in_process_bytes)
+    except (KeyboardInterrupt, Terminated):
+        raise  # what is written stays: the same command continues it
+    except BaseException:
+        if begun:
+            remove_begun(out, made)
+        raise
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
     _write_manifest(out, manifest)
     return manifest
+
+
+def remove_begun(out: pathlib.Path, made: bool) -> None:
+    """Remove what a failed `prepare` wrote into `out`, a directory that held nothing but partial
+    writes before it: the whole directory if `made` (prepare created it), else the files prepare
+    writes (a user's empty directory stays)."""
+    if made:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir():
+        if path.name in (MANIFEST, *FILE_NAMES, HF_CONFIG_FILE) or path.suffix in (".tokens", ".tmp"):
+            path.unlink(missing_ok=True)
 
 
 def _remove_partial_writes(out: pathlib.Path) -> None:
@@ -415,13 +440,18 @@ def _write_shards(
     if encoder:
         for split in SPLITS:
             splits[split]["weighted_tokens"] = 0
-    bar = tqdm.tqdm(desc="prepare", unit=" docs", file=sys.stderr, disable=not progress)
+    # The bar starts with the first shard done, so that a bad row among the first shard's (the most
+    # common: a whole file in another format) is the only line printed; one found later clears it on a
+    # terminal (in a log, the bar's lines stay above the error's).
+    bar: tqdm.tqdm | None = None
     start, written, new_tokens = time.perf_counter(), 0, 0
 
     def collect(split: str, task: concurrent.futures.Future | dict[str, Any]) -> None:
-        nonlocal written, new_tokens
+        nonlocal bar, written, new_tokens
         is_new = isinstance(task, concurrent.futures.Future)
         entry = signals.result(task) if is_new else task
+        if bar is None:
+            bar = tqdm.tqdm(desc="prepare", unit=" docs", file=sys.stderr, disable=not progress)
         splits[split]["shards"].append(entry)
         splits[split]["documents"] += entry["documents"]
         splits[split]["tokens"] += entry["tokens"]
@@ -432,22 +462,30 @@ def _write_shards(
             written, new_tokens = written + 1, new_tokens + entry["tokens"]
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):,.0f} tokens/s")
 
-    with _SignalsBetweenShards() as signals, executor, bar:
-        pending: collections.deque = collections.deque()
-        try:
-            for split, name, docs in _plan(source, manifest["options"], encoder.format if encoder else None):
-                signals.check()
-                task = _existing_shard(out / name, len(docs), 3 if encoder else 2)
-                if task is None:
-                    task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"], encoder)
-                pending.append((split, task))
-                while len(pending) > 2 * workers:  # bound the documents held in memory
+    try:
+        with _SignalsBetweenShards() as signals, executor:
+            pending: collections.deque = collections.deque()
+            try:
+                for split, name, docs in _plan(source, manifest["options"], encoder.format if encoder else None):
+                    signals.check()
+                    task = _existing_shard(out / name, len(docs), 3 if encoder else 2)
+                    if task is None:
+                        task = executor.submit(_write_shard, str(out / name), docs, manifest["token_dtype"], encoder)
+                    pending.append((split, task))
+                    while len(pending) > 2 * workers:  # bound the documents held in memory
+                        collect(*pending.popleft())
+                while pending:
                     collect(*pending.popleft())
-            while pending:
-                collect(*pending.popleft())
-        except (Terminated, KeyboardInterrupt):
-            executor.shutdown(wait=True, cancel_futures=True)  # the running shards finish, the queued ones go
-            raise
+            except (Terminated, KeyboardInterrupt):
+                executor.shutdown(wait=True, cancel_futures=True)  # the running shards finish, the queued ones go
+                raise
+    except BaseException:
+        if bar is not None and sys.stderr.isatty():
+            bar.leave = False  # cleared: the error's line is what the terminal shows
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     if not splits["train"]["documents"] + splits["val"]["documents"]:
         raise UserError(f"the corpus {source.paths!r} holds no documents (every file is empty); give non-empty text")
     if not splits["train"]["documents"]:
@@ -554,7 +592,8 @@ def make_parser() -> cli.Parser:
     parser.add_argument("--input", required=True,
                         help="'builtin', 'builtin_chat', or files, directories and globs, comma-separated")
     parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
-                        help="of the files; chat or prompt_completion: SFT rows of JSONL / Parquet files")
+                        help="of the files; chat (messages, ShareGPT or Alpaca rows, told by their fields), sharegpt,"
+                        " alpaca or prompt_completion: SFT rows of JSONL / Parquet files")
     parser.add_argument("--chat_template", default="",
                         help="--format chat: '' (the tokenizer's own), chatml, simple, or a .jinja file")
     parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field holding the text")

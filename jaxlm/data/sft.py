@@ -1,10 +1,17 @@
 """Supervised fine-tuning data: chat conversations and prompt/completion pairs -> token ids and a
 loss weight per token (1 on what the model should learn to write, 0 on everything else).
 
-Two row formats (`data.format`), read from JSONL or Parquet, with TRL's field names:
-  chat               {"messages": [{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]}
+Row formats (`data.format`), read from JSONL or Parquet, with TRL's field names:
+  chat               {"messages": [{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]};
+                     a ShareGPT or Alpaca row (below) is recognised by its fields and read as one
+  sharegpt           {"conversations": [{"from": "system" | "human" | "gpt" | ..., "value": str}, ...]}
+  alpaca             {"instruction": str, "input": str (optional), "output": str, "system": str (optional),
+                      "history": [[instruction, output], ...] (optional, the earlier turns)}
   prompt_completion  {"prompt": str, "completion": str}
-Other fields of a row are ignored.
+Other fields of a row are ignored. ShareGPT and Alpaca rows become `messages` as soon as they are read
+(`ROLES`; Alpaca's user turn is the instruction, then a newline and the input when there is one, as
+LLaMA-Factory converts them), so the same conversation in any of the three gives the same example:
+the same ids, weights and validation split.
 
 A conversation is rendered to text with a Jinja chat template (`data.chat_template`: "" = the
 tokenizer's own, `chatml`, `simple`, or a .jinja file), as transformers' `apply_chat_template` renders
@@ -46,7 +53,12 @@ from jaxlm.data import sources
 from jaxlm.data.tokenizer import HFTokenizer, Tokenizer, read_limited
 from jaxlm.errors import UserError
 
-FORMATS = ("chat", "prompt_completion")
+CONVERSATIONS = ("chat", "sharegpt", "alpaca")  # the formats whose rows are conversations (rendered with a template)
+FORMATS = (*CONVERSATIONS, "prompt_completion")
+# ShareGPT speakers (`from`) -> messages roles. "tool" stays itself (the template renders or refuses it); a speaker
+# not here (function_call, observation, ...) is refused in one line rather than guessed.
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "system": "system", "tool": "tool"}
 _MAX_TEMPLATE_BYTES = 1_000_000
 
 # ChatML (Qwen, many others): any role, "<|im_start|>role\ncontent<|im_end|>\n". BOS first where the
@@ -77,8 +89,8 @@ TEMPLATES = {"chatml": CHATML, "simple": SIMPLE}
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """How rows become examples: `format` (chat | prompt_completion) and `chat_template` ("" = the
-    tokenizer's own, a name in TEMPLATES, or a .jinja file)."""
+    """How rows become examples: `format` (FORMATS) and `chat_template` ("" = the tokenizer's own, a
+    name in TEMPLATES, or a .jinja file)."""
 
     format: str
     chat_template: str = ""
@@ -109,8 +121,9 @@ def iter_examples(source: sources.SourceSpec, fmt: str) -> Iterator[Example]:
 
 
 def check_row(row: Any, fmt: str, where: str) -> Example:
-    if fmt == "chat":
-        return Example(where, {"messages": _check_messages(row, where)})
+    """The example of one row of format `fmt` (FORMATS), or a UserError naming `where` and what to change."""
+    if fmt in CONVERSATIONS:
+        return Example(where, {"messages": _check_messages(_conversation(row, fmt, where), where)})
     if fmt != "prompt_completion":
         raise UserError(f"SFT format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     shape = 'each row must be {"prompt": str, "completion": str} (data.format=prompt_completion)'
@@ -126,12 +139,81 @@ def check_row(row: Any, fmt: str, where: str) -> Example:
     return Example(where, {"prompt": row["prompt"], "completion": row["completion"]})
 
 
-def _check_messages(row: Any, where: str) -> list[dict[str, str]]:
-    shape = 'each row must be {"messages": [{"role": ..., "content": ...}, ...]} (data.format=chat)'
+_SHAPES = {
+    "chat": 'each row must be {"messages": [{"role": ..., "content": ...}, ...]}, or a ShareGPT or Alpaca row '
+            '(data.format=chat)',
+    "sharegpt": 'each row must be {"conversations": [{"from": ..., "value": ...}, ...]} (data.format=sharegpt)',
+    "alpaca": 'each row must be {"instruction": ..., "input": ... (optional), "output": ...} (data.format=alpaca)',
+}
+
+_OTHER_FORMAT = "; data.format=chat reads messages, ShareGPT and Alpaca rows alike"
+
+
+def _conversation(row: Any, fmt: str, where: str) -> Any:
+    """The `{"messages": [...]}` of a row of conversation format `fmt`: a messages row as it is, a
+    ShareGPT or Alpaca row converted (under `chat`, whichever its fields say it is)."""
     if not isinstance(row, dict):
-        raise UserError(f"{where}: a JSON {type(row).__name__}, not an object; {shape}")
+        raise UserError(f"{where}: a JSON {type(row).__name__}, not an object; {_SHAPES[fmt]}")
+    if fmt == "chat":
+        fmt = "chat" if "messages" in row else "sharegpt" if "conversations" in row else (
+            "alpaca" if "instruction" in row else "chat")
+    if fmt == "sharegpt":
+        return {"messages": _sharegpt_messages(row, where)}
+    if fmt == "alpaca":
+        return {"messages": _alpaca_messages(row, where)}
     if "messages" not in row:
-        raise UserError(f"{where}: no field 'messages' (found: {', '.join(sorted(row)) or 'none'}); {shape}")
+        hint = ("; these are prompt/completion rows: set data.format=prompt_completion"
+                if "prompt" in row and "completion" in row else "")
+        raise UserError(f"{where}: no field 'messages' (found: {', '.join(sorted(row)) or 'none'}){hint}; {_SHAPES[fmt]}")
+    return row
+
+
+def _sharegpt_messages(row: dict, where: str) -> list[dict[str, str]]:
+    shape = _SHAPES["sharegpt"]
+    if "conversations" not in row:
+        raise UserError(f"{where}: no field 'conversations' (found: {', '.join(sorted(row)) or 'none'}); {shape}"
+                        f"{_OTHER_FORMAT if 'messages' in row or 'instruction' in row else ''}")
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'conversations' must be a non-empty list; {shape}")
+    messages = []
+    for number, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not turn["from"]:
+            raise UserError(f"{where}: message {number} has no 'from' string; {shape}")
+        if turn["from"] not in ROLES:
+            raise UserError(f"{where}: message {number} is from {turn['from']!r}, which is no ShareGPT role jaxlm "
+                            f"reads ({', '.join(ROLES)}); rename it, or write the row as messages")
+        if not isinstance(turn.get("value"), str):
+            raise UserError(f"{where}: message {number} ({turn['from']}) has no 'value' string; {shape}")
+        messages.append({"role": ROLES[turn["from"]], "content": turn["value"]})
+    return messages
+
+
+def _alpaca_messages(row: dict, where: str) -> list[dict[str, str]]:
+    """system (if given), the history's turns, then the instruction (and input) and the output."""
+    shape = _SHAPES["alpaca"]
+    for key in ("instruction", "output"):
+        if key not in row:
+            raise UserError(f"{where}: no field {key!r} (found: {', '.join(sorted(row)) or 'none'}); {shape}"
+                            f"{_OTHER_FORMAT if 'messages' in row or 'conversations' in row else ''}")
+    for key in ("instruction", "output", "input", "system"):
+        if row.get(key) is not None and not isinstance(row[key], str):  # (a Parquet column holds null for none)
+            raise UserError(f"{where}: {key!r} is a {type(row[key]).__name__}, not a string; {shape}")
+    if not (row["output"] or "").strip():
+        raise UserError(f"{where}: the output is empty: nothing to train on; give it text or drop the row")
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    history = row.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair) for pair in history):
+        raise UserError(f"{where}: 'history' must be a list of [instruction, output] string pairs; {shape}")
+    for instruction, output in history:
+        messages += [{"role": "user", "content": instruction}, {"role": "assistant", "content": output}]
+    prompt = "\n".join(part for part in (row["instruction"] or "", row.get("input") or "") if part)
+    return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+
+
+def _check_messages(row: Any, where: str) -> list[dict[str, str]]:
+    shape = _SHAPES["chat"]
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: 'messages' must be a non-empty list; {shape}")
@@ -265,7 +347,7 @@ class Encoder:
     @classmethod
     def make(cls, spec: Spec, tok: Tokenizer | None) -> Encoder:
         """The encoder of `spec` with tokenizer `tok` (whose own template "" stands for)."""
-        if spec.format != "chat":
+        if spec.format not in CONVERSATIONS:
             return cls(spec.format)
         return cls(spec.format, *template_text(spec.chat_template, tok))
 
@@ -470,7 +552,7 @@ class Stats:
 
 def report(spec: Spec, train, val, seq_len: int) -> str:
     """The start-of-run line: 'SFT data: 812 conversations, 96,410 tokens, 41,377 trained on (42.9%), ...'."""
-    noun = "conversations" if spec.format == "chat" else "examples"
+    noun = "conversations" if spec.format in CONVERSATIONS else "examples"
     line = f"SFT data: {Stats.of(train, seq_len).describe(noun)}"
     if len(val):
         held = Stats.of(val, seq_len)

@@ -144,6 +144,20 @@ def read_file_records(path: str) -> Iterator[tuple[str, object]]:
         raise UserError(f"{path}: cannot be read ({e}); the file may be truncated or corrupt") from None
 
 
+# The fields of supervised fine-tuning rows (jaxlm.data.sft): a text reader that meets them names the format to set.
+_SFT_FIELDS = {"messages": "chat", "conversations": "chat", "instruction": "chat", "prompt": "prompt_completion"}
+
+
+def _fix_for(found: Sequence[str]) -> str:
+    """What to set when a row or table lacks the text field: data.format for SFT rows (messages,
+    ShareGPT's conversations, Alpaca's instruction, prompt/completion), else data.text_field."""
+    fmt = next((_SFT_FIELDS[name] for name in found if name in _SFT_FIELDS), None)
+    if fmt:
+        return (f"these are fine-tuning rows: set config.data.format={fmt} (prepare, evaluate: --format {fmt}), "
+                f"or config.data.text_field to a field holding text")
+    return "set config.data.text_field"
+
+
 def _read_text(path: str, separator: str) -> Iterator[str]:
     with _open_text(path) as f:
         text = f.read()
@@ -162,10 +176,8 @@ def _read_jsonl(path: str, field: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the line") from None
             if not isinstance(record, dict) or field not in record:
-                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-                raise UserError(
-                    f"{path}:{line_no}: no field {field!r} (found: {keys}); set config.data.text_field"
-                )
+                keys = sorted(record) if isinstance(record, dict) else [type(record).__name__]
+                raise UserError(f"{path}:{line_no}: no field {field!r} (found: {', '.join(keys)}); {_fix_for(keys)}")
             text = record[field]
             if not isinstance(text, str):
                 raise UserError(f"{path}:{line_no}: field {field!r} is a {type(text).__name__}, not text")
@@ -182,7 +194,7 @@ def _read_parquet(path: str, field: str) -> Iterator[str]:
         raise UserError(f"{path}: not a readable Parquet file ({e}); the file may be truncated or corrupt") from None
     names = parquet.schema_arrow.names
     if field not in names:
-        raise UserError(f"{path}: no column {field!r} (found: {', '.join(names)}); set config.data.text_field")
+        raise UserError(f"{path}: no column {field!r} (found: {', '.join(names)}); {_fix_for(names)}")
     for batch in parquet.iter_batches(columns=[field], batch_size=4096):
         for text in batch.column(0).to_pylist():
             if text is not None and text.strip():
@@ -205,7 +217,7 @@ def _read_hf(path: str, field: str) -> Iterator[str]:
         dataset = dataset["train"]
     if field not in dataset.column_names:
         raise UserError(
-            f"{path}: no column {field!r} (found: {', '.join(dataset.column_names)}); set config.data.text_field"
+            f"{path}: no column {field!r} (found: {', '.join(dataset.column_names)}); {_fix_for(dataset.column_names)}"
         )
     for text in dataset.select_columns([field]).to_iterable_dataset():
         if text[field] and text[field].strip():
