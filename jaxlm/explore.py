@@ -382,6 +382,8 @@ def save(setup: train_setup.TrainSetup, data: loader.Data, run_dir: str | pathli
     data.tokenizer.save(run_dir / data.tokenizer.file_name)
     meta = {"config": json.loads(cfg.to_json()), "tokenizer_sha256": data.tokenizer.sha256,
             "tokens_seen": step * setup.derived.tokens_per_step, "wall_s": 0.0}
+    if setup.init_from:  # where its step-0 parameters came from, as the CLI records it (hf export reads it)
+        meta["init_from"] = setup.init_from
     with checkpoint.Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
         ckpt.save(step, setup.state, meta=meta, data_iter=data.train, force=True)
     return run_dir

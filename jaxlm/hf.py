@@ -2,6 +2,7 @@
 
     python -m jaxlm.hf import --hf_dir=DIR --output=RUN_DIR [--param_dtype=float32]
     python -m jaxlm.hf export --run_dir=RUN_DIR --output=DIR [--step=N] [--dtype=bfloat16]
+    python -m jaxlm.hf export --run_dir=LORA_RUN --output=ADAPTER_DIR --adapters=peft [--base_model=ID] [--with_base]
 
 Several processes (a model larger than one host): the same command on each, with `--coordinator`,
 `--num_processes`, `--process_id` or a launcher's environment, as for `jaxlm.train`.
@@ -15,7 +16,8 @@ the safetensors files, so no host ever holds the whole model.
 
 `export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, GPT-2) as a directory
 `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
-safetensors (sharded past `--max_shard_gb`) and the tokenizer.
+safetensors (sharded past `--max_shard_gb`) and the tokenizer; a LoRA run merged, or (`--adapters=peft`)
+its adapter alone, for the model its base was imported from (`peft_base`).
 
 Name maps and config translation: `jaxlm.models.hf`.
 """
@@ -266,24 +268,30 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
 
 
 ADAPTER_CHOICES = ("merge", "peft")
+BASE_DIR = "base"  # --adapters=peft --with_base: the base model's directory inside the adapter's
 
 
 def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: int | None = None,
                dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, adapters: str = "merge",
-               adapter_output: str | os.PathLike | None = None) -> pathlib.Path:
+               base_model: str | None = None, with_base: bool = False) -> pathlib.Path:
     """Write checkpoint `step` (default: the newest that loads) of a jaxlm run as a Hugging Face
     model directory `output`, its weights in `dtype` (default: the run's `model.param_dtype`).
 
-    A LoRA run's adapters are merged into the weights (`adapters="merge"`), or (`"peft"`) `output`
-    gets the frozen base and `adapter_output` (default `<output>/adapter`) the adapters in PEFT's
-    format, which `peft.PeftModel.from_pretrained(base, adapter_output)` loads. A QLoRA run's 4-bit
-    base is exported dequantized (the weights the run trained over), merged or as PEFT's base."""
+    A LoRA run's adapters are merged into the weights (`adapters="merge"`), or (`"peft"`) `output` is
+    the adapter alone in PEFT's format (adapter_config.json, adapter_model.safetensors), whose
+    `base_model_name_or_path` is `base_model` if given, else the Hugging Face model the run's base was
+    imported from (`peft_base`); `peft.PeftModel.from_pretrained(base, output)` loads it. `with_base`
+    also writes the run's frozen base as a Hugging Face model in `<output>/base` and points the adapter
+    at it (unless `base_model` is given). A QLoRA run's 4-bit base is exported dequantized (the weights
+    the run trained over): merged, or as the base `with_base` writes; its adapter alone belongs to that
+    dequantized base, which one warning line says."""
     output = pathlib.Path(output)
     run_dir_lib.check_new_output(output)
-    if adapter_output:
-        run_dir_lib.check_new_output(pathlib.Path(adapter_output), "--adapter_output")
     if adapters not in ADAPTER_CHOICES:
         raise UserError(f"--adapters={adapters}: use one of {', '.join(ADAPTER_CHOICES)}")
+    if adapters != "peft" and (base_model or with_base):
+        raise UserError(f"--{'base_model' if base_model else 'with_base'} is for an adapter export: add "
+                        f"--adapters=peft, or drop it to export the merged model")
     run = inference.load_run(run_dir, step=step)
     dtype = dtype or run.cfg.model.param_dtype
     if dtype not in transformer.DTYPES:
@@ -301,39 +309,107 @@ def export_run(run_dir: str | os.PathLike, output: str | os.PathLike, *, step: i
     elif adapters == "peft":
         raise UserError(f"{run_dir} has no LoRA adapters (lora.rank=0); --adapters=peft exports a run trained with them")
     arch = hf_map.architecture_of(model_cfg)
-    peft_tensors = _peft_tensors(*adapted, model_cfg, arch, np_dtype) if adapted else None  # checked before writing
+    if adapted is None:
+        with run_dir_lib.new_output(output) as partial:  # whole or not at all
+            _write_model(partial, run, params, model_cfg, arch, dtype, max_shard_bytes)
+        return output
+    peft_tensors = _peft_tensors(*adapted, model_cfg, arch, np_dtype)  # checked before writing
+    source, unknown = peft_base(run)
+    if base_model:
+        base, revision = base_model, None
+    elif with_base:
+        base, revision = str(output.resolve() / BASE_DIR), None
+    elif source:
+        base, revision = _hub_id(source) or (source, None)
+    else:
+        raise UserError(f"{unknown}; give the base model the adapter belongs to with --base_model=DIR_OR_HUB_ID, "
+                        f"or --with_base to write the run's base beside the adapter")
     with run_dir_lib.new_output(output) as partial:  # whole or not at all
-        writer = _ShardWriter(partial, max_shard_bytes) if jax.process_index() == 0 else None
-        for name, tensor in hf_map.hf_tensors(params, model_cfg, arch, np_dtype, to_host=_to_host,
-                                              build=writer is not None):
-            if writer:
-                writer.add(name, tensor)
-        if writer:
-            tok = run.tokenizer
-            writer.close()
-            # A pad id that is only the eos stand-in (`Tokenizer.pad_id`) is no pad token of the model's.
-            pad_id = None if tok.pad_id == tok.eos_id else tok.pad_id
-            hf = hf_map.hf_config(model_cfg, arch, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad_id, dtype=dtype)
-            _write_json(partial / "config.json", hf)
-            generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"], "do_sample": False}
-            if hf["pad_token_id"] is not None:
-                generation["pad_token_id"] = hf["pad_token_id"]
-            _write_json(partial / "generation_config.json", generation)
-            tok.save(partial / tok.file_name)
-            if tok.file_name == "tokenizer.model":  # SentencePiece: say which pieces are special, and that BOS starts a text
-                _write_json(partial / "tokenizer_config.json", {
-                    **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None
-                       for kind in ("bos", "eos", "unk")},
-                    "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
-                    "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
-            if peft_tensors is not None:
-                if adapter_output:  # a directory of its own, written whole or not at all too
-                    with run_dir_lib.new_output(pathlib.Path(adapter_output), "--adapter_output",
-                                                collective=False) as adapter_partial:
-                        _write_peft(adapter_partial, output, *peft_tensors, adapted[1])
-                else:
-                    _write_peft(partial / "adapter", output, *peft_tensors, adapted[1])
+        if with_base:
+            _write_model(partial / BASE_DIR, run, params, model_cfg, arch, dtype, max_shard_bytes)
+        if jax.process_index() == 0:
+            _write_peft(partial, base, revision, *peft_tensors, adapted[1])
+    quantized_as = run.cfg.lora.quantize_base
+    if quantized_as:
+        original = source or "the run's source"
+        if with_base:
+            log.warning("this QLoRA adapter belongs to the %s-dequantized base in %s (the weights the run trained "
+                        "over), not to %s itself", quantized_as, output / BASE_DIR, original)
+        else:
+            log.warning("this QLoRA adapter was trained over the %s-dequantized weights of %s, and on the original "
+                        "weights computes another model: --with_base writes that dequantized base into %s and points "
+                        "the adapter at it", quantized_as, original, output / BASE_DIR)
     return output
+
+
+def peft_base(run: inference.LoadedRun) -> tuple[str | None, str]:
+    """(the Hugging Face model directory a LoRA run's frozen base was imported from, ""): the run started
+    (`run.init_from`, recorded in its checkpoint's metadata) from a run `jaxlm.hf import` wrote, whose
+    parameters are that model's. Otherwise (None, why not, in words): a run from scratch, a source
+    that has gone, one whose weights are its own (trained, compressed)."""
+    with checkpoint.Checkpointer(run.run_dir / "checkpoints") as ckpt:
+        record = ckpt.read_meta(run.step).get("init_from")
+    if not record and run.cfg.run.init_from:  # saved without the record: the config's
+        record = {"run_dir": run.cfg.run.init_from, "step": run.cfg.run.init_step if run.cfg.run.init_step >= 0
+                  else None}
+    if not record:
+        return None, f"{run.run_dir} was not started from an imported Hugging Face model (no run.init_from)"
+    source = pathlib.Path(record["run_dir"])
+    steps = checkpoint.complete_steps(source / "checkpoints") if source.is_dir() else []
+    step = record.get("step")
+    if not steps or (step is not None and step not in steps):
+        at = "" if step is None else f" step {step}"
+        return None, (f"{run.run_dir} was started from {source}{at}, which is no longer there to say which model "
+                      f"it was imported from")
+    with checkpoint.Checkpointer(source / "checkpoints") as ckpt:
+        imported = ckpt.read_meta(step if step is not None else steps[-1]).get("imported_from")
+    if not imported:
+        return None, (f"{run.run_dir} was started from {source}, which holds weights of its own, not a Hugging Face "
+                      f"model as imported (python -m jaxlm.hf export --run_dir={source} makes one of them)")
+    return imported["hf_dir"], ""
+
+
+def _hub_id(path: str) -> tuple[str, str] | None:
+    """A directory of the Hugging Face hub's cache, `<cache>/models--<org>--<name>/snapshots/<commit>` as
+    `snapshot_download` leaves it -> (the repo id, the commit): what an adapter names its base by, and
+    what `AutoPeftModelForCausalLM` downloads anywhere. None for any other directory (named by its path)."""
+    snapshot = pathlib.PurePath(path)
+    repo = snapshot.parent.parent.name
+    if snapshot.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    parts = repo[len("models--"):].split("--")  # the cache's "/" -> "--"; a name holding "--" stays a path
+    return ("/".join(parts), snapshot.name) if 1 <= len(parts) <= 2 and all(parts) else None
+
+
+def _write_model(directory: pathlib.Path, run: inference.LoadedRun, params: dict, model_cfg, arch: str, dtype: str,
+                 max_shard_bytes: int) -> None:
+    """The Hugging Face model directory of `params` (every process gathers; process 0 writes):
+    safetensors, config.json, generation_config.json and the run's tokenizer."""
+    np_dtype = np.dtype(transformer.DTYPES[dtype])
+    writer = _ShardWriter(directory, max_shard_bytes) if jax.process_index() == 0 else None
+    for name, tensor in hf_map.hf_tensors(params, model_cfg, arch, np_dtype, to_host=_to_host,
+                                          build=writer is not None):
+        if writer:
+            writer.add(name, tensor)
+    if not writer:
+        return
+    tok = run.tokenizer
+    writer.close()
+    # A pad id that is only the eos stand-in (`Tokenizer.pad_id`) is no pad token of the model's.
+    pad_id = None if tok.pad_id == tok.eos_id else tok.pad_id
+    hf = hf_map.hf_config(model_cfg, arch, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=pad_id, dtype=dtype)
+    _write_json(directory / "config.json", hf)
+    generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"], "do_sample": False}
+    if hf["pad_token_id"] is not None:
+        generation["pad_token_id"] = hf["pad_token_id"]
+    _write_json(directory / "generation_config.json", generation)
+    tok.save(directory / tok.file_name)
+    if tok.file_name == "tokenizer.model":  # SentencePiece: say which pieces are special, and that BOS starts a text
+        _write_json(directory / "tokenizer_config.json", {
+            **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None
+               for kind in ("bos", "eos", "unk")},
+            "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
+            "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
 
 
 def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -362,15 +438,16 @@ def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[s
     return tensors, modules
 
 
-def _write_peft(directory: pathlib.Path, base: pathlib.Path, tensors: dict[str, np.ndarray], modules: dict[str, str],
-                cfg) -> None:
-    """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter."""
+def _write_peft(directory: pathlib.Path, base: str, revision: str | None, tensors: dict[str, np.ndarray],
+                modules: dict[str, str], cfg) -> None:
+    """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter of `base`
+    (a directory or a hub id, at `revision`)."""
     settings = cfg.lora.peft_settings()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     _write_json(directory / "adapter_config.json", {
-        **settings, "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base.resolve()),
-        "target_modules": sorted({modules[n] for n in settings["target_modules"]}),
+        **settings, "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "revision": revision, "target_modules": sorted({modules[n] for n in settings["target_modules"]}),
         "rank_pattern": {modules[n]: r for n, r in settings["rank_pattern"].items()}, "alpha_pattern": {},
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None})
@@ -448,10 +525,15 @@ def make_parser() -> cli.Parser:
     exp.add_number("--max_shard_gb", above=0, allowed="a positive size in GB", default=5.0,
                    help="safetensors files of at most this size")
     exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
-                     help="a LoRA run: merge the adapters into the weights, or write them in PEFT's format beside "
-                          "the base (--adapter_output)")
-    exp.add_path("--adapter_output", kind="dir", io="out", default="",
-                 help="--adapters=peft: where (default <output>/adapter)")
+                     help="a LoRA run: merge the adapters into the weights, or write the adapter alone in PEFT's "
+                          "format (--output is then the adapter's directory)")
+    # A directory or a hub id, written into adapter_config.json and never opened here: not one path.
+    exp.add_argument("--base_model", default="",
+                     help="--adapters=peft: the base_model_name_or_path to record (default: the Hugging Face "
+                          "model the run's base was imported from)")
+    exp.add_argument("--with_base", action="store_true",
+                     help="--adapters=peft: also write the run's base (a QLoRA run's dequantized) in <output>/base "
+                          "and point the adapter at it")
     return parser
 
 
@@ -471,8 +553,13 @@ def _main(argv: Sequence[str] | None) -> int:
     else:
         out = export_run(args.run_dir, args.output, step=args.step, dtype=args.dtype or None,
                          max_shard_bytes=int(args.max_shard_gb * 1e9), adapters=args.adapters,
-                         adapter_output=args.adapter_output or None)
-        print(f"jaxlm: wrote Hugging Face model directory {out}")
+                         base_model=args.base_model or None, with_base=args.with_base)
+        if args.adapters == "peft":
+            base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+            print(f"jaxlm: wrote PEFT adapter {out} (adapter_config.json, adapter_model.safetensors) for the base "
+                  f"model {base}: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out})")
+        else:
+            print(f"jaxlm: wrote Hugging Face model directory {out}")
     return 0
 
 

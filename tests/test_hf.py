@@ -26,6 +26,7 @@ from flax.core import spmd
 from jaxlm import hf, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import SentencePieceTokenizer
+from jaxlm.errors import UserError
 from jaxlm.models import hf as hf_map
 
 torch = pytest.importorskip("torch")
@@ -373,10 +374,17 @@ def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_lora_run_exports_merged_and_as_a_peft_adapter(models, arch, tmp_path):
+def test_a_lora_run_exports_merged_and_as_a_peft_adapter_of_the_original_model(models, arch, tmp_path):
     """LoRA on every projection (one with its own rank) of an imported model, trained a few steps:
-    merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter, `peft` on the
-    exported (unchanged) base computes them too."""
+    merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter (the adapter
+    alone, naming the Hugging Face directory the run's base was imported from), `peft` on that
+    original model computes them too, loaded by hand or by the adapter's name alone; `--with_base`
+    writes the base beside it, `--base_model` names another; a source that has gone is refused."""
+    import subprocess
+    import sys
+
+    from tiny_run import ONE_DEVICE, ROOT
+
     peft = pytest.importorskip("peft")
     original, hf_dir = models[arch]
     imported = hf.import_checkpoint(hf_dir, tmp_path / "imported")
@@ -389,18 +397,58 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(models, arch, tmp_path)
     assert np.abs(want - base).max() / np.abs(base).max() > 1e-3  # the adapters changed the model
 
     merged = hf.export_run(run.run_dir, tmp_path / "merged", dtype="float32")
-    assert not (merged / "adapter").exists()
     close(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want)
 
-    out = hf.export_run(run.run_dir, tmp_path / "base", dtype="float32", adapters="peft")
-    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    out = hf.export_run(run.run_dir, tmp_path / "adapter", dtype="float32", adapters="peft")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == (str(hf_dir.resolve()), None)
     assert (config["r"], config["lora_alpha"], config["rank_pattern"]) == (4, 16.0, {"down_proj": 2})
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    exported_base = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out).eval()
+    got = reference_logits(adapted)
+    close(got, want)
+    # as PEFT users load an adapter by its directory alone: the base from base_model_name_or_path
+    by_name = peft.AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    floats.identical(reference_logits(by_name), got, why=floats.SAME_PROGRAM)
+
+    with_base = hf.export_run(run.run_dir, tmp_path / "with-base", dtype="float32", adapters="peft", with_base=True)
+    assert sorted(p.name for p in with_base.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+    config = json.loads((with_base / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(with_base.resolve() / "base")
+    exported_base = transformers.AutoModelForCausalLM.from_pretrained(with_base / "base").eval()
     # the frozen base, unchanged: the original's weights moved out and back, in the same class's forward
     floats.identical(reference_logits(exported_base), base, why=floats.SAME_PROGRAM)
-    adapted = peft.PeftModel.from_pretrained(exported_base, out / "adapter").eval()
-    close(reference_logits(adapted), want)
+    close(reference_logits(peft.PeftModel.from_pretrained(exported_base, with_base).eval()), want)
+
+    # the command line, naming the base itself: that name wins
+    named = tmp_path / "named"
+    cli = subprocess.run([sys.executable, "-m", "jaxlm.hf", "export", f"--run_dir={run.run_dir}", f"--output={named}",
+                          "--adapters=peft", "--base_model=org/model"], cwd=ROOT, env=ONE_DEVICE, capture_output=True,
+                         text=True, timeout=600)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.strip().splitlines()[-1] == (
+        f"jaxlm: wrote PEFT adapter {named} (adapter_config.json, adapter_model.safetensors) for the base model "
+        f"org/model: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {named})")
+    assert json.loads((named / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/model"
+
+    imported.rename(tmp_path / "moved")  # the record of where the base came from has gone
+    with pytest.raises(UserError, match=r"step 0, which is no longer there to say which model it was imported "
+                                        r"from; give the base model the adapter belongs to with "
+                                        r"--base_model=DIR_OR_HUB_ID, or --with_base"):
+        hf.export_run(run.run_dir, tmp_path / "refused", adapters="peft")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_an_adapter_names_a_base_from_the_hub_cache_by_its_repo_id():
+    """An import from `snapshot_download`'s cache: the adapter names its base as the hub does (repo id and
+    commit), so that `AutoPeftModelForCausalLM` finds it anywhere; any other directory by its path."""
+    snapshots = "/home/u/.cache/huggingface/hub/models--{}/snapshots/0123abcd"
+    assert hf._hub_id(snapshots.format("meta-llama--Llama-3.2-1B")) == ("meta-llama/Llama-3.2-1B", "0123abcd")
+    assert hf._hub_id(snapshots.format("gpt2")) == ("gpt2", "0123abcd")
+    assert hf._hub_id(snapshots.format("org--a--b")) is None  # ambiguous: named by its path
+    assert hf._hub_id("/models/Llama-3.2-1B") is None
+    assert hf._hub_id("/data/models--org--name/checkout") is None
 
 
 def test_each_device_reads_only_its_block_of_every_tensor(models):

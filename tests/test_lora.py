@@ -330,6 +330,20 @@ def test_a_lora_run_starts_from_a_base_run_trains_its_adapters_and_evaluates_wit
     with pytest.raises(UserError, match=r"was trained with LoRA adapters .*merge them"):
         init_from.config_from_cli(_run_args(tmp_path, tmp_path / "lora", "again"))
 
+    # Its adapter alone has no Hugging Face model to name (the source trained its own weights): refused in
+    # one line, unless the base is written beside it (tests/test_hf.py: from an imported model, named).
+    from jaxlm import hf
+
+    with pytest.raises(UserError, match=r"which holds weights of its own, not a Hugging Face model as imported .*; "
+                                        r"give the base model the adapter belongs to with --base_model"):
+        hf.export_run(run.run_dir, tmp_path / "adapter", adapters="peft")
+    assert not (tmp_path / "adapter").exists()
+    out = hf.export_run(run.run_dir, tmp_path / "adapter", adapters="peft", with_base=True)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        out.resolve() / "base")
+    assert (out / "base" / "config.json").is_file() and (out / "base" / "model.safetensors").is_file()
+
 
 def test_a_run_saved_before_the_lora_section_existed_resumes_and_a_changed_lora_does_not():
     from jaxlm.run_dir import config_differences

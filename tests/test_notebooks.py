@@ -1,6 +1,7 @@
 """Every notebook runs top to bottom in a real Jupyter kernel (this venv's Python) without an error,
 and the setup cell installs jaxlm into a kernel that lacks it (the Colab path)."""
 
+import json
 import pathlib
 import re
 import shutil
@@ -135,7 +136,11 @@ def test_finetune_notebook(execute, tmp_path):
     assert "transformers' greedy answers equal jaxlm's (both in float32): True" in text
     runs = tmp_path / "notebook-finetune"
     assert (runs / "exported-merged" / "model.safetensors").is_file()
-    assert (runs / "exported-base" / "adapter" / "adapter_model.safetensors").is_file()
+    # the adapter alone, for the Hugging Face model the run was imported from (explore.save records init_from)
+    adapter = runs / "exported-adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((runs / "hf-model").resolve())
     assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
 
 

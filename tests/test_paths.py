@@ -26,8 +26,9 @@ from jaxlm.errors import EnvironmentFailure, UserError
 COMMANDS = ("evaluate", "generate", "hf", "compress.cli", "data.prepare", "data.tokenizer", "doctor", "plan",
             "experiment")
 # Text flags that name paths but are not one path, each checked where it is read: lists and globs of
-# inputs (`data.sources`), and names that may be a file or a built-in (a chat template, a corpus split)
-NOT_ONE_PATH = {"--corpus", "--input", "--tasks", "--chat_template"}
+# inputs (`data.sources`), names that may be a file or a built-in (a chat template, a corpus split), and a
+# name written for another program, never opened here (hf export's --base_model: a directory or a hub id)
+NOT_ONE_PATH = {"--corpus", "--input", "--tasks", "--chat_template", "--base_model"}
 PATH_LIKE = re.compile(r"(dir|output|file|path|model|tokenizer|experiment)$")
 
 

@@ -382,10 +382,13 @@ def test_a_qlora_run_from_a_base_run_trains_its_adapters_resumes_exactly_and_eva
     assert tuned < 1.0 and base_only < 1.0 and abs(tuned - base_only) > 1e-3, (tuned, base_only)
 
 
-@pytest.mark.slow  # ~15 s: trains through the CLI; the PEFT path itself is in tests/test_hf.py's default LoRA test
-def test_a_qlora_run_exports_merged_and_as_a_peft_adapter_that_transformers_and_peft_run(tmp_path, monkeypatch):
+@pytest.mark.slow  # ~15 s: trains through the CLI; the PEFT path itself is in tests/test_hf.py's LoRA test
+def test_a_qlora_run_exports_merged_and_as_a_peft_adapter_that_transformers_and_peft_run(tmp_path, monkeypatch,
+                                                                                         caplog):
     """QLoRA (int4, double quantization) on every projection of an imported Llama, trained a few steps:
-    merged, transformers computes jaxlm's logits; as PEFT, peft on the exported (dequantized) base too."""
+    merged, transformers computes jaxlm's logits; as PEFT, the adapter alone names the original model
+    and says in one line that it belongs to the dequantized base (on the original it computes another
+    model), and with `with_base` peft on the dequantized base written beside it computes jaxlm's logits."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from test_hf import close, jaxlm_logits, make_model, reference_logits, save, train_cli
@@ -395,7 +398,8 @@ def test_a_qlora_run_exports_merged_and_as_a_peft_adapter_that_transformers_and_
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     original = make_model("llama")  # d_model 64, head_dim 8, mlp 160: groups of 32 (wo: one of 8 per row)
-    imported = hf.import_checkpoint(save(original, tmp_path / "hf"), tmp_path / "imported")
+    hf_dir = save(original, tmp_path / "hf")
+    imported = hf.import_checkpoint(hf_dir, tmp_path / "imported")
     tuned = train_cli(tmp_path, f"--config.run.init_from={imported}", "--config.run.name=qlora", "--config.lora.rank=4",
                       "--config.lora.targets=all", "--config.lora.quantize_base=int4", "--config.lora.quant_group=32",
                       "--config.lora.double_quant=true", "--config.optim.peak_lr=0.01")
@@ -409,13 +413,30 @@ def test_a_qlora_run_exports_merged_and_as_a_peft_adapter_that_transformers_and_
     merged = hf.export_run(run.run_dir, tmp_path / "merged", dtype="float32")
     close(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want)
 
-    out = hf.export_run(run.run_dir, tmp_path / "base", dtype="float32", adapters="peft")
-    exported_base = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    caplog.set_level("WARNING", logger="jaxlm.hf")
+    out = hf.export_run(run.run_dir, tmp_path / "adapter", dtype="float32", adapters="peft")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf_dir.resolve())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"this QLoRA adapter was trained over the int4-dequantized weights of {hf_dir.resolve()}, and on the original "
+        f"weights computes another model: --with_base writes that dequantized base into {out / 'base'} and points the "
+        f"adapter at it"]
+    on_original = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out).eval()
+    assert np.abs(reference_logits(on_original) - want).max() / np.abs(want).max() > 1e-3  # what the line warns of
+
+    caplog.clear()
+    with_base = hf.export_run(run.run_dir, tmp_path / "with-base", dtype="float32", adapters="peft", with_base=True)
+    assert json.loads((with_base / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        with_base.resolve() / "base")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"this QLoRA adapter belongs to the int4-dequantized base in {with_base / 'base'} (the weights the run trained "
+        f"over), not to {hf_dir.resolve()} itself"]
+    exported_base = transformers.AutoModelForCausalLM.from_pretrained(with_base / "base").eval()
     # the exported base is the dequantized one: within int4's bound of the original weights
     w = exported_base.model.layers[0].mlp.down_proj.weight.detach().numpy()  # [d, f], grouped along f
     w0 = original.model.layers[0].mlp.down_proj.weight.detach().numpy()
     absmax = np.repeat(np.abs(w0.reshape(64, 5, 32)).max(axis=2), 32, axis=1)
     # (double quantization adds at most a scale block's largest |scale - offset| / 254 <= the largest scale / 254)
     assert 0 < np.abs(w - w0).max() and np.all(np.abs(w - w0) <= absmax / 14 + absmax.max() / 254 + 1e-7)
-    adapted = peft.PeftModel.from_pretrained(exported_base, out / "adapter").eval()
+    adapted = peft.PeftModel.from_pretrained(exported_base, with_base).eval()
     close(reference_logits(adapted), want)
