@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxlm import cli, distributed, energy, metrics, precision
+from jaxlm import commands, distributed, energy, metrics, precision
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError, report_error
 from jaxlm.models import attention
@@ -537,20 +537,7 @@ def _initialize_distributed(args) -> tuple[str | None, str | None]:
         return None, f"jax.distributed.initialize failed: {_first_line(e)}"
 
 
-def make_parser() -> cli.Parser:
-    """The command line of `python -m jaxlm.doctor` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = cli.Parser(prog="python -m jaxlm.doctor", description=__doc__.splitlines()[0])
-    parser.add_argument("--expect", choices=("auto", "gpu", "cpu", "tpu"), default="auto",
-                        help="the platform JAX must use (auto: a GPU where nvidia-smi lists one)")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_number("--matmul_size", kind=int, minimum=1, default=None, help="n of the n x n x n bf16 matmul timing")
-    parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
-    parser.add_argument("--coordinator", default=None, help="host:port of process 0 (with --distributed)")
-    parser.add_number("--num_processes", kind=int, minimum=1, default=None)
-    parser.add_number("--process_id", kind=int, minimum=0, default=None)
-    parser.add_number("--distributed_timeout_s", above=0, default=distributed.DEFAULT_TIMEOUT_S,
-                      help="how long to wait for the coordinator and the other processes")
-    return parser
+make_parser = commands.doctor_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def main(argv: list[str] | None = None) -> int:

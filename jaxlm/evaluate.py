@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd
 
-from jaxlm import cli, inference, steps
+from jaxlm import commands, inference, steps
 from jaxlm import run_dir as run_dir_lib
 from jaxlm.data import loader, pipeline, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
@@ -435,31 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again to evaluate")
 
 
-def make_parser() -> cli.Parser:
-    """The command line of `python -m jaxlm.evaluate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = cli.Parser(prog="python -m jaxlm.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_path("--run_dir", kind="dir", io="in", required=True,
-                    help="a training run's directory (run.output_dir/run.name)")
-    parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--corpus", default="val",
-                        help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
-    parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
-    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
-                        help="of raw corpus files (auto: by extension, or the run's data.format for an SFT run)")
-    parser.add_argument("--chat_template", default=None,
-                        help="chat rows: '' (the tokenizer's own), chatml, simple or a .jinja file (default: the run's)")
-    parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field with the text")
-    parser.add_argument("--separator", default="", help="text files: split documents on this string")
-    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=1_000_000,
-                      help="evaluate on about this many tokens; 0 = all")
-    parser.add_argument("--tasks", default="", help="multiple-choice JSONL files, comma-separated")
-    parser.add_number("--seq_len", kind=int, minimum=2, default=None,
-                      help="tokens per row (default: the run's data.seq_len)")
-    parser.add_number("--batch_size", kind=int, minimum=1, default=None, help="rows per batch (default: the run's)")
-    parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
-    parser.add_path("--output", kind="file", io="out", default=None,
-                    help="results JSON (default: <run_dir>/eval-<step>.json)")
-    return parser
+make_parser = commands.evaluate_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,6 @@ says otherwise; optuna's study lives there too (optuna.journal), so it resumes.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import datetime
@@ -63,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxlm import cli, init_from
+from jaxlm import commands, init_from
 from jaxlm import config as config_lib
 from jaxlm import run_dir as run_dir_lib
 from jaxlm import train as train_lib
@@ -995,45 +994,7 @@ def _report_failures(outcomes: dict[str, str]) -> None:
         raise SweepFailed(f"{len(failed)} run(s) failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
 
 
-def _parse_set(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: use KEY=VALUE, e.g. run.steps=20")
-    return key.removeprefix("config."), value
-
-
-def _parse_seeds(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds {text!r}: use comma-separated integers, e.g. 0,1,2") from None
-
-
-def make_parser() -> cli.Parser:
-    """The command line of `python -m jaxlm.experiment` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = cli.Parser(prog="python -m jaxlm.experiment", description=__doc__.split("\n\n")[0])
-    parser.add_path("experiment", kind="file", io="in", help="a Python file defining EXPERIMENT = Experiment(...)")
-    parser.add_number("--parallel", kind=int, minimum=0, allowed="1 or more, or 0 to run in this process", default=1,
-                      help="runs at once; 0 = in this process, one by one")
-    parser.add_argument("--print_commands", "--print-commands", action="store_true",
-                        help="print one command per unfinished run (for a cluster) instead of running")
-    parser.add_argument("--collect", action="store_true", help="only collect the results of the runs on disk")
-    parser.add_argument("--search", choices=("grid", "random", "optuna"), help="search the search_space")
-    parser.add_number("--trials", kind=int, minimum=1, help="random and optuna searches: how many trials in all")
-    stop = parser.add_mutually_exclusive_group()
-    stop.add_argument("--early_stop", "--early-stop", action="store_true", default=None,
-                      help="stop runs whose validation loss is worse than the median at the same step")
-    stop.add_argument("--no_early_stop", "--no-early-stop", action="store_false", dest="early_stop",
-                      help="optuna: never prune")
-    parser.add_argument("--seeds", type=_parse_seeds, help="comma-separated seeds instead of the declaration's")
-    parser.add_argument("--set", type=_parse_set, action="append", default=[], metavar="KEY=VALUE",
-                        help="an override for every run (repeatable)")
-    parser.add_argument("--only", type=lambda s: [v for v in s.split(",") if v], help="comma-separated variants to run")
-    parser.add_path("--output_dir", "--output-dir", kind="dir", io="out", default="runs",
-                    help="runs go to <output_dir>/<experiment>/")
-    parser.add_path("--results_dir", "--results-dir", kind="dir", io="out",
-                        help="where results.md/csv and loss.png go (default: the sweep's directory)")
-    return parser
+make_parser = commands.experiment_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

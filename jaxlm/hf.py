@@ -24,7 +24,6 @@ Name maps and config translation: `jaxlm.models.hf`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxlm import checkpoint, cli, distributed, inference, lora, train_state
+from jaxlm import checkpoint, commands, distributed, inference, lora, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import run_dir as run_dir_lib
@@ -267,7 +266,7 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
 # ----------------------------------------------------------------------------- export
 
 
-ADAPTER_CHOICES = ("merge", "peft")
+ADAPTER_CHOICES = commands.ADAPTER_CHOICES
 BASE_DIR = "base"  # --adapters=peft --with_base: the base model's directory inside the adapter's
 
 
@@ -507,34 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again with a new --output")
 
 
-def make_parser() -> cli.Parser:
-    """The command line of `python -m jaxlm.hf` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = cli.Parser(prog="python -m jaxlm.hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    imp = commands.add_parser("import", help="a Hugging Face model directory -> a jaxlm run directory")
-    imp.add_path("--hf_dir", kind="dir", io="in", required=True, help="config.json, safetensors, tokenizer")
-    imp.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
-    imp.add_argument("--param_dtype", default="float32", help="float32 (default: for training) | bfloat16 | float16")
-    imp.add_path("--tokenizer", kind="any", io="in", default="", help="a tokenizer file, where the directory has none")
-    exp = commands.add_parser("export", help="a jaxlm run -> a Hugging Face model directory")
-    exp.add_path("--run_dir", kind="dir", io="in", required=True)
-    exp.add_path("--output", kind="dir", io="out", required=True, help="the directory to write (new)")
-    exp.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
-    exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
-    exp.add_number("--max_shard_gb", above=0, allowed="a positive size in GB", default=5.0,
-                   help="safetensors files of at most this size")
-    exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
-                     help="a LoRA run: merge the adapters into the weights, or write the adapter alone in PEFT's "
-                          "format (--output is then the adapter's directory)")
-    # A directory or a hub id, written into adapter_config.json and never opened here: not one path.
-    exp.add_argument("--base_model", default="",
-                     help="--adapters=peft: the base_model_name_or_path to record (default: the Hugging Face "
-                          "model the run's base was imported from)")
-    exp.add_argument("--with_base", action="store_true",
-                     help="--adapters=peft: also write the run's base (a QLoRA run's dequantized) in <output>/base "
-                          "and point the adapter at it")
-    return parser
+make_parser = commands.hf_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def _main(argv: Sequence[str] | None) -> int:

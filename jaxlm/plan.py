@@ -40,7 +40,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxlm import axes, cli, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
+from jaxlm import axes, commands, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
@@ -491,26 +491,7 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
     return run_command(lambda: _main(argv, own_process=own_process), resume="run the same command again")
 
 
-def make_parser() -> cli.Parser:
-    """The command line of `python -m jaxlm.plan` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = cli.Parser(prog="python -m jaxlm.plan", description=__doc__.splitlines()[2], allow_abbrev=False)
-    parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", required=True,
-                      help="number of devices the run uses")
-    parser.add_number("--device_memory_gib", above=0, allowed="a positive size in GiB", default=None,
-                      help="memory of one device (default 80, or the --target's)")
-    parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
-                        help="compile the real GPU program for compile-only devices of this kind (no GPU needed; "
-                             "`make h100-env`) and report its memory and roofline: kernels, collectives, the "
-                             "roofline-bound MFU")
-    parser.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
-                        help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also compile the train step ahead of time and report XLA's memory analysis")
-    parser.add_argument("--choose", action="store_true",
-                        help="with --target: also compile each remat policy at several micro-batch counts and "
-                             "choose the pair with the best roofline-bound MFU that fits without recompute XLA adds")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    return parser
+make_parser = commands.plan_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:

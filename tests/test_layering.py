@@ -10,7 +10,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxlm"
 
 # The top-level modules and packages of jaxlm, by layer (higher imports lower)
 LAYERS = {
-    4: {"train", "evaluate", "generate", "hf", "compress", "plan", "doctor", "experiment", "explore",
+    4: {"train", "evaluate", "generate", "hf", "compress", "plan", "doctor", "experiment", "explore", "commands",
         "config_reference"},  # commands
     # training and planning; config assembles the typed sections their owners define (`jaxlm.section`)
     3: {"config", "train_setup", "steps", "optim", "pruning_masks", "train_state", "checkpoint", "init_from",

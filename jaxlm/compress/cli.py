@@ -17,7 +17,6 @@ format (round to nearest, the quantizer it trained with).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -33,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxlm import checkpoint, evaluate, generate, inference, quant, train_state
-from jaxlm import cli as jaxlm_cli
+from jaxlm import checkpoint, commands, evaluate, generate, inference, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm import run_dir as run_dir_lib
 from jaxlm.compress import calibrate, methods
@@ -278,21 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(lambda: _main(argv), resume="run the same command again with a new --output")
 
 
-def make_parser() -> jaxlm_cli.Parser:
-    """The command line of `python -m jaxlm.compress` (tests/test_cli_numbers.py tries every numeric flag of it)."""
-    parser = jaxlm_cli.Parser(prog="python -m jaxlm.compress", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_path("--run_dir", kind="dir", io="in", required=True, help="the trained run to compress")
-    parser.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
-    parser.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
-    parser.add_argument("--corpus", default="val", help="what the report measures quality on: val (the run's "
-                        "validation split), text files, a prepared directory, or none")
-    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=200_000,
-                      help="of --corpus, at most this many tokens")
-    parser.add_argument("--tasks", default="", help="comma-separated multiple-choice JSONL files (jaxlm.evaluate's)")
-    parser.add_number("--gen_tokens", kind=int, minimum=0, default=32, help="new tokens per row in the generation "
-                      "speed measurement (0 = none)")
-    return parser
+make_parser = commands.compress_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
 def _main(argv: Sequence[str] | None) -> int:

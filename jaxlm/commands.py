@@ -1,0 +1,227 @@
+"""The command lines of jaxlm's commands, light to import (argparse, `jaxlm.cli` and a few tables), so
+that `python -m jaxlm.<command>` answers `--help` and a bad flag in a fraction of a second, before JAX
+is imported (`parse_early`, which the package's `__init__` calls for `python -m jaxlm.<command>`;
+`benchmarks/cli_startup.py` measures it). Each command module takes its parser from here
+(`make_parser = commands.<name>_parser`): the flags are declared once, and the generated tests
+(tests/test_cli_numbers.py, tests/test_paths.py) read them from the commands. `jaxlm.data.prepare` and
+`jaxlm.data.tokenizer` import no JAX and keep their parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from jaxlm import cli, roofline
+from jaxlm.data import sft, sources
+from jaxlm.errors import EnvironmentFailure, UserError, report_error
+
+ADAPTER_CHOICES = ("merge", "peft")  # hf export --adapters
+DISTRIBUTED_TIMEOUT_S = 300.0  # doctor --distributed_timeout_s: distributed.DEFAULT_TIMEOUT_S (tested equal)
+
+
+def _doc(module: str) -> str:
+    """A command module's docstring, read from its source without importing it (which would import JAX)."""
+    origin = importlib.util.find_spec(module).origin
+    with open(origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read()), clean=False) or ""
+
+
+def evaluate_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.evaluate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.evaluate", description=_doc("jaxlm.evaluate").split("\n\n")[0])
+    parser.add_path("--run_dir", kind="dir", io="in", required=True,
+                    help="a training run's directory (run.output_dir/run.name)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--corpus", default="val",
+                        help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
+    parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
+    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
+                        help="of raw corpus files (auto: by extension, or the run's data.format for an SFT run)")
+    parser.add_argument("--chat_template", default=None,
+                        help="chat rows: '' (the tokenizer's own), chatml, simple or a .jinja file (default: the run's)")
+    parser.add_argument("--text_field", default="text", help="jsonl / parquet: the field with the text")
+    parser.add_argument("--separator", default="", help="text files: split documents on this string")
+    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=1_000_000,
+                      help="evaluate on about this many tokens; 0 = all")
+    parser.add_argument("--tasks", default="", help="multiple-choice JSONL files, comma-separated")
+    parser.add_number("--seq_len", kind=int, minimum=2, default=None,
+                      help="tokens per row (default: the run's data.seq_len)")
+    parser.add_number("--batch_size", kind=int, minimum=1, default=None, help="rows per batch (default: the run's)")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
+    parser.add_path("--output", kind="file", io="out", default=None,
+                    help="results JSON (default: <run_dir>/eval-<step>.json)")
+    return parser
+
+
+def hf_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.hf` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.hf", description=_doc("jaxlm.hf"),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="a Hugging Face model directory -> a jaxlm run directory")
+    imp.add_path("--hf_dir", kind="dir", io="in", required=True, help="config.json, safetensors, tokenizer")
+    imp.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
+    imp.add_argument("--param_dtype", default="float32", help="float32 (default: for training) | bfloat16 | float16")
+    imp.add_path("--tokenizer", kind="any", io="in", default="", help="a tokenizer file, where the directory has none")
+    exp = commands.add_parser("export", help="a jaxlm run -> a Hugging Face model directory")
+    exp.add_path("--run_dir", kind="dir", io="in", required=True)
+    exp.add_path("--output", kind="dir", io="out", required=True, help="the directory to write (new)")
+    exp.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
+    exp.add_argument("--dtype", default="", help="float32 | bfloat16 | float16 (default: the run's param_dtype)")
+    exp.add_number("--max_shard_gb", above=0, allowed="a positive size in GB", default=5.0,
+                   help="safetensors files of at most this size")
+    exp.add_argument("--adapters", default="merge", choices=ADAPTER_CHOICES,
+                     help="a LoRA run: merge the adapters into the weights, or write the adapter alone in PEFT's "
+                          "format (--output is then the adapter's directory)")
+    # A directory or a hub id, written into adapter_config.json and never opened here: not one path.
+    exp.add_argument("--base_model", default="",
+                     help="--adapters=peft: the base_model_name_or_path to record (default: the Hugging Face "
+                          "model the run's base was imported from)")
+    exp.add_argument("--with_base", action="store_true",
+                     help="--adapters=peft: also write the run's base (a QLoRA run's dequantized) in <output>/base "
+                          "and point the adapter at it")
+    return parser
+
+
+def compress_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.compress` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.compress", description=_doc("jaxlm.compress.cli"),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_path("--run_dir", kind="dir", io="in", required=True, help="the trained run to compress")
+    parser.add_path("--output", kind="dir", io="out", required=True, help="the run directory to write (new)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="the checkpoint (default: the newest that loads)")
+    parser.add_argument("--corpus", default="val", help="what the report measures quality on: val (the run's "
+                        "validation split), text files, a prepared directory, or none")
+    parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=200_000,
+                      help="of --corpus, at most this many tokens")
+    parser.add_argument("--tasks", default="", help="comma-separated multiple-choice JSONL files (jaxlm.evaluate's)")
+    parser.add_number("--gen_tokens", kind=int, minimum=0, default=32, help="new tokens per row in the generation "
+                      "speed measurement (0 = none)")
+    return parser
+
+
+def plan_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.plan` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.plan", description=_doc("jaxlm.plan").splitlines()[2], allow_abbrev=False)
+    parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", required=True,
+                      help="number of devices the run uses")
+    parser.add_number("--device_memory_gib", above=0, allowed="a positive size in GiB", default=None,
+                      help="memory of one device (default 80, or the --target's)")
+    parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
+                        help="compile the real GPU program for compile-only devices of this kind (no GPU needed; "
+                             "`make h100-env`) and report its memory and roofline: kernels, collectives, the "
+                             "roofline-bound MFU")
+    parser.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
+                        help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile the train step ahead of time and report XLA's memory analysis")
+    parser.add_argument("--choose", action="store_true",
+                        help="with --target: also compile each remat policy at several micro-batch counts and "
+                             "choose the pair with the best roofline-bound MFU that fits without recompute XLA adds")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return parser
+
+
+def experiment_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.experiment` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.experiment", description=_doc("jaxlm.experiment").split("\n\n")[0])
+    parser.add_path("experiment", kind="file", io="in", help="a Python file defining EXPERIMENT = Experiment(...)")
+    parser.add_number("--parallel", kind=int, minimum=0, allowed="1 or more, or 0 to run in this process", default=1,
+                      help="runs at once; 0 = in this process, one by one")
+    parser.add_argument("--print_commands", "--print-commands", action="store_true",
+                        help="print one command per unfinished run (for a cluster) instead of running")
+    parser.add_argument("--collect", action="store_true", help="only collect the results of the runs on disk")
+    parser.add_argument("--search", choices=("grid", "random", "optuna"), help="search the search_space")
+    parser.add_number("--trials", kind=int, minimum=1, help="random and optuna searches: how many trials in all")
+    stop = parser.add_mutually_exclusive_group()
+    stop.add_argument("--early_stop", "--early-stop", action="store_true", default=None,
+                      help="stop runs whose validation loss is worse than the median at the same step")
+    stop.add_argument("--no_early_stop", "--no-early-stop", action="store_false", dest="early_stop",
+                      help="optuna: never prune")
+    parser.add_argument("--seeds", type=_parse_seeds, help="comma-separated seeds instead of the declaration's")
+    parser.add_argument("--set", type=_parse_set, action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run (repeatable)")
+    parser.add_argument("--only", type=lambda s: [v for v in s.split(",") if v], help="comma-separated variants to run")
+    parser.add_path("--output_dir", "--output-dir", kind="dir", io="out", default="runs",
+                    help="runs go to <output_dir>/<experiment>/")
+    parser.add_path("--results_dir", "--results-dir", kind="dir", io="out",
+                        help="where results.md/csv and loss.png go (default: the sweep's directory)")
+    return parser
+
+
+def doctor_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.doctor` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.doctor", description=_doc("jaxlm.doctor").splitlines()[0])
+    parser.add_argument("--expect", choices=("auto", "gpu", "cpu", "tpu"), default="auto",
+                        help="the platform JAX must use (auto: a GPU where nvidia-smi lists one)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_number("--matmul_size", kind=int, minimum=1, default=None, help="n of the n x n x n bf16 matmul timing")
+    parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
+    parser.add_argument("--coordinator", default=None, help="host:port of process 0 (with --distributed)")
+    parser.add_number("--num_processes", kind=int, minimum=1, default=None)
+    parser.add_number("--process_id", kind=int, minimum=0, default=None)
+    parser.add_number("--distributed_timeout_s", above=0, default=DISTRIBUTED_TIMEOUT_S,
+                      help="how long to wait for the coordinator and the other processes")
+    return parser
+
+
+def _parse_set(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: use KEY=VALUE, e.g. run.steps=20")
+    return key.removeprefix("config."), value
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: use comma-separated integers, e.g. 0,1,2") from None
+
+
+# ----------------------------------------------------------------------------- before JAX
+
+# The commands `parse_early` answers, by module: their parser, and which arguments it reads (plan's
+# `--config` ones are the recipe's, read after the imports)
+EARLY = {
+    "jaxlm.evaluate": evaluate_parser, "jaxlm.hf": hf_parser, "jaxlm.compress": compress_parser,
+    "jaxlm.compress.cli": compress_parser, "jaxlm.plan": plan_parser, "jaxlm.experiment": experiment_parser,
+    "jaxlm.doctor": doctor_parser,
+}
+RECIPES = pathlib.Path(__file__).resolve().parent.parent / "configs"  # (config.RECIPES_DIR, without its imports)
+
+TRAIN_USAGE = """usage: python -m jaxlm.train --config=configs/<recipe>.py [--config.<section>.<key>=<value> ...]
+
+Train (or resume) the run that the recipe and the overrides describe, in run.output_dir/run.name.
+Recipes: {recipes}.
+Every key, its default and what it means: docs/config-reference.md; the guides: docs/."""
+
+
+def parse_early(module: str, argv: Sequence[str]) -> None:
+    """For `python -m <module> <argv>`: answer --help and refuse a bad flag (one line, exit 2 or 74)
+    now, before the command imports JAX; return when the arguments parse (the command parses them
+    again). Config keys (`--config.<key>=`) are checked later, by the typed sections that own them."""
+    try:
+        if module == "jaxlm.train" and {"-h", "--help"} & set(argv):
+            print(TRAIN_USAGE.format(recipes=", ".join(sorted(p.stem for p in RECIPES.glob("*.py")
+                                                              if not p.stem.startswith("_")))))
+            sys.exit(0)
+        parser = EARLY.get(module)
+        if parser is None:
+            return
+        if module == "jaxlm.plan":  # (its --config arguments are the recipe's)
+            parser().parse_args([a for a in argv if not a.startswith("--config")])
+        elif module.startswith("jaxlm.compress"):  # (--config.compress.<key> overrides follow its flags)
+            parser().parse_known_args(list(argv))
+        else:
+            parser().parse_args(list(argv))
+    except UserError as e:
+        sys.exit(report_error(e))
+    except EnvironmentFailure as e:
+        print(f"jaxlm: error: {e}", file=sys.stderr)
+        sys.exit(74)
