@@ -113,7 +113,7 @@ def test_interactive_reset_and_exit_and_a_message_past_the_context(chat_run, loa
     assert 0 < turns[1]["reused_tokens"] == shared < turns[1]["prompt_tokens"]
 
 
-@pytest.mark.slow  # a subprocess that loads the run and compiles (about 15 s)
+@pytest.mark.slow  # a second interactive subprocess (3 s with a warm compilation cache, 30 s cold): make check
 def test_ctrl_c_ends_an_interactive_chat_with_130(chat_run):
     process = _interactive(chat_run)
     process.stdin.write(f"{FIRST}\n")
