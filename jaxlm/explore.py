@@ -12,6 +12,7 @@ jaxlm.train` runs.
     for metrics in explore.train_steps(setup, data, 50): ...
     explore.evaluate(setup, data)
     explore.sample(setup, ["def "], data.tokenizer, max_new_tokens=40)
+    explore.chat(setup, [{"role": "user", "content": "hi"}], data.tokenizer)  # a chat run: its template
     run_dir = explore.save(setup, data, "runs/notebook")   # a run directory the CLI resumes
     loaded = explore.load(run_dir)             # parameters only, on the devices here
 """
@@ -40,7 +41,7 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.axes import MESH_AXES
 from jaxlm.axes import describe as describe_mesh
-from jaxlm.data import loader
+from jaxlm.data import loader, sft
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -430,14 +431,58 @@ def generator(model: Model, tokenizer: Tokenizer | None = None):
     return gen
 
 
-def sample(model: Model, prompts: str | Sequence[str], tokenizer: Tokenizer | None = None, *,
+Prompt = str | Sequence[int]  # text (encoded with BOS in front) or token ids, given to the model as they are
+
+
+def _is_ids(prompt: Any) -> bool:
+    return (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0
+            and all(isinstance(i, (int, np.integer)) for i in prompt))
+
+
+def sample(model: Model, prompts: Prompt | Sequence[Prompt], tokenizer: Tokenizer | None = None, *,
            max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
            seed: int = 0) -> str | list[str]:
-    """Continue each prompt (KV-cache sampling, `jaxlm.generate`); temperature 0 is greedy. Returns
-    the new text (prompt not included), one string per prompt."""
-    single = isinstance(prompts, str)
+    """Continue each prompt (KV-cache sampling, `jaxlm.generate`); temperature 0 is greedy. A prompt is
+    text (encoded with BOS in front) or token ids, which the model gets as they are: a chat prompt's ids
+    (`chat_prompt_ids`) keep their special tokens, which decoding them to text would drop. Returns the
+    new text (prompt not included), one string per prompt."""
+    single = isinstance(prompts, str) or _is_ids(prompts)
+    batch = [prompts] if single else list(prompts)
     gen = generator(model, tokenizer)
-    completions = gen.generate([prompts] if single else list(prompts), max_new_tokens=max_new_tokens,
-                               sampling=generate.Sampling(temperature, top_k, top_p), seed=seed)
-    texts = [c.text for c in completions]
+    options = dict(max_new_tokens=max_new_tokens, sampling=generate.Sampling(temperature, top_k, top_p), seed=seed)
+    if all(isinstance(p, str) for p in batch):
+        texts = [c.text for c in gen.generate(batch, **options)]
+    elif all(_is_ids(p) for p in batch):
+        texts = [gen.tokenizer.decode(c.ids) for c in gen.generate_ids([[int(i) for i in p] for p in batch], **options)]
+    else:
+        raise UserError("sample(model, prompts): give texts or token-id lists (one list per prompt), not a mix")
     return texts[0] if single else texts
+
+
+def chat_template(model: Model, tokenizer: Tokenizer | None = None) -> sft.Encoder:
+    """The model's chat template: the one its config fine-tunes with (data.chat_template of chat data),
+    else its tokenizer's own (`inference.chat_template`)."""
+    tokenizer = tokenizer or getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise UserError("pass the tokenizer, e.g. load_data(setup).tokenizer")
+    return inference.chat_template(model.cfg, tokenizer)
+
+
+def chat_prompt_ids(model: Model, messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer | None = None) -> list[int]:
+    """The ids a chat model is prompted with: `messages` ([{"role": ..., "content": ...}, ...], ending
+    with a user message) rendered by its chat template with the generation prompt, special tokens kept.
+    Give these ids to `sample`, never their decoded text."""
+    tokenizer = tokenizer or getattr(model, "tokenizer", None)
+    messages = sft.check_prompt([dict(m) for m in messages], "chat_prompt_ids(messages)")
+    return chat_template(model, tokenizer).prompt_ids(tokenizer, messages)
+
+
+def chat(model: Model, conversations: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+         tokenizer: Tokenizer | None = None, **sampling: Any) -> str | list[str]:
+    """The assistant's answer to a conversation (a list of {role, content} messages) or to each of a
+    list of them: `sample` on their `chat_prompt_ids`, with `sample`'s options."""
+    single = bool(conversations) and isinstance(conversations[0], Mapping)
+    batch = [conversations] if single else list(conversations)
+    ids = [chat_prompt_ids(model, c, tokenizer) for c in batch]  # type: ignore[arg-type]
+    answers = sample(model, ids, tokenizer, **sampling)
+    return answers[0] if single else answers

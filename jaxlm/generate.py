@@ -11,6 +11,11 @@ sharded like the activations (batch over data x fsdp, heads over tensor).
 Greedy decoding (temperature 0) gives exactly the tokens that repeated full forward passes give
 (tested); temperature, top-k and top-p sampling draw from a PRNG key derived from `seed`, so a seed
 always gives the same text.
+
+A chat model is prompted with token ids, never with text decoded from them: a conversation is rendered
+by the run's chat template with its generation prompt (`jaxlm.data.sft`, the renderer training uses) and
+encoded with its special tokens (`<|im_start|>`), which `Tokenizer.decode` would drop. `ChatSession`
+keeps a conversation and its KV cache between turns (`--interactive`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import cli, inference, train_state
 from jaxlm import mesh as mesh_lib
+from jaxlm.data import sft
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.models import attention, transformer
@@ -115,6 +121,14 @@ class Completion:
     finish_reason: str  # 'eos' or 'length'
     prompt: str | None = None
     text: str | None = None  # the new tokens decoded
+    messages: list[dict[str, str]] | None = None  # a chat prompt's conversation (rendered to prompt_ids)
+
+
+def _next_tokens(logits, key, count, done, sampling: SamplingArrays):
+    """Each row's next token (pad once it has stopped) and whether it has now stopped."""
+    token = sample_logits(logits, jax.random.fold_in(key, count), sampling)
+    token = jnp.where(done, sampling.pad_id, token)
+    return token, done | (token == sampling.eos_id)
 
 
 class Generator:
@@ -131,6 +145,7 @@ class Generator:
         self.param_shardings = param_shardings or jax.tree.map(lambda x: x.sharding, params)
         self.batch_shards = inference.batch_shards(mesh, rules)
         self._compiled = None
+        self._extend = None
 
     @classmethod
     def from_run(cls, run: inference.LoadedRun) -> Generator:
@@ -175,11 +190,7 @@ class Generator:
         if self._compiled is not None:
             return self._compiled
         cfg, graphdef, rules = self.model_cfg, self.graphdef, self.rules
-
-        def next_tokens(logits, state_key, count, done, sampling: SamplingArrays):
-            token = sample_logits(logits, jax.random.fold_in(state_key, count), sampling)
-            token = jnp.where(done, sampling.pad_id, token)
-            return token, done | (token == sampling.eos_id)
+        next_tokens = _next_tokens
 
         def prefill(params, prompts, start, done, rng, sampling, cache_len, max_new):
             with spmd.logical_axis_rules(rules):
@@ -215,6 +226,51 @@ class Generator:
                              out_shardings=outs)
         self._compiled = (prefill_jit, decode_jit)
         return self._compiled
+
+    def compiled_extend(self):
+        """(empty_cache, extend), jitted: what a `ChatSession` adds to `compiled()`'s decode step.
+
+        empty_cache(rows, slots) -> a zero cache whose rows all start at slot 0 (no left padding).
+        extend(params, cache, chunk [B, T], length, index, done [B], key, sampling, max_new) -> (cache,
+        state), donating the cache: the first `length` tokens of each row of `chunk` (the rest is padding,
+        so that nearby lengths share one compiled function) are written at slots [index, index + length),
+        attending to the slots before them, and the first new token is sampled after them. What the cache
+        held from `index` on is overwritten or, past the chunk, masked until written again.
+        """
+        if self._extend is not None:
+            return self._extend
+        cfg, graphdef, rules = self.model_cfg, self.graphdef, self.rules
+
+        def empty_cache(rows, slots):
+            with spmd.logical_axis_rules(rules):
+                return transformer.init_cache(cfg, rows, slots, jnp.zeros((rows,), jnp.int32))
+
+        def extend(params, cache, chunk, length, index, done, rng, sampling, max_new):
+            with spmd.logical_axis_rules(rules):
+                model = nnx.merge(graphdef, params)
+                batch, width = chunk.shape
+                cache = cache._replace(index=index)
+                positions = jnp.maximum(index + jnp.arange(width)[None, :] - cache.start[:, None], 0)  # [B, T]
+                hidden, cache = model(chunk, positions, cache=cache, hidden=True)  # [B, T, D]
+                last = jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=1)  # [B, 1, D]: the last real token
+                logits = model.logits(last)
+                count = jnp.zeros((), jnp.int32)
+                token, done = _next_tokens(logits[:, -1], rng, count, done, sampling)
+                tokens = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token)
+                state = DecodeState(tokens=tokens, last=token, done=done, count=count + 1, key=rng, sampling=sampling)
+                return cache._replace(index=index + length), state
+
+        cache_sharding, state_sharding = self._cache_sharding(), self._state_sharding()
+        rows = self._sharding("act_batch")
+        replicated = NamedSharding(self.mesh, P())
+        empty_jit = jax.jit(empty_cache, static_argnums=(0, 1), out_shardings=cache_sharding)
+        extend_jit = jax.jit(
+            extend, static_argnums=(8,), donate_argnums=(1,), out_shardings=(cache_sharding, state_sharding),
+            in_shardings=(self.param_shardings, cache_sharding, self._sharding("act_batch", None), replicated,
+                          replicated, rows, replicated, SamplingArrays(*[replicated] * len(SamplingArrays._fields))),
+        )
+        self._extend = (empty_jit, extend_jit)
+        return self._extend
 
     # ------------------------------------------------------------------------- generation
 
@@ -275,19 +331,21 @@ class Generator:
             settings = SamplingArrays(*[put(x, whole) for x in SamplingArrays.of(sampling, eos_id, self.pad_id)])
             cache, state = prefill(self.params, put(tokens, self._sharding("act_batch", None)), put(start, rows),
                                    put(is_padding, rows), key, settings, cache_len, max_new)
-            for n in range(1, max_new):
-                if n % DONE_CHECK_EVERY == 0 and bool(np.all(jax.device_get(state.done))):
-                    break
-                cache, state = decode(self.params, cache, state)
+            cache, state, _ = self.decode_until_done(cache, state, max_new)
             new = np.asarray(jax.device_get(state.tokens))
-        out = []
-        for row, prompt in enumerate(prompts):
-            ids = new[row].tolist()
-            reason = "length"
-            if eos_id is not None and eos_id in ids:
-                ids, reason = ids[: ids.index(eos_id)], "eos"
-            out.append(Completion(prompt_ids=list(prompt), ids=ids, finish_reason=reason))
-        return out
+        return [completion(prompt, new[row], eos_id) for row, prompt in enumerate(prompts)]
+
+    def decode_until_done(self, cache, state: DecodeState, max_new: int) -> tuple[attention.KVCache, DecodeState, int]:
+        """Decode steps after a prefill until every row has stopped (looked at every DONE_CHECK_EVERY
+        steps) or `max_new` tokens are out; also the number of steps run (tokens fed to the cache)."""
+        _, decode = self.compiled()
+        steps = 0
+        for n in range(1, max_new):
+            if n % DONE_CHECK_EVERY == 0 and bool(np.all(jax.device_get(state.done))):
+                break
+            cache, state = decode(self.params, cache, state)
+            steps += 1
+        return cache, state, steps
 
     def generate(self, prompts: Sequence[str], **kwargs) -> list[Completion]:
         """`generate_ids` for text prompts: each is encoded with BOS in front, each completion decoded."""
@@ -298,6 +356,118 @@ class Generator:
         for completion, prompt in zip(completions, prompts):
             completion.prompt, completion.text = prompt, self.tokenizer.decode(completion.ids)
         return completions
+
+    def generate_chat(self, conversations: Sequence[Sequence[dict[str, str]]], template: sft.Encoder,
+                      **kwargs) -> list[Completion]:
+        """The assistant's next turn of each conversation: `generate_ids` on the ids of the conversation
+        rendered by `template` with its generation prompt (`LoadedRun.chat_template()` is a run's), each
+        answer decoded (its special tokens, such as an end-of-turn marker, dropped)."""
+        if self.tokenizer is None:
+            raise ValueError("this Generator has no tokenizer; render the prompts and use generate_ids")
+        ids = [template.prompt_ids(self.tokenizer, messages) for messages in conversations]
+        completions = self.generate_ids(ids, **kwargs)
+        for completion, messages in zip(completions, conversations):
+            completion.messages, completion.text = list(messages), self.tokenizer.decode(completion.ids)
+        return completions
+
+
+def completion(prompt: Sequence[int], new: np.ndarray, eos_id: int | None) -> Completion:
+    """A row's Completion: its new tokens up to EOS (not included)."""
+    ids, reason = new.tolist(), "length"
+    if eos_id is not None and eos_id in ids:
+        ids, reason = ids[: ids.index(eos_id)], "eos"
+    return Completion(prompt_ids=list(prompt), ids=ids, finish_reason=reason)
+
+
+def common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common start of two id sequences."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class ChatSession:
+    """A conversation with a model, turn by turn (`python -m jaxlm.generate --interactive`): `reply(text)`
+    adds the user's message, renders the whole conversation with the chat template and its generation
+    prompt, samples the assistant's answer and adds it (decoded) to the conversation.
+
+    The KV cache is kept between turns. Each turn's prompt is rendered whole, not appended to, so its ids
+    are exactly those a one-shot `--chat` with the same history is prompted with (tested); the model runs
+    only on the ids after the longest common start of those and the ids already in the cache (the
+    previous prompt and the tokens of its answer), writing over the slots after it. With a template that
+    renders a conversation's start as the start of the whole (every common one) and an answer that
+    encodes back to its own tokens, that is the new user message and the template's text around it. A
+    template that renders earlier turns differently (one that drops past reasoning), or an answer whose
+    text encodes to other ids, shortens the common start: the model recomputes from there, at worst the
+    whole conversation (a re-prefill), and the answer is the same either way.
+    """
+
+    def __init__(self, generator: Generator, template: sft.Encoder, *, system: str | None = None,
+                 max_new_tokens: int = 128, sampling: Sampling = GREEDY, seed: int = 0,
+                 eos_id: int | None | Literal["tokenizer"] = "tokenizer"):
+        if generator.tokenizer is None:
+            raise ValueError("a ChatSession needs a Generator with a tokenizer")
+        if max_new_tokens < 1:
+            raise UserError(f"--max_new_tokens={max_new_tokens}: generate at least one token")
+        self.generator, self.template, self.system = generator, template, system
+        self.max_new_tokens, self.sampling, self.seed = max_new_tokens, sampling, seed
+        self.eos_id = generator.eos_id if isinstance(eos_id, str) else eos_id
+        self.messages: list[dict[str, str]] = []
+        self.turns = 0
+        self.reused = 0  # the last turn's prompt ids that were already in the cache
+        self._cache = None
+        self._cached: list[int] = []  # the ids whose keys and values the cache holds, from slot 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the conversation over (the cache stays: a new conversation's common start with it is reused)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str) -> Completion:
+        """The assistant's answer to the user's message `text`, which both join the conversation. A
+        message that does not fit the model's context is refused (UserError), the conversation unchanged."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        tokenizer = self.generator.tokenizer
+        result = self._generate(self.template.prompt_ids(tokenizer, messages))
+        result.messages, result.text = messages, tokenizer.decode(result.ids)
+        self.messages = [*messages, {"role": "assistant", "content": result.text}]
+        return result
+
+    def _generate(self, ids: list[int]) -> Completion:
+        gen = self.generator
+        context = gen.model_cfg.max_seq_len
+        if len(ids) >= context:
+            raise UserError(f"the conversation is {len(ids)} tokens but the model's context is {context} tokens "
+                            f"(model.max_seq_len); /reset starts it over")
+        empty_cache, extend = gen.compiled_extend()
+        rows = gen.batch_shards  # row 0 is the conversation, the others padding the batch to the devices
+        # The chunk's width is rounded up, so that nearby lengths share one compiled function; the cache has
+        # room past the context for the padding of the last chunk.
+        slots = -(-(context + PROMPT_BUCKET) // PROMPT_BUCKET) * PROMPT_BUCKET
+        start = min(common_start(self._cached, ids), len(ids) - 1)  # at least one token runs: its logits
+        new = ids[start:]
+        width = -(-len(new) // PROMPT_BUCKET) * PROMPT_BUCKET
+        chunk = np.full((rows, width), gen.pad_id, np.int32)
+        chunk[0, : len(new)] = new
+        done = np.arange(rows) >= 1
+        max_new = min(self.max_new_tokens, context - len(ids))
+        with jax.set_mesh(gen.mesh):
+            whole, put = NamedSharding(gen.mesh, P()), inference.put_global
+            if self._cache is None:
+                self._cache = empty_cache(rows, slots)
+            key = put(np.asarray(jax.random.fold_in(jax.random.PRNGKey(self.seed), self.turns)), whole)
+            settings = SamplingArrays(*[put(x, whole) for x in SamplingArrays.of(self.sampling, self.eos_id,
+                                                                                 gen.pad_id)])
+            cache, self._cache = self._cache, None  # donated: if extending fails, the next turn starts afresh
+            self._cached = []
+            cache, state = extend(gen.params, cache, put(chunk, gen._sharding("act_batch", None)), np.int32(len(new)),
+                                  np.int32(start), put(done, gen._sharding("act_batch")), key, settings,
+                                  self.max_new_tokens)
+            cache, state, steps = gen.decode_until_done(cache, state, max_new)
+            tokens = np.asarray(jax.device_get(state.tokens))[0]
+        self._cache, self._cached = cache, ids + tokens[:steps].tolist()  # the tokens fed back are in the cache
+        self.turns += 1
+        self.reused = start
+        return completion(ids, tokens[:max_new], self.eos_id)
 
 
 def load(run_dir, *, step: int | None = None, dtype: str | None = None, param_dtype: str | None = None,
@@ -321,8 +491,22 @@ def make_parser() -> cli.Parser:
     parser.add_path("--run_dir", kind="dir", io="in", required=True,
                     help="a training run's directory (run.output_dir/run.name)")
     parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
-    parser.add_path("--prompts_file", kind="file", io="in", help="a file with one prompt per line (adds to --prompt)")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt; repeat for a batch (with --chat: a user message, one conversation each)")
+    parser.add_path("--prompts_file", kind="file", io="in",
+                    help="a file with one prompt per line (adds to --prompt); a .jsonl file, or any with --chat: one "
+                         "conversation per line, a JSON list of {role, content} messages or {\"messages\": [...]}")
+    parser.add_argument("--chat", action="store_true",
+                        help="prompt a chat model: each conversation rendered by the run's chat template with its "
+                             "generation prompt; the completion is the assistant's answer")
+    parser.add_argument("--messages", action="append", default=[],
+                        help="a conversation as a JSON list of {\"role\": ..., \"content\": ...} messages, ending with "
+                             "a user message (implies --chat); repeat for a batch")
+    parser.add_argument("--system", default=None,
+                        help="a system message before each conversation that has none (implies --chat)")
+    parser.add_argument("--interactive", action="store_true",
+                        help="chat in the terminal: one user message per line of standard input, the answers kept in "
+                             "the conversation (and the KV cache); /reset starts over, /exit or end of input stops")
     parser.add_number("--num_samples", kind=int, minimum=1, default=1, help="completions per prompt")
     parser.add_number("--max_new_tokens", kind=int, minimum=1, default=128)
     parser.add_number("--temperature", minimum=0, allowed="0 (greedy) or a positive number", default=0.8,
@@ -339,38 +523,131 @@ def make_parser() -> cli.Parser:
     return parser
 
 
+def _read_prompts_file(path: str) -> list[tuple[int, str]]:
+    """The (line number, text) of each non-blank line of --prompts_file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [(number, line.rstrip("\n")) for number, line in enumerate(f, 1) if line.strip()]
+    except OSError as e:
+        raise UserError(f"--prompts_file={path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts_file={path} is not UTF-8 text (byte {e.start}); give a text file") from None
+
+
+def _conversation(text: str, where: str, system: str | None) -> list[dict[str, str]]:
+    """A conversation from its JSON text (`sft.check_prompt`), with the system message put first if it has none."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg} at character {e.pos}); give a list of {{\"role\": ..., "
+                        f"\"content\": ...}} messages") from None
+    messages = sft.check_prompt(row, where)
+    if system is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def chat_prompts(args) -> list[list[dict[str, str]]]:
+    """The conversations the command line gives: --prompt (a user message each), --messages, and
+    --prompts_file's lines."""
+    first = [{"role": "system", "content": args.system}] if args.system is not None else []
+    conversations = [[*first, {"role": "user", "content": p}] for p in args.prompt]
+    conversations += [_conversation(m, f"--messages #{i}", args.system) for i, m in enumerate(args.messages, 1)]
+    if args.prompts_file:
+        conversations += [_conversation(line, f"{args.prompts_file}:{number}", args.system)
+                          for number, line in _read_prompts_file(args.prompts_file)]
+    return conversations
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    chat = bool(args.chat or args.messages or args.system is not None or args.interactive
+                or (args.prompts_file or "").lower().endswith(".jsonl"))
     try:
-        prompts = list(args.prompt)
-        if args.prompts_file:
-            try:
-                with open(args.prompts_file, encoding="utf-8") as f:
-                    prompts += [line.rstrip("\n") for line in f if line.strip()]
-            except OSError as e:
-                raise UserError(f"--prompts_file={args.prompts_file}: {e.strerror}") from None
-            except UnicodeDecodeError as e:
-                raise UserError(f"--prompts_file={args.prompts_file} is not UTF-8 text (byte {e.start}); give a text "
-                                f"file") from None
-        if not prompts:
-            raise UserError("give at least one --prompt=TEXT (or --prompts_file=FILE)")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        generator = load(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
-        batch = [p for p in prompts for _ in range(args.num_samples)]
-        completions = generator.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                         seed=args.seed, eos_id=None if args.ignore_eos else "tokenizer")
+        eos_id = None if args.ignore_eos else "tokenizer"
+        if args.interactive:
+            if args.prompt or args.messages or args.prompts_file:
+                raise UserError("--interactive reads the conversation from standard input; drop --prompt, --messages "
+                                "and --prompts_file (a system message: --system)")
+            run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
+            session = ChatSession(Generator.from_run(run), run.chat_template(), system=args.system,
+                                  max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_id=eos_id)
+            return _interactive(session, args.json)
+        if chat:
+            conversations = chat_prompts(args)
+            if not conversations:
+                raise UserError("give at least one conversation: --prompt=TEXT (a user message), --messages=JSON or "
+                                "--prompts_file=FILE.jsonl")
+        else:
+            prompts = list(args.prompt) + [line for _, line in
+                                           (_read_prompts_file(args.prompts_file) if args.prompts_file else [])]
+            if not prompts:
+                raise UserError("give at least one --prompt=TEXT (or --prompts_file=FILE)")
+        run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
+        generator = Generator.from_run(run)
+        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_id=eos_id)
+        if chat:
+            template = run.chat_template()
+            completions = generator.generate_chat([c for c in conversations for _ in range(args.num_samples)],
+                                                  template, **options)
+        else:
+            completions = generator.generate([p for p in prompts for _ in range(args.num_samples)], **options)
     except UserError as e:
         return report_error(e)
     for i, c in enumerate(completions):
         if args.json:
-            print(json.dumps({"prompt": c.prompt, "completion": c.text, "tokens": len(c.ids),
+            head = {"messages": c.messages} if chat else {"prompt": c.prompt}
+            print(json.dumps({**head, "completion": c.text, "ids": c.ids, "tokens": len(c.ids),
                               "finish_reason": c.finish_reason}))
         else:
             print(f"--- sample {i + 1}/{len(completions)} ({len(c.ids)} tokens, {c.finish_reason})")
-            print(f"{c.prompt}{c.text}")
+            print(c.text if chat else f"{c.prompt}{c.text}")
     return 0
+
+
+def _interactive(session: ChatSession, as_json: bool) -> int:
+    """The --interactive loop: a user message per line of standard input, each answer printed (as text,
+    or a JSON object with its ids). Ends at end of input or /exit (0); Ctrl-C ends it through
+    `run_command` (130). A message the model cannot take (past its context) is one error line, and the
+    conversation goes on without it."""
+    tty = sys.stdin.isatty()
+    if tty:
+        print("jaxlm: chat with the model; /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
+    while True:
+        if tty:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            line = line.rstrip("\n")
+        command = line.strip()
+        if command == "/exit":
+            return 0
+        if command == "/reset":
+            session.reset()
+            continue
+        if not command:
+            continue
+        try:
+            answer = session.reply(line)
+        except UserError as e:
+            report_error(e)
+            continue
+        if as_json:
+            print(json.dumps({"turn": session.turns, "completion": answer.text, "ids": answer.ids,
+                              "tokens": len(answer.ids), "finish_reason": answer.finish_reason,
+                              "prompt_tokens": len(answer.prompt_ids), "reused_tokens": session.reused},
+                             ), flush=True)
+        else:
+            print(answer.text, flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlm import axes, checkpoint, quant, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
+from jaxlm.data import loader, sft
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -54,6 +55,24 @@ class LoadedRun:
     def put(self, array: np.ndarray, names: Sequence[str | None]) -> jax.Array:
         """A host array (the same on every process) onto the mesh, sharded by logical names."""
         return put_global(array, self.sharding(names))
+
+    def chat_template(self) -> sft.Encoder:
+        """The chat template this run's conversations are rendered with (`chat_template`)."""
+        return chat_template(self.cfg, self.tokenizer, str(self.run_dir))
+
+
+def chat_template(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, where: str = "this model") -> sft.Encoder:
+    """How a model's conversations are rendered for generation: the template it was fine-tuned with
+    (data.chat_template of a run on chat rows: data.format=chat, or data.corpus=builtin_chat), else its
+    tokenizer's own (an imported Hugging Face model's). A run with neither is refused in one line."""
+    spec = loader.sft_spec(loader.DataConfig.from_config(cfg.data))
+    if spec is not None and spec.format == "chat":
+        return sft.Encoder.make(spec, tokenizer)
+    if tokenizer.chat_template:
+        return sft.Encoder("chat", tokenizer.chat_template, "the tokenizer's chat template")
+    raise UserError(f"{where} has no chat template: it was not trained on chat rows (data.format="
+                    f"{cfg.data.format}) and its tokenizer has none; chat with a run fine-tuned with "
+                    f"--config.data.format=chat (and data.chat_template), or prompt it with plain text")
 
 
 def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

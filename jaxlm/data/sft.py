@@ -231,6 +231,35 @@ def _check_messages(row: Any, where: str) -> list[dict[str, str]]:
     return checked
 
 
+PROMPT_ROLES = ("system", "user", "assistant")  # the roles of a conversation given to generation
+
+
+def check_prompt(row: Any, where: str) -> list[dict[str, str]]:
+    """A conversation to answer (`jaxlm.generate --chat`, `explore.chat`): a JSON list of {role,
+    content} messages, or {"messages": [...]}; roles from PROMPT_ROLES, the last one not the
+    assistant's (the model writes the next assistant turn). One UserError naming `where` otherwise."""
+    shape = 'give a list of {"role": "system" | "user" | "assistant", "content": str} messages, or {"messages": [...]}'
+    if isinstance(row, dict) and "messages" in row:
+        row = row["messages"]
+    if not isinstance(row, list) or not row:
+        kind = "an empty list" if row == [] else f"a JSON {type(row).__name__}"
+        raise UserError(f"{where}: {kind}, not a conversation; {shape}")
+    checked = []
+    for number, message in enumerate(row, 1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise UserError(f"{where}: message {number} has no 'role' string; {shape}")
+        if message["role"] not in PROMPT_ROLES:
+            raise UserError(f"{where}: message {number} has role {message['role']!r}; use one of "
+                            f"{', '.join(PROMPT_ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise UserError(f"{where}: message {number} ({message['role']}) has no 'content' string; {shape}")
+        checked.append({"role": message["role"], "content": message["content"]})
+    if checked[-1]["role"] == "assistant":
+        raise UserError(f"{where}: the last message is the assistant's; end with a user message for the model "
+                        f"to answer")
+    return checked
+
+
 # ----------------------------------------------------------------------------- templates
 
 
