@@ -58,6 +58,44 @@ def evaluate_parser() -> cli.Parser:
     return parser
 
 
+def generate_parser() -> cli.Parser:
+    """The command line of `python -m jaxlm.generate` (tests/test_cli_numbers.py tries every numeric flag of it)."""
+    parser = cli.Parser(prog="python -m jaxlm.generate", description=_doc("jaxlm.generate").split("\n\n")[0])
+    parser.add_path("--run_dir", kind="dir", io="in", required=True,
+                    help="a training run's directory (run.output_dir/run.name)")
+    parser.add_number("--step", kind=int, minimum=0, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt; repeat for a batch (with --chat: a user message, one conversation each)")
+    parser.add_path("--prompts_file", kind="file", io="in",
+                    help="a file with one prompt per line (adds to --prompt); a .jsonl file, or any with --chat: one "
+                         "conversation per line, a JSON list of {role, content} messages or {\"messages\": [...]}")
+    parser.add_argument("--chat", action="store_true",
+                        help="prompt a chat model: each conversation rendered by the run's chat template with its "
+                             "generation prompt; the completion is the assistant's answer")
+    parser.add_argument("--messages", action="append", default=[],
+                        help="a conversation as a JSON list of {\"role\": ..., \"content\": ...} messages, ending with "
+                             "a user message (implies --chat); repeat for a batch")
+    parser.add_argument("--system", default=None,
+                        help="a system message before each conversation that has none (implies --chat)")
+    parser.add_argument("--interactive", action="store_true",
+                        help="chat in the terminal: one user message per line of standard input, the answers kept in "
+                             "the conversation (and the KV cache); /reset starts over, /exit or end of input stops")
+    parser.add_number("--num_samples", kind=int, minimum=1, default=1, help="completions per prompt")
+    parser.add_number("--max_new_tokens", kind=int, minimum=1, default=128)
+    parser.add_number("--temperature", minimum=0, allowed="0 (greedy) or a positive number", default=0.8,
+                      help="0 = greedy")
+    parser.add_number("--top_k", kind=int, minimum=0, allowed="0 (off) or a positive number of tokens", default=0,
+                      help="0 = off")
+    parser.add_number("--top_p", above=0, maximum=1, allowed="a probability in (0, 1]; 1 is off", default=1.0,
+                      help="1 = off")
+    parser.add_number("--seed", kind=int, minimum=0, default=0)
+    parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: the run's model.dtype)")
+    parser.add_argument("--param_dtype", default=None, help="cast parameters as they load, e.g. bfloat16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    return parser
+
+
 def hf_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.hf` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.hf", description=_doc("jaxlm.hf"),
@@ -186,12 +224,11 @@ def _parse_seeds(text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- before JAX
 
-# The commands `parse_early` answers, by module: their parser, and which arguments it reads (plan's
-# `--config` ones are the recipe's, read after the imports)
+# The commands `parse_early` answers, by module, and their parsers
 EARLY = {
-    "jaxlm.evaluate": evaluate_parser, "jaxlm.hf": hf_parser, "jaxlm.compress": compress_parser,
-    "jaxlm.compress.cli": compress_parser, "jaxlm.plan": plan_parser, "jaxlm.experiment": experiment_parser,
-    "jaxlm.doctor": doctor_parser,
+    "jaxlm.evaluate": evaluate_parser, "jaxlm.generate": generate_parser, "jaxlm.hf": hf_parser,
+    "jaxlm.compress": compress_parser, "jaxlm.compress.cli": compress_parser, "jaxlm.plan": plan_parser,
+    "jaxlm.experiment": experiment_parser, "jaxlm.doctor": doctor_parser,
 }
 RECIPES = pathlib.Path(__file__).resolve().parent.parent / "configs"  # (config.RECIPES_DIR, without its imports)
 

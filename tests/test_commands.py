@@ -16,6 +16,7 @@ from tiny_run import ROOT
 # (the module, a bad flag of it): every command answered early, and train's --help
 BAD_FLAGS = {
     "jaxlm.evaluate": ["--run_dir=.", "--batch_size=-1"],
+    "jaxlm.generate": ["--run_dir=.", "--temperature=nan"],
     "jaxlm.hf": ["export", "--run_dir=.", "--output=x", "--max_shard_gb=nan"],
     "jaxlm.compress": ["--run_dir=.", "--output=x", "--step=-1"],
     "jaxlm.plan": ["--config=configs/tiny.py", "--devices=0"],

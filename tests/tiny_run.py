@@ -75,10 +75,12 @@ def finetune_args(directory: pathlib.Path, source, name: str, *extra: str, steps
 
 def train_chat_run(directory: pathlib.Path, source: pathlib.Path, steps: int = 40) -> pathlib.Path:
     """A chat run: the facts run `source` fine-tuned on the built-in chat set with the simple template
-    (data.format=chat, its tokenizer), at seq_len 256 so that a two-turn conversation fits; returns its
-    directory. About 15 s on 2 CPU cores; its answers are in the format, not right."""
+    (data.format=chat, its tokenizer), its RoPE context extended from the source's 64 to 256 positions
+    so that a two-turn conversation fits (rows of 256 too); returns its directory. About 15 s on 2 CPU
+    cores; its answers are in the format, not right."""
     args = finetune_args(directory, source, "chat", steps=steps, data__corpus="builtin_chat", data__format="chat",
-                         data__chat_template="simple", data__seq_len=256, data__global_batch_size=8,
+                         data__chat_template="simple", data__seq_len=256, model__max_seq_len=256,
+                         data__global_batch_size=8,
                          data__val_fraction=0, optim__peak_lr=3e-3)
     result = subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
                             capture_output=True, text=True, timeout=600)
