@@ -68,20 +68,35 @@ class Sampling:
 GREEDY = Sampling(temperature=0.0)
 
 
+# The ids a row may stop at: EOS and, for a chat, the template's end-of-turn marker when it is another
+# token (`sft.Encoder.stop_ids`); a fixed count, so one compiled step serves every tokenizer
+MAX_STOP_IDS = 4
+StopIds = int | Sequence[int] | None  # None (or empty): never stop early
+
+
+def stop_tuple(stop: StopIds) -> tuple[int, ...]:
+    """The stop ids as a tuple (one id, several, or none)."""
+    ids = () if stop is None else (stop,) if isinstance(stop, (int, np.integer)) else tuple(stop)
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {ids}")
+    return tuple(int(i) for i in ids)
+
+
 class SamplingArrays(NamedTuple):
-    """A `Sampling` and the EOS and pad ids as device scalars: arguments of the compiled functions, not
+    """A `Sampling` and the stop and pad ids as device arrays: arguments of the compiled functions, not
     constants of them, so one compiled prefill and decode step serve every setting and tokenizer."""
 
     temperature: jax.Array  # float32 []
     top_k: jax.Array  # int32 []
     top_p: jax.Array  # float32 []
-    eos_id: jax.Array  # int32 []; -1: never stop
+    stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded: a row stops after producing any of them
     pad_id: jax.Array  # int32 []: a stopped row's tokens
 
     @classmethod
-    def of(cls, sampling: Sampling, eos_id: int | None, pad_id: int = 0) -> SamplingArrays:
+    def of(cls, sampling: Sampling, stop: StopIds, pad_id: int = 0) -> SamplingArrays:
+        ids = stop_tuple(stop)
         return cls(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p),
-                   np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id))
+                   np.array(ids + (-1,) * (MAX_STOP_IDS - len(ids)), np.int32), np.int32(pad_id))
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling | SamplingArrays) -> jax.Array:
@@ -128,7 +143,7 @@ def _next_tokens(logits, key, count, done, sampling: SamplingArrays):
     """Each row's next token (pad once it has stopped) and whether it has now stopped."""
     token = sample_logits(logits, jax.random.fold_in(key, count), sampling)
     token = jnp.where(done, sampling.pad_id, token)
-    return token, done | (token == sampling.eos_id)
+    return token, done | jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
 
 
 class Generator:
@@ -318,11 +333,12 @@ class Generator:
         max_new_tokens: int,
         sampling: Sampling = GREEDY,
         seed: int = 0,
-        eos_id: int | None | Literal["tokenizer"] = "tokenizer",
+        eos_id: StopIds | Literal["tokenizer"] = "tokenizer",
     ) -> list[Completion]:
-        """New tokens for each prompt (token ids, normally starting with BOS). A row stops at `eos_id`:
-        by default the tokenizer's (`self.eos_id`); None never stops early."""
-        eos_id = self.eos_id if isinstance(eos_id, str) else eos_id
+        """New tokens for each prompt (token ids, normally starting with BOS). A row stops at `eos_id`
+        (one id or several: EOS and a chat template's end-of-turn marker): by default the tokenizer's
+        (`self.eos_id`); None never stops early."""
+        eos_id = stop_tuple(self.eos_id if isinstance(eos_id, str) else eos_id)
         tokens, start, is_padding, cache_len, max_new = self.prepare(prompts, max_new_tokens)
         prefill, decode = self.compiled()
         with jax.set_mesh(self.mesh):
@@ -365,17 +381,20 @@ class Generator:
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; render the prompts and use generate_ids")
         ids = [template.prompt_ids(self.tokenizer, messages) for messages in conversations]
+        if kwargs.get("eos_id", "tokenizer") == "tokenizer":  # EOS, and the template's end of a turn
+            kwargs["eos_id"] = template.stop_ids(self.tokenizer)
         completions = self.generate_ids(ids, **kwargs)
         for completion, messages in zip(completions, conversations):
             completion.messages, completion.text = list(messages), self.tokenizer.decode(completion.ids)
         return completions
 
 
-def completion(prompt: Sequence[int], new: np.ndarray, eos_id: int | None) -> Completion:
-    """A row's Completion: its new tokens up to EOS (not included)."""
-    ids, reason = new.tolist(), "length"
-    if eos_id is not None and eos_id in ids:
-        ids, reason = ids[: ids.index(eos_id)], "eos"
+def completion(prompt: Sequence[int], new: np.ndarray, eos_id: StopIds) -> Completion:
+    """A row's Completion: its new tokens up to the first stop id (not included)."""
+    ids, reason, stops = new.tolist(), "length", set(stop_tuple(eos_id))
+    end = next((i for i, token in enumerate(ids) if token in stops), None)
+    if end is not None:
+        ids, reason = ids[:end], "eos"
     return Completion(prompt_ids=list(prompt), ids=ids, finish_reason=reason)
 
 
@@ -403,14 +422,15 @@ class ChatSession:
 
     def __init__(self, generator: Generator, template: sft.Encoder, *, system: str | None = None,
                  max_new_tokens: int = 128, sampling: Sampling = GREEDY, seed: int = 0,
-                 eos_id: int | None | Literal["tokenizer"] = "tokenizer"):
+                 eos_id: StopIds | Literal["tokenizer"] = "tokenizer"):
         if generator.tokenizer is None:
             raise ValueError("a ChatSession needs a Generator with a tokenizer")
         if max_new_tokens < 1:
             raise UserError(f"--max_new_tokens={max_new_tokens}: generate at least one token")
         self.generator, self.template, self.system = generator, template, system
         self.max_new_tokens, self.sampling, self.seed = max_new_tokens, sampling, seed
-        self.eos_id = generator.eos_id if isinstance(eos_id, str) else eos_id
+        # EOS and the template's end of a turn (`sft.Encoder.stop_ids`), unless given
+        self.eos_id = stop_tuple(template.stop_ids(generator.tokenizer) if isinstance(eos_id, str) else eos_id)
         self.messages: list[dict[str, str]] = []
         self.turns = 0
         self.reused = 0  # the last turn's prompt ids that were already in the cache

@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxlm import explore, generate, inference
 from jaxlm.data import sft
-from jaxlm.data.tokenizer import Tokenizer
+from jaxlm.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from tiny_run import ONE_DEVICE, ROOT, train_chat_run
 
 FIRST, SECOND = "What is 2 plus 3?", "And 4 plus 4?"
@@ -163,3 +166,30 @@ def test_the_python_route_prompts_with_the_special_token_ids(chatml):
     decoded = tok.decode(ids)
     assert start not in tok.encode([decoded], add_bos=True, add_eos=False)[0]
     assert explore.sample(setup, decoded, tok, **options) != direct
+
+
+def test_a_chat_answer_stops_at_the_templates_end_of_turn_as_at_eos(tmp_path):
+    """A base model's tokenizer (EOS <|endoftext|>) with ChatML: an answer ends at <|im_end|>, the marker
+    SFT taught it to emit (`sft.Encoder.stop_ids`); an instruct tokenizer's EOS is that marker already; a
+    template whose end of turn is text (not a special token) adds nothing."""
+    from test_hf_tokenizer import OFFLINE, make_qwen2
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in OFFLINE.items():
+            mp.setenv(key, value)
+        make_qwen2(tmp_path / "base", eos="<|endoftext|>")
+        make_qwen2(tmp_path / "instruct")
+    base, instruct = Tokenizer.load(tmp_path / "base"), Tokenizer.load(tmp_path / "instruct")
+    im_end, text_end = (base._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert base.eos_id == text_end and instruct.eos_id == im_end
+    assert sft.Encoder("chat", base.chat_template).stop_ids(base) == (text_end, im_end)
+    assert sft.Encoder("chat", instruct.chat_template).stop_ids(instruct) == (im_end,)
+    spm = SentencePieceTokenizer.train([], 300, "byte")
+    template, _ = sft.template_text("chatml", spm)
+    assert sft.Encoder("chat", template).stop_ids(spm) == (spm.eos_id,)  # its "<|im_end|>" is plain text there
+    # the sampler stops a row at any of them, and the completion ends before it
+    done = generate._next_tokens(jnp.array([[0.0, 5.0, 0.0], [9.0, 0.0, 0.0]]), jax.random.key(0), 0,
+                                 jnp.array([False, False]), generate.SamplingArrays.of(generate.GREEDY, (7, 1)))[1]
+    assert done.tolist() == [True, False]
+    got = generate.completion([1, 2], np.array([5, 9, im_end, 4]), (text_end, im_end))
+    assert (got.ids, got.finish_reason) == ([5, 9], "eos")

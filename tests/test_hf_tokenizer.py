@@ -147,12 +147,13 @@ def make_llama3(directory: pathlib.Path) -> None:
     fast.save_pretrained(directory)
 
 
-def make_qwen2(directory: pathlib.Path) -> None:
-    """Byte-level with NFC and Qwen2's split, no BOS, pad <|endoftext|>, eos <|im_end|>, a chat template."""
+def make_qwen2(directory: pathlib.Path, eos: str = "<|im_end|>") -> None:
+    """Byte-level with NFC and Qwen2's split, no BOS, pad <|endoftext|>, eos <|im_end|> (an instruct
+    model's; a base model's is <|endoftext|>), a chat template."""
     import transformers
 
     tok = _byte_level(QWEN2_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], nfc=True)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
                                                 pad_token="<|endoftext|>", chat_template=QWEN2_TEMPLATE)
     fast.save_pretrained(directory)
 

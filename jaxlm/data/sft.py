@@ -449,6 +449,24 @@ class Encoder:
             raise UserError(f"{where or 'a conversation'}: {self.template_name} failed rendering it: "
                             f"{type(e).__name__}: {e}; fix the chat template") from None
 
+    def stop_ids(self, tok: Tokenizer) -> tuple[int, ...]:
+        """The ids a chat answer ends at: EOS, and the template's end-of-turn marker when it is another
+        special token (ChatML's <|im_end|> with a tokenizer whose EOS is <|endoftext|>, Llama 3's
+        <|eot_id|>): the first token after an answer in a rendered conversation, if it decodes to no
+        text. Training weighs that marker (the model learns to emit it); generation stops at it."""
+        stops = [tok.eos_id] if tok.eos_id >= 0 else []
+        mark = "jaxlm-answer-end"
+        try:
+            text = self.render(tok, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}],
+                               add_generation_prompt=False)
+        except UserError:  # a template that renders no such conversation: EOS alone
+            return tuple(stops)
+        after = text[text.rindex(mark) + len(mark):].strip() if mark in text else ""
+        ids = encode_rendered(tok, after) if after else []
+        if ids and ids[0] not in stops and tok.decode([ids[0]]).strip() == "":
+            stops.append(ids[0])
+        return tuple(stops)
+
     def prompt_ids(self, tok: Tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
         """The ids a chat model is prompted with: `messages` rendered with the generation prompt."""
         return encode_rendered(tok, self.render(tok, messages, add_generation_prompt=True))
