@@ -5,9 +5,9 @@ bits over the UTF-8 bytes of the text the targets stand for) on the run's valida
 text files (`--corpus=a.txt,docs/*.jsonl`) or on a prepared corpus directory. Documents are
 packed into rows of `seq_len` tokens with segment ids, as in training, so a document longer than
 that is scored in consecutive windows, each from a fresh context. A run trained on SFT data
-(data.format=chat or prompt_completion) is scored the same way on its own kind of rows: the loss of
-the assistant's (the completion's) tokens alone, each example its first seq_len + 1 tokens, as its
-training's val_loss (`jaxlm.data.sft`).
+(data.format=chat, sharegpt, alpaca or prompt_completion) is scored the same way on its own kind of
+rows: the loss of the assistant's (the completion's) tokens alone, each example its first seq_len + 1
+tokens, as its training's val_loss (`jaxlm.data.sft`).
 
 Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
 `{"context": str, "choices": [str, ...], "answer": int}`; each choice is scored by the summed
@@ -123,8 +123,8 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
 
     `corpus`: 'val' (the run's own validation split), a prepared directory (its `split`), or text
     files, directories and globs (every document). At most about `max_tokens` tokens (0 = all).
-    SFT rows (`format` chat or prompt_completion; `auto`: the run's data.format) come as weighted
-    `FlatDocuments`, rendered with `chat_template` (None: the run's data.chat_template).
+    SFT rows (`format` chat, sharegpt, alpaca or prompt_completion; `auto`: the run's data.format) come
+    as weighted `FlatDocuments`, rendered with `chat_template` (None: the run's data.chat_template).
     """
     tok = run.tokenizer
     spec = loader.sft_spec(_data_section(run)) if format == "auto" else None
