@@ -68,7 +68,8 @@ class LoraConfig(Section):
     quant_group: int = setting(
         64,
         "values per scale (their absmax), along each kernel's last input axis: an axis shorter than this is "
-        "one group; a longer one must be a multiple of it (else an error naming the projection). Even.")
+        "one group; a longer one it does not divide ends with a short group (padded with zeros, as "
+        "bitsandbytes pads its last block). Even.")
     double_quant: bool = setting(
         False,
         "the scales themselves in int8 (blocks of 256, a float32 each): ~0.37 bits/weight less")

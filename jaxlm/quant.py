@@ -8,11 +8,18 @@ through `layers.Projection`, quantization-aware training through `fake_quantize`
 `models.quantized` converts a model's float parameters to its quantized ones and back.
 
 A weight w (any shape) is grouped along one axis (`axis`: a projection's last input axis), `group`
-consecutive values sharing one scale (group 0: the whole axis, a scale per output channel), and stored as
+consecutive values sharing one scale (group 0: the whole axis, a scale per output channel). A group
+that does not divide the axis's n values leaves the last group short (688 values in groups of 64: ten
+of 64 and one of 48): its values are quantized as if padded with zeros up to a whole group, as
+bitsandbytes pads its last block, and the padding is dropped again, so it is never stored. A zero
+changes no group's absmax, nor its range max(w, 0) - min(w, 0), so the short group's parameters are
+those of its own values, and its error bound is the same. w is stored as
 
-  q       uint8 codes, packed along `axis`: int8 one per byte; nf4 and int4 two per byte (value 2i in
-          the low nibble of byte i, 2i+1 in the high); int3 eight in three bytes (`pack`)
-  scale   float32, w's shape with `axis` divided by the group
+  q       uint8 codes of its own n values, packed along `axis`: int8 one per byte; nf4 and int4 two
+          per byte (value 2i in the low nibble of byte i, 2i+1 in the high); int3 eight in three
+          bytes (`pack`): w's shape, the logical axes of the float weight, the same bytes whether or
+          not the group divides the axis
+  scale   float32, w's shape with `axis` ceil(n / group) groups long (`n_groups`)
   zero    uint8, the same shape (asymmetric formats only): the code that stands for 0
   with double quantization (QLoRA's), the scales are centred on an offset and stored as int8 codes
   (`scale`, round(127 (s - offset) / block absmax)) in blocks of `DOUBLE_BLOCK` consecutive scales
@@ -42,7 +49,8 @@ Each value is coded to its nearest level, so the error per element is at most (`
 
 (plus float32 rounding, ~1e-7 relative). Storage per weight at group g (`QuantSpec.bits_per_weight`):
 B bits + 32 / g bits of scale (+ 8 / g of zero point); 4-bit at g = 64: 0.5625 bytes, with double
-quantization 4 + 8 / g + 32 / (256 g) bits + 4 bytes per tensor (0.5159 bytes).
+quantization 4 + 8 / g + 32 / (256 g) bits + 4 bytes per tensor (0.5159 bytes). A short last group
+costs a whole group's scale: 32 ceil(n / g) / n bits per weight instead of 32 / g.
 """
 
 from __future__ import annotations
@@ -98,26 +106,36 @@ class QuantSpec:
         return KEYS + (() if self.symmetric else ZERO_KEYS) + (DOUBLE_KEYS if self.double else ())
 
     def bits_per_weight(self, axis_size: int | None = None) -> float:
-        """Storage bits per weight (a tensor's constant 4 bytes of offset aside), at `group_size`."""
-        g = group_size(self, axis_size) if axis_size else self.group
+        """Storage bits per weight (a tensor's constant 4 bytes of offset aside), at `group_size` along an
+        axis of `axis_size` values (a short last group costs a whole group's scale)."""
+        g = axis_size / n_groups(self, axis_size) if axis_size else self.group
         scale = 8 / g + 32 / (DOUBLE_BLOCK * g) if self.double else 32 / g
         return self.bits + scale + (0 if self.symmetric else 8 / g)
 
 
 def group_size(spec: QuantSpec | int, axis_size: int) -> int:
     """The group along an axis of `axis_size` values: `spec.group` (or a plain number), or the whole
-    axis where it is shorter or the group is 0. ValueError (saying why) where the group does not divide
-    a longer axis, a 4-bit group is odd (two codes share a byte, both from one group), or a 3-bit
-    format's axis is not a multiple of 8 (eight codes share three bytes)."""
+    axis where it is shorter or the group is 0. A group that does not divide the axis leaves the last
+    one short (`n_groups`; module docstring). ValueError (saying why) where a 4-bit axis or group is odd
+    (two codes share a byte, both from one group), a 3-bit format's axis is not a multiple of 8 (eight
+    codes share three bytes), or a 3-bit group that leaves a short last one is not a multiple of 8."""
     spec = spec if isinstance(spec, QuantSpec) else QuantSpec("int4", spec)
     g = min(spec.group, axis_size) if spec.group else axis_size
-    if axis_size % g:
-        raise ValueError(f"{spec.group} does not divide its {axis_size} values")
+    if spec.bits == 4 and axis_size % 2:
+        raise ValueError(f"its {axis_size} values are odd (two 4-bit codes share a byte)")
     if spec.bits == 4 and g % 2:
         raise ValueError(f"a group of {g} values is odd (two 4-bit codes share a byte)")
     if spec.bits == 3 and axis_size % 8:
         raise ValueError(f"its {axis_size} values are not a multiple of 8 (eight 3-bit codes share three bytes)")
+    if spec.bits == 3 and axis_size % g and g % 8:
+        raise ValueError(f"a group of {g} values is not a multiple of 8 and leaves a short last group of "
+                         f"its {axis_size} values (eight 3-bit codes share three bytes)")
     return g
+
+
+def n_groups(spec: QuantSpec | int, axis_size: int) -> int:
+    """The groups along an axis of `axis_size` values, a short last one included: ceil(n / group)."""
+    return -(-axis_size // group_size(spec, axis_size))
 
 
 def error_bound(spec: QuantSpec) -> float:
@@ -173,19 +191,40 @@ def unpack(packed: jax.Array, axis: int, bits: int = 4) -> jax.Array:
 
 
 def _grouped(x: jax.Array, axis: int, g: int) -> jax.Array:
-    """[..., n, ...] -> [..., n / g, g, ...]."""
+    """[..., n, ...] -> [..., ceil(n / g), g, ...], a short last group padded with zeros."""
+    n = x.shape[axis]
+    if n % g:
+        x = jnp.pad(x, [(0, -n % g if i == axis else 0) for i in range(x.ndim)])
     return x.reshape(*x.shape[:axis], x.shape[axis] // g, g, *x.shape[axis + 1:])
 
 
-def _repeat(x: jax.Array, axis: int, g: int) -> jax.Array:
-    """A per-group value [..., n / g, ...] repeated to each element [..., n, ...]."""
-    return jnp.repeat(x, g, axis=axis)
+def _group_of(spec: QuantSpec, n: int, groups: int) -> int:
+    """The values per group of group params that hold `groups` groups along an axis of `n` values:
+    `group_size`'s where it makes that many (a short last group included), else n / groups (params
+    grouped otherwise by their caller: GPTQ encodes one row with its group's params)."""
+    g = min(spec.group, n) if spec.group else n
+    if -(-n // g) == groups:
+        return g
+    if n % groups:
+        raise ValueError(f"{groups} groups of params for an axis of {n} values in groups of {spec.group}")
+    return n // groups
+
+
+def _repeat(x: jax.Array, axis: int, g: int, n: int) -> jax.Array:
+    """A per-group value [..., ceil(n / g), ...] repeated to each of the axis's n elements [..., n, ...].
+    With a short last group, each element takes its group's value (a gather of constant indices) rather
+    than the repeat cut to n: the cut would move values between the shards of an axis sharded like the
+    weight's (a collective permute in every step)."""
+    if x.shape[axis] * g == n:
+        return jnp.repeat(x, g, axis=axis)
+    return jnp.take(x, np.arange(n) // g, axis=axis)
 
 
 def group_params(w: jax.Array, spec: QuantSpec, axis: int) -> dict[str, jax.Array]:
-    """Each group's float32 `scale` (and, asymmetric, uint8 `zero`), w's shape with `axis` divided by
-    the group: symmetric formats store the group's absmax; asymmetric ones the step
-    (max - min) / (2**bits - 1) of a range widened to hold 0, and the code of 0 (round(-min / step))."""
+    """Each group's float32 `scale` (and, asymmetric, uint8 `zero`), w's shape with `axis` `n_groups`
+    long: symmetric formats store the group's absmax; asymmetric ones the step
+    (max - min) / (2**bits - 1) of a range widened to hold 0, and the code of 0 (round(-min / step)).
+    A short last group is padded with zeros, which leave both as its own values give them."""
     w = jnp.asarray(w, jnp.float32)
     axis = axis % w.ndim
     grouped = _grouped(w, axis, group_size(spec, w.shape[axis]))
@@ -203,8 +242,9 @@ def encode(w: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis: in
     each value to the nearest level of its group."""
     w = jnp.asarray(w, jnp.float32)
     axis = axis % w.ndim
-    g = w.shape[axis] // params["scale"].shape[axis]
-    scale = _repeat(params["scale"], axis, g)
+    n = w.shape[axis]
+    g = _group_of(spec, n, params["scale"].shape[axis])
+    scale = _repeat(params["scale"], axis, g, n)
     safe = jnp.where(scale > 0, scale, 1.0)
     if spec.format == "nf4":
         table = np.asarray(NF4, np.float32)
@@ -215,7 +255,7 @@ def encode(w: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis: in
     if spec.symmetric:
         half = top // 2  # levels -half..half of absmax / half; code = level + half + 1 (code 0 never written)
         return (jnp.clip(jnp.round(w / safe * half), -half, half) + half + 1).astype(jnp.uint8)
-    zero = _repeat(params["zero"], axis, g).astype(jnp.float32)
+    zero = _repeat(params["zero"], axis, g, n).astype(jnp.float32)
     return jnp.clip(jnp.round(w / safe) + zero, 0, top).astype(jnp.uint8)
 
 
@@ -224,12 +264,13 @@ def decode(codes: jax.Array, params: dict[str, jax.Array], spec: QuantSpec, axis
     then cast to `dtype`: NF4[code] * scale, (code - half - 1) / half * scale (symmetric integers,
     half = 2**(bits-1) - 1) or (code - zero) * scale (asymmetric ones)."""
     axis = axis % codes.ndim
-    g = codes.shape[axis] // params["scale"].shape[axis]
-    scale = _repeat(params["scale"], axis, g)
+    n = codes.shape[axis]
+    g = _group_of(spec, n, params["scale"].shape[axis])
+    scale = _repeat(params["scale"], axis, g, n)
     if spec.format == "nf4" or spec.symmetric:  # a table of the levels, each rounded once to float32
         values = jnp.take(jnp.asarray(levels(spec), jnp.float32), codes.astype(jnp.int32))
     else:
-        values = codes.astype(jnp.float32) - _repeat(params["zero"], axis, g).astype(jnp.float32)
+        values = codes.astype(jnp.float32) - _repeat(params["zero"], axis, g, n).astype(jnp.float32)
     return (values * scale).astype(dtype)
 
 

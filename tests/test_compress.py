@@ -326,7 +326,7 @@ def test_gradual_pruning_reaches_its_sparsity_on_schedule(facts_run, tmp_path):
 def test_bad_settings_stop_in_one_line(facts_run, tmp_path):
     cases = [
         ([("compress.quantize", "int5")], "compress.quantize='int5' is not allowed"),
-        ([("compress.quantize", "int4"), ("compress.group", "48")], "does not divide"),
+        ([("compress.quantize", "int4"), ("compress.group", "47")], "a group of 47 values is odd"),
         ([("compress.sparsity", "1.0")], "a fraction in [0, 1)"),
         ([("compress.sparsity", "0.3"), ("compress.pattern", "2:4")], "0.5 with compress.pattern=2:4"),
         ([("compress.sparsity", "0.5"), ("compress.targets", "blocks,embed")], "can be quantized, not pruned"),
@@ -386,3 +386,62 @@ def test_a_compressed_model_counts_the_weights_it_stands_for():
         params = jax.eval_shape(lambda c=cfg: nnx.to_pure_dict(nnx.state(train_state.build_model(c))))
         bits = cfg.stored_quant.bits if cfg.stored_quant else 4
         assert quant.count(params, bits) == transformer.param_count(cfg)["total"], fields
+
+
+def test_round_to_nearest_and_gptq_with_short_last_groups():
+    """compress.group=32 on w_down's 688 inputs (21 groups of 32 and one of 16) and on wo's head_dim of 48 (a
+    group of 32 and one of 16 in each head): round to nearest stores what `quant.quantize` stores for each
+    layer's kernel along its grouped axis, a reference int4 quantization of the zero-padded matrix; GPTQ on
+    the padded matrix view equals it where the inputs are uncorrelated, and loses less where they are not."""
+    from test_qlora import reference_4bit
+
+    from helpers import small_config
+    from jaxlm import config, train_state
+    from jaxlm.compress import methods
+    from jaxlm.models import quantized, transformer
+
+    cfg = small_config(d_model=64, n_heads=2, n_kv_heads=2, head_dim=48, mlp_dim=688)
+    co = config.recipe("tiny", compress__quantize="int4", compress__group=32).compress
+    out_cfg = transformer.with_compress(cfg, co)
+    spec = out_cfg.stored_quant
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(train_state.build_model(cfg, 0))))()
+    out, _ = methods.compress_params(params, cfg, out_cfg, co)
+    dequantized = quantized.dequantize_params(out, out_cfg)
+    for path, axis, n_groups in ((("blocks", "mlp", "w_down"), 0, 22), (("blocks", "attn", "wo"), 1, 2)):
+        kernel = np.asarray(params[path[0]][path[1]][path[2]]["kernel"])  # [layers, ...]
+        stored = out[path[0]][path[1]][path[2]]
+        assert "kernel" not in stored and stored["kernel_scale"].shape[axis + 1] == n_groups, path
+        assert stored["kernel_q"].shape[axis + 1] == kernel.shape[axis + 1] // 2  # the codes of its own values
+        own = jax.vmap(lambda w, a=axis: quant.quantize(w, spec, a))(jnp.asarray(kernel))
+        np.testing.assert_array_equal(stored["kernel_q"], own["q"], err_msg=str(path))
+        floats.close(stored["kernel_scale"], own["scale"], err_msg=str(path))
+        deq = np.asarray(dequantized[path[0]][path[1]][path[2]]["kernel"])
+        for layer in range(2):  # the grouped axis first, as the reference wants it
+            w = np.moveaxis(kernel[layer], axis, 0)
+            codes, _, expected = reference_4bit(w, "int4", 32)
+            np.testing.assert_array_equal(np.moveaxis(np.asarray(quant.unpack(stored["kernel_q"][layer], axis)), axis, 0),
+                                          codes, err_msg=str(path))
+            floats.close(np.moveaxis(deq[layer], axis, 0), expected, err_msg=str(path))
+
+    targets = {t.name: t for t in methods.targets(out_cfg)}
+    rng = np.random.default_rng(0)
+    for name, path in (("w_down", ("blocks", "mlp", "w_down")), ("wo", ("blocks", "attn", "wo"))):
+        target, kernel = targets[name], params[path[0]][path[1]][path[2]]["kernel"][0]
+        n_in = math.prod(kernel.shape[:target.n_in])
+        settings = dict(quantize=spec, damp=0.01, block=128, sparsity=0.0, nm=None, criterion="magnitude",
+                        scope="layer")
+        rtn_weight, rtn = methods._compress_matrix(kernel, None, target, methods.Settings(
+            method="rtn", act_order=False, **settings), None)
+        for act_order in (False, True):
+            gptq = methods.Settings(method="gptq", act_order=act_order, **settings)
+            diagonal = np.diag(rng.uniform(0.5, 5.0, n_in)).astype(np.float32)
+            _, leaves = methods._compress_matrix(kernel, jnp.asarray(diagonal), target, gptq, None)
+            np.testing.assert_array_equal(leaves["kernel_q"], rtn["kernel_q"], err_msg=f"{name} {act_order}")
+            floats.close(leaves["kernel_scale"], rtn["kernel_scale"], err_msg=f"{name} {act_order}")
+            x = (rng.standard_normal((1024, n_in)) @ rng.standard_normal((n_in, n_in)) / np.sqrt(n_in)).astype(
+                np.float32)
+            weight, leaves = methods._compress_matrix(kernel, jnp.asarray(x.T @ x), target, gptq, None)
+            assert leaves["kernel_scale"].shape == rtn["kernel_scale"].shape
+            m = np.asarray(kernel, np.float64).reshape(n_in, -1)
+            errors = [np.linalg.norm(x @ (m - np.asarray(wq, np.float64))) for wq in (weight, rtn_weight)]
+            assert errors[0] < 0.9 * errors[1], (name, act_order, errors)

@@ -16,7 +16,10 @@ GPTQ and Wanda calibrate (`calibrate.LayerRunner`): the layer's inputs are the p
 outputs computed with their weights already compressed, as in the GPTQ paper. The groups of the
 matrix view are those of the stored kernel: a group runs along the kernel's last input axis (for wo,
 [heads, head_dim] -> the groups lie within each head's head_dim), so the matrix's group size is the
-one `quant.group_size` gives for that axis.
+one `quant.group_size` gives for that axis. Where that group does not divide the axis, the matrix view
+is padded with zero rows after each run of the axis's values up to a whole number of groups (zero
+inputs to GPTQ: dead features, weight 0, coded exactly as 0), quantized, and the padding's codes
+dropped: the stored kernel's short last groups (`jaxlm.quant`), by the same quantizer.
 """
 
 from __future__ import annotations
@@ -87,6 +90,39 @@ def matrix_spec(spec: quant.QuantSpec, target: Target) -> quant.QuantSpec:
     return dataclasses.replace(spec, group=g, double=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Padding:
+    """The matrix view's rows [runs * n] <-> [runs * padded]: each run of the grouped axis's n values
+    (one per index of the input axes before it) padded with zero rows up to `padded`, a multiple of
+    the group."""
+
+    runs: int
+    n: int
+    padded: int
+
+    @classmethod
+    def of(cls, target: Target, g: int) -> _Padding:
+        n = target.kernel_shape[target.axis]
+        return cls(runs=math.prod(target.kernel_shape[:target.axis]), n=n, padded=-(-n // g) * g)
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """[runs * n, ...] -> [runs * padded, ...], zeros (False) in the new rows."""
+        x = x.reshape(self.runs, self.n, *x.shape[1:])
+        x = jnp.pad(x, [(0, self.padded - self.n if i == 1 else 0) for i in range(x.ndim)])
+        return x.reshape(self.runs * self.padded, *x.shape[2:])
+
+    def hessian(self, h: jax.Array) -> jax.Array:
+        """[runs * n, runs * n] -> [runs * padded, runs * padded]: the padding's inputs are always 0."""
+        h = h.reshape(self.runs, self.n, self.runs, self.n)
+        h = jnp.pad(h, ((0, 0), (0, self.padded - self.n), (0, 0), (0, self.padded - self.n)))
+        return h.reshape(self.runs * self.padded, self.runs * self.padded)
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """The inverse of `rows`: the padding's rows dropped."""
+        x = x.reshape(self.runs, self.padded, *x.shape[1:])[:, :self.n]
+        return x.reshape(self.runs * self.n, *x.shape[2:])
+
+
 @dataclasses.dataclass
 class Settings:
     """`config.compress`, read once."""
@@ -135,6 +171,11 @@ def _compress_matrix(w: jax.Array, hessian: jax.Array | None, target: Target, s:
         leaves["kernel"] = m.reshape(shape).astype(w.dtype)
         return m, leaves
     spec = matrix_spec(s.quantize, target)
+    pad = _Padding.of(target, spec.group)
+    if pad.padded != pad.n:  # a short last group: whole groups of zero rows in the matrix view
+        m = pad.rows(m)
+        mask = None if mask is None else pad.rows(mask)
+        hessian = None if hessian is None else pad.hessian(hessian)
     if s.method == "gptq":
         codes, params = gptq.quantize_matrix(m, hessian, spec, damp=s.damp, block=s.block, act_order=s.act_order)
         if mask is not None:  # GPTQ's error feedback may have moved a pruned weight: code it as 0 again
@@ -143,8 +184,10 @@ def _compress_matrix(w: jax.Array, hessian: jax.Array | None, target: Target, s:
         params = quant.group_params(m, spec, 0)
         codes = quant.encode(m, params, spec, 0)
     dequantized = quant.decode(codes, params, spec, 0)
+    if pad.padded != pad.n:
+        codes, dequantized = pad.unpad(codes), pad.unpad(dequantized)
     kernel_codes = codes.reshape(shape)
-    scale_shape = tuple(n // spec.group if i == target.axis else n for i, n in enumerate(shape))
+    scale_shape = tuple(pad.padded // spec.group if i == target.axis else n for i, n in enumerate(shape))
     kernel_params = {k: v.reshape(scale_shape) for k, v in params.items()}
     stored = quant.store(kernel_codes, kernel_params, s.quantize, target.axis)
     leaves.update({f"kernel_{k}": v for k, v in stored.items()})

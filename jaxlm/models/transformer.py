@@ -435,8 +435,9 @@ def projection_names(cfg: ModelConfig) -> tuple[str, ...]:
 
 def check_quant_groups(cfg: ModelConfig, key: str) -> None:
     """Each quantized projection's grouped axis (its kernel's last input axis; the embedding's width)
-    takes `cfg.quantized.spec.group` values per scale: a shorter axis is one group, a longer one must be a
-    multiple of it (UserError naming the weight and the config `key` to change)."""
+    takes `cfg.quantized.spec.group` values per scale (a shorter axis is one group, a longer one that
+    the group does not divide ends with a short group, `quant.group_size`): UserError naming the weight
+    and the config `key` where the packing refuses the axis or the group (an odd one at 4 bits)."""
     spec, targets = cfg.quantized.spec, cfg.quantized.targets
     axes = [(f"projection {path[-1]}", p.kernel_shape[p.quant_axis], p.kernel_names[p.quant_axis])
             for path, p in layers.projections(abstract_model(_plain(cfg))) if path[-1] in targets]
@@ -446,9 +447,12 @@ def check_quant_groups(cfg: ModelConfig, key: str) -> None:
         try:
             quant_lib.group_size(spec, size)
         except ValueError as e:
+            group = min(spec.group, size) if spec.group else size
+            fix = ("use an even group" if spec.bits == 4 and size % 2 == 0 and group % 2 else
+                   f"use a group that divides {size} or is a multiple of 8" if spec.bits == 3 and size % 8 == 0 else
+                   "choose a format that takes this width (int8 takes any)")
             raise UserError(f"{key}={spec.group}: {weight} is grouped along its {name!r} axis "
-                            f"and {e} ({spec.format}); use a group that divides {size} (or is larger than it, or 0: "
-                            f"one group per row)") from None
+                            f"and {e} ({spec.format}); {fix}") from None
 
 
 def resolve_targets(cfg: ModelConfig, text: str, key: str) -> tuple[str, ...]:
