@@ -71,6 +71,8 @@ def check(text: str, *, kind: str, io: str, name: str) -> None:
     label = f"{name}={_shown(text)}"
     if not is_utf8(text):
         raise UserError(f"{label} is not UTF-8 text (bytes in another encoding): give the name in UTF-8")
+    if "://" in text:  # a remote location (gs://...): the library that opens it says what is wrong with it
+        return
     path = pathlib.Path(text)
     encoded = os.fsencode(text)
     longest = max((len(os.fsencode(part)) for part in path.parts), default=0)

@@ -208,3 +208,4 @@ def test_a_good_path_passes_every_check(tmp_path):
     paths.check(os.path.join(w["dir"], "new", "deeper"), kind="dir", io="out", name="--x")
     paths.check(os.path.join(w["run"], "hf"), kind="dir", io="out", name="--x")  # beside a run's files: allowed
     paths.check(os.path.join(w["run"], "eval-20.json"), kind="file", io="out", name="--x")
+    paths.check("gs://bucket/runs/a", kind="dir", io="in", name="--x")  # remote: left to the library opening it
