@@ -20,7 +20,18 @@ def _command_line() -> tuple[str, list[str]] | None:
     return argv[at + 1], argv[at + 2:]
 
 
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C while a command imports its libraries (seconds): one line and exit 130, not a traceback
+    from inside an import; the command's own handling (`errors.run_command`) takes over once it runs."""
+    print("jaxlm: interrupted while starting, before anything was written; run the same command again",
+          file=_sys.stderr)
+    raise SystemExit(130)
+
+
 if (_command := _command_line()) is not None:
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)
     from jaxlm import commands as _commands
 
     _commands.parse_early(*_command)

@@ -239,6 +239,11 @@ Recipes: {recipes}.
 Every key, its default and what it means: docs/config-reference.md; the guides: docs/."""
 
 
+# The flags of a multi-process launch that train and hf take off their command line before parsing it
+# (`distributed.pop_flags`; distributed.FLAGS, tested equal)
+LAYOUT_FLAGS = ("coordinator", "num_processes", "process_id", "distributed_timeout_s")
+
+
 def parse_early(module: str, argv: Sequence[str]) -> None:
     """For `python -m <module> <argv>`: answer --help and refuse a bad flag (one line, exit 2 or 74)
     now, before the command imports JAX; return when the arguments parse (the command parses them
@@ -253,6 +258,9 @@ def parse_early(module: str, argv: Sequence[str]) -> None:
             return
         if module == "jaxlm.plan":  # (its --config arguments are the recipe's)
             parser().parse_args([a for a in argv if not a.startswith("--config")])
+        elif module == "jaxlm.hf":  # (a multi-process launch's flags are read by `distributed.pop_flags`)
+            parser().parse_args([a for a in argv if a[2:].partition("=")[0] not in LAYOUT_FLAGS
+                                 or not a.startswith("--")])
         elif module.startswith("jaxlm.compress"):  # (--config.compress.<key> overrides follow its flags)
             parser().parse_known_args(list(argv))
         else:

@@ -124,6 +124,7 @@ def run_command(body: Callable[[], int | None], *, resume: str = "run the same c
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (the package's start-up handler ends here)
     try:
         return body() or 0
     except UserError as e:

@@ -217,7 +217,7 @@ def _byte_tokenizer(case: pathlib.Path, world: dict) -> None:
 def FINETUNE(*flags: str) -> tuple[str, ...]:
     """`T` started from {copy} (run.init_from), training 2 steps on the facts corpus, tokenized on the fly."""
     return T("--config.run.init_from={copy}", "--config.data.corpus={corpus}", "--config.data.separator=\n\n",
-             "--config.data.tokenize_on_the_fly=true", "--config.run.steps=2", *flags)
+             "--config.data.tokenize_on_the_fly=true", "--config.run.steps=2", "--config.data.seq_len=64", *flags)
 
 
 TASKS_SHAPE = '{"context": "alice likes", "choices": [" apples.", " figs."], "answer": 0}\n'

@@ -65,3 +65,34 @@ def test_a_good_command_line_goes_on_to_the_command():
 
 def test_the_light_defaults_equal_the_ones_they_stand_for():
     assert commands.DISTRIBUTED_TIMEOUT_S == distributed.DEFAULT_TIMEOUT_S
+    assert set(commands.LAYOUT_FLAGS) == set(distributed.FLAGS)
+
+
+def test_a_multi_process_launchs_flags_pass_the_early_parse():
+    """hf takes --coordinator, --num_processes, --process_id off its command line itself."""
+    done, imported = _run("jaxlm.hf", "export", "--run_dir=.", "--output=x", "--max_shard_gb=nan",
+                          "--coordinator=127.0.0.1:1234", "--num_processes=2", "--process_id=0")
+    lines = _messages(done)
+    assert done.returncode == 2 and len(lines) == 1 and "--max_shard_gb" in lines[0], lines
+    assert "jax" not in imported
+
+
+def test_ctrl_c_while_a_command_starts_is_one_line_and_130(capsys):
+    """Between the package's import and the command's `run_command` (JAX loading), Ctrl-C exits 130 with
+    one line (a traceback from inside an import before); `run_command` restores Python's handler."""
+    import signal
+
+    import jaxlm
+    from jaxlm.errors import run_command
+
+    with pytest.raises(SystemExit) as raised:
+        jaxlm._interrupted_while_starting(signal.SIGINT, None)
+    assert raised.value.code == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "jaxlm: interrupted while starting, before anything was written; run the same command again"]
+    previous = signal.signal(signal.SIGINT, jaxlm._interrupted_while_starting)
+    try:
+        assert run_command(lambda: 0) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
