@@ -388,6 +388,7 @@ def test_a_compressed_model_counts_the_weights_it_stands_for():
         assert quant.count(params, bits) == transformer.param_count(cfg)["total"], fields
 
 
+@pytest.mark.slow  # ~10 s (GPTQ); the default suite keeps the 10-minute budget
 def test_round_to_nearest_and_gptq_with_short_last_groups():
     """compress.group=32 on w_down's 688 inputs (21 groups of 32 and one of 16) and on wo's head_dim of 48 (a
     group of 32 and one of 16 in each head): round to nearest stores what `quant.quantize` stores for each

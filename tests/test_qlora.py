@@ -319,6 +319,7 @@ def test_a_sharded_train_step_trains_the_adapters_over_the_packed_base():
     assert set(flat(adam.mu)) == {p for p in after if "lora_" in p}  # no optimizer state for the base
 
 
+@pytest.mark.slow  # ~11 s; the quantization of a short group is checked in the default suite above
 def test_qlora_trains_over_a_width_the_group_does_not_divide():
     """An MLP width of 688 in groups of 64, trained on 8 devices (fsdp 8): w_down's packed codes are sharded
     like its float kernel (the 688 inputs too, over tensor), its 11 groups' scales whole along them; the
