@@ -9,15 +9,16 @@ notebook, a script, the tests) does nothing more.
 import sys as _sys
 
 
-def _command_line() -> tuple[str, list[str]] | None:
-    """(the module, its arguments) when this process is `python [options] -m jaxlm.<command> ...`."""
-    argv = list(getattr(_sys, "orig_argv", ()))
-    if "-m" not in argv[1:]:
-        return None
-    at = argv.index("-m", 1)
-    if at + 1 >= len(argv) or not argv[at + 1].startswith("jaxlm."):
-        return None
-    return argv[at + 1], argv[at + 2:]
+def _command_line(argv=None) -> tuple[str, list[str]] | None:
+    """(the module, its arguments) when this process is `python [options] -m jaxlm.<command> ...`: the
+    interpreter's own options, then -m (a script, -c or a -m of another module is not a command)."""
+    argv = list(getattr(_sys, "orig_argv", ()) if argv is None else argv)
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c", "-"):
+        i += 2 if argv[i] in ("-X", "-W") else 1  # (the options that take a separate value)
+    if i + 1 < len(argv) and argv[i] == "-m" and argv[i + 1].startswith("jaxlm."):
+        return argv[i + 1], argv[i + 2:]
+    return None
 
 
 def _interrupted_while_starting(signum, frame) -> None:

@@ -96,3 +96,13 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_130(capsys):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_only_python_dash_m_jaxlm_is_a_command_line():
+    import jaxlm
+
+    assert jaxlm._command_line(["python", "-X", "importtime", "-u", "-m", "jaxlm.hf", "export", "--help"]) == (
+        "jaxlm.hf", ["export", "--help"])
+    for argv in (["python", "-m", "pytest", "-m", "jaxlm.slow"], ["python", "script.py", "-m", "jaxlm.hf"],
+                 ["python", "-c", "import jaxlm", "-m", "jaxlm.hf"], ["python"], ["python", "-m"]):
+        assert jaxlm._command_line(argv) is None, argv
