@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from jaxlm.console import console
 from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
-from jaxlm.errors import Terminated, UserError
+from jaxlm.errors import UserError
 from jaxlm.section import Section, check, setting
 
 
@@ -256,12 +256,9 @@ def prepared_dir(data: DataConfig) -> pathlib.Path:
                 prepare.prepare(source_spec(data), tok, out, val_fraction=d.val_fraction, seed=d.seed,
                                 workers=os.cpu_count() or 1, progress=jax.process_index() == 0,
                                 sft_spec=sft_spec(data), in_process_bytes=prepare.IN_PROCESS_BYTES)
-            except (KeyboardInterrupt, Terminated):
-                raise  # the next run continues it
-            except BaseException:
-                # (the cache: once the bad row is fixed, the corpus has another key and this would never be read)
+            except UserError:  # bad data: once fixed, the corpus has another key and this would never be read
                 shutil.rmtree(out, ignore_errors=True)
-                raise
+                raise  # (interrupted, or a full disk: the next run continues what is written)
     return out
 
 

@@ -100,9 +100,10 @@ def prepare(
 
     Continues an interrupted run of the same inputs and tokenizer (and rewrites shards that no
     longer match a complete manifest); refuses a directory prepared from anything else. A run that
-    fails (a bad row, a full disk) into a directory it began removes what it wrote there (and the
+    stops at bad data (a bad row) in a directory it began removes what it wrote there (and the
     directory, if it made it), so that the corrected data can go to the same place; one interrupted
-    (Ctrl-C, SIGTERM), or continuing an earlier run's directory, leaves it to be continued.
+    (Ctrl-C, SIGTERM) or stopped by the machine (a full disk), or continuing an earlier run's
+    directory, leaves it to be continued.
     """
     if shard_docs < 1 or workers < 1:
         raise UserError(f"shard_docs and workers must be at least 1; got {shard_docs} and {workers}")
@@ -136,12 +137,10 @@ def prepare(
         _write_manifest(out, manifest)  # first: from now on the directory is recognised as ours
         tokenizer.save(out / tokenizer.file_name)
         manifest["splits"] = _write_shards(source, out, manifest, workers, progress, encoder, in_process_bytes)
-    except (KeyboardInterrupt, Terminated):
-        raise  # what is written stays: the same command continues it
-    except BaseException:
+    except UserError:  # bad data: the corrected data is another input, which this directory would refuse
         if begun:
             remove_begun(out, made)
-        raise
+        raise  # (interrupted, or the machine failing, as a full disk: what is written stays, to be continued)
     _remove_partial_writes(out)  # of workers that outlived a killed run by a moment
     manifest["complete"] = True
     _write_manifest(out, manifest)
