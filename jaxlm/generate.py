@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -532,6 +533,16 @@ def _conversation(text: str, where: str, system: str | None) -> list[dict[str, s
     return messages
 
 
+def _refuse_a_run_without_a_template(run_dir: str) -> None:
+    """`inference.chat_template`'s one line for a run that has no chat template, from its config.json
+    and tokenizer alone; a directory that is not a whole run is left to `inference.load_run` to name."""
+    try:
+        cfg, tok = inference.read_config(pathlib.Path(run_dir)), Tokenizer.load(run_dir)
+    except UserError:
+        return
+    inference.chat_template(cfg, tok, run_dir)
+
+
 def chat_prompts(args) -> list[list[dict[str, str]]]:
     """The conversations the command line gives: --prompt (a user message each), --messages, and
     --prompts_file's lines."""
@@ -557,6 +568,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             if args.prompt or args.messages or args.prompts_file:
                 raise UserError("--interactive reads the conversation from standard input; drop --prompt, --messages "
                                 "and --prompts_file (a system message: --system)")
+            _refuse_a_run_without_a_template(args.run_dir)  # before its checkpoint loads (seconds, gigabytes)
             run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
             session = ChatSession(Generator.from_run(run), run.chat_template(), system=args.system,
                                   max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_id=eos_id)
@@ -566,6 +578,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             if not conversations:
                 raise UserError("give at least one conversation: --prompt=TEXT (a user message), --messages=JSON or "
                                 "--prompts_file=FILE.jsonl")
+            _refuse_a_run_without_a_template(args.run_dir)
         else:
             prompts = list(args.prompt) + [line for _, line in
                                            (_read_prompts_file(args.prompts_file) if args.prompts_file else [])]

@@ -586,6 +586,11 @@ CASES = [
          slow=True),
     Case("generate-chat-no-template", "generate", ("--run_dir={run}", "--chat", "--prompt=hi"), 2,
          ("has no chat template", "data.format=chat"), unchanged="{run}"),
+    # refused from the run's config and tokenizer before its checkpoint loads: a run holding none says the same
+    Case("generate-chat-no-template-before-loading", "generate", ("--run_dir={case}/r", "--chat", "--prompt=hi"), 2,
+         ("has no chat template", "data.format=chat"),
+         setup=lambda c, w: [(c / "r").mkdir(), *(shutil.copy(w["run"] / n, c / "r" / n)
+                                                   for n in ("config.json", "tokenizer.model"))]),
     Case("generate-interactive-with-prompt", "generate", ("--run_dir={run}", "--interactive", "--prompt=hi"), 2,
          ("--interactive reads the conversation from standard input",), slow=True),
     Case("backend-unknown", "train", T(), 74, ("Unable to initialize backend 'nosuch'", "jaxlm.doctor"),
