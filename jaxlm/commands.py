@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from jaxlm import cli, roofline
 from jaxlm.data import sft, sources
-from jaxlm.errors import EnvironmentFailure, UserError, report_error
+from jaxlm.errors import EXIT_ENVIRONMENT, EnvironmentFailure, UserError, report_error
 
 ADAPTER_CHOICES = ("merge", "peft")  # hf export --adapters
 DISTRIBUTED_TIMEOUT_S = 300.0  # doctor --distributed_timeout_s: distributed.DEFAULT_TIMEOUT_S (tested equal)
@@ -269,4 +269,4 @@ def parse_early(module: str, argv: Sequence[str]) -> None:
         sys.exit(report_error(e))
     except EnvironmentFailure as e:
         print(f"jaxlm: error: {e}", file=sys.stderr)
-        sys.exit(74)
+        sys.exit(EXIT_ENVIRONMENT)

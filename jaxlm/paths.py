@@ -63,6 +63,14 @@ def _name_max(where: pathlib.Path) -> int:
         return NAME_MAX
 
 
+def _check_kind(path: pathlib.Path, kind: str, label: str, a_file: str) -> None:
+    """One line when the existing `path` is a directory where a file is expected, or the reverse."""
+    if kind == "file" and path.is_dir():
+        raise UserError(f"{label} is a directory; give {a_file}")
+    if kind == "dir" and not path.is_dir():
+        raise UserError(f"{label} is a file; give a directory")
+
+
 def check(text: str, *, kind: str, io: str, name: str) -> None:
     """Refuse `text` as the path `name` (a flag such as `--output`, or a config key) in one line unless
     it can be a `kind` ("file", "dir", "any") that the command reads (`io="in"`) or writes ("out").
@@ -86,10 +94,7 @@ def check(text: str, *, kind: str, io: str, name: str) -> None:
             if missing is not None and missing != path.absolute():
                 raise UserError(f"{label} does not exist ({missing} is missing)")
             raise UserError(f"{label} does not exist")
-        if kind == "file" and path.is_dir():
-            raise UserError(f"{label} is a directory; give a file")
-        if kind == "dir" and not path.is_dir():
-            raise UserError(f"{label} is a file; give a directory")
+        _check_kind(path, kind, label, "a file")
         if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
             raise EnvironmentFailure(f"{label}: permission denied (it cannot be read)")
         return
@@ -97,10 +102,7 @@ def check(text: str, *, kind: str, io: str, name: str) -> None:
         raise UserError(f"{label} is inside the checkpoints of {checkpoints.parent} (only training writes there); "
                         "give a path outside them")
     if os.path.lexists(path):
-        if kind == "file" and path.is_dir():
-            raise UserError(f"{label} is a directory; give the path of a file")
-        if kind == "dir" and not path.is_dir():
-            raise UserError(f"{label} is a file; give a directory")
+        _check_kind(path, kind, label, "the path of a file")
         if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
             raise EnvironmentFailure(f"{label}: permission denied (it cannot be written)")
         return

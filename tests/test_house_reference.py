@@ -39,8 +39,8 @@ def _columns(records: list[dict]) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", list(MAKER.CASES))
 def test_a_short_run_logs_the_numbers_commit_594be22_logged(name, tmp_path):
     given = xla_flags()
-    # (a run from run.init_from now evaluates before its first step, run.eval_at_start: a record 594be22
-    # had no counterpart for, left out; every number it did log is compared)
+    # (the evaluation before the first step of a run from run.init_from, run.eval_at_start, has no
+    # counterpart in 594be22's records: left out; every number those hold is compared)
     records = [r for r in MAKER.run_case(name, tmp_path, given) if r.get("step") != 0]
     want = REFERENCE["metrics"][name]
     assert [sorted(r) for r in records] == [sorted(r) for r in want]  # the same steps, evaluations, metrics
