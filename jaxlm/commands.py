@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import pathlib
 import sys
 from collections.abc import Sequence
 
-from jaxlm import cli, roofline
+from jaxlm import cli, overrides, roofline
 from jaxlm.data import sft, sources
 from jaxlm.errors import EXIT_ENVIRONMENT, EnvironmentFailure, UserError, report_error
 
@@ -230,8 +229,6 @@ EARLY = {
     "jaxlm.compress": compress_parser, "jaxlm.compress.cli": compress_parser, "jaxlm.plan": plan_parser,
     "jaxlm.experiment": experiment_parser, "jaxlm.doctor": doctor_parser,
 }
-RECIPES = pathlib.Path(__file__).resolve().parent.parent / "configs"  # (config.RECIPES_DIR, without its imports)
-
 TRAIN_USAGE = """usage: python -m jaxlm.train --config=configs/<recipe>.py [--config.<section>.<key>=<value> ...]
 
 Train (or resume) the run that the recipe and the overrides describe, in run.output_dir/run.name.
@@ -247,17 +244,24 @@ LAYOUT_FLAGS = ("coordinator", "num_processes", "process_id", "distributed_timeo
 def parse_early(module: str, argv: Sequence[str]) -> None:
     """For `python -m <module> <argv>`: answer --help and refuse a bad flag (one line, exit 2 or 74)
     now, before the command imports JAX; return when the arguments parse (the command parses them
-    again). Config keys (`--config.<key>=`) are checked later, by the typed sections that own them."""
+    again). Train's config overrides are checked against the base config's keys and types
+    (`overrides.check_early`); their values' ranges later, by the typed sections that own them."""
     try:
         if module == "jaxlm.train" and {"-h", "--help"} & set(argv):
-            print(TRAIN_USAGE.format(recipes=", ".join(sorted(p.stem for p in RECIPES.glob("*.py")
-                                                              if not p.stem.startswith("_")))))
+            print(TRAIN_USAGE.format(recipes=", ".join(overrides.recipe_names())))
             sys.exit(0)
+        if module == "jaxlm.train":  # the recipe's file, and each override's key and type
+            overrides.check_early([a for a in argv if a[2:].partition("=")[0] not in LAYOUT_FLAGS
+                                   or not a.startswith("--")])
+            return
         parser = EARLY.get(module)
         if parser is None:
             return
-        if module == "jaxlm.plan":  # (its --config arguments are the recipe's)
+        if module == "jaxlm.plan":  # (its --config arguments are the recipe's, checked as train's)
             parser().parse_args([a for a in argv if not a.startswith("--config")])
+            overrides.check_early([a for a in argv if a.startswith("--config")])
+        elif module == "jaxlm.experiment":  # (--set: every run's overrides)
+            overrides.check_pairs(parser().parse_args(list(argv)).set)
         elif module == "jaxlm.hf":  # (a multi-process launch's flags are read by `distributed.pop_flags`)
             parser().parse_args([a for a in argv if a[2:].partition("=")[0] not in LAYOUT_FLAGS
                                  or not a.startswith("--")])

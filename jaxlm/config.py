@@ -8,25 +8,23 @@ work and raises `UserError` with one line naming the key, the value and what is 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
 import math
 import pathlib
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
+from jaxlm import overrides as overrides_lib
 from jaxlm import paths
 from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.data.loader import DataConfig
 from jaxlm.energy import EnergyConfig
-from jaxlm.errors import UserError, in_user_file, is_utf8, run_user_file
+from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.lora import LoraConfig
 from jaxlm.mesh import MeshConfig
 from jaxlm.metrics import MetricsConfig, ProfileConfig
@@ -42,8 +40,9 @@ SECTIONS = {cls.section: cls for cls in (
     RunConfig, transformer.ModelSection, DataConfig, OptimConfig, LoraConfig, CompressConfig, CheckpointConfig,
     MetricsConfig, EnergyConfig, ProfileConfig, MeshConfig, PipelineConfig)}
 
-# Where the recipes live (configs/ beside the package, in an editable install or a checkout).
-RECIPES_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+RECIPES_DIR = overrides_lib.RECIPES_DIR  # (configs/ beside the package)
+recipe_names = overrides_lib.recipe_names
+split_cli = overrides_lib.split_cli
 
 def base_config() -> ml_collections.ConfigDict:
     """The base recipe: every key jaxlm knows, with its default (its section's). Recipes derive from this.
@@ -64,21 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- loading
 
 
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
-
-
 def load_recipe(name_or_path: str) -> ml_collections.ConfigDict:
     """Load `configs/<name>.py` (or any path), optionally `path:arg`, and return its locked config."""
-    name, _, arg = str(name_or_path).partition(":")
-    path = pathlib.Path(name)
-    if not path.suffix:
-        path = RECIPES_DIR / f"{name}.py"
-    if not path.is_file():
-        raise UserError(
-            f"--config: no recipe file {str(path)!r}; give a path to a .py file "
-            f"or one of: {', '.join(recipe_names())}"
-        )
+    path, arg = overrides_lib.recipe_file(name_or_path)
     module = run_user_file(path, f"jaxlm_recipe_{path.stem}")
     if not hasattr(module, "get_config"):
         raise UserError(f"--config: {path} defines no get_config(); a recipe must return a ConfigDict from it")
@@ -109,48 +96,6 @@ def recipe(name: str, **overrides: Any) -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- overrides
 
 
-def _parse_value(key: str, value: Any, current: Any) -> Any:
-    """Parse a command-line string to the type of the field it overrides (`1e3` is a fine int)."""
-    expected = type(current)
-    if isinstance(value, str) and expected is not str:
-        if expected is bool:
-            value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
-                value.lower(), value
-            )
-        elif expected in (int, float):
-            text = value.replace("_", "")
-            try:  # an int exactly as written (a float would round one past 2**53)
-                value = int(text) if expected is int else float(text)
-            except ValueError:
-                try:
-                    number = float(text)
-                    value = int(number) if expected is int and number.is_integer() else number
-                except ValueError:
-                    pass
-        else:
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                pass
-    if expected is float and type(value) is int:
-        value = float(value)
-    if type(value) is not expected:
-        names = {bool: "a bool (true or false)", int: f"an integer (e.g. {current})", float: f"a number (e.g. {current})"}
-        raise UserError(f"--config.{key}={value}: expected {names.get(expected, 'a ' + expected.__name__)}")
-    return value
-
-
-def _unknown_key(key: str, leaf: str, parent: ml_collections.ConfigDict, prefix: str) -> UserError:
-    """`leaf` is the part of `key` that `parent` (at `prefix`) does not have."""
-    keys = sorted(parent.keys())
-    close = difflib.get_close_matches(leaf, keys, n=1) or sorted(
-        (k for k in keys if leaf.strip("_") in k), key=lambda k: -difflib.SequenceMatcher(None, leaf, k).ratio()
-    )[:1]
-    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
-    where = f"keys under {prefix[:-1]!r}" if prefix else "top-level keys"
-    return UserError(f"unknown config key {key!r}{hint}; {where}: {', '.join(keys)}")
-
-
 # The linked keys that may be given apart: the model's context (its positions) and the training rows'
 # length, at most that (a fine-tune on short rows of a long-context model; RoPE trained short)
 SEPARABLE = {"model.max_seq_len", "data.seq_len"}
@@ -166,21 +111,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
     """
     applied = []
     for key, text in overrides:
-        parts = key.split(".")
-        node = cfg
-        for depth, part in enumerate(parts):
-            prefix = ".".join(parts[:depth]) + ("." if depth else "")
-            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-                if not isinstance(node, ml_collections.ConfigDict):
-                    raise UserError(f"--config.{key}: {prefix[:-1]!r} is a value, not a group of keys")
-                raise _unknown_key(key, part, node, prefix)
-            if depth < len(parts) - 1:
-                node = node[part]
-        current = node[parts[-1]]
-        if isinstance(current, ml_collections.ConfigDict):
-            raise UserError(f"--config.{key}: {key!r} is a group of keys, set one of: {', '.join(sorted(current))}")
-        node[parts[-1]] = value = _parse_value(key, text, current)
-        applied.append((key, text, value, node, parts[-1]))
+        node, leaf = overrides_lib.find(cfg, key)
+        node[leaf] = value = overrides_lib.parse_value(key, text, node[leaf])
+        applied.append((key, text, value, node, leaf))
     for i, (key, text, value, node, leaf) in enumerate(applied):
         later = [a for a in applied[i + 1:] if a[0] == key]
         if not later and not _same(node[leaf], value):  # a later override of a linked key changed it
@@ -202,31 +135,6 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[st
 def _same(a: Any, b: Any) -> bool:
     """Equal, nan included (nan != nan: a key set to nan still holds what it was set to)."""
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
-
-
-_FLAG = re.compile(r"^--config(\.(?P<key>[A-Za-z0-9_.]+))?=(?P<value>.*)$", re.S)
-
-
-def split_cli(argv: Sequence[str], default_recipe: str | None = None) -> tuple[str, list[tuple[str, str]]]:
-    """(the recipe, the (key, value) overrides) of `--config=path[:arg]` and any number of
-    `--config.a.b=value`; anything else is an error."""
-    recipe_arg = default_recipe
-    overrides = []
-    for arg in argv:
-        m = _FLAG.match(arg)
-        if not m:
-            raise UserError(
-                f"unrecognised argument {arg!r}; use --config=configs/<recipe>.py and --config.<key>=<value>"
-            )
-        if m.group("key") is None:
-            recipe_arg = m.group("value")
-        else:
-            overrides.append((m.group("key"), m.group("value")))
-    if recipe_arg is not None and not is_utf8(recipe_arg):
-        raise UserError(f"--config={recipe_arg!r} is not UTF-8 text: rename the file, or type the path in UTF-8")
-    if recipe_arg is None:
-        raise UserError(f"--config is required: --config=configs/<recipe>.py, recipes: {', '.join(recipe_names())}")
-    return recipe_arg, overrides
 
 
 def parse_cli(argv: Sequence[str], default_recipe: str | None = None) -> ml_collections.ConfigDict:
@@ -259,10 +167,22 @@ def check_paths(cfg: ml_collections.ConfigDict) -> None:
         paths.check(str(pathlib.Path(cfg.run.output_dir) / run), kind="dir", io="out", name="config.run.name")
 
 
+def check_keys(cfg: ml_collections.ConfigDict, known: ml_collections.ConfigDict | None = None, prefix: str = "") -> None:
+    """Every key of `cfg` is one jaxlm knows (the base config's): a recipe that sets `c.model.d_modle`
+    adds a key that nothing reads, refused here naming the key it was likely meant to be."""
+    known = base_config() if known is None else known
+    for name in cfg.keys():
+        if name not in known:
+            raise overrides_lib.unknown_key(prefix + name, name, list(known.keys()), prefix)
+        if isinstance(cfg[name], ml_collections.ConfigDict) and isinstance(known[name], ml_collections.ConfigDict):
+            check_keys(cfg[name], known[name], f"{prefix}{name}.")
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Check everything that needs no device. Raises UserError naming the key, value, and what is allowed.
 
     Each section checks its own keys (`Section.validate`); what follows are the checks across sections."""
+    check_keys(cfg)
     typed = sections(cfg)
     for section in typed.values():
         section.check_values()  # every key by its type: finite numbers, integers, bools (`Section.check_values`)

@@ -4,7 +4,8 @@ Every key, its default and its meaning, by section: the keys and defaults from `
 the meanings from each section's own docs (`jaxlm.section`, `config.SECTIONS`), and the mesh rules' from
 the source of `jaxlm.mesh.default_rules` (a rule's comment is the one at the end of its line, or the
 comment lines right above it). `tests/test_docs.py` fails when the file is out of date;
-`python -m jaxlm.config_reference` rewrites it.
+`python -m jaxlm.config_reference` rewrites it, and with it the keys file that `python -m jaxlm.train`
+checks its overrides against before importing JAX (`jaxlm.overrides.KEYS_FILE`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import json
 import pathlib
 import sys
 import textwrap
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
+from jaxlm import overrides
 
 OUTPUT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 
@@ -90,12 +93,18 @@ def render() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def render_keys() -> str:
+    """Every key with its default, as JSON (`overrides.KEYS_FILE`)."""
+    return json.dumps(config_lib.base_config().to_dict(), indent=1) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write docs/config-reference.md (or the path given)."""
+    """Write docs/config-reference.md (or the path given) and jaxlm/config_keys.json."""
     argv = sys.argv[1:] if argv is None else argv
     path = pathlib.Path(argv[0]) if argv else OUTPUT
     path.write_text(render())
-    print(f"wrote {path}")
+    overrides.KEYS_FILE.write_text(render_keys())
+    print(f"wrote {path} and {overrides.KEYS_FILE}")
     return 0
 
 

@@ -4,13 +4,16 @@ never by its wall time (benchmarks/cli_startup.py measures that)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from jaxlm import commands, distributed
+from jaxlm import commands, config, distributed, overrides
+from jaxlm.errors import UserError
 from tiny_run import ROOT
 
 # (the module, a bad flag of it): every command answered early, and train's --help
@@ -106,3 +109,72 @@ def test_only_python_dash_m_jaxlm_is_a_command_line():
     for argv in (["python", "-m", "pytest", "-m", "jaxlm.slow"], ["python", "script.py", "-m", "jaxlm.hf"],
                  ["python", "-c", "import jaxlm", "-m", "jaxlm.hf"], ["python"], ["python", "-m"]):
         assert jaxlm._command_line(argv) is None, argv
+
+
+def test_trains_bad_config_key_is_answered_before_jax_is_imported():
+    done, imported = _run("jaxlm.train", "--config=configs/tiny.py", "--config.model.d_modle=3",
+                          "--coordinator=127.0.0.1:1234", "--num_processes=2", "--process_id=0")
+    lines = _messages(done)
+    assert done.returncode == 2 and lines == [lines[0]] and "did you mean 'model.d_model'?" in lines[0], lines
+    assert "jax" not in imported
+
+
+def _scalar_keys() -> list[tuple[str, object]]:
+    """Every config key whose default is a bool, int or float, with that default."""
+    def walk(tree, prefix=""):
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{name}.")
+            elif type(value) in (bool, int, float):
+                yield prefix + name, value
+    return list(walk(json.loads(overrides.KEYS_FILE.read_text())))
+
+
+def _early_and_late(argv: list[str]) -> tuple[str | None, str | None]:
+    """The line `check_early` refuses `argv` with, and the one the config's own parse gives (None: accepted)."""
+    lines = []
+    for check in (overrides.check_early, config.parse_cli):
+        try:
+            check(argv)
+            lines.append(None)
+        except UserError as e:
+            lines.append(re.sub(r" \(e\.g\. [^)]*\)", "", str(e)))  # (the example: the base's value, the recipe's)
+    return tuple(lines)
+
+
+def test_every_override_is_refused_early_exactly_when_and_as_the_config_refuses_it():
+    """The class: for every scalar key, its default accepted, a misspelling and a value of the wrong
+    type refused; an unknown section, a value used as a group, a group used as a value, a missing
+    recipe, a stray argument. The early check (no JAX) and the config's own parse give the same line."""
+    argvs = []
+    for key, default in _scalar_keys():
+        section, _, leaf = key.rpartition(".")
+        argvs += [[f"--config.{key}={str(default).lower() if type(default) is bool else default}"],
+                  [f"--config.{section}.{leaf}x=1"],
+                  [f"--config.{key}={'maybe' if type(default) is bool else 'ten'}"]]
+    argvs += [["--config.modle.d_model=1"], ["--config.model.d_model.x=1"], ["--config.mesh.rules=1"],
+              ["--config.model=1"], ["--bogus"], ["--config=configs/nope.py"], ["--config.model.n_layers=2.5"]]
+    assert len(argvs) > 250
+    for argv in argvs:
+        early, late = _early_and_late(["--config=configs/tiny.py", *argv] if argv[0].startswith("--config.") else argv)
+        assert early == late, (argv, early, late)
+        if argv[0].startswith("--config.") and "x=1" not in argv[0] and argv[0].split("=")[1] not in ("ten", "maybe"):
+            continue
+        assert early is not None, argv
+
+
+def test_a_recipe_that_adds_a_key_is_refused_naming_the_key_it_meant(tmp_path):
+    recipe = tmp_path / "typo.py"
+    recipe.write_text("from jaxlm.config import base_config\n\n\ndef get_config():\n"
+                      "    c = base_config()\n    c.optim.weight_decya = 0.0\n    return c\n")
+    with pytest.raises(UserError, match=r"unknown config key 'optim.weight_decya' \(did you mean 'optim.weight_decay'"):
+        config.validate(config.load_recipe(str(recipe)))
+
+
+@pytest.mark.parametrize("command", [["jaxlm.plan", "--devices=8", "--config=configs/tiny.py", "--config.model.n_layerz=2"],
+                                     ["jaxlm.experiment", "experiments/lr_warmup.py", "--set", "run.stepz=3"]])
+def test_plans_and_experiments_config_keys_are_checked_before_jax_is_imported(command):
+    done, imported = _run(*command)
+    lines = _messages(done)
+    assert done.returncode == 2 and lines == [lines[0]] and "unknown config key" in lines[0], lines
+    assert "jax" not in imported

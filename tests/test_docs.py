@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-from jaxlm import config_reference
+from jaxlm import config_reference, overrides
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -16,6 +16,11 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 def test_the_config_reference_is_generated_from_the_current_config():
     assert config_reference.OUTPUT.read_text() == config_reference.render(), (
         "docs/config-reference.md is out of date: run python -m jaxlm.config_reference")
+
+
+def test_the_keys_file_train_checks_before_jax_is_the_current_config():
+    assert overrides.KEYS_FILE.read_text() == config_reference.render_keys(), (
+        "jaxlm/config_keys.json is out of date: run python -m jaxlm.config_reference")
 
 
 def test_the_reference_documents_every_key():

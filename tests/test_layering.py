@@ -16,7 +16,8 @@ LAYERS = {
     3: {"config", "train_setup", "steps", "optim", "pruning_masks", "train_state", "checkpoint", "init_from",
         "lora", "metrics", "run_dir", "run_lock", "energy", "inference", "memory", "roofline", "hlo"},
     2: {"models", "data", "quant", "loss_scale", "precision"},  # models and data
-    1: {"section", "axes", "mesh", "errors", "console", "table", "distributed", "xla_flags", "cli", "paths"},  # basics
+    1: {"section", "axes", "mesh", "errors", "console", "table", "distributed", "xla_flags", "cli", "paths",
+        "overrides"},  # basics
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 
