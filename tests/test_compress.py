@@ -119,6 +119,27 @@ def test_fake_quantization_is_the_stored_weight_forward_and_the_identity_backwar
     floats.identical(grad, jnp.broadcast_to(jnp.arange(5.0), w.shape), why=floats.MOVED)
 
 
+def test_fake_quantization_of_a_short_last_group_sharded_along_its_groups():
+    """QAT on a width the group does not divide (688 in groups of 64: ten whole, one of 48), the grouped
+    axis split over 8 devices (86 rows each, so groups straddle shards): the forward weight is the one
+    the stored format holds (the last group zero-padded, as `quantize` pads it), on the sharded array as
+    on the whole one, and the gradient passes through."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    w = np.random.default_rng(5).standard_normal((688, 16)).astype(np.float32)
+    spec = quant.QuantSpec("int4", 64, symmetric=False)
+    mesh = Mesh(np.asarray(jax.devices()[:8]), ("fsdp",), axis_types=(AxisType.Auto,))  # as `mesh.make_mesh`
+    sharded = jax.device_put(w, NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    fake = jax.jit(lambda w: quant.fake_quantize(w, spec, 0))
+    out = fake(sharded)
+    floats.close(out, roundtrip(jnp.asarray(w), spec, 0))
+    padded = np.concatenate([w, np.zeros((704 - 688, 16), np.float32)])  # the last group as the stored format pads it
+    floats.close(out, np.asarray(roundtrip(jnp.asarray(padded), spec, 0))[:688])
+    assert quant.group_params(jnp.asarray(w), spec, 0)["scale"].shape == (11, 16)
+    grad = jax.jit(jax.grad(lambda w: jnp.sum(quant.fake_quantize(w, spec, 0) * jnp.arange(16.0))))(sharded)
+    floats.identical(grad, jnp.broadcast_to(jnp.arange(16.0), w.shape), why=floats.MOVED)
+
+
 # ----------------------------------------------------------------------------- pruning masks
 
 
