@@ -292,8 +292,8 @@ def _mlp_parts(cfg, prefix: str, conv1d: bool) -> dict[tuple, Part]:
     """The MLP's weights under `prefix` + "mlp.", by the names its class gives them (`MLP.hf_names`):
     GPT-2's Conv1D stores a kernel as jaxlm does, [in, out]; a PyTorch Linear as [out, in]."""
     mlp = MLPS[cfg.mlp]
-    shapes = mlp.projection_shapes(cfg.d_model, cfg.mlp_dim)
-    biases = mlp.bias_shapes(cfg.d_model, cfg.mlp_dim, cfg.use_bias)
+    shapes = mlp.projection_shapes(cfg)
+    biases = mlp.bias_shapes(cfg)
     out = {}
     for name, module in mlp.hf_names.items():
         hf = f"{prefix}mlp.{module}"

@@ -31,7 +31,8 @@ from jaxlm.models.attention import (
     packed_layout_supported,
     select_implementation,
 )
-from jaxlm.models.mlps import MLPS
+from jaxlm.models.mlps import MLPS, MoESpec
+from jaxlm.models.mlps import moe as moe_lib
 from jaxlm.models.positions import POSITIONS
 from jaxlm.section import Section, check, check_choice, setting
 
@@ -160,6 +161,24 @@ class ModelSection(Section):
         0,
         "Make the logits and the loss this many positions at a time (0 = the whole sequence at once): only "
         "[batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].")
+    moe_experts: int = setting(8, "model.mlp=moe: experts in each MoE layer, each a SwiGLU of model.mlp_dim hidden units")
+    moe_top_k: int = setting(2, "model.mlp=moe: experts each token is routed to")
+    moe_shared_experts: int = setting(
+        0, "model.mlp=moe: shared experts every token goes through, as one SwiGLU of this many x mlp_dim units")
+    moe_router: str = setting(
+        "topk_softmax",
+        "model.mlp=moe: topk_softmax (the top k logits softmaxed: Mixtral, Qwen3-MoE) | softmax_topk (a softmax "
+        "over all experts, the top k as they are: Switch, OLMoE) | sigmoid (DeepSeek-V3's scores with a "
+        "per-expert bias on the choice) (jaxlm.models.mlps.moe)")
+    moe_impl: str = setting(
+        "auto",
+        "model.mlp=moe: how tokens reach their experts: auto (ragged) | ragged (dropless: sorted by expert, "
+        "grouped matmuls) | dense (dropless: every expert on every token, E/k x the FLOPs) | capacity (at most "
+        "moe_capacity_factor x the balanced share per expert, the rest dropped and counted)")
+    moe_capacity_factor: float = setting(1.25, "model.mlp=moe, moe_impl=capacity: each expert's room, x its balanced share")
+    moe_aux_loss: float = setting(
+        0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
+    moe_z_loss: float = setting(0.0, "model.mlp=moe: the router z-loss's coefficient (ST-MoE; 0 = off, still reported)")
 
     def validate(self) -> None:
         key = self.key
@@ -196,6 +215,18 @@ class ModelSection(Section):
         check(self.attention_segments >= 0, key("attention_segments"), self.attention_segments,
               "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
         check(self.scan_unroll >= 0, key("scan_unroll"), self.scan_unroll, "0 (auto) or a positive number of layers")
+        if self.mlp == "moe":
+            check(self.moe_experts >= 2, key("moe_experts"), self.moe_experts, "at least 2 experts")
+            check(1 <= self.moe_top_k <= self.moe_experts, key("moe_top_k"), self.moe_top_k,
+                  f"between 1 and model.moe_experts={self.moe_experts}")
+            check(self.moe_shared_experts >= 0, key("moe_shared_experts"), self.moe_shared_experts,
+                  "0 or a positive number")
+            check_choice(key("moe_router"), self.moe_router, moe_lib.ROUTERS)
+            check_choice(key("moe_impl"), self.moe_impl, ("auto", *moe_lib.IMPLS))
+            check(self.moe_capacity_factor > 0, key("moe_capacity_factor"), self.moe_capacity_factor,
+                  "a positive number")
+            for name in ("moe_aux_loss", "moe_z_loss"):
+                check(getattr(self, name) >= 0, key(name), getattr(self, name), "0 (off) or a positive coefficient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +280,8 @@ class ModelConfig:
     lora: transforms.LoRA | None = None
     quantized: transforms.Quantized | None = None
     pruned: transforms.Pruned | None = None
+    # The Mixture-of-Experts settings (config.model.moe_*), read by the MoE MLP alone (model.mlp=moe)
+    moe: MoESpec = MoESpec()
 
     @property
     def residual_init_std(self) -> float:
@@ -321,8 +354,9 @@ class ModelConfig:
             remat=m["remat"],
             loss_chunk_len=m.get("loss_chunk_len", 0),
         )
-        fields.update(overrides)
         platform = platform or jax.default_backend()
+        fields["moe"] = MoESpec.from_model(m, platform)
+        fields.update(overrides)
         if fields["dtype"] is None:  # model.dtype=auto (jaxlm.precision)
             capability = precision.compute_capability() if platform == "gpu" and jax.default_backend() == "gpu" else None
             fields["dtype"] = DTYPES[precision.auto_dtype(platform, capability)[0]]
@@ -733,7 +767,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         attn += h * (n + 2 * k)
     if cfg.use_bias:
         attn += d
-    per_layer = attn + MLPS[cfg.mlp].params(d, cfg.mlp_dim, cfg.use_bias) + 2 * norm
+    per_layer = attn + MLPS[cfg.mlp].params(cfg) + 2 * norm
     counts = {
         "embedding": v * d,
         "positions": POSITIONS[cfg.position].params(cfg.max_seq_len, d),
@@ -746,6 +780,12 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token goes through: all of them but the experts it is not routed to (an MoE's;
+    the total for a dense model). What peers report as an MoE's active size."""
+    return param_count(cfg)["total"] - cfg.n_layers * MLPS[cfg.mlp].unrouted_params(cfg)
+
+
 def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each of the attention's projections."""
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -754,7 +794,7 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each projection of a block: the attention's and the MLP's."""
-    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg.d_model, cfg.mlp_dim)}
+    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg)}
 
 
 def lora_param_count(cfg: ModelConfig) -> int:
@@ -766,8 +806,9 @@ def lora_param_count(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: every layer's projections plus the unembedding."""
-    per_layer = sum(i * o for i, o in layer_projection_shapes(cfg).values())
+    """Weights that take part in a matmul per token: every layer's attention and MLP (an MoE: the experts a
+    token is routed to, its router and shared experts: the active weights) plus the unembedding."""
+    per_layer = sum(i * o for i, o in _attention_shapes(cfg).values()) + MLPS[cfg.mlp].matmul_params(cfg)
     return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
 
 
