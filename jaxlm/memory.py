@@ -189,6 +189,8 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
         return (layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x
                 + (mlp.autodiff_hidden - mlp.saved_hidden) * mlp.hidden_copies(m) * a * s.mlp)
     norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
+    if m.qk_norm:  # and the per-head norms of q and k (Qwen3): the projections' q and k and the norms' outputs
+        norms += 2 * a * (s.q + s.kv)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
     rope = POSITIONS[m.position].saved_bytes_per_token(m.head_dim) * s.tokens  # RoPE: sin and cos, for q and k
     attention_out = a * s.q
@@ -233,6 +235,9 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
         return block_input
     mlp_dots = MLPS[m.mlp].hidden_dots() * MLPS[m.mlp].hidden_copies(m) * a * s.mlp  # SwiGLU: gate and up; GELU: in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
+    if m.qk_norm:  # the projections' q and k beside the rotated ones, which the per-head norms' backward reads
+        # (grouped-query heads: the joint matmul's whole output, v's part too: `layers.project_qkv`)
+        projections += a * (s.q + (2 if m.n_kv_heads < m.n_heads else 1) * s.kv)
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`

@@ -47,7 +47,7 @@ NAMES = sorted(MLPS)
 REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
 COMPONENTS = [pytest.param(kind, name, id=f"{kind}-{name}") for kind, entries in REGISTRIES.items() for name in entries]
 # The jaxlm variant (and settings) whose export is each Hugging Face architecture
-HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True),
+HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=16),
              "gpt2": dict(norm="layernorm", position="learned", use_bias=True, tie_embeddings=True, n_kv_heads=8)}
 
 

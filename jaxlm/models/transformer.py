@@ -44,11 +44,13 @@ class Variant:
     position: str
     use_bias: bool  # biases everywhere: q, k, v, o, the MLP, the norms
     qkv_bias: bool = False  # biases on q, k and v only
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys (`layers.Attention`)
 
 
 VARIANTS: dict[str, Variant] = {
     "llama": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False),
     "qwen2": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qkv_bias=True),
+    "qwen3": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qk_norm=True),
     "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
 }
 NORMS = {cls.name: cls for cls in (layers.RMSNorm, layers.LayerNorm)}
@@ -97,6 +99,10 @@ class ModelSection(Section):
     position: str = setting("", "rope | learned")
     use_bias: int = setting(-1, "-1 = the variant's choice, 0 = no biases, 1 = biases")
     qkv_bias: int = setting(-1, "biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1")
+    qk_norm: int = setting(
+        -1,
+        "an RMSNorm over each head's queries and keys, after their projections and before RoPE (Qwen3): "
+        "-1 = the variant's choice, 0 or 1")
     vocab_size: int = setting(2048, "tokens in the vocabulary; linked to data.tokenizer_vocab_size")
     d_model: int = setting(256, "the residual stream's width")
     n_layers: int = setting(4, "decoder blocks")
@@ -188,6 +194,7 @@ class ModelSection(Section):
         check_choice(key("position"), self.position, sorted(POSITIONS), allow_empty=True)
         check(self.use_bias in (-1, 0, 1), key("use_bias"), self.use_bias, "-1 (variant's choice), 0 or 1")
         check(self.qkv_bias in (-1, 0, 1), key("qkv_bias"), self.qkv_bias, "-1 (variant's choice), 0 or 1")
+        check(self.qk_norm in (-1, 0, 1), key("qk_norm"), self.qk_norm, "-1 (variant's choice), 0 or 1")
         check_choice(key("rope_scaling"), self.rope_scaling, layers.ROPE_SCALINGS)
         if self.rope_scaling != "none":
             check(self.rope_factor > 0, key("rope_factor"), self.rope_factor, "a positive number")
@@ -246,6 +253,7 @@ class ModelConfig:
     position: str = "rope"
     use_bias: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys, before RoPE (Qwen3)
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -342,6 +350,7 @@ class ModelConfig:
             position=m["position"] or variant.position,
             use_bias=variant.use_bias if m["use_bias"] == -1 else bool(m["use_bias"]),
             qkv_bias=variant.qkv_bias if m.get("qkv_bias", -1) == -1 else bool(m["qkv_bias"]),
+            qk_norm=variant.qk_norm if m.get("qk_norm", -1) == -1 else bool(m["qk_norm"]),
             tie_embeddings=m["tie_embeddings"],
             norm_eps=m["norm_eps"],
             rope_theta=m["rope_theta"],
@@ -767,6 +776,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         attn += h * (n + 2 * k)
     if cfg.use_bias:
         attn += d
+    if cfg.qk_norm:
+        attn += 2 * layers.RMSNorm.params(h, False)  # the queries' and the keys' norms, shared by the heads
     per_layer = attn + MLPS[cfg.mlp].params(cfg) + 2 * norm
     counts = {
         "embedding": v * d,
