@@ -119,7 +119,7 @@ class StepLog:
         """`data_progress`: the data iterator's epoch and this host's real tokens after this step's
         batch, and the seconds the loop took for that batch (`data_time_s`); `histograms`:
         `param_histograms` of the state after this step, when due."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
+        values = metrics_lib.scalars(metrics) | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
         first = self.compile_s is None

@@ -150,6 +150,7 @@ def test_the_load_metrics_are_a_count_by_hand():
     layers = cfg.n_layers  # each output is this layer's share of a mean over the layers
     assert float(out["moe_load_max"]) * layers == pytest.approx(share.max() * 4, rel=1e-6)
     assert float(out["moe_load_min"]) * layers == pytest.approx(share.min() * 4, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(out["moe_load_by_layer"]), share * 4, rtol=1e-6)  # this layer's own
     entropy = -sum(s * math.log(s) for s in share if s > 0) / math.log(4)
     assert float(out["moe_load_entropy"]) * layers == pytest.approx(entropy, rel=1e-5)
     balance = 4 * np.sum(share * 2 * _softmax(logits).mean(0))  # HF Mixtral's: E x sum_e (pairs_e / N) P_e
@@ -192,7 +193,9 @@ def test_a_moe_model_trains_through_the_train_step():
         state, metrics = setup.train_step(state, batch)
         losses.append(float(metrics["loss"]))
         for name in MoEMLP.aux_names:
-            assert np.isfinite(float(metrics[f"aux/{name}"])), name
+            assert np.all(np.isfinite(np.asarray(metrics[f"aux/{name}"]))), name
+    loads = np.asarray(metrics["aux/moe_load_by_layer"])  # each layer's experts' loads, times E: mean 1
+    assert loads.shape == (2, 4) and np.allclose(loads.mean(axis=1), 1.0, atol=1e-5)
     assert float(metrics["aux/moe_balance"]) >= 1.0  # k x ... at least 1 x (E x sum f P >= 1 for any routing)
     assert losses[-1] < losses[0], losses
 

@@ -683,7 +683,7 @@ class Transformer(nnx.Module):
             x, cache = self._blocks_with_cache(x, positions, cache)
         elif cfg.pipeline_stages > 1:
             x, out = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
-                                           _remat(_pipelined_block, cfg.remat, True), aux_names=self.aux_names)
+                                           _remat(_pipelined_block, cfg.remat, True), aux_shapes=self.aux_shapes)
         elif cfg.scan_layers:
 
             @nnx.scan(
@@ -696,12 +696,13 @@ class Transformer(nnx.Module):
                 return run_block(x, block, key)
 
             x, per_layer = scan_blocks(x, self.blocks, keys)
-            out = {name: jnp.sum(value) for name, value in per_layer.items()}
+            out = aux.over_layers(per_layer)
         else:
-            out = aux.zeros(self.aux_names)
+            outs = []
             for i, block in enumerate(self.blocks):
                 x, layer_out = run_block(x, block, None if keys is None else keys[i])
-                out = aux.add(out, layer_out)
+                outs.append(layer_out)
+            out = aux.over_layers({name: jnp.stack([o[name] for o in outs]) for name in self.aux_shapes})
         if last_only:
             x = x[:, -1:]
         x = self.final_norm(x)
@@ -714,6 +715,11 @@ class Transformer(nnx.Module):
     def aux_names(self) -> tuple[str, ...]:
         """The auxiliary outputs its blocks return (`jaxlm.models.aux`): its MLP's."""
         return MLPS[self.cfg.mlp].aux_names
+
+    @property
+    def aux_shapes(self) -> aux.Shapes:
+        """Each auxiliary output's shape as the model returns it: a layer's, or [n_layers, ...] kept per layer."""
+        return aux_shapes(self.cfg)
 
     @property
     def pipeline_schedule(self) -> pipeline_parallel.Schedule:
@@ -753,6 +759,12 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.blocks):
                 x, cache = block(x, positions, None, None, cache._replace(layer=i))
         return x, cache._replace(index=cache.index + x.shape[1], layer=0)
+
+
+def aux_shapes(cfg: ModelConfig) -> aux.Shapes:
+    """The model's auxiliary outputs' shapes (`Transformer.aux_shapes`), from the config alone."""
+    return {name: (cfg.n_layers, *shape) if aux.by_layer(name) else shape
+            for name, shape in MLPS[cfg.mlp].aux_shapes(cfg).items()}
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, start: jax.Array) -> KVCache:

@@ -41,8 +41,9 @@ class MLP(nnx.Module):
         refuses in one line.
       hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
         `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
-      aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: scalar})
-        (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss); () for none, and
+      aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: value})
+        (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss, one ending in
+        `_by_layer` is kept per layer; each a scalar unless `aux_shapes` says otherwise); () for none, and
         `__call__` returns y alone.
     and implements `default_dim` and `__call__`.
     """
@@ -60,6 +61,11 @@ class MLP(nnx.Module):
     def default_dim(d_model: int) -> int:
         """The hidden width config.model.mlp_dim=0 stands for."""
         raise NotImplementedError
+
+    @classmethod
+    def aux_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Each auxiliary output's shape as one layer returns it: scalars, unless a subclass says."""
+        return {name: () for name in cls.aux_names}
 
     @classmethod
     def projection_shapes(cls, cfg) -> dict[str, tuple[int, int]]:

@@ -30,7 +30,8 @@ f_e the share of the batch's (token, expert) pairs routed to e times k and P_e t
 probability of e, 1.0 x k when balanced, as Switch Transformer and Hugging Face's Mixtral compute it),
 `moe_load_max` and `moe_load_min` (the busiest and idlest expert's share of the pairs times E: 1.0 when
 balanced), `moe_load_entropy` (the shares' entropy over log E: 1.0 when balanced), `moe_dropped` (the
-share of pairs dropped).
+share of pairs dropped); and per layer (`aux.by_layer`, TensorBoard's `aux/moe_load_by_layer/layer_<i>/<e>`),
+`moe_load_by_layer` (each expert's share of the layer's pairs times E) and `moe_dropped_by_layer`.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def load_stats(experts: jax.Array, probs: jax.Array, spec: MoESpec) -> dict[str,
     balance = e * jnp.sum(share * k * jnp.mean(probs, axis=0))
     entropy = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)), 0.0)) / math.log(e)
     return {"balance": balance, "load_max": jnp.max(share) * e, "load_min": jnp.min(share) * e,
-            "load_entropy": entropy}
+            "load_entropy": entropy, "load_by_layer": share * e}
 
 
 class MoEMLP(MLP):
@@ -138,7 +139,12 @@ class MoEMLP(MLP):
     saved_hidden = GatedMLP.saved_hidden
     autodiff_hidden = GatedMLP.autodiff_hidden
     aux_names = ("moe_balance_loss", "moe_z_loss", "moe_balance", "moe_load_max", "moe_load_min",
-                 "moe_load_entropy", "moe_dropped")
+                 "moe_load_entropy", "moe_dropped", "moe_load_by_layer", "moe_dropped_by_layer")
+
+    @classmethod
+    def aux_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Each expert's load in each layer (its share of the pairs times E: 1.0 when balanced)."""
+        return {**super().aux_shapes(cfg), "moe_load_by_layer": (cfg.moe.experts,)}
 
     @staticmethod
     def default_dim(d_model: int) -> int:
@@ -236,8 +242,9 @@ class MoEMLP(MLP):
         stats = load_stats(experts, probs, spec)
         z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
         out = {"moe_balance_loss": spec.aux_loss * stats["balance"], "moe_z_loss": spec.z_loss * z,
-               "moe_dropped": dropped, **{f"moe_{k}": v for k, v in stats.items()}}
-        return output(y), {name: value / self.n_layers for name, value in out.items()}  # summed over the layers: means
+               "moe_dropped": dropped, **{f"moe_{k}": v for k, v in stats.items() if k != "load_by_layer"}}
+        out = {name: value / self.n_layers for name, value in out.items()}  # summed over the layers: means
+        return output(y), {**out, "moe_load_by_layer": stats["load_by_layer"], "moe_dropped_by_layer": dropped}
 
 
 # ----------------------------------------------------------------------------- dispatch
