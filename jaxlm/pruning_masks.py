@@ -36,7 +36,8 @@ class PruningHook:
         masks = mask_tree(trainable, frozen)
         return {} if masks is None else {"masks": masks}
 
-    def after_update(self, trainable: dict, frozen: dict, step: jax.Array) -> tuple[dict, dict]:
+    def after_update(self, trainable: dict, frozen: dict, step: jax.Array, aux: dict, finite: jax.Array
+                     ) -> tuple[dict, dict]:
         if not self.gradual:
             return trainable, frozen
         return gradual_step(trainable, frozen, step, **self.gradual)

@@ -300,15 +300,17 @@ def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
 
 
 class StepHook(Protocol):
-    """What a model transform adds to the train step (`jaxlm.pruning_masks.PruningHook`): its optimizer
-    transforms (`optim.make_optimizer`'s `extra`), keyword arguments of their update, a change to the
-    parameters after the update, and metrics."""
+    """What a model transform or component adds to the train step (`jaxlm.pruning_masks.PruningHook`,
+    `jaxlm.models.mlps.moe.RouterBiasHook`): its optimizer transforms (`optim.make_optimizer`'s
+    `extra`), keyword arguments of their update, a change to the parameters after the update (given the
+    step's auxiliary outputs, means over its tokens, and whether the step was finite), and metrics."""
 
     def optimizer_transforms(self) -> list[optax.GradientTransformation]: ...
 
     def update_args(self, trainable: dict, frozen: dict) -> dict: ...
 
-    def after_update(self, trainable: dict, frozen: dict, step: jax.Array) -> tuple[dict, dict]: ...
+    def after_update(self, trainable: dict, frozen: dict, step: jax.Array, aux: dict[str, jax.Array],
+                     finite: jax.Array) -> tuple[dict, dict]: ...
 
     def metrics(self, trainable: dict, frozen: dict) -> dict[str, jax.Array]: ...
 
@@ -440,8 +442,9 @@ def make_train_step(
                 extra.update(hook.update_args(trainable, frozen))
             updates, opt_state = tx.update(grads, state.opt_state, trainable, finite=finite, **extra)
             trainable = jax.tree.map(lambda p, u: jnp.where(finite, p + u, p), trainable, updates)
+            aux_means = {name: value / denom for name, value in aux_sums.items()}
             for hook in hooks:
-                trainable, frozen = hook.after_update(trainable, frozen, state.step)
+                trainable, frozen = hook.after_update(trainable, frozen, state.step, aux_means, finite)
             params = model_spec.merge(trainable, frozen)
         metrics = {
             "loss": loss,
@@ -452,7 +455,7 @@ def make_train_step(
             "param_norm": optax.tree.norm(params),
         }
         # the blocks' auxiliary outputs, means over the step's tokens (its loss terms are in `loss`)
-        metrics.update({f"aux/{name}": value / denom for name, value in aux_sums.items()})
+        metrics.update({f"aux/{name}": value for name, value in aux_means.items()})
         if state.loss_scale is not None:
             metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
         for hook in hooks:

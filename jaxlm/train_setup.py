@@ -23,6 +23,7 @@ from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.models import attention, transformer
+from jaxlm.models.mlps import moe as moe_lib
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ def build(
     model_cfg = transformer.ModelConfig.from_config(cfg.model, devices[0].platform, lora=cfg.lora,
                                                      compress=cfg.compress, **derived.pipeline)
     model_spec = train_state.build_model_spec(model_cfg, cfg.optim.trainable)
-    hooks = pruning_masks.step_hooks(model_cfg, cfg.compress)  # the model's transforms' parts of the step
+    # the model's transforms' and components' parts of the step
+    hooks = [*pruning_masks.step_hooks(model_cfg, cfg.compress), *moe_lib.step_hooks(model_cfg)]
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
                                         extra=[t for hook in hooks for t in hook.optimizer_transforms()])
     scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg.optim.loss_scale, model_cfg.dtype) else 0.0

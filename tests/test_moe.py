@@ -242,3 +242,32 @@ def test_total_and_active_parameters():
     per_layer_mlp = cfg.d_model * 6 + 2 * one_expert + one_expert
     assert transformer.matmul_params(cfg) - transformer.matmul_params(dense) == cfg.n_layers * (
         per_layer_mlp - one_expert)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan):
+    """DeepSeek-V3's rule: after a step, each layer's bias of expert e moves by the rate times sign(1 -
+    load_e), the loads being the ones the step logged; the output's gradient never moves it."""
+    from jaxlm import train_setup
+
+    cfg = recipe("tiny", model__mlp="moe", model__moe_experts=4, model__n_layers=2, model__mlp_dim=64,
+                 model__moe_router="sigmoid", model__moe_bias_rate=0.01, model__scan_layers=scan,
+                 data__global_batch_size=4, data__seq_len=32)
+    setup = train_setup.build(cfg, devices=jax.devices()[:1])
+
+    def biases(state):
+        blocks = state.params["blocks"]
+        if scan:
+            return np.asarray(blocks["mlp"]["router_bias"])
+        return np.stack([np.asarray(blocks[i]["mlp"]["router_bias"]) for i in range(2)])
+
+    state, batch = setup.state, setup.put_batch(random_batch(4, 32, 2048))
+    before = biases(state)
+    assert not before.any()
+    for _ in range(2):
+        state, metrics = setup.train_step(state, batch)
+        loads = np.asarray(metrics["aux/moe_load_by_layer"])
+        after = biases(state)
+        floats.close(after - before, 0.01 * np.sign(1.0 - loads).astype(np.float32), ulps=64)
+        before = after
+    assert np.abs(after).max() > 0

@@ -185,6 +185,10 @@ class ModelSection(Section):
     moe_aux_loss: float = setting(
         0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
     moe_z_loss: float = setting(0.0, "model.mlp=moe: the router z-loss's coefficient (ST-MoE; 0 = off, still reported)")
+    moe_bias_rate: float = setting(
+        0.001,
+        "model.mlp=moe, moe_router=sigmoid: after each step every expert's choice bias moves this much towards "
+        "balance (up if its load was under its share, down if over: DeepSeek-V3's gamma; 0 = fixed)")
 
     def validate(self) -> None:
         key = self.key
@@ -232,7 +236,7 @@ class ModelSection(Section):
             check_choice(key("moe_impl"), self.moe_impl, ("auto", *moe_lib.IMPLS))
             check(self.moe_capacity_factor > 0, key("moe_capacity_factor"), self.moe_capacity_factor,
                   "a positive number")
-            for name in ("moe_aux_loss", "moe_z_loss"):
+            for name in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
                 check(getattr(self, name) >= 0, key(name), getattr(self, name), "0 (off) or a positive coefficient")
 
 

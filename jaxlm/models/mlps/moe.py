@@ -10,8 +10,9 @@ Routers (`model.moe_router`), on float32 logits x @ router:
                 moves the choice alone: DeepSeek-V3's auxiliary-loss-free balancing), weighted by
                 their scores normalized to sum to 1
 The bias is a parameter whose gradient is zero (it moves the choice, not the output) and which is
-not decayed, so the optimizer leaves it as it is; no rule moves it yet: it stays at zero unless a
-checkpoint brings one.
+not decayed, so the optimizer leaves it as it is; after each finite step `RouterBiasHook` moves each
+layer's bias of each expert by `model.moe_bias_rate` towards balance: up for an expert whose load in
+that step was under its share, down for one over it (DeepSeek-V3's rule, its gamma).
 
 Dispatch (`model.moe_impl`), each the same function of the routed tokens where none is dropped:
   ragged    dropless: the (token, expert) pairs sorted by expert, each expert's rows multiplied by its
@@ -74,6 +75,7 @@ class MoESpec:
     capacity_factor: float = 1.25
     aux_loss: float = 0.01
     z_loss: float = 0.0
+    bias_rate: float = 0.001  # the sigmoid router's bias step (`RouterBiasHook`)
 
     @classmethod
     def from_model(cls, m, platform: str) -> MoESpec:
@@ -85,7 +87,49 @@ class MoESpec:
                    router=str(get("moe_router", d.router)),
                    impl=resolve_impl(str(get("moe_impl", "auto")), platform),
                    capacity_factor=float(get("moe_capacity_factor", d.capacity_factor)),
-                   aux_loss=float(get("moe_aux_loss", d.aux_loss)), z_loss=float(get("moe_z_loss", d.z_loss)))
+                   aux_loss=float(get("moe_aux_loss", d.aux_loss)), z_loss=float(get("moe_z_loss", d.z_loss)),
+                   bias_rate=float(get("moe_bias_rate", d.bias_rate)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterBiasHook:
+    """The sigmoid router's auxiliary-loss-free balancing (a `steps.StepHook`): after a finite step, each
+    layer's `router_bias` of expert e moves by `rate` x sign(1 - load_e), load_e being the step's
+    `moe_load_by_layer` (the expert's share of the layer's pairs times E: 1 when balanced), wherever
+    the bias is (trained or frozen, stacked or one per layer)."""
+
+    rate: float
+
+    def optimizer_transforms(self) -> list:
+        return []
+
+    def update_args(self, trainable: dict, frozen: dict) -> dict:
+        return {}
+
+    def after_update(self, trainable: dict, frozen: dict, step, aux: dict, finite) -> tuple[dict, dict]:
+        step_by_layer = self.rate * jnp.sign(1.0 - aux["moe_load_by_layer"])  # [L, E]
+        step_by_layer = jnp.where(finite & jnp.all(jnp.isfinite(step_by_layer)), step_by_layer, 0.0)
+
+        def moved(path, leaf):
+            names = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+            if not names or names[-1] != "router_bias":
+                return leaf
+            layer = next((n for n in names if isinstance(n, int)), None)  # unrolled layers: one bias each
+            delta = step_by_layer if layer is None else step_by_layer[layer]
+            return (leaf + delta.reshape(leaf.shape)).astype(leaf.dtype)
+
+        return (jax.tree_util.tree_map_with_path(moved, trainable),
+                jax.tree_util.tree_map_with_path(moved, frozen))
+
+    def metrics(self, trainable: dict, frozen: dict) -> dict:
+        return {}
+
+
+def step_hooks(cfg) -> list[RouterBiasHook]:
+    """The train step's hooks of a model (`ModelConfig`): the bias rule of an MoE with the sigmoid router."""
+    if cfg.mlp == "moe" and cfg.moe.router == "sigmoid" and cfg.moe.bias_rate > 0:
+        return [RouterBiasHook(cfg.moe.bias_rate)]
+    return []
 
 
 def resolve_impl(impl: str, platform: str) -> str:
