@@ -19,10 +19,11 @@ Dispatch (`model.moe_impl`), each the same function of the routed tokens where n
             weights with `jax.lax.ragged_dot` (a grouped matmul), then unsorted
   dense     dropless: every expert applied to every token, the outputs weighted by the gates (E / k
             times the routed FLOPs; exact, simple, for small E and for checking the others)
-  capacity  each expert takes at most C = ceil(capacity_factor x tokens x k / E) pairs, earlier tokens'
-            first choices first (GShard's order); pairs past an expert's capacity are dropped (their
-            share of the token's output is zero) and counted (`aux/moe_dropped`). Fixed shapes, rows
-            gathered and scattered by index: no one-hot dispatch matmul.
+  capacity  each expert takes at most C = ceil(capacity_factor x T x k / E) pairs of each row of T
+            tokens, earlier tokens' first choices first (GShard's order, a row per group); pairs past
+            an expert's capacity are dropped (their share of the token's output is zero) and counted
+            (`aux/moe_dropped`). Fixed shapes, rows gathered and scattered by index: no one-hot
+            dispatch matmul.
 
 Auxiliary outputs (each a mean over the MoE layers, per token of the batch): `moe_balance_loss` (the
 load-balancing loss times `model.moe_aux_loss`), `moe_z_loss` (the router z-loss times
@@ -38,6 +39,7 @@ share of pairs dropped); and per layer (`aux.by_layer`, TensorBoard's `aux/moe_l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -138,8 +140,8 @@ def resolve_impl(impl: str, platform: str) -> str:
 
 
 def capacity(spec: MoESpec, tokens: int) -> int:
-    """Pairs each expert takes in `capacity` dispatch: ceil(capacity_factor x tokens x k / E), at most
-    `tokens` (an expert never gets one token twice)."""
+    """Pairs each expert takes from a group (a row) of `tokens` in `capacity` dispatch: ceil(capacity_factor
+    x tokens x k / E), at most `tokens` (an expert never gets one token twice)."""
     return max(1, min(tokens, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.experts)))
 
 
@@ -413,12 +415,16 @@ def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[s
 
     Under a mesh each device dispatches its own rows (shard_map over the batch's mesh axes, the expert
     weights whole on every device, gathered as fsdp gathers any weight): a sort or a capacity count
-    across the whole batch would gather every token to every device. Without a mesh, all rows at once."""
+    across the whole batch would gather every token to every device. Without a mesh, all rows at once.
+    The capacity dispatch takes each row as its own group (GShard's groups), so which pairs it drops
+    does not depend on how the rows are split over devices."""
     def local(x, gates, experts, *ws):
         b, t, d = x.shape
         k = gates.shape[-1]
-        y, kept = DISPATCH[spec.impl](x.reshape(b * t, d), gates.reshape(b * t, k), experts.reshape(b * t, k),
-                                      dict(zip(weights, ws)), spec, einsum_op)
+        fn = functools.partial(DISPATCH[spec.impl], weights=dict(zip(weights, ws)), spec=spec, einsum_op=einsum_op)
+        if spec.impl == "capacity":  # each row its own group: its capacity the same on any mesh
+            return jax.vmap(fn)(x, gates, experts)
+        y, kept = fn(x.reshape(b * t, d), gates.reshape(b * t, k), experts.reshape(b * t, k))
         return y.reshape(b, t, d), kept.reshape(b, t, k)
 
     rules = spmd.get_logical_axis_rules()
