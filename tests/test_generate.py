@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import llama_layout_model, small_config
-from jaxlm import config, generate, inference, train_state
+from jaxlm import axes, config, generate, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
@@ -76,7 +76,7 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     grouped-query heads, on a (2, 2, 2) mesh (the trained run above: scanned Llama layers, FSDP over 8)."""
     model_cfg = small_config(n_kv_heads=4, tie_embeddings=True, scan_layers=False, norm="layernorm", mlp="gelu",
                              position="learned", use_bias=True)
-    mesh_shape = (2, 1, 2, 2)
+    mesh_shape = axes.shape_of(data=2, fsdp=2, tensor=2)
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     mesh = mesh_lib.make_mesh(mesh_shape)
     model_spec = train_state.build_model_spec(model_cfg)
@@ -92,13 +92,14 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     with jax.set_mesh(mesh):
         cache, _ = prefill(params, tokens, start, padding, jax.random.PRNGKey(0),
                            generate.SamplingArrays.of(GREEDY, None), cache_len, max_new)
-    data, _, fsdp, tensor = mesh_shape
+    sizes = axes.sizes_of(mesh_shape)
+    shards, tensor = sizes["data"] * sizes["fsdp"], sizes["tensor"]
     rows = len(tokens)
-    assert rows == -(-3 // (data * fsdp)) * data * fsdp  # the batch is padded to split evenly
+    assert rows == -(-3 // shards) * shards  # the batch is padded to split evenly
     assert cache.k.sharding.spec == mesh_lib.logical_to_spec(attention.CACHE_AXES, rules)
     assert cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
     assert cache.k.shape == (2, rows, cache_len, model_cfg.n_kv_heads, 8)
-    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // (data * fsdp), cache_len, 4 // tensor, 8)
+    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // shards, cache_len, 4 // tensor, 8)
 
 
 def test_sampling_is_reproducible_for_a_seed_and_differs_across_seeds(generator, prompts):

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import load_benchmark, random_batch
-from jaxlm import config
+from jaxlm import axes, config
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 
@@ -38,7 +38,7 @@ def test_zero1_shards_the_optimizer_state_over_data():
 
 
 def test_extending_a_sharding_picks_a_dimension_that_divides():
-    mesh = mesh_lib.make_mesh((8, 1, 1, 1))
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=8))
     base = jax.sharding.NamedSharding(mesh, P(None, "fsdp"))
     assert mesh_lib.extend_sharding(base, (6, 16), "data").spec == P(None, ("fsdp", "data"))
     assert mesh_lib.extend_sharding(base, (16, 6), "data").spec == P("data", "fsdp")
@@ -56,15 +56,16 @@ def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
     # The input batch stays whole rows, so each process supplies its rows whatever the rules.
-    assert mesh_lib.batch_sharding(mesh_lib.make_mesh((2, 1, 1, 4)), rules).spec == P(("data", "fsdp"), None)
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=2, tensor=4))
+    assert mesh_lib.batch_sharding(mesh, rules).spec == P(("data", "fsdp"), None)
 
 
 def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     # data/fsdp ignored
     cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)
-    assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 1, 8, 1)
+    assert config.derive(cfg, 64, groups=8).mesh_shape == axes.shape_of(data=8, fsdp=8)
     process = config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2)
-    assert config.derive(process, 16, groups=2).mesh_shape == (2, 1, 4, 2)
+    assert config.derive(process, 16, groups=2).mesh_shape == axes.shape_of(data=2, fsdp=4, tensor=2)
     with pytest.raises(UserError, match="every process needs the same device count"):
         config.derive(config.recipe("tiny", mesh__hybrid="process"), 8, groups=3)
     with pytest.raises(UserError, match="mesh.hybrid='rack' is not allowed"):
@@ -73,7 +74,7 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     cfg = config.recipe("tiny", mesh__hybrid="host")
     shape = config.derive(cfg, jax.device_count()).mesh_shape
     mesh = mesh_lib.make_mesh(shape, hybrid="host")
-    assert shape == (1, 1, 8, 1) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
+    assert shape == axes.shape_of(fsdp=8) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
 
 
 def _losses(steps=3, **overrides):
