@@ -86,18 +86,18 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
     completions = gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)
     assert [c.ids for c in completions] == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
-    # The cache is sharded like the activations: rows over data x fsdp, key/value heads over tensor.
+    # The cache is sharded like the activations: rows over data x fsdp x expert, key/value heads over tensor.
     prefill, _ = gen.compiled()
     tokens, start, padding, cache_len, max_new = gen.prepare(prompts, 8)
     with jax.set_mesh(mesh):
         cache, _ = prefill(params, tokens, start, padding, jax.random.PRNGKey(0),
                            generate.SamplingArrays.of(GREEDY, None), cache_len, max_new)
     sizes = axes.sizes_of(mesh_shape)
-    shards, tensor = sizes["data"] * sizes["fsdp"], sizes["tensor"]
+    shards, tensor = sizes["data"] * sizes["fsdp"] * sizes["expert"], sizes["tensor"]
     rows = len(tokens)
     assert rows == -(-3 // shards) * shards  # the batch is padded to split evenly
     assert cache.k.sharding.spec == mesh_lib.logical_to_spec(attention.CACHE_AXES, rules)
-    assert cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert cache.k.sharding.spec == P(None, ("data", "fsdp", "expert"), None, "tensor", None)
     assert cache.k.shape == (2, rows, cache_len, model_cfg.n_kv_heads, 8)
     assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // shards, cache_len, 4 // tensor, 8)
 

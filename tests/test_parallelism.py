@@ -49,15 +49,16 @@ def test_extending_a_sharding_picks_a_dimension_that_divides():
 def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_regions():
     rules = mesh_lib.rules_from_config(config.recipe("tiny", mesh__rules__act_seq="tensor").mesh.rules)
     # The residual stream, between the regions: sequence over tensor.
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), "tensor", None)
+    batch = ("data", "fsdp", "expert")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, "tensor", None)
     # Inside them, heads / MLP width / vocabulary hold tensor and the sequence is whole.
     spec = mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_heads", None), rules)
-    assert spec == P(("data", "fsdp"), None, "tensor", None)
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
+    assert spec == P(batch, None, "tensor", None)
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(batch, None, "tensor")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(batch, None, "tensor")
     # The input batch stays whole rows, so each process supplies its rows whatever the rules.
     mesh = mesh_lib.make_mesh(axes.shape_of(data=2, tensor=4))
-    assert mesh_lib.batch_sharding(mesh, rules).spec == P(("data", "fsdp"), None)
+    assert mesh_lib.batch_sharding(mesh, rules).spec == P(batch, None)
 
 
 def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():

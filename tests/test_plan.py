@@ -216,7 +216,8 @@ def test_a_run_that_fits_says_by_how_much(capsys):
     "args, expected",
     [
         (["--config=configs/tiny.py"], "the following arguments are required: --devices"),
-        (["--config=configs/tiny.py", "--devices=3"], "does not divide over data*fsdp=3 devices"),
+        (["--config=configs/tiny.py", "--devices=3"],
+         "does not divide over the 3 devices of the batch axes mesh.data=1 x mesh.fsdp=3 x mesh.expert=1"),
         (["--config=configs/tiny.py", "--devices=8", "--config.model.d_modl=3"], "did you mean 'model.d_model'"),
         (["--config=configs/tiny.py", "--devices=8", "--device_memory_gib=0"], "--device_memory_gib=0.0"),
         # sizes no machine holds: refused from the analytic plan, before tracing (which would hang or abort XLA)
