@@ -1,8 +1,10 @@
 """Parallelism chosen in the config's rules, no model change: ZeRO-1 (optimizer state over `data`),
-sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions) and
-hybrid sharding (fsdp within a host, data across hosts). Each trains exactly like plain data parallelism.
+sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions), hybrid
+sharding (fsdp within a host, data across hosts) and the `expert` axis, data parallelism for a dense model.
+Each trains exactly like one device.
 """
 
+import functools
 import math
 
 import jax
@@ -33,6 +35,32 @@ def test_zero1_shards_the_optimizer_state_over_data():
     assert mu["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P("stage", "fsdp", ("tensor", "data"))  # its largest dim
     assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data"), "fsdp")
     # Parameters keep their layout; the moments (all but the clip and count scalars) are 1/8 per device.
+    assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)
+    assert _bytes_per_device(zero1.state.opt_state) == pytest.approx(_bytes_per_device(plain.state.opt_state) / 8, rel=1e-3)
+
+
+def test_the_expert_axis_splits_the_rows_and_replicates_dense_weights_as_data_does():
+    """Outside MoE layers `expert` is data parallelism: each device of fsdp 4 x expert 2 holds 2 of 16 rows and
+    the weights of fsdp 4 alone; ZeRO-1 over data and expert (`opt_state="data,expert"`) splits the moments
+    over both, the parameters unchanged."""
+    from jaxlm import train_setup
+
+    def build(**mesh):
+        return train_setup.build(config.recipe("tiny", **SMALL, **mesh), abstract=True)
+
+    expert, fsdp = build(mesh__fsdp=4, mesh__expert=2), build(mesh__fsdp=4, mesh__data=2)
+    assert expert.derived.batch_shards == 8 and expert.derived.per_device_batch == 2
+    assert expert.batch_sharding.spec == P(("data", "fsdp", "expert"), None)
+    assert expert.batch_sharding.shard_shape((16, 32)) == (2, 32)
+    specs = jax.tree.map(lambda x: x.sharding.spec, expert.state.params)
+    assert specs == jax.tree.map(lambda x: x.sharding.spec, fsdp.state.params)
+    assert not any("expert" in mesh_lib.axes_of(e) for spec in jax.tree.leaves(specs) for e in spec)
+    assert _bytes_per_device(expert.state.params) == _bytes_per_device(fsdp.state.params)
+
+    plain = build(mesh__data=4, mesh__fsdp=1, mesh__expert=2)
+    zero1 = build(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert")
+    mu = zero1.state.opt_state[1][0].mu
+    assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data", "expert"), "fsdp")
     assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)
     assert _bytes_per_device(zero1.state.opt_state) == pytest.approx(_bytes_per_device(plain.state.opt_state) / 8, rel=1e-3)
 
@@ -78,10 +106,10 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     assert shape == axes.shape_of(fsdp=8) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
 
 
-def _losses(steps=3, **overrides):
+def _losses(steps=3, devices=8, **overrides):
     from jaxlm import train_setup
 
-    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}))
+    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}), jax.devices()[:devices])
     state, losses = setup.state, []
     with jax.set_mesh(setup.mesh):
         for i in range(steps):
@@ -90,14 +118,32 @@ def _losses(steps=3, **overrides):
     return losses
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    dict(mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),  # ZeRO-1
-    dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor"),  # TP + sequence parallel
-    dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, mesh__rules__act_seq="tensor", mesh__rules__opt_state="data"),
-], ids=["zero1", "sequence-parallel", "fsdp-tp-sp-zero1"])
-def test_each_option_trains_like_plain_data_parallel(overrides):
-    want = _losses(mesh__data=8, mesh__fsdp=1)
+@functools.cache
+def _one_device_losses(micro_batches: int) -> list[float]:
+    return _losses(devices=1, mesh__fsdp=1, optim__micro_batches=micro_batches)
+
+
+# Each on all 8 devices; the expert axis is data parallelism for these dense models (its MoE layers' experts
+# split over it: the MoE tests)
+OPTIONS = {
+    "data8": dict(mesh__data=8, mesh__fsdp=1),
+    "zero1": dict(mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
+    "sequence-parallel": dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor"),
+    "fsdp-tp-sp-zero1": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, mesh__rules__act_seq="tensor",
+                             mesh__rules__opt_state="data"),
+    "expert2-fsdp4": dict(mesh__fsdp=4, mesh__expert=2),
+    "expert8": dict(mesh__fsdp=1, mesh__expert=8),
+    # with micro-batches: the data replicas accumulate locally, the expert and fsdp rows reduce in each
+    "expert2-data2-fsdp2-micro2": dict(mesh__data=2, mesh__fsdp=2, mesh__expert=2, optim__micro_batches=2),
+    "expert2-data4-zero1": dict(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert"),
+}
+FAST = ("expert2-fsdp4", "expert8", "expert2-data2-fsdp2-micro2")  # the default suite's; the others: make test-slow
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
+def test_each_option_trains_like_one_device(name):
+    overrides = OPTIONS[name]
+    want = _one_device_losses(overrides.get("optim__micro_batches", 1))
     assert _losses(**overrides) == pytest.approx(want, rel=1e-5)
 
 

@@ -14,7 +14,8 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.optim import OptimConfig
 
 ONE, MESH = axes.shape_of(), axes.shape_of(data=2, fsdp=2, tensor=2)
-MESHES = [ONE, axes.shape_of(fsdp=8), axes.shape_of(tensor=8), MESH]  # data alone is covered by MESH
+# data alone is covered by MESH; expert (data parallelism for these dense models) with fsdp and tensor
+MESHES = [ONE, axes.shape_of(fsdp=8), axes.shape_of(tensor=8), MESH, axes.shape_of(fsdp=2, expert=2, tensor=2)]
 
 
 def _setup(mesh_shape, model_cfg, *, micro_batches=1, steps_total=100, **optim_overrides):
