@@ -303,6 +303,20 @@ def test_micro_batches_over_two_processes_train_like_one_process(tmp_path):
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
 
 
+@pytest.mark.slow  # ~50 s: two runs
+def test_the_expert_axis_over_two_processes_splits_the_rows_like_one_process(tmp_path):
+    """expert=8 spans both processes (data parallelism for this dense model): each process reads and
+    holds its own block of rows, half the batch, and the losses equal one process's."""
+    extra = ["--config.data.global_batch_size=16", "--config.mesh.fsdp=1", "--config.mesh.expert=8",
+             "--config.data.shards=2"]
+    train(args(tmp_path, "one", 4, *extra), 1)
+    results = train(args(tmp_path, "two", 4, *extra), 2)
+    close(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    out = results[0][1]
+    assert f"mesh {axes.describe(axes.shape_of(expert=8))}" in out, out[-2000:]
+    assert "2 data shard(s), each process reads 1" in out, out[-2000:]  # its own half of the batch
+
+
 @pytest.mark.slow  # ~60 s: two runs
 def test_a_pipelined_run_over_two_processes_trains_like_one_process(tmp_path):
     """Pipeline stages across processes (issue 22): stage=2 x fsdp=4 with the stage axis spanning the two
