@@ -95,6 +95,11 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     assert config.derive(cfg, 64, groups=8).mesh_shape == axes.shape_of(data=8, fsdp=8)
     process = config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2)
     assert config.derive(process, 16, groups=2).mesh_shape == axes.shape_of(data=2, fsdp=4, tensor=2)
+    # expert keeps its size, within each process, as tensor does
+    expert = config.recipe("tiny", mesh__hybrid="process", mesh__expert=2)
+    assert config.derive(expert, 16, groups=2).mesh_shape == axes.shape_of(data=2, fsdp=4, expert=2)
+    with pytest.raises(UserError, match=r"do not split into 2 process\(s\) x .*mesh.expert=4"):
+        config.derive(config.recipe("tiny", mesh__hybrid="process", mesh__expert=4), 4, groups=2)
     with pytest.raises(UserError, match="every process needs the same device count"):
         config.derive(config.recipe("tiny", mesh__hybrid="process"), 8, groups=3)
     with pytest.raises(UserError, match="mesh.hybrid='rack' is not allowed"):
