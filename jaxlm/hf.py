@@ -14,7 +14,7 @@ generate and explore read it like any run; training starts from it with `--confi
 Each parameter is created in its shards on the devices here, each device reading only its slice of
 the safetensors files, so no host ever holds the whole model.
 
-`export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, GPT-2) as a directory
+`export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, Qwen3, GPT-2) as a directory
 `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
 safetensors (sharded past `--max_shard_gb`) and the tokenizer; a LoRA run merged, or (`--adapters=peft`)
 its adapter alone, for the model its base was imported from (`peft_base`).

@@ -187,12 +187,16 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     a, mlp = act_bytes, MLPS[m.mlp]
     if not recomputed:  # every intermediate, as autodiff saves it
         return (layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x
-                + (mlp.autodiff_hidden - mlp.saved_hidden) * a * s.mlp)
+                + (mlp.autodiff_hidden - mlp.saved_hidden) * mlp.hidden_copies(m) * a * s.mlp)
     norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
+    if m.qk_norm:  # and the per-head norms of q and k (Qwen3): the projections' q and k and the norms' outputs
+        norms += 2 * a * (s.q + s.kv)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
     rope = POSITIONS[m.position].saved_bytes_per_token(m.head_dim) * s.tokens  # RoPE: sin and cos, for q and k
     attention_out = a * s.q
-    hidden = mlp.saved_hidden * a * s.mlp  # SwiGLU: gate, up, product; GELU: its input and output
+    hidden = mlp.saved_hidden * mlp.hidden_copies(m) * a * s.mlp  # SwiGLU: gate, up, product; GELU: in and out
+    per_x, per_token = mlp.extra_saved(m, a)  # an MoE's dispatched rows and routing
+    hidden += per_x * s.x + per_token * s.tokens
     return norms + qkv + rope + attention.KERNELS[m.attention].forward_bytes(s, a) + attention_out + hidden
 
 
@@ -229,8 +233,11 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
-    mlp_dots = MLPS[m.mlp].hidden_dots() * a * s.mlp  # SwiGLU: gate and up; GELU: in
+    mlp_dots = MLPS[m.mlp].hidden_dots() * MLPS[m.mlp].hidden_copies(m) * a * s.mlp  # SwiGLU: gate and up; GELU: in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
+    if m.qk_norm:  # the projections' q and k beside the rotated ones, which the per-head norms' backward reads
+        # (grouped-query heads: the joint matmul's whole output, v's part too: `layers.project_qkv`)
+        projections += a * (s.q + (2 if m.n_kv_heads < m.n_heads else 1) * s.kv)
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`
@@ -407,6 +414,8 @@ def estimate(
             s = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
                                  mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
+        if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
+            layer += F32 * MLPS[m.mlp].gathered_params(m)
         # cuDNN's packed layout: its backward's workspace, sized for the bound of documents in every row
         workspace = cudnn_packed_workspace(m.attention_segments * s.head_stats, m.head_dim) \
             if m.attention_segments else 0.0

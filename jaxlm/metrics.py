@@ -145,6 +145,21 @@ def param_histograms(params) -> dict[str, dict[str, jax.Array]]:
     return out
 
 
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """A step's metrics (device or host arrays) as named floats: a scalar as it is, an array (a per-layer
+    auxiliary output, `jaxlm.models.aux.by_layer`: [n_layers, ...]) one float per element, named
+    `<name>/layer_<i>` and `<name>/layer_<i>/<j>` (TensorBoard, metrics.jsonl and W&B plot each)."""
+    out = {}
+    for name, value in jax.device_get(metrics).items():
+        array = np.asarray(value)
+        if array.ndim == 0:
+            out[name] = float(array)
+            continue
+        for index in np.ndindex(array.shape):
+            out["/".join([name, f"layer_{index[0]:02d}", *map(str, index[1:])])] = float(array[index])
+    return out
+
+
 class JsonlSink:
     """One JSON object per line, appended and flushed so a crash loses at most the line being written."""
 

@@ -227,13 +227,13 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s),
         model_spec.compute_layout(params, cast=False), acc_specs,
     )
-    aux_zeros = {name: jnp.zeros((replicas,), jnp.float32) for name in model_spec.aux_names}
+    aux_zeros = aux.zeros(dict(model_spec.aux_shapes), lead=(replicas,))
     init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), aux_zeros, zeros)
     keys = None if keys is None else jax.random.split(keys, (k, replicas))
     (loss_sum, tokens, aux_sums, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
     grads = model_spec.param_layout(jax.tree.map(lambda g: jnp.sum(g, axis=0), grads))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return jnp.sum(loss_sum), jnp.sum(tokens), {name: jnp.sum(v) for name, v in aux_sums.items()}, grads
+    return jnp.sum(loss_sum), jnp.sum(tokens), {name: jnp.sum(v, axis=0) for name, v in aux_sums.items()}, grads
 
 
 def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> ModelSpec:
@@ -418,7 +418,8 @@ def make_train_step(
                     lambda k, p, n: constrain(jnp.zeros(p.shape, jnp.float32 if k else p.dtype), n),
                     kernels, spec.compute_layout(trainable, cast=False), spec.compute_names(),
                 )
-                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux.zeros(model_spec.aux_names), zeros)
+                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux.zeros(dict(model_spec.aux_shapes)),
+                        zeros)
                 loss_sum, tokens, aux_sums, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), spec.param_layout(grads), trainable)
             denom = jnp.maximum(tokens, 1.0)

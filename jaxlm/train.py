@@ -119,7 +119,7 @@ class StepLog:
         """`data_progress`: the data iterator's epoch and this host's real tokens after this step's
         batch, and the seconds the loop took for that batch (`data_time_s`); `histograms`:
         `param_histograms` of the state after this step, when due."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()} | data_progress
+        values = metrics_lib.scalars(metrics) | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
         first = self.compile_s is None
@@ -418,8 +418,10 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
     params_total = transformer.param_count(model_cfg)["total"]
     params_trained = trainable_count(setup, state.params)
+    params_active = transformer.active_param_count(model_cfg)
     console(
         f"jaxlm: {cfg.run.recipe} ({cfg.model.variant}), {params_total / 1e6:.2f}M parameters"
+        + ("" if params_active == params_total else f" ({params_active / 1e6:.2f}M active per token)")
         + ("" if params_trained == params_total else
            f" ({format_count(params_trained)} trainable, {100 * params_trained / params_total:.2f}%)")
         + f", {derived.num_devices} {setup.mesh.devices.flat[0].platform} device(s), mesh "
@@ -574,6 +576,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         "init_from": origin,  # where the parameters at step 0 came from (run.init_from), or None
         "params": params_total,
         "trainable_params": params_trained,  # (what the optimizer updates: LoRA's adapters, optim.trainable)
+        "active_params": params_active,  # (what a token goes through: an MoE's routed experts, not all)
         "initial_val_loss": initial_val_loss,  # before the first step (run.eval_at_start), or None
         "first_loss": log.losses[0],
         "final_loss": log.losses[-1],

@@ -60,7 +60,8 @@ class ModelSpec:
     # joined once per step (a group with a part that does not train is left out of both)
     grad_kernels: frozenset = frozenset()
     joints: tuple = ()
-    aux_names: tuple[str, ...] = ()  # the model's auxiliary outputs (`jaxlm.models.aux`)
+    # the model's auxiliary outputs, (name, shape) pairs (`jaxlm.models.aux`, `Transformer.aux_shapes`)
+    aux_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     cfg: ModelConfig | None = None  # the model's settings (its dropout, attention kernel, loss chunks)
 
     def cast_for_compute(self, trainable):
@@ -222,7 +223,8 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     joints = tuple(j for j in layers.joints(model) if all(path in kernels for path in j.paths))
     kernels -= {path for j in layers.joints(model) if j not in joints for path in j.paths}
     model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts,
-                           grad_kernels=frozenset(kernels), joints=joints, aux_names=model.aux_names, cfg=cfg)
+                           grad_kernels=frozenset(kernels), joints=joints,
+                           aux_shapes=tuple(model.aux_shapes.items()), cfg=cfg)
     return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
 
 

@@ -28,12 +28,18 @@ COEF = 0.01
 
 class AuxMLP(GatedMLP):
     name = "swiglu_aux"
-    aux_names = ("dummy_loss", "input_mean")
+    aux_names = ("dummy_loss", "input_mean", "up_by_layer")
+
+    @classmethod
+    def aux_shapes(cls, cfg):
+        return {**super().aux_shapes(cfg), "up_by_layer": (2,)}
 
     def __call__(self, x, dropout_key=None):
         kernel = self.w_up.kernel[...]
-        out = {"dummy_loss": COEF * jnp.sum(jnp.square(kernel.astype(jnp.float32))),
-               "input_mean": jnp.mean(x.astype(jnp.float32))}
+        square = jnp.sum(jnp.square(kernel.astype(jnp.float32)))
+        out = {"dummy_loss": COEF * square, "input_mean": jnp.mean(x.astype(jnp.float32)),
+               # kept per layer: the layer's own sum of squares, and 1 (each layer's value its own)
+               "up_by_layer": jnp.stack([square, jnp.ones((), jnp.float32)])}
         return super().__call__(x, dropout_key), out
 
 
@@ -48,6 +54,7 @@ WAYS = {
     "scanned-remat": dict(remat="full"),
     "unrolled-remat": dict(scan_layers=False, remat="dots"),
     "pipelined": dict(n_layers=4, pipeline_stages=2, pipeline_microbatches=2),
+    "pipelined-circular": dict(n_layers=4, pipeline_stages=2, pipeline_microbatches=2, pipeline_repeats=2),
 }
 
 
@@ -75,6 +82,11 @@ def test_an_auxiliary_loss_reaches_the_loss_and_its_gradient(way):
         [np.asarray(params["blocks"][i]["mlp"]["w_up"]["kernel"]) for i in range(cfg.n_layers)])
     dummy = COEF * np.sum(np.square(up, dtype=np.float64))  # summed over the layers
     floats.close(np.float32(out["dummy_loss"] / tokens), np.float32(dummy))
+    # a per-layer output: each layer's own value, in layer order (the pipeline's stages and repeats too)
+    per_layer = np.asarray(out["up_by_layer"] / tokens)
+    assert per_layer.shape == (cfg.n_layers, 2)
+    floats.close(per_layer[:, 0], np.sum(np.square(up, dtype=np.float64), axis=(1, 2)).astype(np.float32))
+    floats.close(per_layer[:, 1], np.ones(cfg.n_layers, np.float32))
     floats.close(np.float32(total - lm_loss), np.float32(dummy), ulps=64)  # a difference of two sums
     # The gradient: the language model's, plus 2 c W on every layer's up projection, nothing elsewhere.
     diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), grads, lm_grads)
@@ -119,6 +131,15 @@ def test_a_run_logs_the_auxiliary_outputs_and_trains_on_the_loss_with_them(tmp_p
     assert [m["step"] for m in with_aux] == [1, 2] and "aux/dummy_loss" not in plain[0]
     for m in with_aux:
         assert m["aux/dummy_loss"] > 0 and np.isfinite(m["aux/input_mean"])
+        # a per-layer output: one float per layer and element, each layer's value 1 in its second
+        assert [m[f"aux/up_by_layer/layer_{i:02d}/1"] for i in range(4)] == pytest.approx([1.0] * 4, rel=1e-6)
+        assert all(m[f"aux/up_by_layer/layer_{i:02d}/0"] > 0 for i in range(4))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "aux" / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    read = events.Scalars("aux/up_by_layer/layer_03/0")  # each per-layer element a TensorBoard scalar
+    assert [e.step for e in read] == [1, 2]
+    floats.close(np.float32([e.value for e in read]), np.float32([m["aux/up_by_layer/layer_03/0"] for m in with_aux]))
     # Step 1's loss is computed from the same initial weights (the MLP is SwiGLU's, drawn alike): the
     # language model's loss plus the auxiliary loss
     floats.close(np.float32(with_aux[0]["loss"] - plain[0]["loss"]), np.float32(with_aux[0]["aux/dummy_loss"]),

@@ -402,7 +402,7 @@ CASES = [
     Case("hf-import-not-a-directory", "hf", ("import", "--hf_dir={case}/nope", "--output={case}/out"), 2,
          ("--hf_dir=", "nope' does not exist")),
     Case("hf-import-unknown-architecture", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
-         ('config.json: model_type="mamba"', "jaxlm imports llama, mistral, qwen2, gpt2"),
+         ('config.json: model_type="mamba"', "jaxlm imports llama, mistral, qwen2, qwen3, gpt2"),
          setup=_write("hf/config.json", '{"model_type": "mamba", "vocab_size": 300}')),
     Case("hf-import-value-jaxlm-refuses", "hf", ("import", "--hf_dir={case}/hf", "--output={case}/out"), 2,
          ("config.json: num_key_value_heads=3 is not allowed", "a divisor of num_attention_heads=4"),

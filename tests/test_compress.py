@@ -402,7 +402,8 @@ def test_a_compressed_model_counts_the_weights_it_stands_for():
                    dict(quantized=Quantized(quant.QuantSpec("int3", 16), ("wq", "wo"))),
                    dict(quantized=Quantized(quant.QuantSpec("int8", 0), ("w_down",)), pruned=Pruned(("w_down",))),
                    dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("embed", "wv"))),
-                   dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("embed",)), tie_embeddings=True)):
+                   dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("embed",)), tie_embeddings=True),
+                   dict(quantized=Quantized(quant.QuantSpec("int4", 16), ("wq", "wk")), qk_norm=True)):
         cfg = small_config(**fields)
         params = jax.eval_shape(lambda c=cfg: nnx.to_pure_dict(nnx.state(train_state.build_model(c))))
         bits = cfg.stored_quant.bits if cfg.stored_quant else 4

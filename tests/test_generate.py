@@ -102,6 +102,23 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // shards, cache_len, 4 // tensor, 8)
 
 
+def test_cached_greedy_equals_full_passes_with_qwen3s_query_and_key_norms():
+    """Qwen3's per-head norms of queries and keys (model.qk_norm) act on each chunk's keys before the cache
+    holds them, as in a full pass: scanned layers, heads wider than d_model / n_heads, grouped-query heads over
+    tensor on a data x fsdp x tensor = 2 x 2 x 2 mesh."""
+    model_cfg = small_config(qk_norm=True, n_kv_heads=2, head_dim=16)
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=2, fsdp=2, tensor=2))
+    rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
+    model_spec = train_state.build_model_spec(model_cfg)
+    shardings = train_state.param_shardings(model_spec, mesh, rules)
+    params = jax.device_put(random_params(model_cfg, seed=3), shardings)
+    assert params["blocks"]["attn"]["q_norm"]["scale"].shape == (model_cfg.n_layers, 16)
+    gen = Generator(model_cfg, params, mesh, rules, shardings, graphdef=model_spec.graphdef)
+    prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
+    completions = gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)
+    assert [c.ids for c in completions] == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
+
+
 def test_sampling_is_reproducible_for_a_seed_and_differs_across_seeds(generator, prompts):
     hot = Sampling(temperature=1.5)
 

@@ -33,7 +33,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 320
-ARCHS = ("llama", "llama3_scaled", "mistral", "qwen2", "gpt2")
+ARCHS = ("llama", "llama3_scaled", "mistral", "qwen2", "qwen3", "qwen3_biased", "gpt2")
+VARIANT = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_biased": "qwen3", "gpt2": "gpt2"}  # the rest: llama
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +60,12 @@ def make_model(arch: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
     elif arch == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**llama_like, sliding_window=None))
+    elif arch == "qwen3":  # q/k norms; a head wider than hidden_size / heads; tied embeddings; Qwen3's RoPE theta
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **llama_like, head_dim=16, tie_word_embeddings=True, rope_theta=1e6))
+    elif arch == "qwen3_biased":  # attention_bias (q, k, v and o), untied, the head hidden_size / heads, its own eps
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **llama_like, head_dim=8, attention_bias=True, tie_word_embeddings=False, rms_norm_eps=1e-5))
     else:  # Qwen2: q/k/v biases, tied embeddings
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like, tie_word_embeddings=True))
     with torch.no_grad():
@@ -118,9 +125,13 @@ def close(got: np.ndarray, want: np.ndarray, tol: float = 1e-4) -> float:
     pytest.param(a, marks=pytest.mark.slow) if a in ("llama3_scaled", "mistral") else a for a in ARCHS])
 def test_imported_model_gives_transformers_logits_and_exports_back(models, arch, tmp_path):
     model, hf_dir = models[arch]
-    run_dir = hf.import_checkpoint(hf_dir, tmp_path / "run")
+    if arch.startswith("qwen3"):  # through the command line, `python -m jaxlm.hf import` (in this process)
+        assert hf.main(["import", f"--hf_dir={hf_dir}", f"--output={tmp_path / 'run'}"]) == 0
+        run_dir = tmp_path / "run"
+    else:
+        run_dir = hf.import_checkpoint(hf_dir, tmp_path / "run")
     run = inference.load_run(run_dir, dtype="float32")
-    assert run.step == 0 and run.cfg.model.variant == {"qwen2": "qwen2", "gpt2": "gpt2"}.get(arch, "llama")
+    assert run.step == 0 and run.cfg.model.variant == VARIANT.get(arch, "llama")
     want = reference_logits(model)
     close(jaxlm_logits(run), want)
 
@@ -137,6 +148,40 @@ def test_imported_model_gives_transformers_logits_and_exports_back(models, arch,
     # Re-imported from the sharded export: bit-identical parameters.
     again = inference.load_run(hf.import_checkpoint(out, tmp_path / "again"), dtype="float32")
     floats.identical(again.params, run.params, why=floats.MOVED)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_biased"])
+def test_qwen3_config_fields_become_model_keys_and_come_back(models, arch):
+    """A Qwen3 config.json as jaxlm's model (the qwen3 variant: q/k norms; its head_dim, which need not be
+    hidden_size / heads, norm eps, RoPE theta, tied or untied embeddings, attention biases) and written back
+    by the export: every field transformers builds the model from equals the original's."""
+    _, hf_dir = models[arch]
+    original = json.loads((hf_dir / "config.json").read_text())
+    model_type, keys = hf_map.model_keys(original)
+    model_cfg = inference.model_config(hf._run_config(keys, model_type, "float32", hf_dir / "unused"), "cpu", "float32")
+    assert model_cfg.qk_norm and not model_cfg.qkv_bias
+    assert (model_cfg.head_dim, model_cfg.use_bias) == ((16, False) if arch == "qwen3" else (8, True))
+    assert hf_map.architecture_of(model_cfg) == "qwen3"
+    written = hf_map.hf_config(model_cfg, "qwen3", bos_id=-1, eos_id=-1, pad_id=None, dtype="float32")
+    fields = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+              "hidden_act", "tie_word_embeddings", "attention_bias", "rope_parameters", "use_sliding_window",
+              "sliding_window")
+    assert {f: written[f] for f in fields} == {f: original[f] for f in fields}
+
+
+def test_a_model_with_query_key_norms_exports_only_in_qwen3s_form():
+    """q/k norms with q/k/v biases but no output bias (Qwen2's biases), or in a GPT-2-style model, have no
+    Hugging Face architecture: one line naming the settings."""
+    from helpers import small_config
+
+    for cfg in (small_config(qk_norm=True, qkv_bias=True),
+                small_config(qk_norm=True, norm="layernorm", mlp="gelu", position="learned", use_bias=True,
+                             tie_embeddings=True)):
+        with pytest.raises(UserError, match="qk_norm=True") as refused:
+            hf_map.architecture_of(cfg)
+        assert "\n" not in str(refused.value)
+    assert hf_map.architecture_of(small_config(qk_norm=True, use_bias=True)) == "qwen3"
 
 
 def test_unscanned_layers_read_and_write_the_same_tensors(models):
@@ -271,13 +316,14 @@ def test_broken_checkpoints_are_one_line_each(models, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("arch, changes, words", [
-    ("llama", {"model_type": "mamba"}, 'model_type="mamba": jaxlm imports llama, mistral, qwen2, gpt2'),
+    ("llama", {"model_type": "mamba"}, 'model_type="mamba": jaxlm imports llama, mistral, qwen2, qwen3, gpt2'),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      'rope_parameters.rope_type="yarn"'),
     ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      'rope_scaling.rope_type="dynamic"'),
     ("mistral", {"sliding_window": 4096}, "sliding_window=4096: jaxlm has no sliding-window attention"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true"),
+    ("qwen3", {"use_sliding_window": True}, "config.json: use_sliding_window=true: jaxlm has no sliding-window attention"),
     ("llama", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=true"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, 'quantization_config="gptq"'),
@@ -373,7 +419,7 @@ def test_training_starts_from_an_imported_model_and_never_into_it(models, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_a_lora_run_exports_merged_and_as_a_peft_adapter_of_the_original_model(models, arch, tmp_path):
     """LoRA on every projection (one with its own rank) of an imported model, trained a few steps:
     merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter (the adapter

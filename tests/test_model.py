@@ -94,6 +94,8 @@ def test_dropout_is_active_only_with_a_key():
         dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
         dict(scan_layers=False, use_bias=True),
         dict(qkv_bias=True, n_kv_heads=2),  # Qwen2: q/k/v biases alone
+        dict(qk_norm=True, n_kv_heads=2, head_dim=16),  # Qwen3: q/k norms, heads wider than d_model / n_heads
+        dict(qk_norm=True, scan_layers=False, use_bias=True),
         # LoRA adapters (a `lora` entry): per-module ranks, the unembedding's, unscanned, GELU's projections
         dict(lora=LoRA(4, 16.0, ("wq", "wk", "wv", "wo", "w_down", "unembed"), (("wq", 8),)), n_kv_heads=2),
         dict(lora=LoRA(2, 16.0, ("w_in", "w_out", "wo")), mlp="gelu", norm="layernorm", use_bias=True,

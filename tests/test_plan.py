@@ -163,6 +163,25 @@ def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(
     assert report["decided_by"] == "analytic" and report["fits"]
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_query_and_key_norms_are_planned_within_the_tolerance_of_the_compiled_step(devices):
+    """Qwen3's per-head norms of queries and keys (model.qk_norm) keep, without remat, the projections' q and k
+    (the norms' inputs) and the norms' outputs in every layer, as the residual stream's norms keep theirs: the
+    tiny recipe with them compiles within the tolerance of its plan, which grows by that much."""
+    mesh = dict(mesh__data=2, mesh__fsdp=4) if devices == 8 else {}
+    cfg = recipe("tiny", model__qk_norm=1, model__remat="none", **mesh)
+    report = plan.plan(cfg, devices, 80 * memory.GIB, compile=True, devices=jax.devices()[:devices])
+    estimate = memory.estimate(cfg, devices, platform="cpu", act_bytes=memory.cpu_act_bytes())
+    assert abs(report["compiled"]["per_device_bytes"] / estimate.per_device_bytes - 1) <= memory.TOLERANCE
+    without = memory.estimate(recipe("tiny", model__remat="none", **mesh), devices, platform="cpu",
+                              act_bytes=memory.cpu_act_bytes())
+    m = transformer.ModelConfig.from_config(cfg.model, "cpu", log_choice=False)
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len / devices
+    qk = tokens * (m.n_heads + m.n_kv_heads) * m.head_dim  # the q and k elements of one layer on one device
+    saved = estimate.row("activations saved").per_device_bytes - without.row("activations saved").per_device_bytes
+    assert saved == m.n_layers * 2 * estimate.act_bytes * qk
+
+
 @pytest.mark.slow
 def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps():
     """On a CPU without remat the layers are unrolled and XLA keeps what the causal blocks' backward pass

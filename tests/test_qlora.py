@@ -240,7 +240,8 @@ def test_the_device_holds_the_base_in_4_bits(double, bytes_per_weight):
 
 
 @pytest.mark.slow  # 10 s each: the default suite's budget (make test-slow runs both)
-@pytest.mark.parametrize("kw", [{}, dict(scan_layers=False, mlp="gelu", norm="layernorm", use_bias=True)])
+@pytest.mark.parametrize("kw", [{}, dict(scan_layers=False, mlp="gelu", norm="layernorm", use_bias=True),
+                                dict(qk_norm=True, n_kv_heads=2)])  # Qwen3's q/k norms stay float, frozen
 def test_a_qlora_model_computes_with_the_dequantized_base_and_merges(kw):
     mlp = ("w_in", "w_out") if kw.get("mlp") == "gelu" else ("w_gate", "w_up", "w_down")
     cfg = qlora_config("int4", double=True, group=32, **kw)

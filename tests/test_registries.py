@@ -47,8 +47,14 @@ NAMES = sorted(MLPS)
 REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
 COMPONENTS = [pytest.param(kind, name, id=f"{kind}-{name}") for kind, entries in REGISTRIES.items() for name in entries]
 # The jaxlm variant (and settings) whose export is each Hugging Face architecture
-HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True),
+HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=16),
              "gpt2": dict(norm="layernorm", position="learned", use_bias=True, tie_embeddings=True, n_kv_heads=8)}
+
+
+# Settings an entry runs the compiled-program tests (FLOPs, memory) under: an MoE's capacity dispatch at
+# capacity factor 1 computes exactly its routed pairs (E x C = tokens x k); its dropless grouped matmul
+# computes and holds more on a CPU (ragged_dot lowers to a masked dense dot there, E times the rows)
+COMPILED_SETTINGS = {"moe": dict(model__moe_impl="capacity", model__moe_capacity_factor=1.0)}
 
 
 def _built(cfg: ModelConfig) -> Transformer:
@@ -62,7 +68,7 @@ def test_every_entry_is_registered_under_its_own_name():
 @pytest.mark.parametrize("use_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("kind, name", COMPONENTS)
 def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
-    targets = tuple(MLPS[name].projections) if kind == "mlp" else ("w_up",)
+    targets = (tuple(MLPS[name].projections) or ("wo",)) if kind == "mlp" else ("w_up",)
     cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2,
                        lora=LoRA(2, 16.0, ("wq", *targets), ((targets[0], 3),)))
     state = nnx.state(_built(cfg))
@@ -79,11 +85,11 @@ def test_an_mlps_projection_table_is_the_built_model(name, use_bias):
     # over the layers).
     block_mlp = _built(cfg).blocks.mlp
     built = {path[-1]: p.kernel_shape for path, p in layers.projections(block_mlp)}
-    table = mlp.projection_shapes(cfg.d_model, cfg.mlp_dim)
+    table = mlp.projection_shapes(cfg)
     assert built == table
     biases = {name: getattr(block_mlp, name)[...].shape for name in mlp.biases if hasattr(block_mlp, name)}
     assert biases == {name: (cfg.n_layers, size) for name, size in
-                      mlp.bias_shapes(cfg.d_model, cfg.mlp_dim, use_bias).items()}
+                      mlp.bias_shapes(cfg).items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -97,7 +103,7 @@ def test_flops_per_token_are_the_compiled_steps_dots(kind, name):
     """The dots of the compiled step (layers unrolled: XLA:CPU counts a loop body once) are exactly
     the model's matmuls, 6 FLOPs per weight per token, and the full T x T attention square."""
     cfg = recipe("tiny", **{f"model__{kind}": name}, model__n_layers=2, model__scan_layers=False, model__remat="none",
-                 optim__micro_batches=1, model__attention="xla")
+                 optim__micro_batches=1, model__attention="xla", **COMPILED_SETTINGS.get(name, {}))
     setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
     m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
     assert getattr(m, kind) == name
@@ -113,7 +119,8 @@ def test_the_planner_agrees_with_the_compiled_step(kind, name, devices):
     intermediates both count. (Under the dots policies XLA:CPU keeps less than the plan, which is fitted
     to H100 programs: 0.70-0.86 of it for the tiny recipe, whatever the MLP.)"""
     mesh = dict(mesh__data=2, mesh__fsdp=4) if devices == 8 else {}
-    cfg = recipe("tiny", **{f"model__{kind}": name}, model__mlp_dim=0, model__remat="none", **mesh)
+    cfg = recipe("tiny", **{f"model__{kind}": name}, model__mlp_dim=0, model__remat="none", **mesh,
+                 **COMPILED_SETTINGS.get(name, {}))
     report = plan.plan(cfg, devices, 80 * memory.GIB, compile=True, devices=jax.devices()[:devices])
     analytic = memory.estimate(cfg, devices, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE

@@ -30,9 +30,9 @@ from jaxlm.errors import UserError
 from jaxlm.models.mlps import MLPS
 
 MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")  # model_type values jaxlm imports
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type values jaxlm imports
 _CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "gpt2": "GPT2LMHeadModel"}
+                "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 # Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
 BUFFERS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
@@ -145,11 +145,12 @@ def model_keys(hf: dict) -> tuple[str, dict]:
         raise _refuse("mlp_bias", True, "jaxlm's SwiGLU has no biases")
     if arch == "mistral" and hf.get("sliding_window") is not None:
         raise _refuse("sliding_window", hf["sliding_window"], "jaxlm has no sliding-window attention")
-    if arch == "qwen2" and hf.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise _refuse("use_sliding_window", True, "jaxlm has no sliding-window attention")
     d, n = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
     keys = dict(
-        variant="qwen2" if arch == "qwen2" else "llama",
+        # Qwen3: Llama with an RMSNorm on each head's queries and keys (the qwen3 variant's model.qk_norm)
+        variant=arch if arch in ("qwen2", "qwen3") else "llama",
         vocab_size=_get(hf, "vocab_size"),
         d_model=d,
         n_layers=_get(hf, "num_hidden_layers"),
@@ -160,7 +161,8 @@ def model_keys(hf: dict) -> tuple[str, dict]:
         max_seq_len=_get(hf, "max_position_embeddings"),
         norm_eps=_get(hf, "rms_norm_eps", float, 1e-6),
         tie_embeddings=_get(hf, "tie_word_embeddings", bool, False),
-        use_bias=1 if arch == "llama" and hf.get("attention_bias") else -1,
+        # attention_bias: q, k, v and o biases, what model.use_bias gives a SwiGLU model with RMSNorm
+        use_bias=1 if arch in ("llama", "qwen3") and hf.get("attention_bias") else -1,
         **_rope_keys(hf),
     )
     return arch, keys
@@ -201,13 +203,19 @@ def architecture_of(cfg) -> str:
         raise UserError(f"this model's MLP (model.mlp={cfg.mlp}) has no Hugging Face counterpart, so it cannot be "
                         f"exported; the MLPs that have one: {others}")
     if cfg.norm == "layernorm" and "gpt2" in counterparts and cfg.position == "learned" and cfg.use_bias \
-            and cfg.tie_embeddings:
+            and cfg.tie_embeddings and not cfg.qk_norm:
         return "gpt2"
-    if cfg.norm == "rmsnorm" and "llama" in counterparts and cfg.position == "rope" and not cfg.use_bias:
+    llama_like = cfg.norm == "rmsnorm" and cfg.position == "rope"
+    if llama_like and not cfg.qk_norm and "llama" in counterparts and not cfg.use_bias:
         return "qwen2" if cfg.qkv_bias else "llama"
+    # Qwen3's attention_bias is q, k, v and o biases together: model.use_bias where the MLP has no biases
+    if llama_like and cfg.qk_norm and "qwen3" in counterparts and (cfg.use_bias or not cfg.qkv_bias) \
+            and not MLPS[cfg.mlp].biases:
+        return "qwen3"
     raise UserError(f"this model (norm={cfg.norm}, mlp={cfg.mlp}, position={cfg.position}, use_bias={cfg.use_bias}, "
-                    f"tie_embeddings={cfg.tie_embeddings}) has no Hugging Face architecture: Llama, Qwen2 and GPT-2 "
-                    "(with tied embeddings) are exported")
+                    f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, tie_embeddings={cfg.tie_embeddings}) has no "
+                    "Hugging Face architecture: Llama, Qwen2, Qwen3 (q/k norms; q/k/v biases only with the output's: "
+                    "model.use_bias) and GPT-2 (with tied embeddings) are exported")
 
 
 def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, dtype: str) -> dict:
@@ -239,6 +247,8 @@ def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, d
         out.update(attention_bias=cfg.use_bias, mlp_bias=False)
     else:
         out.update(use_sliding_window=False, sliding_window=None)
+    if arch == "qwen3":
+        out.update(attention_bias=cfg.use_bias)
     return out
 
 
@@ -292,8 +302,8 @@ def _mlp_parts(cfg, prefix: str, conv1d: bool) -> dict[tuple, Part]:
     """The MLP's weights under `prefix` + "mlp.", by the names its class gives them (`MLP.hf_names`):
     GPT-2's Conv1D stores a kernel as jaxlm does, [in, out]; a PyTorch Linear as [out, in]."""
     mlp = MLPS[cfg.mlp]
-    shapes = mlp.projection_shapes(cfg.d_model, cfg.mlp_dim)
-    biases = mlp.bias_shapes(cfg.d_model, cfg.mlp_dim, cfg.use_bias)
+    shapes = mlp.projection_shapes(cfg)
+    biases = mlp.bias_shapes(cfg)
     out = {}
     for name, module in mlp.hf_names.items():
         hf = f"{prefix}mlp.{module}"
@@ -342,6 +352,9 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
         layer[("attn", "bv")] = Part(p + "self_attn.v_proj.bias", ((k, h),), (0, 1))
     if cfg.use_bias:
         layer[("attn", "bo")] = _same(p + "self_attn.o_proj.bias", d)
+    if cfg.qk_norm:  # Qwen3: one RMSNorm scale over a head's width for all the query heads, one for the key heads
+        layer[("attn", "q_norm", "scale")] = _same(p + "self_attn.q_norm.weight", h)
+        layer[("attn", "k_norm", "scale")] = _same(p + "self_attn.k_norm.weight", h)
     outside = {("embed", "embedding"): _same("model.embed_tokens.weight", v, d),
                ("final_norm", "scale"): _same("model.norm.weight", d)}
     if not cfg.tie_embeddings:

@@ -377,10 +377,13 @@ class RMSNorm(nnx.Module):
     def params(dim: int, use_bias: bool) -> int:
         return dim
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, use_bias: bool, rngs: nnx.Rngs,
+                 axis: str = "norm"):
+        """`axis`: the scale's logical axis name ("norm" for the residual width; "head_dim" for the attention's
+        per-head norms of queries and keys, whose width is a head's)."""
         del use_bias  # RMSNorm has no bias
         self.eps, self.dtype = eps, dtype
-        self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)
+        self.scale = make_param(rngs, ones, (dim,), (axis,), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         @recomputed
@@ -532,7 +535,8 @@ def split_qkv(joint: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped-query heads and optional rotary positions."""
+    """Multi-head attention with grouped-query heads, optional rotary positions and optional per-head RMSNorms
+    of the queries and keys (Qwen3's q_norm and k_norm: `ModelConfig.qk_norm`)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -555,6 +559,12 @@ class Attention(nnx.Module):
             self.bv = make_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), pd, decay=False)
         if cfg.use_bias:
             self.bo = make_param(rngs, zeros, (d,), ("norm",), pd)
+        # Qwen3: each head's queries and keys RMS-normalized over the head's width, one scale for all heads
+        # (q_norm and k_norm), after the projections (and their biases) and before the rotary embedding
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:
+            norm = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=pd, use_bias=False, rngs=rngs, axis="head_dim")
+            self.q_norm, self.k_norm = RMSNorm(h, **norm), RMSNorm(h, **norm)
 
     @property
     def joined_projections(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -573,6 +583,8 @@ class Attention(nnx.Module):
         q, k, v = project_qkv(x, self.wq, self.wk, self.wv, (key_q, key_k, key_v))
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cfg.position == "rope":
             inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
                                         cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)

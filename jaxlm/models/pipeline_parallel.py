@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -121,10 +121,11 @@ def run(
     # (x, block, key, positions, segment_ids) -> (x, aux), the block as the unpipelined scan runs it
     block_fn: Callable,
     return_activity: bool = False,
-    aux_names: Sequence[str] = (),  # the auxiliary outputs block_fn returns (`jaxlm.models.aux`)
+    aux_shapes: aux.Shapes | None = None,  # the model's auxiliary outputs' shapes (`Transformer.aux_shapes`)
 ) -> tuple[jax.Array, aux.Aux] | tuple[jax.Array, aux.Aux, jax.Array]:
     """(the blocks applied to `x` under `schedule`: the same function as running them in order, their
-    auxiliary outputs summed over the layers and averaged over the micro-batches). With
+    auxiliary outputs summed over the layers, or kept per layer in layer order (`aux.by_layer`), and
+    averaged over the micro-batches). With
     `return_activity`, also the [iterations, stages] bool array of which stage worked in which iteration
     (the loop's own record, to check the bubble against)."""
     S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -162,7 +163,7 @@ def run(
             return block_fn(h, block, k, pos, seg)
 
         h, per_layer = jax.lax.scan(layer, h, (p, key))
-        return h, {name: jnp.sum(value) for name, value in per_layer.items()}
+        return h, aux.over_layers(per_layer)  # a per-layer entry [G, ...]: this stage's layers
 
     spmd = mesh_axes_of(STAGE)
     stages = jax.vmap(stage, spmd_axis_name=spmd or None)
@@ -187,16 +188,27 @@ def run(
         k = None if ks is None else jax.vmap(lambda g, mb: jax.vmap(lambda key: jax.random.fold_in(key, mb))(g))(ks, m)
         out, stage_aux = stages(p, ring, k, positions[m], None if segments is None else segments[m])
         out = constrain(out, (STAGE, *act))
-        # an idle stage's values are of nothing: only the active stages' count
-        totals = aux.add(totals, {name: jnp.sum(jnp.where(active, v, 0.0)) for name, v in stage_aux.items()})
+        # an idle stage's values are of nothing: only the active stages' count; a per-layer entry [S, G, ...]
+        # goes to its stages' layers of the repeat each works on, totals [R, S, G, ...]
+        def added(name, v):
+            mask = active.reshape(active.shape + (1,) * (v.ndim - 1))
+            if not aux.by_layer(name):
+                return jnp.sum(jnp.where(mask, v, 0.0))
+            on = (r[None, :] == jnp.arange(R)[:, None]) & active[None, :]  # [R, S]
+            return on.reshape(on.shape + (1,) * (v.ndim - 1)) * v[None]
+
+        totals = aux.add(totals, {name: added(name, v) for name, v in stage_aux.items()})
         # the last stage's pass goes back into the stream: the next repeat's input, or the result
         last = jnp.where(active[-1], out[-1], stream[m[-1]])
         stream = stream.at[m[-1]].set(last)
         return (stream, constrain(jnp.roll(out, 1, axis=0), (STAGE, *act)), totals), active
 
     with attention.whole_batch_segments(segment_ids) if segment_ids is not None else contextlib.nullcontext():
-        (stream, _, totals), activity = jax.lax.scan(iteration, (stream, ring, aux.zeros(aux_names)),
+        shapes = {name: (R, S, G, *shape[1:]) if aux.by_layer(name) else shape
+                  for name, shape in (aux_shapes or {}).items()}  # a per-layer entry by repeat, stage, layer
+        (stream, _, totals), activity = jax.lax.scan(iteration, (stream, ring, aux.zeros(shapes)),
                                                      jnp.arange(schedule.iterations))
     out = constrain(stream.swapaxes(0, 1).reshape(x.shape), act)
+    totals = {name: v.reshape(n_layers, *v.shape[3:]) if aux.by_layer(name) else v for name, v in totals.items()}
     totals = aux.scale(totals, 1.0 / M)  # each micro-batch's values are means over its tokens
     return (out, totals, activity) if return_activity else (out, totals)

@@ -31,7 +31,8 @@ from jaxlm.models.attention import (
     packed_layout_supported,
     select_implementation,
 )
-from jaxlm.models.mlps import MLPS
+from jaxlm.models.mlps import MLPS, MoESpec
+from jaxlm.models.mlps import moe as moe_lib
 from jaxlm.models.positions import POSITIONS
 from jaxlm.section import Section, check, check_choice, setting
 
@@ -43,11 +44,13 @@ class Variant:
     position: str
     use_bias: bool  # biases everywhere: q, k, v, o, the MLP, the norms
     qkv_bias: bool = False  # biases on q, k and v only
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys (`layers.Attention`)
 
 
 VARIANTS: dict[str, Variant] = {
     "llama": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False),
     "qwen2": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qkv_bias=True),
+    "qwen3": Variant(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, qk_norm=True),
     "gpt2": Variant(norm="layernorm", mlp="gelu", position="learned", use_bias=True),
 }
 NORMS = {cls.name: cls for cls in (layers.RMSNorm, layers.LayerNorm)}
@@ -96,6 +99,10 @@ class ModelSection(Section):
     position: str = setting("", "rope | learned")
     use_bias: int = setting(-1, "-1 = the variant's choice, 0 = no biases, 1 = biases")
     qkv_bias: int = setting(-1, "biases on q, k, v alone (Qwen2): -1 = the variant's choice, 0 or 1")
+    qk_norm: int = setting(
+        -1,
+        "an RMSNorm over each head's queries and keys, after their projections and before RoPE (Qwen3): "
+        "-1 = the variant's choice, 0 or 1")
     vocab_size: int = setting(2048, "tokens in the vocabulary; linked to data.tokenizer_vocab_size")
     d_model: int = setting(256, "the residual stream's width")
     n_layers: int = setting(4, "decoder blocks")
@@ -160,6 +167,24 @@ class ModelSection(Section):
         0,
         "Make the logits and the loss this many positions at a time (0 = the whole sequence at once): only "
         "[batch, loss_chunk_len, vocab] float32 logits are ever alive, instead of [batch, seq_len, vocab].")
+    moe_experts: int = setting(8, "model.mlp=moe: experts in each MoE layer, each a SwiGLU of model.mlp_dim hidden units")
+    moe_top_k: int = setting(2, "model.mlp=moe: experts each token is routed to")
+    moe_shared_experts: int = setting(
+        0, "model.mlp=moe: shared experts every token goes through, as one SwiGLU of this many x mlp_dim units")
+    moe_router: str = setting(
+        "topk_softmax",
+        "model.mlp=moe: topk_softmax (the top k logits softmaxed: Mixtral, Qwen3-MoE) | softmax_topk (a softmax "
+        "over all experts, the top k as they are: Switch, OLMoE) | sigmoid (DeepSeek-V3's scores with a "
+        "per-expert bias on the choice) (jaxlm.models.mlps.moe)")
+    moe_impl: str = setting(
+        "auto",
+        "model.mlp=moe: how tokens reach their experts: auto (ragged) | ragged (dropless: sorted by expert, "
+        "grouped matmuls) | dense (dropless: every expert on every token, E/k x the FLOPs) | capacity (at most "
+        "moe_capacity_factor x the balanced share per expert, the rest dropped and counted)")
+    moe_capacity_factor: float = setting(1.25, "model.mlp=moe, moe_impl=capacity: each expert's room, x its balanced share")
+    moe_aux_loss: float = setting(
+        0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
+    moe_z_loss: float = setting(0.0, "model.mlp=moe: the router z-loss's coefficient (ST-MoE; 0 = off, still reported)")
 
     def validate(self) -> None:
         key = self.key
@@ -169,6 +194,7 @@ class ModelSection(Section):
         check_choice(key("position"), self.position, sorted(POSITIONS), allow_empty=True)
         check(self.use_bias in (-1, 0, 1), key("use_bias"), self.use_bias, "-1 (variant's choice), 0 or 1")
         check(self.qkv_bias in (-1, 0, 1), key("qkv_bias"), self.qkv_bias, "-1 (variant's choice), 0 or 1")
+        check(self.qk_norm in (-1, 0, 1), key("qk_norm"), self.qk_norm, "-1 (variant's choice), 0 or 1")
         check_choice(key("rope_scaling"), self.rope_scaling, layers.ROPE_SCALINGS)
         if self.rope_scaling != "none":
             check(self.rope_factor > 0, key("rope_factor"), self.rope_factor, "a positive number")
@@ -196,6 +222,18 @@ class ModelSection(Section):
         check(self.attention_segments >= 0, key("attention_segments"), self.attention_segments,
               "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
         check(self.scan_unroll >= 0, key("scan_unroll"), self.scan_unroll, "0 (auto) or a positive number of layers")
+        if self.mlp == "moe":
+            check(self.moe_experts >= 2, key("moe_experts"), self.moe_experts, "at least 2 experts")
+            check(1 <= self.moe_top_k <= self.moe_experts, key("moe_top_k"), self.moe_top_k,
+                  f"between 1 and model.moe_experts={self.moe_experts}")
+            check(self.moe_shared_experts >= 0, key("moe_shared_experts"), self.moe_shared_experts,
+                  "0 or a positive number")
+            check_choice(key("moe_router"), self.moe_router, moe_lib.ROUTERS)
+            check_choice(key("moe_impl"), self.moe_impl, ("auto", *moe_lib.IMPLS))
+            check(self.moe_capacity_factor > 0, key("moe_capacity_factor"), self.moe_capacity_factor,
+                  "a positive number")
+            for name in ("moe_aux_loss", "moe_z_loss"):
+                check(getattr(self, name) >= 0, key(name), getattr(self, name), "0 (off) or a positive coefficient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +253,7 @@ class ModelConfig:
     position: str = "rope"
     use_bias: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm on each head's queries and keys, before RoPE (Qwen3)
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -249,6 +288,8 @@ class ModelConfig:
     lora: transforms.LoRA | None = None
     quantized: transforms.Quantized | None = None
     pruned: transforms.Pruned | None = None
+    # The Mixture-of-Experts settings (config.model.moe_*), read by the MoE MLP alone (model.mlp=moe)
+    moe: MoESpec = MoESpec()
 
     @property
     def residual_init_std(self) -> float:
@@ -309,6 +350,7 @@ class ModelConfig:
             position=m["position"] or variant.position,
             use_bias=variant.use_bias if m["use_bias"] == -1 else bool(m["use_bias"]),
             qkv_bias=variant.qkv_bias if m.get("qkv_bias", -1) == -1 else bool(m["qkv_bias"]),
+            qk_norm=variant.qk_norm if m.get("qk_norm", -1) == -1 else bool(m["qk_norm"]),
             tie_embeddings=m["tie_embeddings"],
             norm_eps=m["norm_eps"],
             rope_theta=m["rope_theta"],
@@ -321,8 +363,9 @@ class ModelConfig:
             remat=m["remat"],
             loss_chunk_len=m.get("loss_chunk_len", 0),
         )
-        fields.update(overrides)
         platform = platform or jax.default_backend()
+        fields["moe"] = MoESpec.from_model(m, platform)
+        fields.update(overrides)
         if fields["dtype"] is None:  # model.dtype=auto (jaxlm.precision)
             capability = precision.compute_capability() if platform == "gpu" and jax.default_backend() == "gpu" else None
             fields["dtype"] = DTYPES[precision.auto_dtype(platform, capability)[0]]
@@ -640,7 +683,7 @@ class Transformer(nnx.Module):
             x, cache = self._blocks_with_cache(x, positions, cache)
         elif cfg.pipeline_stages > 1:
             x, out = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
-                                           _remat(_pipelined_block, cfg.remat, True), aux_names=self.aux_names)
+                                           _remat(_pipelined_block, cfg.remat, True), aux_shapes=self.aux_shapes)
         elif cfg.scan_layers:
 
             @nnx.scan(
@@ -653,12 +696,13 @@ class Transformer(nnx.Module):
                 return run_block(x, block, key)
 
             x, per_layer = scan_blocks(x, self.blocks, keys)
-            out = {name: jnp.sum(value) for name, value in per_layer.items()}
+            out = aux.over_layers(per_layer)
         else:
-            out = aux.zeros(self.aux_names)
+            outs = []
             for i, block in enumerate(self.blocks):
                 x, layer_out = run_block(x, block, None if keys is None else keys[i])
-                out = aux.add(out, layer_out)
+                outs.append(layer_out)
+            out = aux.over_layers({name: jnp.stack([o[name] for o in outs]) for name in self.aux_shapes})
         if last_only:
             x = x[:, -1:]
         x = self.final_norm(x)
@@ -671,6 +715,11 @@ class Transformer(nnx.Module):
     def aux_names(self) -> tuple[str, ...]:
         """The auxiliary outputs its blocks return (`jaxlm.models.aux`): its MLP's."""
         return MLPS[self.cfg.mlp].aux_names
+
+    @property
+    def aux_shapes(self) -> aux.Shapes:
+        """Each auxiliary output's shape as the model returns it: a layer's, or [n_layers, ...] kept per layer."""
+        return aux_shapes(self.cfg)
 
     @property
     def pipeline_schedule(self) -> pipeline_parallel.Schedule:
@@ -712,6 +761,12 @@ class Transformer(nnx.Module):
         return x, cache._replace(index=cache.index + x.shape[1], layer=0)
 
 
+def aux_shapes(cfg: ModelConfig) -> aux.Shapes:
+    """The model's auxiliary outputs' shapes (`Transformer.aux_shapes`), from the config alone."""
+    return {name: (cfg.n_layers, *shape) if aux.by_layer(name) else shape
+            for name, shape in MLPS[cfg.mlp].aux_shapes(cfg).items()}
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int, start: jax.Array) -> KVCache:
     """An empty cache of `length` slots for `batch` rows whose prompts begin at slots `start` [B]."""
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
@@ -733,7 +788,9 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         attn += h * (n + 2 * k)
     if cfg.use_bias:
         attn += d
-    per_layer = attn + MLPS[cfg.mlp].params(d, cfg.mlp_dim, cfg.use_bias) + 2 * norm
+    if cfg.qk_norm:
+        attn += 2 * layers.RMSNorm.params(h, False)  # the queries' and the keys' norms, shared by the heads
+    per_layer = attn + MLPS[cfg.mlp].params(cfg) + 2 * norm
     counts = {
         "embedding": v * d,
         "positions": POSITIONS[cfg.position].params(cfg.max_seq_len, d),
@@ -746,6 +803,12 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token goes through: all of them but the experts it is not routed to (an MoE's;
+    the total for a dense model). What peers report as an MoE's active size."""
+    return param_count(cfg)["total"] - cfg.n_layers * MLPS[cfg.mlp].unrouted_params(cfg)
+
+
 def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each of the attention's projections."""
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -754,7 +817,7 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each projection of a block: the attention's and the MLP's."""
-    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg.d_model, cfg.mlp_dim)}
+    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg)}
 
 
 def lora_param_count(cfg: ModelConfig) -> int:
@@ -766,8 +829,9 @@ def lora_param_count(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: every layer's projections plus the unembedding."""
-    per_layer = sum(i * o for i, o in layer_projection_shapes(cfg).values())
+    """Weights that take part in a matmul per token: every layer's attention and MLP (an MoE: the experts a
+    token is routed to, its router and shared experts: the active weights) plus the unembedding."""
+    per_layer = sum(i * o for i, o in _attention_shapes(cfg).values()) + MLPS[cfg.mlp].matmul_params(cfg)
     return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
 
 

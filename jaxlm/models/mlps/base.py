@@ -41,8 +41,9 @@ class MLP(nnx.Module):
         refuses in one line.
       hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
         `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
-      aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: scalar})
-        (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss); () for none, and
+      aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: value})
+        (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss, one ending in
+        `_by_layer` is kept per layer; each a scalar unless `aux_shapes` says otherwise); () for none, and
         `__call__` returns y alone.
     and implements `default_dim` and `__call__`.
     """
@@ -62,29 +63,60 @@ class MLP(nnx.Module):
         raise NotImplementedError
 
     @classmethod
-    def projection_shapes(cls, d_model: int, mlp_dim: int) -> dict[str, tuple[int, int]]:
-        """Each projection's (inputs, outputs)."""
-        size = {EMBED: d_model, HIDDEN: mlp_dim}
+    def aux_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Each auxiliary output's shape as one layer returns it: scalars, unless a subclass says."""
+        return {name: () for name in cls.aux_names}
+
+    @classmethod
+    def projection_shapes(cls, cfg) -> dict[str, tuple[int, int]]:
+        """Each projection's (inputs, outputs), for the model config `cfg` (a `ModelConfig`)."""
+        size = {EMBED: cfg.d_model, HIDDEN: cfg.mlp_dim}
         return {name: (size[i], size[o]) for name, (i, o) in cls.projections.items()}
 
     @classmethod
-    def bias_shapes(cls, d_model: int, mlp_dim: int, use_bias: bool) -> dict[str, int]:
+    def bias_shapes(cls, cfg) -> dict[str, int]:
         """Each bias's size (none without biases)."""
-        size = {EMBED: d_model, HIDDEN: mlp_dim}
-        return {name: size[axis] for name, axis in cls.biases.items()} if use_bias else {}
+        size = {EMBED: cfg.d_model, HIDDEN: cfg.mlp_dim}
+        return {name: size[axis] for name, axis in cls.biases.items()} if cfg.use_bias else {}
 
     @classmethod
-    def bias_params(cls, d_model: int, mlp_dim: int, use_bias: bool) -> int:
-        return sum(cls.bias_shapes(d_model, mlp_dim, use_bias).values())
+    def other_params(cls, cfg) -> int:
+        """Weights that are neither projections nor biases (an MoE's experts and router); 0 for most."""
+        return 0
 
     @classmethod
-    def matmul_params(cls, d_model: int, mlp_dim: int) -> int:
-        """Weights that take part in a matmul per token."""
-        return sum(i * o for i, o in cls.projection_shapes(d_model, mlp_dim).values())
+    def params(cls, cfg) -> int:
+        """Every parameter of one layer's MLP."""
+        return (sum(i * o for i, o in cls.projection_shapes(cfg).values()) + sum(cls.bias_shapes(cfg).values())
+                + cls.other_params(cfg))
 
     @classmethod
-    def params(cls, d_model: int, mlp_dim: int, use_bias: bool) -> int:
-        return cls.matmul_params(d_model, mlp_dim) + cls.bias_params(d_model, mlp_dim, use_bias)
+    def unrouted_params(cls, cfg) -> int:
+        """Weights of one layer's MLP a token does not go through (an MoE's other experts); 0 for most."""
+        return 0
+
+    @classmethod
+    def matmul_params(cls, cfg) -> int:
+        """Weights that take part in a matmul per token (an MoE: those of the experts a token is routed to)."""
+        return sum(i * o for i, o in cls.projection_shapes(cfg).values())
+
+    @classmethod
+    def hidden_copies(cls, cfg) -> float:
+        """[tokens, mlp_dim] hidden activations per token, in `saved_hidden`'s units: 1 (an MoE: the rows
+        its experts compute per token)."""
+        return 1
+
+    @classmethod
+    def extra_saved(cls, cfg, act_bytes: int) -> tuple[float, float]:
+        """(bytes per [tokens, d_model] element, bytes per token) kept for the backward pass beyond the
+        hidden activations (an MoE's dispatch); (0, 0) for most."""
+        return 0.0, 0.0
+
+    @classmethod
+    def gathered_params(cls, cfg) -> int:
+        """Weights its backward pass holds whole on every device while the batch is split, their float32
+        gradient before it is reduced (an MoE's experts, whole in its per-shard dispatch); 0 for most."""
+        return 0
 
     @classmethod
     def hidden_dots(cls) -> int:

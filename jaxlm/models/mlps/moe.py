@@ -1,0 +1,385 @@
+"""A Mixture-of-Experts MLP (`model.mlp=moe`): `E` SwiGLU experts, a router sending each token to `k`
+of them, optional shared experts every token uses, and the router's balancing and stability losses
+returned through the auxiliary-output channel (`jaxlm.models.aux`).
+
+Routers (`model.moe_router`), on float32 logits x @ router:
+  topk_softmax  the top k logits, softmaxed among themselves (Mixtral; Qwen3-MoE with norm_topk_prob)
+  softmax_topk  a softmax over every expert, the top k probabilities as they are (Switch, OLMoE,
+                Qwen-MoE without norm_topk_prob)
+  sigmoid       sigmoid scores; the top k of the scores plus a per-expert bias are chosen (the bias
+                moves the choice alone: DeepSeek-V3's auxiliary-loss-free balancing), weighted by
+                their scores normalized to sum to 1
+The bias is a parameter whose gradient is zero (it moves the choice, not the output) and which is
+not decayed, so the optimizer leaves it as it is; no rule moves it yet: it stays at zero unless a
+checkpoint brings one.
+
+Dispatch (`model.moe_impl`), each the same function of the routed tokens where none is dropped:
+  ragged    dropless: the (token, expert) pairs sorted by expert, each expert's rows multiplied by its
+            weights with `jax.lax.ragged_dot` (a grouped matmul), then unsorted
+  dense     dropless: every expert applied to every token, the outputs weighted by the gates (E / k
+            times the routed FLOPs; exact, simple, for small E and for checking the others)
+  capacity  each expert takes at most C = ceil(capacity_factor x tokens x k / E) pairs, earlier tokens'
+            first choices first (GShard's order); pairs past an expert's capacity are dropped (their
+            share of the token's output is zero) and counted (`aux/moe_dropped`). Fixed shapes, rows
+            gathered and scattered by index: no one-hot dispatch matmul.
+
+Auxiliary outputs (each a mean over the MoE layers, per token of the batch): `moe_balance_loss` (the
+load-balancing loss times `model.moe_aux_loss`), `moe_z_loss` (the router z-loss times
+`model.moe_z_loss`), and as metrics `moe_balance` (the balancing loss itself: E x sum_e f_e P_e, with
+f_e the share of the batch's (token, expert) pairs routed to e times k and P_e the mean router
+probability of e, 1.0 x k when balanced, as Switch Transformer and Hugging Face's Mixtral compute it),
+`moe_load_max` and `moe_load_min` (the busiest and idlest expert's share of the pairs times E: 1.0 when
+balanced), `moe_load_entropy` (the shares' entropy over log E: 1.0 when balanced), `moe_dropped` (the
+share of pairs dropped); and per layer (`aux.by_layer`, TensorBoard's `aux/moe_load_by_layer/layer_<i>/<e>`),
+`moe_load_by_layer` (each expert's share of the layer's pairs times E) and `moe_dropped_by_layer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.linen import spmd
+from jax.custom_batching import custom_vmap
+from jax.sharding import PartitionSpec as P
+
+from jaxlm.mesh import logical_to_spec
+from jaxlm.models import layers
+from jaxlm.models.mlps.base import EMBED, HIDDEN, MLP, output
+from jaxlm.models.mlps.swiglu import GatedMLP
+
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid")
+IMPLS = ("ragged", "dense", "capacity")  # model.moe_impl; "auto" resolves to one (`resolve_impl`)
+# The expert weights' logical axis names: [experts, inputs, outputs]
+EXPERT_AXES = {"expert_gate": ("experts", EMBED, HIDDEN), "expert_up": ("experts", EMBED, HIDDEN),
+               "expert_down": ("experts", HIDDEN, EMBED)}
+SHARED = {"shared_gate": (EMBED, HIDDEN), "shared_up": (EMBED, HIDDEN), "shared_down": (HIDDEN, EMBED)}
+_SHARED_EQUATIONS = {(EMBED, HIDDEN): "btd,df->btf", (HIDDEN, EMBED): "btf,fd->btd"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """The MoE settings of a model (`model.moe_*`, resolved: `impl` is never auto)."""
+
+    experts: int = 8
+    top_k: int = 2
+    shared_experts: int = 0  # one SwiGLU of shared_experts x mlp_dim hidden units, every token through it
+    router: str = "topk_softmax"
+    impl: str = "ragged"
+    capacity_factor: float = 1.25
+    aux_loss: float = 0.01
+    z_loss: float = 0.0
+
+    @classmethod
+    def from_model(cls, m, platform: str) -> MoESpec:
+        """From `config.model` (a ConfigDict or dict: its `moe_*` keys; the defaults where absent)."""
+        d = cls()
+        get = m.get if hasattr(m, "get") else (lambda k, v: v)
+        return cls(experts=int(get("moe_experts", d.experts)), top_k=int(get("moe_top_k", d.top_k)),
+                   shared_experts=int(get("moe_shared_experts", d.shared_experts)),
+                   router=str(get("moe_router", d.router)),
+                   impl=resolve_impl(str(get("moe_impl", "auto")), platform),
+                   capacity_factor=float(get("moe_capacity_factor", d.capacity_factor)),
+                   aux_loss=float(get("moe_aux_loss", d.aux_loss)), z_loss=float(get("moe_z_loss", d.z_loss)))
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+    """model.moe_impl=auto: the dropless grouped matmul (`ragged`) on every platform."""
+    return "ragged" if impl == "auto" else impl
+
+
+def capacity(spec: MoESpec, tokens: int) -> int:
+    """Pairs each expert takes in `capacity` dispatch: ceil(capacity_factor x tokens x k / E), at most
+    `tokens` (an expert never gets one token twice)."""
+    return max(1, min(tokens, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.experts)))
+
+
+def route(logits: jax.Array, spec: MoESpec, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Router logits [N, E] (float32) -> (gates [N, k] float32, experts [N, k] int32, probabilities [N, E]
+    float32: what the balancing loss's P_e averages)."""
+    k = spec.top_k
+    if spec.router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), experts, jax.nn.softmax(logits, axis=-1)
+    if spec.router == "softmax_topk":
+        probs = jax.nn.softmax(logits, axis=-1)
+        gates, experts = jax.lax.top_k(probs, k)
+        return gates, experts, probs
+    scores = jax.nn.sigmoid(logits)
+    _, experts = jax.lax.top_k(scores if bias is None else scores + jax.lax.stop_gradient(bias), k)
+    chosen = jnp.take_along_axis(scores, experts, axis=-1)
+    return chosen / jnp.sum(chosen, axis=-1, keepdims=True), experts, scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def load_stats(experts: jax.Array, probs: jax.Array, spec: MoESpec) -> dict[str, jax.Array]:
+    """The balancing loss and the load metrics of one layer's routing (module docstring)."""
+    e, k = spec.experts, spec.top_k
+    counts = jnp.sum(jax.nn.one_hot(experts.reshape(-1), e, dtype=jnp.float32), axis=0)  # pairs per expert
+    share = counts / experts.size  # sums to 1
+    balance = e * jnp.sum(share * k * jnp.mean(probs, axis=0))
+    entropy = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)), 0.0)) / math.log(e)
+    return {"balance": balance, "load_max": jnp.max(share) * e, "load_min": jnp.min(share) * e,
+            "load_entropy": entropy, "load_by_layer": share * e}
+
+
+class MoEMLP(MLP):
+    """`E` SwiGLU experts of `model.mlp_dim` hidden units, a router choosing `k` per token, and optional
+    shared experts (module docstring). Its weights: `router` [D, E] and `router_bias` [E] (sigmoid
+    routing only), `expert_gate`, `expert_up` [E, D, F], `expert_down` [E, F, D], and the shared experts'
+    projections `shared_gate`, `shared_up`, `shared_down` (plain projections: adapters and
+    quantization apply to them as to a dense MLP's)."""
+
+    name = "moe"
+    projections: ClassVar[dict[str, tuple[str, str]]] = {}  # the shared experts', when there are any
+    saved_hidden = GatedMLP.saved_hidden
+    autodiff_hidden = GatedMLP.autodiff_hidden
+    aux_names = ("moe_balance_loss", "moe_z_loss", "moe_balance", "moe_load_max", "moe_load_min",
+                 "moe_load_entropy", "moe_dropped", "moe_load_by_layer", "moe_dropped_by_layer")
+
+    @classmethod
+    def aux_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Each expert's load in each layer (its share of the pairs times E: 1.0 when balanced)."""
+        return {**super().aux_shapes(cfg), "moe_load_by_layer": (cfg.moe.experts,)}
+
+    @staticmethod
+    def default_dim(d_model: int) -> int:
+        """Each expert as wide as the dense SwiGLU's default (Mixtral's experts are Mistral's MLP)."""
+        return GatedMLP.default_dim(d_model)
+
+    @classmethod
+    def shared_dim(cls, cfg) -> int:
+        return cfg.moe.shared_experts * cfg.mlp_dim
+
+    @classmethod
+    def projection_shapes(cls, cfg) -> dict[str, tuple[int, int]]:
+        f = cls.shared_dim(cfg)
+        size = {EMBED: cfg.d_model, HIDDEN: f}
+        return {name: (size[i], size[o]) for name, (i, o) in SHARED.items()} if f else {}
+
+    @classmethod
+    def expert_params(cls, cfg) -> int:
+        """One expert's weights."""
+        return 3 * cfg.d_model * cfg.mlp_dim
+
+    @classmethod
+    def other_params(cls, cfg) -> int:
+        """The experts, the router (and its bias, with sigmoid routing)."""
+        return cfg.moe.experts * (cls.expert_params(cfg) + cfg.d_model + (cfg.moe.router == "sigmoid"))
+
+    @classmethod
+    def unrouted_params(cls, cfg) -> int:
+        return (cfg.moe.experts - cfg.moe.top_k) * cls.expert_params(cfg)
+
+    @classmethod
+    def matmul_params(cls, cfg) -> int:
+        """Per token: the router, its k experts and the shared experts (the active weights)."""
+        return cfg.d_model * cfg.moe.experts + cfg.moe.top_k * cls.expert_params(cfg) + super().matmul_params(cfg)
+
+    @classmethod
+    def rows_per_token(cls, cfg) -> float:
+        """The rows the experts compute per token: k dropless (ragged), E (dense: every expert, every
+        token), up to k x capacity_factor (capacity)."""
+        spec = cfg.moe
+        return {"ragged": spec.top_k, "dense": spec.experts,
+                "capacity": min(spec.top_k * spec.capacity_factor, spec.experts)}[spec.impl]
+
+    @classmethod
+    def hidden_copies(cls, cfg) -> float:
+        return cls.rows_per_token(cfg) + cfg.moe.shared_experts
+
+    @classmethod
+    def gathered_params(cls, cfg) -> int:
+        """The experts: whole on every device in the per-shard dispatch (`dispatch`)."""
+        return cfg.moe.experts * cls.expert_params(cfg)
+
+    @classmethod
+    def extra_saved(cls, cfg, act_bytes: int) -> tuple[float, float]:
+        """(bytes per [tokens, d_model] element, bytes per token) the layer keeps for its backward pass
+        beside its hidden activations: the rows gathered for the experts and each pair's output; the
+        router's float32 probabilities (its softmax's two, the chosen gates)."""
+        spec = cfg.moe
+        rows = cls.rows_per_token(cfg) if spec.impl != "dense" else 0  # dense reads the tokens themselves
+        return act_bytes * (rows + spec.top_k), 4 * (2 * spec.experts + 3 * spec.top_k)
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        spec = self.spec = cfg.moe
+        self.dtype, self.n_layers = cfg.dtype, cfg.n_layers
+        d, f, e = cfg.d_model, cfg.mlp_dim, spec.experts
+        self.router = layers.make_param(rngs, layers.normal(cfg.init_std), (d, e), (EMBED, None), cfg.param_dtype)
+        if spec.router == "sigmoid":
+            self.router_bias = layers.make_param(rngs, layers.zeros, (e,), (None,), jnp.float32, decay=False)
+        for name, (_, i, o) in EXPERT_AXES.items():
+            std = cfg.residual_init_std if o == EMBED else cfg.init_std
+            shape = (e, d, f) if i == EMBED else (e, f, d)
+            setattr(self, name, layers.make_param(rngs, layers.normal(std), shape, EXPERT_AXES[name], cfg.param_dtype))
+        for name, (i, o) in SHARED.items() if spec.shared_experts else ():
+            std = cfg.residual_init_std if o == EMBED else cfg.init_std
+            shape = (d, self.shared_dim(cfg)) if i == EMBED else (self.shared_dim(cfg), d)
+            setattr(self, name, cfg.projection(name, _SHARED_EQUATIONS[i, o], shape, (i, o), init=layers.normal(std),
+                                               dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs))
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        spec, dtype = self.spec, self.dtype
+        batch, seq, d = x.shape
+        flat = x.reshape(batch * seq, d)
+        logits = jnp.einsum("nd,de->ne", flat.astype(dtype), self.router[...].astype(dtype),
+                            preferred_element_type=jnp.float32)
+        gates, experts, probs = route(logits, spec, self.router_bias[...] if spec.router == "sigmoid" else None)
+        weights = {name: getattr(self, name)[...].astype(dtype) for name in EXPERT_AXES}
+        y, kept = dispatch(x.astype(dtype), gates.reshape(batch, seq, -1), experts.reshape(batch, seq, -1), weights,
+                           spec)
+        y, dropped = y.astype(dtype), 1.0 - jnp.mean(kept)
+        if spec.shared_experts:
+            key_gate, key_up, key_down = layers.split_keys(dropout_key, 3)  # the adapters' dropout (LoRA)
+            xs = layers.tensor_parallel_entry(x)
+            h = jax.nn.silu(self.shared_gate(xs, key_gate)) * self.shared_up(xs, key_up)
+            y = y + self.shared_down(h, key_down)
+        stats = load_stats(experts, probs, spec)
+        z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        out = {"moe_balance_loss": spec.aux_loss * stats["balance"], "moe_z_loss": spec.z_loss * z,
+               "moe_dropped": dropped, **{f"moe_{k}": v for k, v in stats.items() if k != "load_by_layer"}}
+        out = {name: value / self.n_layers for name, value in out.items()}  # summed over the layers: means
+        return output(y), {**out, "moe_load_by_layer": stats["load_by_layer"], "moe_dropped_by_layer": dropped}
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _broadcast_rule(fn):
+    """A `custom_vmap` rule: every operand broadcast to the vmapped size, then jax's own batching rule,
+    which takes a grouped matmul vmapped only when every operand is (the step vmaps its gradient over
+    `data` replicas with the expert weights unbatched: `steps._replica_local_grads`)."""
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+        return jax.vmap(fn)(*args), True
+    return rule
+
+
+def _ragged_forward(x, w, sizes):
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def _ragged_weight_grad(x, ct, sizes, w):
+    return jax.vjp(lambda w: _ragged_forward(x, w, sizes), w)[1](ct)[0]
+
+
+_forward_vmappable = custom_vmap(_ragged_forward)
+_forward_vmappable.def_vmap(_broadcast_rule(_ragged_forward))
+_weight_grad_vmappable = custom_vmap(_ragged_weight_grad)
+_weight_grad_vmappable.def_vmap(_broadcast_rule(_ragged_weight_grad))
+
+
+@jax.custom_vjp
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Rows [M, K] grouped by expert (the first sizes[0] rows expert 0's, ...) times their expert's
+    weight [E, K, N] -> [M, N] float32: `jax.lax.ragged_dot`, with its gradient written out so that it
+    also runs under vmap with the weights unbatched."""
+    return _forward_vmappable(x, w, sizes)
+
+
+def _grouped_fwd(x, w, sizes):
+    return _forward_vmappable(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_bwd(saved, ct):
+    x, w, sizes = saved
+    dx = _forward_vmappable(ct.astype(w.dtype), jnp.swapaxes(w, 1, 2), sizes).astype(x.dtype)
+    dw = _weight_grad_vmappable(x, ct, sizes, w).astype(w.dtype)
+    return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _expert_ffn(rows: jax.Array, weights: dict[str, jax.Array], matmul) -> jax.Array:
+    """SwiGLU on rows already grouped by expert, `matmul(rows, weight)` doing the grouping; every
+    activation in the rows' dtype, SwiGLU's product recomputed in the backward pass as a dense MLP's."""
+    dtype = rows.dtype
+    gate, up = matmul(rows, weights["expert_gate"]).astype(dtype), matmul(rows, weights["expert_up"]).astype(dtype)
+    h = layers.recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up)
+    return matmul(h, weights["expert_down"]).astype(dtype)
+
+
+def _combine(slots: jax.Array, gates: jax.Array) -> jax.Array:
+    """Each token's k expert outputs [N * k, D] (token-major) weighted by its gates [N, k] and summed."""
+    n, k = gates.shape  # (a product and a sum, not a matmul: no FLOPs beside the experts' and the router's)
+    return jnp.sum(slots.reshape(n, k, -1) * gates[:, :, None], axis=1)
+
+
+def _ragged(x, gates, experts, weights, spec, einsum_op):
+    """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight."""
+    n, k = gates.shape
+    flat_experts = experts.reshape(-1)  # token-major: pair p is token p // k
+    order = jnp.argsort(flat_experts, stable=True)
+    sizes = jnp.bincount(flat_experts, length=spec.experts).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)
+    out = _expert_ffn(rows, weights, lambda r, w: grouped_matmul(r, w, sizes))
+    slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    return _combine(slots, gates), jnp.ones(gates.shape, jnp.float32)
+
+
+def _dense(x, gates, experts, weights, spec, einsum_op):
+    """Dropless: every expert on every token, weighted by the gates (zero for the experts not chosen)."""
+    n, _ = gates.shape
+    combine = jnp.zeros((n, spec.experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(gates)
+
+    def matmul(r, w):
+        return einsum_op("nd,edf->enf" if r.ndim == 2 else "enf,efd->end", r, w)
+
+    out = _expert_ffn(x, weights, matmul)  # [E, N, D]
+    return jnp.sum(out * combine.T[:, :, None], axis=0), jnp.ones(gates.shape, jnp.float32)
+
+
+def _capacity(x, gates, experts, weights, spec, einsum_op):
+    """At most `capacity` pairs per expert, first choices of every token before second choices."""
+    n, k = gates.shape
+    e, c = spec.experts, capacity(spec, n)
+    choice_major = experts.T.reshape(-1)  # pair q is choice q // n of token q % n
+    onehot = jax.nn.one_hot(choice_major, e, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # its place in its expert's queue
+    kept = position < c
+    slot = jnp.where(kept, choice_major * c + position, e * c)  # e * c: the dropped pairs' discard slot
+    token = jnp.arange(n * k) % n
+    source = jnp.full((e * c + 1,), n, jnp.int32).at[slot].set(token)[: e * c]  # n: an empty slot (a zero row)
+    rows = jnp.take(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]), source, axis=0).reshape(e, c, -1)
+
+    def matmul(r, w):
+        return einsum_op("ecd,edf->ecf", r, w)
+
+    out = _expert_ffn(rows, weights, matmul).reshape(e * c, -1)
+    out = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
+    slots = jnp.take(out, slot, axis=0).reshape(k, n, -1).transpose(1, 0, 2).reshape(n * k, -1)  # token-major
+    return _combine(slots, gates), kept.reshape(k, n).T.astype(jnp.float32)
+
+
+DISPATCH = {"ragged": _ragged, "dense": _dense, "capacity": _capacity}
+
+
+def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[str, jax.Array],
+             spec: MoESpec, einsum_op=jnp.einsum) -> tuple[jax.Array, jax.Array]:
+    """The experts' weighted outputs for tokens x [B, T, D] routed to `experts` [B, T, k] with `gates`
+    [B, T, k]: (y [B, T, D] float32, kept [B, T, k]: 1.0 for each pair its expert took, 0.0 dropped).
+    `einsum_op`: the dense and capacity dispatches' per-expert matmul (XLA's einsum: the CPU's accumulating
+    form fails at run time on the batched dots of its gradient, and float8 experts are not built yet).
+
+    Under a mesh each device dispatches its own rows (shard_map over the batch's mesh axes, the expert
+    weights whole on every device, gathered as fsdp gathers any weight): a sort or a capacity count
+    across the whole batch would gather every token to every device. Without a mesh, all rows at once."""
+    def local(x, gates, experts, *ws):
+        b, t, d = x.shape
+        k = gates.shape[-1]
+        y, kept = DISPATCH[spec.impl](x.reshape(b * t, d), gates.reshape(b * t, k), experts.reshape(b * t, k),
+                                      dict(zip(weights, ws)), spec, einsum_op)
+        return y.reshape(b, t, d), kept.reshape(b, t, k)
+
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return local(x, gates, experts, *weights.values())
+    rows = logical_to_spec(("act_batch", None, None), rules)
+    return jax.shard_map(local, in_specs=(rows, rows, rows, *(P() for _ in weights)), out_specs=(rows, rows),
+                         check_vma=False)(x, gates, experts, *weights.values())

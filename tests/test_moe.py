@@ -1,0 +1,244 @@
+"""The Mixture-of-Experts MLP (`jaxlm.models.mlps.moe`): its routers against NumPy, its three dispatches
+against each other and against a per-token NumPy reference, the pairs a capacity drops counted by
+hand, its load metrics against a count made by hand, its balancing loss's gradient, and bad settings.
+(Its parameter count, FLOPs, planned memory against the built model and the compiled program: the
+registry tests, tests/test_registries.py, which run every registered MLP.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import floats
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import random_batch, small_config
+from jaxlm.config import recipe
+from jaxlm.errors import UserError
+from jaxlm.models import transformer
+from jaxlm.models.mlps import moe
+from jaxlm.models.mlps.moe import MoEMLP, MoESpec
+
+
+def _config(**spec) -> transformer.ModelConfig:
+    return small_config(mlp="moe", mlp_dim=32, moe=MoESpec(**{"experts": 4, "top_k": 2, **spec}))
+
+
+def _mlp(cfg) -> MoEMLP:
+    return MoEMLP(cfg, rngs=nnx.Rngs(params=0))
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("router", moe.ROUTERS)
+def test_each_router_chooses_and_weighs_as_its_reference(router):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((16, 6)).astype(np.float32)
+    bias = rng.standard_normal(6).astype(np.float32) if router == "sigmoid" else None
+    spec = MoESpec(experts=6, top_k=2, router=router)
+    gates, experts, probs = map(np.asarray, moe.route(jnp.asarray(logits), spec,
+                                                      None if bias is None else jnp.asarray(bias)))
+    for n in range(16):
+        if router == "topk_softmax":  # Mixtral: the top two logits softmaxed among themselves
+            chosen = np.argsort(-logits[n])[:2]
+            want = _softmax(logits[n][chosen])
+        elif router == "softmax_topk":  # a softmax over all six, the top two as they are
+            p = _softmax(logits[n])
+            chosen = np.argsort(-p)[:2]
+            want = p[chosen]
+        else:  # chosen by score + bias, weighted by the scores alone, normalized
+            s = 1 / (1 + np.exp(-logits[n]))
+            chosen = np.argsort(-(s + bias))[:2]
+            want = s[chosen] / s[chosen].sum()
+        assert experts[n].tolist() == chosen.tolist(), n
+        floats.close(gates[n], want)
+    assert np.allclose(probs.sum(-1), 1, atol=1e-6)
+
+
+def _reference(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
+    """Each token through its k experts one at a time, in NumPy (float64)."""
+    w = {name: np.asarray(getattr(mlp, name)[...], np.float64) for name in moe.EXPERT_AXES}
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    logits = flat @ np.asarray(mlp.router[...], np.float64)
+    out = np.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        chosen = np.argsort(-logits[n])[: mlp.spec.top_k]
+        gates = _softmax(logits[n][chosen])
+        for e, g in zip(chosen, gates):
+            a, b = flat[n] @ w["expert_gate"][e], flat[n] @ w["expert_up"][e]
+            out[n] += g * ((a / (1 + np.exp(-a)) * b) @ w["expert_down"][e])
+    return out.reshape(x.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", moe.IMPLS)
+def test_every_dispatch_is_each_token_through_its_experts(impl):
+    cfg = _config(impl=impl, capacity_factor=4.0)  # capacity for every pair: nothing dropped
+    mlp = _mlp(cfg)
+    x = np.random.default_rng(1).standard_normal((2, 8, cfg.d_model)).astype(np.float32)
+    y, out = mlp(jnp.asarray(x))
+    floats.close(np.asarray(y), _reference(mlp, x), ulps=64)
+    assert float(out["moe_dropped"]) == 0.0
+
+
+def test_the_dispatches_have_the_same_gradients():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 64)), jnp.float32)
+    grads = {}
+    for impl in moe.IMPLS:
+        graph, state = nnx.split(_mlp(_config(impl=impl, capacity_factor=4.0, z_loss=1e-3)))
+
+        def loss(state, x, graph=graph):
+            y, out = nnx.merge(graph, state)(x)
+            return jnp.sum(jnp.sin(y)) + out["moe_balance_loss"] + out["moe_z_loss"]
+
+        grads[impl] = jax.grad(loss, argnums=(0, 1))(state, x)
+    for impl in ("dense", "capacity"):
+        for a, b in zip(jax.tree.leaves(grads["ragged"]), jax.tree.leaves(grads[impl])):
+            floats.close(np.asarray(b), np.asarray(a), ulps=256)
+
+
+def test_the_grouped_matmul_runs_vmapped_with_unbatched_weights():
+    """As the step's gradient is vmapped over `data` replicas, the expert weights unbatched."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 4, 5)), jnp.float32)
+    sizes = jnp.array([[8, 8], [3, 13], [16, 0]], jnp.int32)
+
+    def f(w, x, s, matmul):
+        return jnp.sum(jnp.sin(matmul(x, w, s)))
+
+    got = jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 0, 0, None))(w, x, sizes, moe.grouped_matmul)
+    for i in range(3):
+        want = jax.grad(f, argnums=(0, 1))(w, x[i], sizes[i], jax.lax.ragged_dot)
+        floats.identical(got[0][i], want[0], why=floats.MOVED)
+        floats.identical(got[1][i], want[1], why=floats.MOVED)
+
+
+def test_a_full_expert_drops_the_later_pairs_and_counts_them():
+    """Every token's first choice is expert 0 and second expert 1 (router weights set so): with 16 tokens,
+    k = 2 and E = 4 at capacity factor 1, C = 8; the first 8 tokens keep both pairs, the last 8 lose
+    both (their output is zero), and half the pairs are dropped."""
+    cfg = _config(impl="capacity", capacity_factor=1.0)
+    mlp = _mlp(cfg)
+    assert moe.capacity(cfg.moe, 16) == 8
+    router = np.zeros((cfg.d_model, 4), np.float32)
+    router[0] = [2.0, 1.0, 0.0, -1.0]
+    mlp.router[...] = jnp.asarray(router)
+    x = np.abs(np.random.default_rng(4).standard_normal((1, 16, cfg.d_model))).astype(np.float32) + 0.5
+    y, out = mlp(jnp.asarray(x))
+    assert float(out["moe_dropped"]) * cfg.n_layers == 0.5
+    ref = _reference(mlp, x)
+    floats.close(np.asarray(y)[0, :8], ref[0, :8], ulps=64)
+    assert np.all(np.asarray(y)[0, 8:] == 0)
+
+
+def test_the_load_metrics_are_a_count_by_hand():
+    cfg = _config(impl="ragged")
+    mlp = _mlp(cfg)
+    x = np.random.default_rng(5).standard_normal((2, 8, cfg.d_model)).astype(np.float32)
+    _, out = mlp(jnp.asarray(x))
+    logits = x.reshape(16, -1).astype(np.float64) @ np.asarray(mlp.router[...], np.float64)
+    chosen = np.argsort(-logits, axis=-1)[:, :2]
+    counts = np.bincount(chosen.reshape(-1), minlength=4)
+    share = counts / counts.sum()
+    layers = cfg.n_layers  # each output is this layer's share of a mean over the layers
+    assert float(out["moe_load_max"]) * layers == pytest.approx(share.max() * 4, rel=1e-6)
+    assert float(out["moe_load_min"]) * layers == pytest.approx(share.min() * 4, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(out["moe_load_by_layer"]), share * 4, rtol=1e-6)  # this layer's own
+    entropy = -sum(s * math.log(s) for s in share if s > 0) / math.log(4)
+    assert float(out["moe_load_entropy"]) * layers == pytest.approx(entropy, rel=1e-5)
+    balance = 4 * np.sum(share * 2 * _softmax(logits).mean(0))  # HF Mixtral's: E x sum_e (pairs_e / N) P_e
+    assert float(out["moe_balance"]) * layers == pytest.approx(balance, rel=1e-5)
+    assert float(out["moe_balance_loss"]) == pytest.approx(cfg.moe.aux_loss * float(out["moe_balance"]), rel=1e-6)
+
+
+def test_the_balancing_loss_gradient_reaches_the_router_alone():
+    """The gradient of the balancing loss is that of E x sum_e f_e P_e with the shares f_e held (counts
+    have no gradient) and P_e the mean router probability (written out here from a count by hand), with
+    respect to the router; zero for the experts' weights."""
+    cfg = _config(impl="ragged")
+    graph, state = nnx.split(_mlp(cfg))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 8, cfg.d_model)), jnp.float32)
+    grads = jax.grad(lambda state: nnx.merge(graph, state)(x)[1]["moe_balance"])(state)
+    assert not np.any(np.asarray(grads["expert_gate"][...])) and not np.any(np.asarray(grads["expert_down"][...]))
+    flat = x.reshape(16, -1)
+    logits = np.asarray(flat, np.float64) @ np.asarray(state["router"][...], np.float64)
+    share = np.bincount(np.argsort(-logits, axis=-1)[:, :2].reshape(-1), minlength=4) / 32
+
+    def by_hand(router):  # the balance of one layer, over the layers' count, as the block returns it
+        probs = jax.nn.softmax(flat @ router, axis=-1)
+        return 4 * jnp.sum(jnp.asarray(share, jnp.float32) * 2 * jnp.mean(probs, axis=0)) / cfg.n_layers
+
+    want = jax.grad(by_hand)(state["router"][...])
+    floats.close(np.asarray(grads["router"][...]), np.asarray(want), ulps=64)
+    assert np.abs(np.asarray(want)).max() > 1e-4
+
+
+def test_a_moe_model_trains_through_the_train_step():
+    """The tiny recipe with model.mlp=moe: the auxiliary losses are in the loss, their metrics logged."""
+    from jaxlm import train_setup
+
+    cfg = recipe("tiny", model__mlp="moe", model__moe_experts=4, model__n_layers=2, model__mlp_dim=64,
+                 model__moe_z_loss=1e-3, data__global_batch_size=4, data__seq_len=32)
+    setup = train_setup.build(cfg, devices=jax.devices()[:1])
+    state, losses = setup.state, []
+    batch = setup.put_batch(random_batch(4, 32, 2048))
+    for _ in range(3):
+        state, metrics = setup.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+        for name in MoEMLP.aux_names:
+            assert np.all(np.isfinite(np.asarray(metrics[f"aux/{name}"]))), name
+    loads = np.asarray(metrics["aux/moe_load_by_layer"])  # each layer's experts' loads, times E: mean 1
+    assert loads.shape == (2, 4) and np.allclose(loads.mean(axis=1), 1.0, atol=1e-5)
+    assert float(metrics["aux/moe_balance"]) >= 1.0  # k x ... at least 1 x (E x sum f P >= 1 for any routing)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("moe_top_k", 9, "between 1 and model.moe_experts=8"),
+    ("moe_experts", 1, "at least 2 experts"),
+    ("moe_router", "hash", "topk_softmax"),
+    ("moe_impl", "megablox", "ragged"),
+    ("moe_capacity_factor", 0.0, "a positive number"),
+    ("moe_aux_loss", -0.1, "0 (off) or a positive coefficient"),
+])
+def test_bad_moe_settings_stop_with_one_line(key, value, allowed):
+    with pytest.raises(UserError, match=f"model.{key}") as raised:
+        recipe("tiny", model__mlp="moe", **{f"model__{key}": value})
+    assert allowed in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_moe_keys_leave_a_dense_model_alone():
+    """A dense model built with the moe_* keys set is the same model: they are read by the MoE MLP alone."""
+    a = recipe("tiny", model__n_layers=1)
+    b = recipe("tiny", model__n_layers=1, model__moe_experts=3, model__moe_top_k=3, model__moe_router="sigmoid")
+    ma = transformer.ModelConfig.from_config(a.model, "cpu", log_choice=False)
+    mb = transformer.ModelConfig.from_config(b.model, "cpu", log_choice=False)
+    assert transformer.param_count(ma) == transformer.param_count(mb)
+    sa = nnx.state(transformer.Transformer(ma, rngs=nnx.Rngs(params=0)))
+    sb = nnx.state(transformer.Transformer(mb, rngs=nnx.Rngs(params=0)))
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
+        floats.identical(x, y, why=floats.MOVED)
+    assert dataclasses.replace(ma, moe=mb.moe) == mb
+
+
+def test_total_and_active_parameters():
+    """All the experts count in the total; a token goes through its k of the E (and the router)."""
+    cfg = _config(experts=6, top_k=2, shared_experts=1)
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(transformer.Transformer(cfg, rngs=nnx.Rngs(params=0)))))
+    total = transformer.param_count(cfg)["total"]
+    assert total == built
+    one_expert = 3 * cfg.d_model * cfg.mlp_dim
+    assert transformer.active_param_count(cfg) == total - cfg.n_layers * 4 * one_expert
+    dense = dataclasses.replace(cfg, mlp="swiglu")
+    assert transformer.active_param_count(dense) == transformer.param_count(dense)["total"]
+    # the FLOPs count the router, 2 experts and the shared expert (one expert's width here) per token
+    per_layer_mlp = cfg.d_model * 6 + 2 * one_expert + one_expert
+    assert transformer.matmul_params(cfg) - transformer.matmul_params(dense) == cfg.n_layers * (
+        per_layer_mlp - one_expert)
