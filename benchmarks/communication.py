@@ -66,7 +66,7 @@ def main() -> None:
     import jax
     from train_throughput import report
 
-    from jaxlm import config, train_setup
+    from jaxlm import axes, config, train_setup
 
     results = []
     sets = [tuple(kv.split("=", 1)) for kv in args.set]
@@ -93,7 +93,7 @@ def main() -> None:
                     pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     (pathlib.Path(args.hlo_dir) / f"{name_}.hlo").write_text(hlo)
                 row.update(
-                    mesh="x".join(map(str, setup.derived.mesh_shape)),
+                    mesh=axes.describe(setup.derived.mesh_shape),
                     micro_batches=cfg.optim.micro_batches,
                     **{f"{op}_n": ops[op]["count"] for op in COLLECTIVES},
                     **{f"{op}_gb": float(f"{ops[op]['bytes'] / 1e9:.4g}") for op in COLLECTIVES},

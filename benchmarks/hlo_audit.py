@@ -201,7 +201,7 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
     import jax
     import numpy as np
 
-    from jaxlm import config, memory, plan, train_setup
+    from jaxlm import axes, config, memory, plan, train_setup
     from jaxlm.models.transformer import flops_per_token
 
     cfg = config.load_recipe(recipe)
@@ -223,7 +223,7 @@ def audit(recipe: str, overrides: list[tuple[str, str]], num_devices: int, top: 
     result = dict(
         recipe=recipe, overrides=dict(overrides), devices=f"{num_devices}x {device.device_kind}",
         pipeline=f"XLA:{device.platform.upper()}",
-        mesh="x".join(map(str, setup.derived.mesh_shape)), batch=f"{d.global_batch_size}x{d.seq_len}",
+        mesh=axes.describe(setup.derived.mesh_shape), batch=f"{d.global_batch_size}x{d.seq_len}",
         micro_batches=cfg.optim.micro_batches, remat=cfg.model.remat, attention=m.attention,
         dtype=np.dtype(m.dtype).name, param_dtype=cfg.model.param_dtype, lower_s=round(lower_s, 1),
         matmuls=matmul_report(matmuls(pre)), unknown_trip_counts_lowered=pre.unknown_trip_counts,

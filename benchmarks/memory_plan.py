@@ -70,7 +70,7 @@ def main() -> None:
     else:
         plan.use_cpu_devices(max(n for _, n, _ in cases))
 
-    from jaxlm import config
+    from jaxlm import axes, config
 
     gib = memory.GIB
     results = []
@@ -81,7 +81,7 @@ def main() -> None:
         target = memory.estimate(cfg, n, platform="gpu")
         row = {
             "case": case,
-            "mesh": "x".join(str(s) for s in target.mesh_shape),
+            "mesh": axes.describe(target.mesh_shape),
             "remat": cfg.model.remat,
             "micro_batches": cfg.optim.micro_batches,
             "per_device_batch": target.per_device_batch,

@@ -1,7 +1,8 @@
 """The device mesh's axes, named once.
 
 Every mesh, mesh shape, `config.mesh` key and description of a mesh follows `MESH_AXES`: a new
-axis is added by naming it here, and its size defaults to 1 (as `stage`, pipeline parallelism's, was).
+axis is added by naming it here, and its size defaults to 1 (as `stage`, pipeline parallelism's, and
+`expert`, expert parallelism's, were).
 No JAX import, so that the config can read it before JAX starts; `jaxlm.mesh` re-exports it.
 """
 
@@ -9,8 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# stage (pipeline parallelism) after data: both usually span nodes, and fsdp and tensor stay within one
-MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+# From the slowest links to the fastest: a mesh's last axes are its nearest devices. data and stage
+# (pipeline parallelism) usually span nodes: one gradient reduction per step, one activation hand-over
+# per micro-batch. fsdp, expert and tensor stay within one node. expert (expert parallelism) sits
+# between fsdp and tensor: its all-to-alls (tokens to their experts and back, in every MoE layer, both
+# passes) wait on the router and cannot be prefetched as fsdp's weight gathers can, while tensor's
+# all-reduces, in every attention and MLP, need the nearest links. Its place also orders the batch's
+# rows (`act_batch`: data, fsdp, expert, as the mesh), so that each process holds one block of rows.
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "expert", "tensor")
 
 MeshShape = tuple[int, ...]  # one size per axis of MESH_AXES, in its order
 
@@ -31,5 +38,5 @@ def sizes_of(shape: Sequence[int]) -> dict[str, int]:
 
 
 def describe(shape: Sequence[int], sep: str = " ") -> str:
-    """'data=2 fsdp=4 tensor=1'."""
+    """'data=2 stage=1 fsdp=4 expert=1 tensor=1'."""
     return sep.join(f"{axis}={size}" for axis, size in sizes_of(shape).items())

@@ -222,7 +222,7 @@ class Derived:
 
     mesh_shape: MeshShape  # one size per axis of MESH_AXES
     num_devices: int
-    batch_shards: int  # devices a batch is split over: data * fsdp
+    batch_shards: int  # devices a batch's rows are split over: the act_batch axes (data * fsdp * expert)
     micro_batch_size: int  # sequences per micro-batch, over all devices
     per_device_batch: int  # sequences per device per micro-batch
     tokens_per_step: int
@@ -254,7 +254,8 @@ def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | N
 
 def pipeline_microbatch_choices(rows: int, stages: int) -> list[int]:
     """The pipeline micro-batch counts `pipeline.microbatches=0` chooses among, for a micro-batch of `rows`
-    sequences per data x fsdp shard: from `stages` up to 4 x stages, dividing the rows (auto takes the last)."""
+    sequences per batch shard (`Derived.batch_shards`): from `stages` up to 4 x stages, dividing the rows (auto
+    takes the last)."""
     return [n for n in range(stages, 4 * stages + 1) if rows % n == 0]
 
 
@@ -271,15 +272,15 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"config.model.n_heads={m.n_heads} / n_kv_heads={kv} must be divisible by the tensor axis "
             f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
         )
-    batch_shards = sizes["data"] * sizes["fsdp"]
+    batch_shards, batch_axes = MeshConfig.from_config(cfg.mesh).batch_split(shape)
     if not cfg.optim.micro_batches:
         raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.train_setup.resolve_config)")
     micro = cfg.data.global_batch_size // cfg.optim.micro_batches
     if micro % batch_shards:
         raise UserError(
             f"config.data.global_batch_size={cfg.data.global_batch_size} with optim.micro_batches="
-            f"{cfg.optim.micro_batches} gives {micro} sequences per micro-batch, which does not divide over "
-            f"data*fsdp={batch_shards} devices; use a global batch that is a multiple of "
+            f"{cfg.optim.micro_batches} gives {micro} sequences per micro-batch, which does not divide over the "
+            f"{batch_shards} devices of the batch axes {batch_axes}; use a global batch that is a multiple of "
             f"{batch_shards * cfg.optim.micro_batches}"
         )
     stages = sizes["stage"]
@@ -289,13 +290,13 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
         if m.n_layers % (stages * pl.repeats):
             raise UserError(f"config.model.n_layers={m.n_layers} does not split into mesh.stage={stages} stages x "
                             f"pipeline.repeats={pl.repeats}; choose a stage count and repeats whose product divides it")
-        rows = micro // batch_shards  # each pipeline micro-batch splits over data x fsdp too
+        rows = micro // batch_shards  # each pipeline micro-batch splits over the batch axes too
         fits = pipeline_microbatch_choices(rows, stages)
         pipeline_microbatches = pl.microbatches or (fits[-1] if fits else 0)
         if pipeline_microbatches < stages or rows % pipeline_microbatches:
             raise UserError(
                 f"config.pipeline.microbatches={pl.microbatches or 'auto'}: a micro-batch of {micro} sequences has "
-                f"{rows} per data x fsdp shard, which does not split into "
+                f"{rows} per batch shard ({batch_axes}), which does not split into "
                 f"{pipeline_microbatches or f'at least {stages}'} pipeline micro-batches of whole rows for "
                 f"mesh.stage={stages}; use a global batch that is a "
                 f"multiple of {batch_shards * cfg.optim.micro_batches * stages} or set pipeline.microbatches "

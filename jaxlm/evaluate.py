@@ -14,7 +14,7 @@ Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
 log-likelihood of its tokens after the context. `acc` counts examples whose best-scoring choice is
 the answer; `acc_norm` divides each score by the choice's length in UTF-8 bytes first.
 
-Everything runs sharded over the devices here (batch over data x fsdp, parameters by the run's
+Everything runs sharded over the devices here (batch over data x fsdp x expert, parameters by the run's
 rules). Results are printed as a table and written as JSON (default `<run_dir>/eval-<step>.json`).
 """
 

@@ -59,7 +59,7 @@ def make_config(recipe: str | ml_collections.ConfigDict = "tiny", *,
                 mesh: Mapping[str, int] | Sequence[int] | None = None, **overrides: Any) -> ml_collections.ConfigDict:
     """A validated config: a recipe name or path (or a ConfigDict, copied) with `a__b=value`
     overrides; `mesh=dict(data=2, tensor=4)` (sizes by axis name, 1 for the axes not named) or a size per
-    axis of MESH_AXES (data, stage, fsdp, tensor) sets the mesh sizes."""
+    axis of MESH_AXES, in its order, sets the mesh sizes."""
     if isinstance(recipe, ml_collections.ConfigDict):
         cfg = copy.deepcopy(recipe)
     else:

@@ -6,7 +6,7 @@ decode step, reused for every token, feeds each row its last token at its own po
 token's keys and values to the cache and samples the next. A row stops at EOS; the loop stops when
 every row has, or after `max_new_tokens`. The cache is plain arrays ([layers, batch, slots,
 kv_heads, head_dim]) passed in and out of the two compiled functions and donated between steps,
-sharded like the activations (batch over data x fsdp, heads over tensor).
+sharded like the activations (batch over data x fsdp x expert, heads over tensor).
 
 Greedy decoding (temperature 0) gives exactly the tokens that repeated full forward passes give
 (tested); temperature, top-k and top-p sampling draw from a PRNG key derived from `seed`, so a seed

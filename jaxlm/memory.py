@@ -503,18 +503,19 @@ def device_memory_bytes(device=None) -> float:
 
 
 def micro_batch_options(cfg: ml_collections.ConfigDict, num_devices: int) -> list[int]:
-    """The micro-batch counts a run can take, ascending: the divisors of its sequences per data x fsdp
-    shard (the last is one sequence each; with pipeline stages, enough sequences for at least as many
-    pipeline micro-batches). UserError when the batch does not divide over the shards."""
-    sizes = axes.sizes_of(config_lib.mesh_shape(cfg, num_devices))
-    shards, batch = sizes["data"] * sizes["fsdp"], cfg.data.global_batch_size
+    """The micro-batch counts a run can take, ascending: the divisors of its sequences per batch shard
+    (the act_batch axes: data x fsdp x expert; the last is one sequence each; with pipeline stages, enough
+    sequences for at least as many pipeline micro-batches). UserError when the batch does not divide over
+    the shards."""
+    shape, batch = config_lib.mesh_shape(cfg, num_devices), cfg.data.global_batch_size
+    shards, named = mesh_lib.MeshConfig.from_config(cfg.mesh).batch_split(shape)
     if batch % shards:
         raise UserError(
-            f"config.data.global_batch_size={batch} does not divide over data*fsdp={shards} devices; use a "
-            f"multiple of {shards}"
+            f"config.data.global_batch_size={batch} does not divide over the {shards} devices of the batch axes "
+            f"{named}; use a multiple of {shards}"
         )
     per_shard = batch // shards
-    stages = sizes["stage"]
+    stages = axes.sizes_of(shape)["stage"]
 
     return [k for k in range(1, per_shard + 1) if per_shard % k == 0
             and (stages == 1 or config_lib.pipeline_microbatch_choices(per_shard // k, stages))]

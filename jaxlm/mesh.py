@@ -7,6 +7,8 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
   sequence parallel  rules.act_seq="tensor": activations' sequence axis over `tensor` wherever no
                      other dimension uses it (between the tensor-parallel regions)
   hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
+  expert parallelism mesh.expert: MoE layers' experts split over `expert` (rules experts, act_experts);
+                     everywhere else `expert` is one more batch axis (act_batch), as `data` is
 """
 
 from __future__ import annotations
@@ -100,10 +102,10 @@ def default_rules() -> dict[str, str]:
         "norm": "",  # the norms' weights and the residual-width biases
         "layers": "stage",  # the stacked layers: split into pipeline stages (jaxlm.models.pipeline_parallel)
         "lora_rank": "",  # the rank dimension of LoRA adapters: small, never sharded
+        "experts": "expert",  # the expert dimension of an MoE layer's expert weights: each device holds its experts
         # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
         "opt_state": "",
         # activations
-        "act_batch": "data,fsdp",  # the rows of a batch
         "act_seq": "",  # "tensor" = sequence parallelism between the tensor-parallel regions
         "act_embed": "",  # the residual stream's width
         "act_heads": "tensor",  # query heads (attention runs per head)
@@ -111,6 +113,10 @@ def default_rules() -> dict[str, str]:
         "act_mlp": "tensor",  # the MLP's hidden activation
         "act_vocab": "tensor",  # the logits' vocabulary axis
         "act_stage": "stage",  # the pipeline's per-stage activations
+        "act_experts": "expert",  # the expert dimension of tokens dispatched to an MoE layer's experts
+        # the rows of a batch: over every axis that splits the batch, in the mesh's order (each process then
+        # holds one block of rows); outside the MoE layers `expert` is one more data-parallel axis
+        "act_batch": "data,fsdp,expert",
     }
 
 
@@ -135,6 +141,17 @@ class _MeshSection(Section):
             for axis in parse_rule(axes):
                 check(axis in MESH_AXES, f"mesh.rules.{name}", axes,
                       f"'' or comma-separated mesh axes from {', '.join(MESH_AXES)}")
+
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes a batch's rows are split over: rules.act_batch's (data, fsdp and expert)."""
+        return parse_rule(self.rules.get("act_batch", ""))
+
+    def batch_split(self, shape: Sequence[int]) -> tuple[int, str]:
+        """(the devices a batch's rows are split over on a mesh of `shape`, those axes named with their
+        sizes for an error line: 'mesh.data=2 x mesh.fsdp=2 x mesh.expert=2')."""
+        sizes, batch = sizes_of(shape), self.batch_axes()
+        named = " x ".join(f"mesh.{a}={sizes[a]}" for a in batch) or "no mesh axis (mesh.rules.act_batch='')"
+        return math.prod(sizes[a] for a in batch), named
 
     def shape(self, num_devices: int, groups: int | None = None) -> MeshShape:
         """The size of each mesh axis for `num_devices`; with `hybrid`, data = `groups` (the hosts or
@@ -175,15 +192,16 @@ MeshConfig = dataclasses.make_dataclass(
     [(axis, int, setting(-1 if axis == "fsdp" else 1, f"devices along the {axis} axis; -1 = the devices left over"))
      for axis in MESH_AXES]
     + [("hybrid", str, setting(
-        "", '"host": data across hosts, fsdp (and tensor) within each host; "process": the same per process. '
-            "Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored); \"\" = off")),
+        "", '"host": data across hosts, fsdp (and expert, tensor) within each host; "process": the same per '
+            "process. Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored; the "
+            "other axes keep their sizes); \"\" = off")),
        ("rules", dict, dataclasses.field(default_factory=default_rules, metadata={
            "doc": "logical axis name -> the mesh axes it is split over (mesh.rules below)"}))],
     bases=(_MeshSection,), frozen=True, namespace={"__module__": __name__})
 
 
 def rules_from_config(rules_cfg) -> Rules:
-    """config.mesh.rules ({'embed': 'fsdp', 'act_batch': 'data,fsdp', 'head_dim': ''}) -> flax rules."""
+    """config.mesh.rules ({'embed': 'fsdp', 'act_batch': 'data,fsdp,expert', 'head_dim': ''}) -> flax rules."""
     out = []
     for name, axes in sorted(rules_cfg.items()):
         parsed = parse_rule(axes)
@@ -249,6 +267,6 @@ def mesh_axes_of(name: str) -> tuple[str, ...]:
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
-    """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp), whole rows, so
+    """Sharding of a [batch, seq] input: batch over the act_batch axes (data x fsdp x expert), whole rows, so
     each process supplies whole rows (the model splits the sequence itself under sequence parallelism)."""
     return NamedSharding(mesh, logical_to_spec(("act_batch", None), rules))

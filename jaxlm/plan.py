@@ -186,7 +186,8 @@ def knob_candidates(cfg: ml_collections.ConfigDict, num_devices: int) -> list[li
     derived = config_lib.derive(cfg, num_devices)
     sizes = axes.sizes_of(derived.mesh_shape)
     knobs = []
-    if sizes["data"] > 1:  # shard the state over the data-parallel devices too
+    # shard the state over the data-parallel devices too (expert keeps its size: MoE layers split experts over it)
+    if sizes["data"] > 1:
         knobs.append([{f"mesh.{a}": 1 if a == "data" else -1 if a == "fsdp" else n for a, n in sizes.items()}])
     policies = REMAT_ORDER[REMAT_ORDER.index(cfg.model.remat) + 1:] if cfg.model.remat in REMAT_ORDER else ()
     knobs.append([{"model.remat": p} for p in policies])

@@ -168,7 +168,11 @@ def _without(rules: Rules, axis: str) -> Rules:
 def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
     """How many `data` replicas the current mesh has, for replica-local gradient accumulation:
     1 (use the plain accumulation) outside a mesh, without a `data` axis > 1, or when a rule puts a
-    parameter's dimension on `data` (then replicas do not hold whole parameters)."""
+    parameter's dimension on `data` (then replicas do not hold whole parameters).
+
+    Only `data`: the other batch axes' devices reduce their gradients in every micro-batch, fsdp's
+    because they hold slices of the parameters, expert's because an MoE model's expert weights are
+    split over it (a dense model that wants replica-local sums puts those devices on `data`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "data" not in mesh.axis_names or mesh.shape["data"] == 1:
         return 1
@@ -184,10 +188,10 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
     accumulating its own rows' gradient locally and the replicas reduced once at the end.
 
     The batch [B, T] becomes [k, R, B/(kR), T]: replica r's rows are the ones it already holds
-    (rows are split over data x fsdp in that order) and micro-batch i takes the same rows as
-    `_split_micro`. The gradient is vmapped over R with `spmd_axis_name="data"`, so its leading
-    axis lives on `data` and XLA never needs to reduce across replicas inside the scan; inside the
-    vmap the rules leave `data` out (the vmap owns it).
+    (rows are split over the act_batch axes, data first: data x fsdp x expert) and micro-batch i
+    takes the same rows as `_split_micro`. The gradient is vmapped over R with
+    `spmd_axis_name="data"`, so its leading axis lives on `data` and XLA never needs to reduce across
+    replicas inside the scan; inside the vmap the rules leave `data` out (the vmap owns it).
     """
     inner = _without(rules, "data") + (("replica", "data"),)
     row_names = (None, "replica", "act_batch", "act_seq")
@@ -236,7 +240,7 @@ def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> Model
     """`model_spec` as the micro-batches use it: with its `layers.ComputeKernel`s (float32 weight gradients
     from the matmuls, joints joined once per step) where a micro-batch's weight gradients are whole on
     every device, none where the batch is split over mesh axes whose gradients are reduced in every
-    micro-batch (fsdp; data, unless its replicas accumulate locally: `replicas` > 1). There a float32
+    micro-batch (fsdp, expert; data, unless its replicas accumulate locally: `replicas` > 1). There a float32
     gradient would double the bytes of every reduce-scatter, for a lower roofline (benchmarks/BENCHMARKS.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes = axes_of(dict(rules).get("act_batch"))

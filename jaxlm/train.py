@@ -660,7 +660,7 @@ def _check_process_rows(setup: TrainSetup, data: Data) -> None:
         raise UserError(
             f"process {jax.process_index()}'s devices hold batch rows {held.start}:{held.stop} of the global batch, "
             f"not the block {data.train.rows.start}:{data.train.rows.stop} it reads; order config.mesh so that each "
-            f"process's devices are contiguous along data x fsdp (e.g. mesh.hybrid)"
+            f"process's devices are contiguous along the batch axes, mesh.rules.act_batch (e.g. mesh.hybrid)"
         )
 
 

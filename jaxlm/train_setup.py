@@ -48,9 +48,10 @@ class TrainSetup:
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows of a batch -> one global array per key, sharded over (data, fsdp). With
-        several processes, `batch` holds the rows `loader.rows_held` gives, which processes that share rows (the
-        batch replicated over stages or tensor parallelism across them) hold alike."""
+        """This process's rows of a batch -> one global array per key, sharded over the batch axes
+        (act_batch: data, fsdp, expert). With several processes, `batch` holds the rows `loader.rows_held`
+        gives, which processes that share rows (the batch replicated over stages or tensor parallelism
+        across them) hold alike."""
         if jax.process_count() == 1:
             return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
         shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)

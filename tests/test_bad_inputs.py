@@ -266,6 +266,9 @@ CASES = [
     # --- config: the mesh and the batch against the devices (8 here)
     Case("batch-not-divisible", "train", T("--config.mesh.fsdp=8", "--config.data.global_batch_size=12"), 2,
          ("global_batch_size=12", "does not divide")),
+    Case("batch-not-divisible-over-mesh-expert", "train",
+         T("--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.data.global_batch_size=12"), 2,
+         ("global_batch_size=12", "does not divide over the 8 devices", "mesh.data=1 x mesh.fsdp=4 x mesh.expert=2")),
     Case("heads-over-tensor", "train", T("--config.mesh.fsdp=1", "--config.mesh.tensor=8"), 2,
          ("divisible by the tensor axis mesh.tensor=8",)),
     Case("mesh-needs-more-devices", "train", T("--config.mesh.fsdp=3"), 2, ("needs 3 devices but 8 are available",)),

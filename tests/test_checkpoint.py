@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from jaxlm import checkpoint, config, optim, train_state
+from jaxlm import axes, checkpoint, config, optim, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data import pipeline
 from jaxlm.errors import UserError
@@ -53,7 +53,7 @@ def _vector_target() -> dict:
 def saved(tmp_path_factory):
     """A train state created on an 8-way FSDP mesh, saved as step 7: (directory, host copy of the state)."""
     model_cfg, tx, rules, cfg = _model_and_optimizer()
-    state, _, _ = train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 8, 1)), rules)
+    state, _, _ = train_state.create(model_cfg, tx, mesh_lib.make_mesh(axes.shape_of(fsdp=8)), rules)
     state = state.replace(step=jnp.array(7, jnp.int32))
     expected = jax.device_get(state)
     directory = tmp_path_factory.mktemp("ckpt")
@@ -65,7 +65,7 @@ def saved(tmp_path_factory):
     return directory, expected
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 2, 2), (1, 1, 1, 1)], ids=["mesh222", "one_device"])
+@pytest.mark.parametrize("shape", [axes.shape_of(data=2, fsdp=2, tensor=2), axes.shape_of()], ids=["mesh222", "one_device"])
 def test_restore_onto_another_mesh(saved, shape):
     directory, expected = saved
     target = _abstract(shape)
@@ -87,7 +87,7 @@ def _assert_sharding(array, sharding):
 
 def test_load_params_in_bfloat16_onto_another_mesh(saved):
     directory, expected = saved
-    target = _abstract((1, 1, 2, 4)).params
+    target = _abstract(axes.shape_of(fsdp=2, tensor=4)).params
     params = checkpoint.load_params(directory, target, dtype=jnp.bfloat16)
     assert jax.tree.structure(params) == jax.tree.structure(expected.params)  # no optimizer state
     for got, want, leaf in zip(jax.tree.leaves(params), jax.tree.leaves(expected.params), jax.tree.leaves(target)):
@@ -378,7 +378,7 @@ def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate
     an 8-way FSDP mesh, key and optimizer state included. "host": the same, the snapshot sent on to
     pinned host memory by `save` itself."""
     model_cfg, tx, rules, _ = _model_and_optimizer()
-    mesh = mesh_lib.make_mesh((1, 1, 8, 1))
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=8))
     state, _, _ = train_state.create(model_cfg, tx, mesh, rules)
     initial = jax.device_get(state)
 
@@ -415,7 +415,7 @@ def test_a_device_snapshot_saves_each_step_as_it_was_while_the_next_steps_donate
         ckpt.wait()
         assert ckpt.all_steps() == [2, 4, 6]
         assert all((tmp_path / str(i) / checkpoint.MANIFEST).exists() for i in (2, 4, 6))
-        target = _abstract((1, 1, 8, 1))
+        target = _abstract(axes.shape_of(fsdp=8))
         for i in (2, 4, 6):
             restored, meta, got_step = ckpt.restore(target, step=i)
             assert got_step == i and meta["i"] == i and int(restored.step) == i

@@ -18,7 +18,7 @@ import floats
 import pytest
 
 from helpers import xla_flags
-from jaxlm import distributed
+from jaxlm import axes, distributed
 from jaxlm.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -187,7 +187,8 @@ def test_a_checkpoint_of_2_processes_resumes_on_1_and_one_of_1_resumes_on_2(refe
     train(args(tmp, "one-then-two", 4, "--config.data.shards=2"), 1)
     # ... on a hybrid mesh: fsdp within each process, data across the two (one key, mesh.hybrid).
     results = train(args(tmp, "one-then-two", 8, "--config.data.shards=2", "--config.mesh.hybrid=process"), 2)
-    assert "resuming from step 4" in results[0][1] and "mesh data=2 stage=1 fsdp=4 tensor=1" in results[0][1]
+    assert "resuming from step 4" in results[0][1]
+    assert f"mesh {axes.describe(axes.shape_of(data=2, fsdp=4))}" in results[0][1]
     close(losses(tmp / "one-then-two"), want)
 
 
@@ -302,6 +303,20 @@ def test_micro_batches_over_two_processes_train_like_one_process(tmp_path):
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
 
 
+@pytest.mark.slow  # ~50 s: two runs
+def test_the_expert_axis_over_two_processes_splits_the_rows_like_one_process(tmp_path):
+    """expert=8 spans both processes (data parallelism for this dense model): each process reads and
+    holds its own block of rows, half the batch, and the losses equal one process's."""
+    extra = ["--config.data.global_batch_size=16", "--config.mesh.fsdp=1", "--config.mesh.expert=8",
+             "--config.data.shards=2"]
+    train(args(tmp_path, "one", 4, *extra), 1)
+    results = train(args(tmp_path, "two", 4, *extra), 2)
+    close(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    out = results[0][1]
+    assert f"mesh {axes.describe(axes.shape_of(expert=8))}" in out, out[-2000:]
+    assert "2 data shard(s), each process reads 1" in out, out[-2000:]  # its own half of the batch
+
+
 @pytest.mark.slow  # ~60 s: two runs
 def test_a_pipelined_run_over_two_processes_trains_like_one_process(tmp_path):
     """Pipeline stages across processes (issue 22): stage=2 x fsdp=4 with the stage axis spanning the two
@@ -313,7 +328,7 @@ def test_a_pipelined_run_over_two_processes_trains_like_one_process(tmp_path):
     results = train(args(tmp_path, "two", 4, *extra), 2)
     close(losses(tmp_path / "two"), losses(tmp_path / "one"))
     out = results[0][1]
-    assert "mesh data=1 stage=2 fsdp=4 tensor=1" in out, out[-2000:]
+    assert f"mesh {axes.describe(axes.shape_of(stage=2, fsdp=4))}" in out, out[-2000:]
     assert "2 data shard(s), each process reads 2" in out, out[-2000:]  # the whole batch on each process
 
 
@@ -344,7 +359,7 @@ class Pod(clusters.ClusterEnv):
 
 
 import jax
-from jaxlm import distributed
+from jaxlm import axes, distributed
 from jaxlm.errors import UserError
 
 try:  # a cluster JAX detects but cannot join: one line, and a way out

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import llama_layout_model, small_config
-from jaxlm import config, generate, inference, train_state
+from jaxlm import axes, config, generate, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
@@ -76,7 +76,7 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     grouped-query heads, on a (2, 2, 2) mesh (the trained run above: scanned Llama layers, FSDP over 8)."""
     model_cfg = small_config(n_kv_heads=4, tie_embeddings=True, scan_layers=False, norm="layernorm", mlp="gelu",
                              position="learned", use_bias=True)
-    mesh_shape = (2, 1, 2, 2)
+    mesh_shape = axes.shape_of(data=2, fsdp=2, tensor=2)
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     mesh = mesh_lib.make_mesh(mesh_shape)
     model_spec = train_state.build_model_spec(model_cfg)
@@ -86,27 +86,28 @@ def test_cached_greedy_equals_full_passes_for_gpt2_unrolled_on_a_tensor_parallel
     prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
     completions = gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)
     assert [c.ids for c in completions] == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
-    # The cache is sharded like the activations: rows over data x fsdp, key/value heads over tensor.
+    # The cache is sharded like the activations: rows over data x fsdp x expert, key/value heads over tensor.
     prefill, _ = gen.compiled()
     tokens, start, padding, cache_len, max_new = gen.prepare(prompts, 8)
     with jax.set_mesh(mesh):
         cache, _ = prefill(params, tokens, start, padding, jax.random.PRNGKey(0),
                            generate.SamplingArrays.of(GREEDY, None), cache_len, max_new)
-    data, _, fsdp, tensor = mesh_shape
+    sizes = axes.sizes_of(mesh_shape)
+    shards, tensor = sizes["data"] * sizes["fsdp"] * sizes["expert"], sizes["tensor"]
     rows = len(tokens)
-    assert rows == -(-3 // (data * fsdp)) * data * fsdp  # the batch is padded to split evenly
+    assert rows == -(-3 // shards) * shards  # the batch is padded to split evenly
     assert cache.k.sharding.spec == mesh_lib.logical_to_spec(attention.CACHE_AXES, rules)
-    assert cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert cache.k.sharding.spec == P(None, ("data", "fsdp", "expert"), None, "tensor", None)
     assert cache.k.shape == (2, rows, cache_len, model_cfg.n_kv_heads, 8)
-    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // (data * fsdp), cache_len, 4 // tensor, 8)
+    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, rows // shards, cache_len, 4 // tensor, 8)
 
 
 def test_cached_greedy_equals_full_passes_with_qwen3s_query_and_key_norms():
     """Qwen3's per-head norms of queries and keys (model.qk_norm) act on each chunk's keys before the cache
     holds them, as in a full pass: scanned layers, heads wider than d_model / n_heads, grouped-query heads over
-    tensor on a (2, 1, 2, 2) mesh."""
+    tensor on a data x fsdp x tensor = 2 x 2 x 2 mesh."""
     model_cfg = small_config(qk_norm=True, n_kv_heads=2, head_dim=16)
-    mesh = mesh_lib.make_mesh((2, 1, 2, 2))
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=2, fsdp=2, tensor=2))
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     model_spec = train_state.build_model_spec(model_cfg)
     shardings = train_state.param_shardings(model_spec, mesh, rules)

@@ -18,7 +18,7 @@ import pytest
 
 import tiny_run
 from helpers import xla_flags
-from jaxlm import checkpoint, config, inference, init_from, train_setup
+from jaxlm import axes, checkpoint, config, inference, init_from, train_setup
 from jaxlm.data.loader import DataConfig, load_data
 from jaxlm.data.tokenizer import SentencePieceTokenizer
 from jaxlm.errors import UserError
@@ -93,7 +93,7 @@ def test_a_new_run_starts_from_the_sources_parameters_on_another_corpus_and_mesh
     setup = train_setup.build(cfg)  # what `python -m jaxlm.train` starts a new run from
     state = setup.state
     assert setup.init_from == record and int(state.step) == 0
-    assert dict(setup.mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 2}
+    assert dict(setup.mesh.shape) == axes.sizes_of(axes.shape_of(fsdp=4, tensor=2))
     mine, theirs = flat(jax.device_get(state.params)), flat(jax.device_get(src.params))
     assert mine.keys() == theirs.keys()
     floats.identical(mine, theirs, why=floats.MOVED)  # both read from the source's step-40 checkpoint

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from helpers import random_batch, small_config
-from jaxlm import config, inference, init_from, lora, memory, optim, steps, train_setup, train_state
+from jaxlm import axes, config, inference, init_from, lora, memory, optim, steps, train_setup, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
@@ -24,6 +24,8 @@ from jaxlm.models.transforms.lora import LoRA, lora_equations
 
 ATTENTION = ("wq", "wk", "wv", "wo")
 ALL_LLAMA = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+MESH = axes.shape_of(data=2, fsdp=2, tensor=2)
 
 
 def lora_config(rank=4, targets=ATTENTION, ranks=(), dropout=0.0, **kw):
@@ -83,7 +85,7 @@ def test_adapter_shapes_and_logical_names_follow_the_kernels_and_shard_like_them
     assert names["mlp"]["w_down"]["lora_a"] == ("layers", "mlp", "lora_rank")
     assert spec.logical_names["unembed"]["lora_b"] == ("lora_rank", "vocab")
     # Under a mesh with data, fsdp and tensor > 1 (the default rules): A and B split as the kernel's dims.
-    mesh = mesh_lib.make_mesh((2, 1, 2, 2))
+    mesh = mesh_lib.make_mesh(MESH)
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
     abstract, *_ = train_state.abstract_state(cfg, optim.make_optimizer(config.base_config().optim, 10,
                                                                         spec.decay_mask)[0], mesh, rules, 0, spec)
@@ -161,7 +163,7 @@ def test_with_adapters_only_they_train_unless_optim_trainable_says_more():
     assert all(flat(train_state.build_model_spec(small_config()).trainable).values())  # no adapters: all train
 
 
-def _train(model_cfg, n_steps, mesh_shape=(2, 1, 2, 2), trainable="", lr=1e-2):
+def _train(model_cfg, n_steps, mesh_shape=MESH, trainable="", lr=1e-2):
     cfg = config.recipe("tiny", optim__peak_lr=lr, optim__warmup_steps=0, optim__schedule="constant",
                         optim__trainable=trainable)
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)

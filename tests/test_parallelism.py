@@ -1,8 +1,10 @@
 """Parallelism chosen in the config's rules, no model change: ZeRO-1 (optimizer state over `data`),
-sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions) and
-hybrid sharding (fsdp within a host, data across hosts). Each trains exactly like plain data parallelism.
+sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions), hybrid
+sharding (fsdp within a host, data across hosts) and the `expert` axis, data parallelism for a dense model.
+Each trains exactly like one device.
 """
 
+import functools
 import math
 
 import jax
@@ -10,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import load_benchmark, random_batch
-from jaxlm import config
+from jaxlm import axes, config
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 
@@ -37,8 +39,34 @@ def test_zero1_shards_the_optimizer_state_over_data():
     assert _bytes_per_device(zero1.state.opt_state) == pytest.approx(_bytes_per_device(plain.state.opt_state) / 8, rel=1e-3)
 
 
+def test_the_expert_axis_splits_the_rows_and_replicates_dense_weights_as_data_does():
+    """Outside MoE layers `expert` is data parallelism: each device of fsdp 4 x expert 2 holds 2 of 16 rows and
+    the weights of fsdp 4 alone; ZeRO-1 over data and expert (`opt_state="data,expert"`) splits the moments
+    over both, the parameters unchanged."""
+    from jaxlm import train_setup
+
+    def build(**mesh):
+        return train_setup.build(config.recipe("tiny", **SMALL, **mesh), abstract=True)
+
+    expert, fsdp = build(mesh__fsdp=4, mesh__expert=2), build(mesh__fsdp=4, mesh__data=2)
+    assert expert.derived.batch_shards == 8 and expert.derived.per_device_batch == 2
+    assert expert.batch_sharding.spec == P(("data", "fsdp", "expert"), None)
+    assert expert.batch_sharding.shard_shape((16, 32)) == (2, 32)
+    specs = jax.tree.map(lambda x: x.sharding.spec, expert.state.params)
+    assert specs == jax.tree.map(lambda x: x.sharding.spec, fsdp.state.params)
+    assert not any("expert" in mesh_lib.axes_of(e) for spec in jax.tree.leaves(specs) for e in spec)
+    assert _bytes_per_device(expert.state.params) == _bytes_per_device(fsdp.state.params)
+
+    plain = build(mesh__data=4, mesh__fsdp=1, mesh__expert=2)
+    zero1 = build(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert")
+    mu = zero1.state.opt_state[1][0].mu
+    assert mu["embed"]["embedding"].sharding.spec == P(("tensor", "data", "expert"), "fsdp")
+    assert jax.tree.map(lambda x: x.sharding, zero1.state.params) == jax.tree.map(lambda x: x.sharding, plain.state.params)
+    assert _bytes_per_device(zero1.state.opt_state) == pytest.approx(_bytes_per_device(plain.state.opt_state) / 8, rel=1e-3)
+
+
 def test_extending_a_sharding_picks_a_dimension_that_divides():
-    mesh = mesh_lib.make_mesh((8, 1, 1, 1))
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=8))
     base = jax.sharding.NamedSharding(mesh, P(None, "fsdp"))
     assert mesh_lib.extend_sharding(base, (6, 16), "data").spec == P(None, ("fsdp", "data"))
     assert mesh_lib.extend_sharding(base, (16, 6), "data").spec == P("data", "fsdp")
@@ -49,22 +77,29 @@ def test_extending_a_sharding_picks_a_dimension_that_divides():
 def test_sequence_parallel_splits_the_sequence_only_between_the_tensor_parallel_regions():
     rules = mesh_lib.rules_from_config(config.recipe("tiny", mesh__rules__act_seq="tensor").mesh.rules)
     # The residual stream, between the regions: sequence over tensor.
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), "tensor", None)
+    batch = ("data", "fsdp", "expert")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, "tensor", None)
     # Inside them, heads / MLP width / vocabulary hold tensor and the sequence is whole.
     spec = mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_heads", None), rules)
-    assert spec == P(("data", "fsdp"), None, "tensor", None)
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(("data", "fsdp"), None, "tensor")
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(("data", "fsdp"), None, "tensor")
+    assert spec == P(batch, None, "tensor", None)
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules) == P(batch, None, "tensor")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_vocab"), rules) == P(batch, None, "tensor")
     # The input batch stays whole rows, so each process supplies its rows whatever the rules.
-    assert mesh_lib.batch_sharding(mesh_lib.make_mesh((2, 1, 1, 4)), rules).spec == P(("data", "fsdp"), None)
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=2, tensor=4))
+    assert mesh_lib.batch_sharding(mesh, rules).spec == P(batch, None)
 
 
 def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     # data/fsdp ignored
     cfg = config.recipe("tiny", mesh__hybrid="host", mesh__data=4, mesh__fsdp=2, data__global_batch_size=64)
-    assert config.derive(cfg, 64, groups=8).mesh_shape == (8, 1, 8, 1)
+    assert config.derive(cfg, 64, groups=8).mesh_shape == axes.shape_of(data=8, fsdp=8)
     process = config.recipe("tiny", mesh__hybrid="process", mesh__tensor=2)
-    assert config.derive(process, 16, groups=2).mesh_shape == (2, 1, 4, 2)
+    assert config.derive(process, 16, groups=2).mesh_shape == axes.shape_of(data=2, fsdp=4, tensor=2)
+    # expert keeps its size, within each process, as tensor does
+    expert = config.recipe("tiny", mesh__hybrid="process", mesh__expert=2)
+    assert config.derive(expert, 16, groups=2).mesh_shape == axes.shape_of(data=2, fsdp=4, expert=2)
+    with pytest.raises(UserError, match=r"do not split into 2 process\(s\) x .*mesh.expert=4"):
+        config.derive(config.recipe("tiny", mesh__hybrid="process", mesh__expert=4), 4, groups=2)
     with pytest.raises(UserError, match="every process needs the same device count"):
         config.derive(config.recipe("tiny", mesh__hybrid="process"), 8, groups=3)
     with pytest.raises(UserError, match="mesh.hybrid='rack' is not allowed"):
@@ -73,13 +108,13 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
     cfg = config.recipe("tiny", mesh__hybrid="host")
     shape = config.derive(cfg, jax.device_count()).mesh_shape
     mesh = mesh_lib.make_mesh(shape, hybrid="host")
-    assert shape == (1, 1, 8, 1) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
+    assert shape == axes.shape_of(fsdp=8) and [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
 
 
-def _losses(steps=3, **overrides):
+def _losses(steps=3, devices=8, **overrides):
     from jaxlm import train_setup
 
-    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}))
+    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}), jax.devices()[:devices])
     state, losses = setup.state, []
     with jax.set_mesh(setup.mesh):
         for i in range(steps):
@@ -88,14 +123,32 @@ def _losses(steps=3, **overrides):
     return losses
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    dict(mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),  # ZeRO-1
-    dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor"),  # TP + sequence parallel
-    dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, mesh__rules__act_seq="tensor", mesh__rules__opt_state="data"),
-], ids=["zero1", "sequence-parallel", "fsdp-tp-sp-zero1"])
-def test_each_option_trains_like_plain_data_parallel(overrides):
-    want = _losses(mesh__data=8, mesh__fsdp=1)
+@functools.cache
+def _one_device_losses(micro_batches: int) -> list[float]:
+    return _losses(devices=1, mesh__fsdp=1, optim__micro_batches=micro_batches)
+
+
+# Each on all 8 devices; the expert axis is data parallelism for these dense models (its MoE layers' experts
+# split over it: the MoE tests)
+OPTIONS = {
+    "data8": dict(mesh__data=8, mesh__fsdp=1),
+    "zero1": dict(mesh__data=8, mesh__fsdp=1, mesh__rules__opt_state="data"),
+    "sequence-parallel": dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=4, mesh__rules__act_seq="tensor"),
+    "fsdp-tp-sp-zero1": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, mesh__rules__act_seq="tensor",
+                             mesh__rules__opt_state="data"),
+    "expert2-fsdp4": dict(mesh__fsdp=4, mesh__expert=2),
+    "expert8": dict(mesh__fsdp=1, mesh__expert=8),
+    # with micro-batches: the data replicas accumulate locally, the expert and fsdp rows reduce in each
+    "expert2-data2-fsdp2-micro2": dict(mesh__data=2, mesh__fsdp=2, mesh__expert=2, optim__micro_batches=2),
+    "expert2-data4-zero1": dict(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert"),
+}
+FAST = ("expert2-fsdp4", "expert8", "expert2-data2-fsdp2-micro2")  # the default suite's; the others: make test-slow
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
+def test_each_option_trains_like_one_device(name):
+    overrides = OPTIONS[name]
+    want = _one_device_losses(overrides.get("optim__micro_batches", 1))
     assert _losses(**overrides) == pytest.approx(want, rel=1e-5)
 
 

@@ -104,6 +104,26 @@ def test_activations_follow_the_remat_policy_and_the_micro_batches():
     assert looped.per_device_bytes < cpu.per_device_bytes < xla.per_device_bytes * 0.8
 
 
+def test_the_expert_axis_splits_activations_and_the_batch_as_data_does():
+    """A dense model on `mesh.expert` devices: each holds its rows (activations and input batch 1/expert of one
+    device's) and the whole state, as on `mesh.data`; with fsdp, the rows split over both."""
+    def rows(n, **mesh):
+        est = memory.estimate(recipe("tiny", **{"mesh__fsdp": 1, **mesh}), n, platform="cpu")
+        return {r.name: r.per_device_bytes for r in est.rows}, est.per_device_batch
+
+    one, one_batch = rows(1)
+    data, data_batch = rows(8, mesh__data=8)
+    expert, expert_batch = rows(8, mesh__expert=8)
+    mixed, _ = rows(8, mesh__fsdp=4, mesh__expert=2)
+    fsdp, _ = rows(8, mesh__fsdp=8)
+    assert expert == data and expert_batch == data_batch == one_batch // 8
+    assert expert["activations saved"] == one["activations saved"] / 8
+    for name in ("activations saved", "working set"):
+        assert mixed[name] == fsdp[name] == expert[name], name
+    assert expert["parameters"] == one["parameters"]  # dense weights replicated over expert, as over data
+    assert mixed["parameters"] == pytest.approx(one["parameters"] / 4, rel=0.01)  # split over fsdp only
+
+
 def test_the_cpu_report_plans_what_a_cpu_run_plans():
     """`python -m jaxlm.plan --platform=cpu` reports the estimate that `optim.micro_batches=0` and the run's
     memory check use on a CPU (XLA:CPU's activation bytes, float32 before jaxlib 0.11), not the compute
@@ -235,7 +255,8 @@ def test_a_run_that_fits_says_by_how_much(capsys):
     "args, expected",
     [
         (["--config=configs/tiny.py"], "the following arguments are required: --devices"),
-        (["--config=configs/tiny.py", "--devices=3"], "does not divide over data*fsdp=3 devices"),
+        (["--config=configs/tiny.py", "--devices=3"],
+         "does not divide over the 3 devices of the batch axes mesh.data=1 x mesh.fsdp=3 x mesh.expert=1"),
         (["--config=configs/tiny.py", "--devices=8", "--config.model.d_modl=3"], "did you mean 'model.d_model'"),
         (["--config=configs/tiny.py", "--devices=8", "--device_memory_gib=0"], "--device_memory_gib=0.0"),
         # sizes no machine holds: refused from the analytic plan, before tracing (which would hang or abort XLA)

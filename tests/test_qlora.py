@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from helpers import small_config
-from jaxlm import config, inference, init_from, lora, memory, quant, train_setup, train_state
+from jaxlm import axes, config, inference, init_from, lora, memory, quant, train_setup, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import quantized, transformer
@@ -285,7 +285,7 @@ def test_quantized_leaves_shard_and_never_train():
     assert not any(t for p, t in trains.items() if "kernel_" in p) and any(trains.values())
     # created on 8 devices, fsdp=8: the packed embed axis (64 / 2 = 32) splits 4 per device
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
-    mesh = mesh_lib.make_mesh((1, 1, 8, 1))
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=8))
     abstract, *_ = train_state.abstract_state(cfg, optax.identity(), mesh, rules)
     q, scale = abstract.params["blocks"]["attn"]["wq"]["kernel_q"], abstract.params["blocks"]["attn"]["wq"]["kernel_scale"]
     assert q.shape == (2, 32, 8, 8) and tuple(q.sharding.spec)[:2] == ("stage", "fsdp")
@@ -306,7 +306,7 @@ def test_a_sharded_train_step_trains_the_adapters_over_the_packed_base():
     from test_lora import _train
 
     cfg = qlora_config(double=True)
-    model_spec, before, state, losses = _train(cfg, 8, mesh_shape=(1, 1, 8, 1))
+    model_spec, before, state, losses = _train(cfg, 8, mesh_shape=axes.shape_of(fsdp=8))
     q = state.params["blocks"]["mlp"]["w_up"]["kernel_q"]  # [layers, embed / 2, mlp]
     assert q.dtype == jnp.uint8 and q.sharding.shard_shape(q.shape) == (2, 4, 128)
     after = flat(jax.device_get(state.params))
@@ -331,11 +331,12 @@ def test_qlora_trains_over_a_width_the_group_does_not_divide():
 
     cfg = qlora_config("nf4", **WIDE)
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
-    abstract, *_ = train_state.abstract_state(cfg, optax.identity(), mesh_lib.make_mesh((1, 1, 4, 2)), rules)
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=4, tensor=2))
+    abstract, *_ = train_state.abstract_state(cfg, optax.identity(), mesh, rules)
     q = abstract.params["blocks"]["mlp"]["w_down"]["kernel_q"]  # [layers, mlp / 2, embed]
     assert tuple(q.sharding.spec) == ("stage", "tensor", "fsdp") and q.sharding.shard_shape(q.shape) == (2, 172, 16)
     float_init = params_of(lora.without_lora(cfg))  # the random init a fresh QLoRA model quantizes
-    _, before, state, losses = _train(cfg, 8, mesh_shape=(1, 1, 8, 1))
+    _, before, state, losses = _train(cfg, 8, mesh_shape=axes.shape_of(fsdp=8))
     down = state.params["blocks"]["mlp"]["w_down"]
     q, scale = down["kernel_q"], down["kernel_scale"]
     assert q.shape == (2, 344, 64) and scale.shape == (2, 11, 64) and q.sharding.shard_shape(q.shape) == (2, 344, 8)

@@ -6,11 +6,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import small_config
-from jaxlm import config, optim, train_state
+from jaxlm import axes, config, optim, train_state
 from jaxlm import mesh as mesh_lib
 
+MESH = axes.shape_of(data=2, fsdp=2, tensor=2)
 
-def _create(recipe: str, shape=(2, 1, 2, 2), **rule_overrides):
+
+def _create(recipe: str, shape=MESH, **rule_overrides):
     cfg = config.recipe(recipe, **{f"mesh__rules__{k}": v for k, v in rule_overrides.items()})
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_cfg = small_config(n_kv_heads=4)
@@ -84,7 +86,8 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
 
 def test_activation_rules_skip_axes_already_used():
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp"), None, None)
+    batch = ("data", "fsdp", "expert")
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, None, None)
     # A table that maps both dims to fsdp yields fsdp once instead of a duplicate-axis error.
     assert mesh_lib.logical_to_spec(("embed", "embed"), rules) == P("fsdp", None)
 
@@ -98,7 +101,7 @@ def test_uneven_shards_are_a_clear_error():
     model_spec = train_state.build_model_spec(model_cfg)
     tx, _ = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
     with pytest.raises(UserError, match="kv_heads"):
-        train_state.create(model_cfg, tx, mesh_lib.make_mesh((1, 1, 1, 8)), rules)
+        train_state.create(model_cfg, tx, mesh_lib.make_mesh(axes.shape_of(tensor=8)), rules)
 
 
 @pytest.mark.slow  # 15 s: the default suite's budget (make test-slow runs it)
@@ -122,7 +125,7 @@ def test_building_under_an_active_mesh_works():
     from jaxlm import train_setup
 
     cfg = config.recipe("tiny", model__n_layers=2, mesh__fsdp=2, mesh__data=-1)
-    with jax.set_mesh(mesh_lib.make_mesh((1, 1, 1, 1))):
+    with jax.set_mesh(mesh_lib.make_mesh(axes.shape_of())):
         for abstract in (True, False):
             setup = train_setup.build(cfg, abstract=abstract)
             assert setup.state.params["blocks"]["mlp"]["w_up"]["kernel"].sharding.spec == P("stage", "fsdp", "tensor")

@@ -9,11 +9,13 @@ import optax
 import pytest
 
 from helpers import random_batch, small_config
-from jaxlm import config, optim, steps, train_state
+from jaxlm import axes, config, optim, steps, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.optim import OptimConfig
 
-MESHES = [(1, 1, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 1, 2, 2)]  # data alone is covered by (2, 1, 2, 2)
+ONE, MESH = axes.shape_of(), axes.shape_of(data=2, fsdp=2, tensor=2)
+# data alone is covered by MESH; expert (data parallelism for these dense models) with fsdp and tensor
+MESHES = [ONE, axes.shape_of(fsdp=8), axes.shape_of(tensor=8), MESH, axes.shape_of(fsdp=2, expert=2, tensor=2)]
 
 
 def _setup(mesh_shape, model_cfg, *, micro_batches=1, steps_total=100, **optim_overrides):
@@ -39,7 +41,7 @@ def test_loss_and_gradients_agree_across_meshes():
     model_cfg = small_config()  # 8 heads, 8 kv heads: divisible by tensor=8
     batch = random_batch(16, 32, 96)
     # The same parameters on every mesh (no optimizer state needed), laid out by each mesh's rules.
-    _, state, _, _, model_spec, rules = _setup((1, 1, 1, 1), model_cfg)
+    _, state, _, _, model_spec, rules = _setup(ONE, model_cfg)
     params = jax.device_get(state.params)
     loss_and_grad = jax.jit(jax.value_and_grad(lambda p, b: steps.summed_loss(p, model_spec, b, None, 0.0)[0] / 1000.0))
     results = {}
@@ -49,14 +51,14 @@ def test_loss_and_gradients_agree_across_meshes():
             on_mesh = jax.device_put(params, train_state.param_shardings(model_spec, mesh, rules))
             loss, grads = jax.device_get(loss_and_grad(on_mesh, _put(batch, mesh_lib.batch_sharding(mesh, rules))))
         results[shape] = (float(loss) * 1000.0, grads)
-    ref_loss, ref_grads = results[(1, 1, 1, 1)]
+    ref_loss, ref_grads = results[ONE]
     for shape, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, ref_loss, rtol=2e-6, err_msg=str(shape))
         jax.tree.map(lambda a, b, shape=shape: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(shape)),
                      grads, ref_grads)
 
 
-@pytest.mark.parametrize("mesh_shape, ks", [((2, 1, 2, 2), (1, 4))])
+@pytest.mark.parametrize("mesh_shape, ks", [(MESH, (1, 4))])
 def test_k_micro_batches_equal_one_large_batch(mesh_shape, ks):
     model_cfg = small_config()
     batch = random_batch(16, 32, 96, seed=1)
@@ -77,7 +79,8 @@ def test_a_tiny_model_overfits_one_batch():
     model_cfg = small_config(n_layers=2)
     batch = random_batch(8, 32, 96, seed=2, packed=False)
     mesh, state, step, batch_sharding, _, _ = _setup(
-        (1, 1, 2, 1), model_cfg, steps_total=150, peak_lr=1e-2, warmup_steps=10, weight_decay=0.0, schedule="constant"
+        axes.shape_of(fsdp=2), model_cfg, steps_total=150, peak_lr=1e-2, warmup_steps=10, weight_decay=0.0,
+        schedule="constant",
     )
     gbatch = _put(batch, batch_sharding)
     losses = []
@@ -92,7 +95,7 @@ def test_a_tiny_model_overfits_one_batch():
 def test_padding_targets_do_not_count():
     model_cfg = small_config()
     batch = random_batch(4, 32, 96, seed=3)
-    mesh, state, _, batch_sharding, model_spec, _ = _setup((1, 1, 1, 1), model_cfg)
+    mesh, state, _, batch_sharding, model_spec, _ = _setup(ONE, model_cfg)
     loss_sum, tokens = steps.summed_loss(state.params, model_spec, batch, None, 0.0)
     assert float(tokens) == float((batch["segment_ids"] > 0).sum())
     changed = dict(batch, targets=np.where(batch["segment_ids"] > 0, batch["targets"], 7).astype(np.int32))
@@ -176,7 +179,7 @@ def test_schedule_shapes_after_warmup():
 def test_learning_rate_metric_follows_the_schedule():
     model_cfg = small_config()
     batch = random_batch(4, 32, 96)
-    mesh, state, step, batch_sharding, _, _ = _setup((1, 1, 1, 1), model_cfg, peak_lr=1e-3, warmup_steps=4)
+    mesh, state, step, batch_sharding, _, _ = _setup(ONE, model_cfg, peak_lr=1e-3, warmup_steps=4)
     lrs = []
     with jax.set_mesh(mesh):
         for _ in range(5):
@@ -193,7 +196,7 @@ def test_a_non_finite_loss_never_reaches_the_state():
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_spec = train_state.build_model_spec(model_cfg)
     tx, schedule = optim.make_optimizer(cfg.optim, 10, model_spec.decay_mask)
-    mesh = mesh_lib.make_mesh((1, 1, 2, 1))
+    mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=2))
     state, shardings, model_spec = train_state.create(model_cfg, tx, mesh, rules)
     sharding = mesh_lib.batch_sharding(mesh, rules)
     before = jax.device_get((state.params, state.opt_state))
@@ -264,7 +267,7 @@ def test_norms_by_group_split_the_global_norm_per_layer_scanned_or_not():
     assert len({round(norms[True][f"layer_{i:02d}"], 6) for i in range(3)}) == 3  # distinct layers
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (2, 1, 2, 2)])
+@pytest.mark.parametrize("mesh_shape", [ONE, MESH])
 def test_chunked_loss_equals_the_plain_loss_value_and_gradient(mesh_shape):
     """Logits made 8 positions at a time (rematerialized in the backward) give the loss and the
     gradients (of the hidden states and of the projection) of the whole-sequence loss."""
@@ -325,27 +328,27 @@ def test_train_step_with_a_chunked_loss_follows_the_plain_one():
 def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
     """The Pallas (Triton) kernel, interpreted on CPU, with grouped-query heads and packed documents:
     one train step (2 micro-batches) gives XLA attention's loss and parameters, on one device and per
-    shard on (2, 2, 2) (batch over data x fsdp, heads over tensor), not on gathered inputs."""
+    shard on data x fsdp x tensor = 2 x 2 x 2 (batch over data x fsdp, heads over tensor), not on gathered inputs."""
     batch = random_batch(16, 32, 96, seed=2)
     results = {}
-    for attention, shape in (("xla", (1, 1, 1, 1)), ("pallas", (1, 1, 1, 1)), ("pallas", (2, 1, 2, 2))):
+    for attention, shape in (("xla", ONE), ("pallas", ONE), ("pallas", MESH)):
         model_cfg = small_config(n_kv_heads=4, head_dim=16, attention=attention)
         mesh, state, step, batch_sharding, _, _ = _setup(shape, model_cfg, micro_batches=2)
         with jax.set_mesh(mesh):
             b = _put(batch, batch_sharding)
-            if shape != (1, 1, 1, 1):
+            if shape != ONE:
                 assert "shard_map" in str(jax.make_jaxpr(step)(state, b))
             state, metrics = step(state, b)
             results[attention, shape] = jax.device_get((metrics["loss"], state.params))
-    ref_loss, ref_params = results["xla", (1, 1, 1, 1)]
-    for key in (("pallas", (1, 1, 1, 1)), ("pallas", (2, 1, 2, 2))):
+    ref_loss, ref_params = results["xla", ONE]
+    for key in (("pallas", ONE), ("pallas", MESH)):
         loss, params = results[key]
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(key))
         jax.tree.map(lambda a, b, key=key: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(key)),
                      params, ref_params)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 2, 1), pytest.param((2, 1, 1, 1), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh_shape", [axes.shape_of(fsdp=2), pytest.param(axes.shape_of(data=2), marks=pytest.mark.slow)])
 def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     """With micro-batches, the weights the forward only casts to bfloat16 are cast once per step
     (`ModelSpec.cast_for_compute`), not in every micro-batch: the same losses, gradients and update,
@@ -376,9 +379,9 @@ def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     floats.close(ours.params, theirs.params)
 
 
-@pytest.mark.parametrize("mesh_shape,dtype", [((1, 1, 1, 2), jnp.float32),
-                                              pytest.param((2, 1, 1, 1), jnp.float32, marks=pytest.mark.slow),
-                                              ((1, 1, 1, 2), jnp.bfloat16)])
+@pytest.mark.parametrize("mesh_shape,dtype", [(axes.shape_of(tensor=2), jnp.float32),
+                                              pytest.param(axes.shape_of(data=2), jnp.float32, marks=pytest.mark.slow),
+                                              (axes.shape_of(tensor=2), jnp.bfloat16)])
 def test_compute_kernels_make_the_step_without_them(mesh_shape, dtype):
     """With micro-batches, the plain projections' kernels reach the model as `layers.ComputeKernel`s (q, k,
     v and gate, up joined once per step) whose weight gradients come from the matmuls in float32: each

@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 
 from helpers import random_batch, small_config
-from jaxlm import config, optim, steps, train_state
+from jaxlm import axes, config, optim, steps, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.optim import OptimConfig
 
+FSDP2, MESH = axes.shape_of(fsdp=2), axes.shape_of(data=2, fsdp=2, tensor=2)
 
-def _step(trainable: str, mesh_shape=(1, 1, 2, 1), micro_batches=1):
+
+def _step(trainable: str, mesh_shape=FSDP2, micro_batches=1):
     cfg = config.recipe("tiny", optim__clip_norm=0.0, optim__trainable=trainable)
     model_cfg = small_config()
     rules = mesh_lib.rules_from_config(cfg.mesh.rules)
@@ -36,7 +38,7 @@ def _flat(tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 1, 2, 1), 1), ((2, 1, 2, 2), 2)])
+@pytest.mark.parametrize("mesh_shape, micro_batches", [(FSDP2, 1), (MESH, 2)])
 def test_frozen_parameters_stay_and_trainable_ones_move_as_in_full_training(mesh_shape, micro_batches):
     _, before, full, _ = _step("", mesh_shape, micro_batches)
     model_spec, _, part, _ = _step("mlp/,final_norm", mesh_shape, micro_batches)

@@ -416,8 +416,8 @@ def rows_held(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> slice:
     if sum(b - a for a, b in held) != hi - lo or shape[0] % (hi - lo):
         raise UserError(
             f"process {jax.process_index()}'s devices hold batch rows {sorted(held)} of the global batch, not one "
-            f"contiguous block; order config.mesh so that each process's devices are contiguous along data x fsdp "
-            f"(e.g. mesh.hybrid)"
+            f"contiguous block; order config.mesh so that each process's devices are contiguous along the batch "
+            f"axes, mesh.rules.act_batch (e.g. mesh.hybrid)"
         )
     return slice(lo, hi)
 

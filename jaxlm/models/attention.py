@@ -367,7 +367,7 @@ class KVCache(NamedTuple):
 
 
 # Logical names of a cache's axes [L, B, S, K, H]: rows and heads sharded like the activations (batch
-# over data x fsdp, heads over tensor); the slots never are (each step writes one at a moving index).
+# over data x fsdp x expert, heads over tensor); the slots never are (each step writes one at a moving index).
 CACHE_AXES = (None, "act_batch", None, "act_kv_heads", None)
 
 

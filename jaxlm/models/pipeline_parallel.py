@@ -48,7 +48,7 @@ class PipelineConfig(Section):
         "gpipe", "gpipe (all forwards, then all backwards) | circular (interleaved: `repeats` groups per stage)")
     microbatches: int = setting(
         0, "pipeline micro-batches per gradient-accumulation micro-batch, at least mesh.stage; 0 = the most up to "
-           "4 x stages that the micro-batch's rows per data x fsdp shard divide into")
+           "4 x stages that the micro-batch's rows per batch shard (data x fsdp x expert) divide into")
     repeats: int = setting(
         1, "circular: non-adjacent layer groups per stage (the bubble shrinks about this much); gpipe: 1")
 
