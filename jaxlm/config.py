@@ -272,6 +272,11 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"config.model.n_heads={m.n_heads} / n_kv_heads={kv} must be divisible by the tensor axis "
             f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
         )
+    experts = sizes.get("expert", 1)
+    if experts > 1 and m.mlp == "moe" and m.moe_experts % experts:
+        raise UserError(f"config.mesh.expert={experts} does not divide config.model.moe_experts={m.moe_experts}: "
+                        f"each device along the expert axis holds the same number of experts; choose an expert axis "
+                        f"that divides {m.moe_experts}")
     batch_shards, batch_axes = MeshConfig.from_config(cfg.mesh).batch_split(shape)
     if not cfg.optim.micro_batches:
         raise ValueError("optim.micro_batches=0 must be resolved first (jaxlm.train_setup.resolve_config)")

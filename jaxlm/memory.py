@@ -415,7 +415,7 @@ def estimate(
                                  mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
         if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
-            layer += F32 * MLPS[m.mlp].gathered_params(m)
+            layer += F32 * MLPS[m.mlp].gathered_params(m) / mesh_sizes.get("expert", 1)  # (its own, with EP)
         # cuDNN's packed layout: its backward's workspace, sized for the bound of documents in every row
         workspace = cudnn_packed_workspace(m.attention_segments * s.head_stats, m.head_dim) \
             if m.attention_segments else 0.0

@@ -51,7 +51,7 @@ from flax.linen import spmd
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.mesh import logical_to_spec
+from jaxlm.mesh import logical_to_spec, mesh_axes_of
 from jaxlm.models import layers
 from jaxlm.models.mlps.base import EMBED, HIDDEN, MLP, output
 from jaxlm.models.mlps.swiglu import GatedMLP
@@ -357,22 +357,30 @@ def _combine(slots: jax.Array, gates: jax.Array) -> jax.Array:
     return jnp.sum(slots.reshape(n, k, -1) * gates[:, :, None], axis=1)
 
 
-def _ragged(x, gates, experts, weights, spec, einsum_op):
-    """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight."""
+def _ragged(x, gates, experts, weights, spec, einsum_op, first):
+    """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight. Only the
+    experts `first` .. `first` + (the weights' count) are computed (expert parallelism: a device's
+    own); the other pairs sort last, outside every group (zero rows), and their gates count nothing."""
     n, k = gates.shape
-    flat_experts = experts.reshape(-1)  # token-major: pair p is token p // k
-    order = jnp.argsort(flat_experts, stable=True)
-    sizes = jnp.bincount(flat_experts, length=spec.experts).astype(jnp.int32)
+    count = weights["expert_gate"].shape[0]
+    local = experts.reshape(-1) - first  # token-major: pair p is token p // k
+    mine = (local >= 0) & (local < count)
+    local = jnp.where(mine, local, count)
+    order = jnp.argsort(local, stable=True)
+    sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
     out = _expert_ffn(rows, weights, lambda r, w: grouped_matmul(r, w, sizes))
     slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    return _combine(slots, gates), jnp.ones(gates.shape, jnp.float32)
+    return _combine(slots, jnp.where(mine.reshape(n, k), gates, 0.0)), jnp.ones(gates.shape, jnp.float32)
 
 
-def _dense(x, gates, experts, weights, spec, einsum_op):
-    """Dropless: every expert on every token, weighted by the gates (zero for the experts not chosen)."""
+def _dense(x, gates, experts, weights, spec, einsum_op, first):
+    """Dropless: every expert on every token, weighted by the gates (zero for the experts not chosen);
+    only the experts `first` .. `first` + (the weights' count)."""
     n, _ = gates.shape
+    count = weights["expert_gate"].shape[0]
     combine = jnp.zeros((n, spec.experts), jnp.float32).at[jnp.arange(n)[:, None], experts].add(gates)
+    combine = jax.lax.dynamic_slice_in_dim(combine, first, count, axis=1)
 
     def matmul(r, w):
         return einsum_op("nd,edf->enf" if r.ndim == 2 else "enf,efd->end", r, w)
@@ -381,29 +389,35 @@ def _dense(x, gates, experts, weights, spec, einsum_op):
     return jnp.sum(out * combine.T[:, :, None], axis=0), jnp.ones(gates.shape, jnp.float32)
 
 
-def _capacity(x, gates, experts, weights, spec, einsum_op):
-    """At most `capacity` pairs per expert, first choices of every token before second choices."""
+def _capacity(x, gates, experts, weights, spec, einsum_op, first):
+    """At most `capacity` pairs per expert, first choices of every token before second choices; which
+    pairs are kept is decided over all the experts, only `first` .. `first` + (the weights' count) are
+    computed."""
     n, k = gates.shape
-    e, c = spec.experts, capacity(spec, n)
+    e, c, count = spec.experts, capacity(spec, n), weights["expert_gate"].shape[0]
     choice_major = experts.T.reshape(-1)  # pair q is choice q // n of token q % n
     onehot = jax.nn.one_hot(choice_major, e, dtype=jnp.int32)
     position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # its place in its expert's queue
     kept = position < c
-    slot = jnp.where(kept, choice_major * c + position, e * c)  # e * c: the dropped pairs' discard slot
+    local = choice_major - first
+    computed = kept & (local >= 0) & (local < count)
+    slot = jnp.where(computed, local * c + position, count * c)  # count * c: the discard slot
     token = jnp.arange(n * k) % n
-    source = jnp.full((e * c + 1,), n, jnp.int32).at[slot].set(token)[: e * c]  # n: an empty slot (a zero row)
-    rows = jnp.take(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]), source, axis=0).reshape(e, c, -1)
+    source = jnp.full((count * c + 1,), n, jnp.int32).at[slot].set(token)[: count * c]  # n: empty (a zero row)
+    rows = jnp.take(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]), source, axis=0)
+    rows = rows.reshape(count, c, -1)
 
     def matmul(r, w):
         return einsum_op("ecd,edf->ecf", r, w)
 
-    out = _expert_ffn(rows, weights, matmul).reshape(e * c, -1)
+    out = _expert_ffn(rows, weights, matmul).reshape(count * c, -1)
     out = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
     slots = jnp.take(out, slot, axis=0).reshape(k, n, -1).transpose(1, 0, 2).reshape(n * k, -1)  # token-major
     return _combine(slots, gates), kept.reshape(k, n).T.astype(jnp.float32)
 
 
 DISPATCH = {"ragged": _ragged, "dense": _dense, "capacity": _capacity}
+EXPERT_AXIS = "expert"  # the mesh axis the rules split the experts over (rules.experts)
 
 
 def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[str, jax.Array],
@@ -413,23 +427,47 @@ def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[s
     `einsum_op`: the dense and capacity dispatches' per-expert matmul (XLA's einsum: the CPU's accumulating
     form fails at run time on the batched dots of its gradient, and float8 experts are not built yet).
 
-    Under a mesh each device dispatches its own rows (shard_map over the batch's mesh axes, the expert
-    weights whole on every device, gathered as fsdp gathers any weight): a sort or a capacity count
-    across the whole batch would gather every token to every device. Without a mesh, all rows at once.
-    The capacity dispatch takes each row as its own group (GShard's groups), so which pairs it drops
-    does not depend on how the rows are split over devices."""
+    Under a mesh each device dispatches its own rows (shard_map over the batch's mesh axes): a sort or a
+    capacity count across the whole batch would gather every token to every device. Without a mesh, all
+    rows at once. The capacity dispatch takes each row as its own group (GShard's groups), so which
+    pairs it drops does not depend on how the rows are split over devices.
+
+    Expert parallelism (the rules split the experts over the `expert` mesh axis, mesh.expert > 1): each
+    device holds E / mesh.expert experts and the batch's rows are split over that axis too. The rows of
+    the devices along it are gathered (all-gather), each device runs its own experts on all of them,
+    and each row's partial outputs are summed back to the device that holds it (reduce-scatter): the
+    same function as one device's, dropless or with the same drops, with the collectives any XLA
+    backend runs. (Otherwise the experts are whole on every device, gathered as fsdp gathers a weight.)"""
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    meshed = bool(rules) and not mesh.empty
+    split = meshed and EXPERT_AXIS in mesh_axes_of("experts") and mesh.shape.get(EXPERT_AXIS, 1) > 1
+    rows_split = split and EXPERT_AXIS in mesh_axes_of("act_batch")  # (else every device there has the same rows)
+
     def local(x, gates, experts, *ws):
+        if rows_split:  # the rows of every device along the expert axis
+            x, gates, experts = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, gates, experts))
+        first = jax.lax.axis_index(EXPERT_AXIS) * ws[0].shape[0] if split else 0  # this device's experts
         b, t, d = x.shape
         k = gates.shape[-1]
-        fn = functools.partial(DISPATCH[spec.impl], weights=dict(zip(weights, ws)), spec=spec, einsum_op=einsum_op)
+        fn = functools.partial(DISPATCH[spec.impl], weights=dict(zip(weights, ws)), spec=spec, einsum_op=einsum_op,
+                               first=first)
         if spec.impl == "capacity":  # each row its own group: its capacity the same on any mesh
-            return jax.vmap(fn)(x, gates, experts)
-        y, kept = fn(x.reshape(b * t, d), gates.reshape(b * t, k), experts.reshape(b * t, k))
-        return y.reshape(b, t, d), kept.reshape(b, t, k)
+            y, kept = jax.vmap(fn)(x, gates, experts)
+        else:
+            y, kept = fn(x.reshape(b * t, d), gates.reshape(b * t, k), experts.reshape(b * t, k))
+            y, kept = y.reshape(b, t, d), kept.reshape(b, t, k)
+        if rows_split:  # each row's outputs summed over the experts' devices, back on its own device
+            y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+            rows_here = b // mesh.shape[EXPERT_AXIS]
+            kept = jax.lax.dynamic_slice_in_dim(kept, jax.lax.axis_index(EXPERT_AXIS) * rows_here, rows_here)
+        elif split:  # the same rows on every device along the axis: the outputs summed over its experts
+            y = jax.lax.psum(y, EXPERT_AXIS)
+        return y, kept
 
-    rules = spmd.get_logical_axis_rules()
-    if not rules or jax.sharding.get_abstract_mesh().empty:
+    if not meshed:
         return local(x, gates, experts, *weights.values())
     rows = logical_to_spec(("act_batch", None, None), rules)
-    return jax.shard_map(local, in_specs=(rows, rows, rows, *(P() for _ in weights)), out_specs=(rows, rows),
+    expert_spec = P(EXPERT_AXIS) if split else P()
+    return jax.shard_map(local, in_specs=(rows, rows, rows, *(expert_spec for _ in weights)), out_specs=(rows, rows),
                          check_vma=False)(x, gates, experts, *weights.values())
