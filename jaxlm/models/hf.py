@@ -384,9 +384,9 @@ def hf_tensors(params: dict, cfg, arch: str, dtype, *, to_host=np.asarray,
     `dtype`, one at a time: the leaves of one tensor (every layer's) are read with `to_host` together
     and dropped before the next. `build=False` (a process that writes nothing) still reads each leaf,
     for reads that gather across processes, and yields None for the tensor."""
-    by_tensor: dict[str, list] = {}
+    by_tensor: dict[tuple[str, int | None], list] = {}  # each layer's own where the blocks are a list
     for path, part, layer, stacked in param_parts(params, cfg, arch):
-        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
+        by_tensor.setdefault((part.hf, layer), []).append((path, part, layer, stacked))
     all_leaves = dict(leaves(params))
     for entries in by_tensor.values():
         host = {path: to_host(all_leaves[path]) for path, *_ in entries}
