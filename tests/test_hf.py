@@ -318,7 +318,8 @@ def test_broken_checkpoints_are_one_line_each(models, tmp_path, capsys):
      'rope_parameters.rope_type="yarn"'),
     ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      'rope_scaling.rope_type="dynamic"'),
-    ("mistral", {"sliding_window": 4096}, "sliding_window=4096: jaxlm has no sliding-window attention"),
+    ("mistral", {"sliding_window": 64}, "sliding_window=64: jaxlm has no sliding-window attention (a window shorter "
+                                        "than max_position_embeddings)"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true"),
     ("qwen3", {"use_sliding_window": True}, "config.json: use_sliding_window=true: jaxlm has no sliding-window attention"),
     ("llama", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
