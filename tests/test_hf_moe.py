@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax.core import spmd
-from test_hf import IDS, VOCAB, close, edit_config, error_of, jaxlm_logits, reference_logits, save
+from test_hf import IDS, VOCAB, close, edit_config, error_of, jaxlm_logits, reference_logits, save, train_cli
 
 from helpers import small_config
 from jaxlm import hf, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import hf as hf_map
+from jaxlm.models import transformer
 from jaxlm.models.mlps import MLPS, MoESpec
 
 torch = pytest.importorskip("torch")
@@ -207,3 +208,44 @@ def test_every_moe_weight_has_a_place_in_both_architectures():
     assert sum(int(np.prod(s)) for s in shapes.values()) == MLPS["moe"].other_params(cfg)
     for arch in MLPS["moe"].hf_architectures:
         assert set(MLPS["moe"].hf_modules(arch)) == set(shapes) - {"router_bias"}
+
+
+def test_lora_on_an_imported_moe_adapts_attention_and_names_the_experts_it_cannot(models, tmp_path):
+    """lora.targets=all: every projection, attention's (and shared experts', where a model has them); an
+    expert weight named as a target is refused in one line (adapters on the experts are not built yet)."""
+    _, hf_dir = models["mixtral"]
+    arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
+    base = inference.model_config(hf._run_config(keys, arch, "float32", hf_dir / "unused"), "cpu", "float32")
+    lora = dict(rank=4, alpha=16.0, targets="all", ranks="", dropout=0.0)
+    assert transformer.with_lora(base, lora).lora.targets == ("wk", "wo", "wq", "wv")
+    shared = dataclasses.replace(base, moe=dataclasses.replace(base.moe, shared_experts=1))
+    assert set(transformer.with_lora(shared, lora).lora.targets) == {
+        "wk", "wo", "wq", "wv", "shared_gate", "shared_up", "shared_down"}
+    for target in ("expert_gate", "router"):
+        with pytest.raises(UserError, match=f"'{target}' is a weight of the model.mlp=moe layer, not a projection, "
+                                            "and adapters on it are not built yet") as refused:
+            transformer.with_lora(base, {**lora, "targets": f"wq,{target}"})
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tune_of_an_imported_mixtral_exports_merged_and_as_a_peft_adapter(models, tmp_path):
+    """`python -m jaxlm.train` from an imported Mixtral with LoRA on every projection, a few steps: merged
+    into the weights, transformers computes jaxlm's logits; as a PEFT adapter of the original model, too."""
+    peft = pytest.importorskip("peft")
+    original, hf_dir = models["mixtral"]
+    imported = hf.import_checkpoint(hf_dir, tmp_path / "imported")
+    tuned = train_cli(tmp_path, f"--config.run.init_from={imported}", "--config.run.name=lora", "--config.lora.rank=4",
+                      "--config.lora.targets=all", "--config.optim.peak_lr=0.01")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    run = inference.load_run(tmp_path / "lora", dtype="float32")
+    assert run.cfg.model.mlp == "moe" and run.model_cfg.lora.targets == ("wk", "wo", "wq", "wv")
+    want = jaxlm_logits(run)
+    assert np.abs(want - reference_logits(original)).max() / np.abs(want).max() > 1e-3  # the adapters changed it
+    merged = hf.export_run(run.run_dir, tmp_path / "merged", dtype="float32")
+    close(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval()), want)
+    out = hf.export_run(run.run_dir, tmp_path / "adapter", dtype="float32", adapters="peft")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out).eval()
+    close(reference_logits(adapted), want)
