@@ -182,6 +182,14 @@ def test_a_sliding_window_as_long_as_the_context_is_full_attention(models):
         assert hf_map.model_keys({**config, "sliding_window": window})[1]["mlp"] == "moe"
 
 
+def test_a_qwen3_moe_needs_no_dense_width(models):
+    """Qwen3-MoE's intermediate_size is its dense layers' width, which a model with experts in every layer
+    never uses: the experts' is moe_intermediate_size, and a config.json without the other imports."""
+    config = json.loads((models["qwen3_moe"][1] / "config.json").read_text())
+    del config["intermediate_size"]
+    assert hf_map.model_keys(config)[1]["mlp_dim"] == 96
+
+
 def test_moe_models_without_a_hugging_face_counterpart_are_refused_naming_the_key():
     moe = MoESpec(experts=4, top_k=2)
     assert hf_map.architecture_of(small_config(mlp="moe", moe=moe)) == "mixtral"

@@ -121,13 +121,22 @@ _LINKED = {"data.seq_len": "max_seq_len", "data.tokenizer_vocab_size": "vocab_si
 _KEY = re.compile(r"(?:config\.)?((?:model|data)\.\w+)")
 
 
+def _fields(arch: str, hf: dict | None = None) -> dict[str, str]:
+    """jaxlm key -> the config.json field of `arch` it comes from (in the spelling of the file `hf`, where
+    given)."""
+    if arch == "gpt2":
+        return _GPT2_FIELDS
+    fields = {**_FIELDS, **_MOE_FIELDS.get(arch, {})}
+    if arch == "qwen3_moe" and hf is not None:
+        fields["moe_experts"] = _experts_field(hf)
+    return fields
+
+
 def in_file_terms(message: str, arch: str, hf: dict | None = None) -> str:
     """A config check's line about an imported model (of the config.json `hf`, where given), with each
     jaxlm key its config.json came from replaced by that field: "config.model.n_kv_heads=3 ...
     model.n_heads=4" becomes "config.json: num_key_value_heads=3 ... num_attention_heads=4"."""
-    fields = _GPT2_FIELDS if arch == "gpt2" else {**_FIELDS, **_MOE_FIELDS.get(arch, {})}
-    if arch == "qwen3_moe" and hf is not None:
-        fields["moe_experts"] = _experts_field(hf)
+    fields = _fields(arch, hf)
 
     def field(m: re.Match) -> str:
         key = m.group(1)
@@ -172,7 +181,7 @@ def model_keys(hf: dict) -> tuple[str, dict]:
         n_heads=n,
         n_kv_heads=_get(hf, "num_key_value_heads", int, None) or n,
         head_dim=_get(hf, "head_dim", int, None) or d // n,
-        mlp_dim=_get(hf, "intermediate_size"),
+        mlp_dim=_get(hf, _fields(arch)["mlp_dim"]),  # an MoE's: each expert's width
         max_seq_len=_get(hf, "max_position_embeddings"),
         norm_eps=_get(hf, "rms_norm_eps", float, 1e-6),
         tie_embeddings=_get(hf, "tie_word_embeddings", bool, False),
@@ -201,19 +210,19 @@ def _moe_keys(hf: dict, arch: str, n_layers: int) -> dict:
             raise _refuse("mlp_only_layers", dense_only, "expected a list of layer numbers")
         listed = [i for i in range(n_layers) if i in dense_only]
         if listed:
-            raise _refuse("mlp_only_layers", dense_only, f"layer{'s' if len(listed) > 1 else ''} "
-                      f"{', '.join(map(str, listed))} without experts (dense); jaxlm's MoE model has experts in every "
-                      "layer")
+            raise _refuse("mlp_only_layers", dense_only,
+                          f"layer{'s' if len(listed) > 1 else ''} {', '.join(map(str, listed))} without experts "
+                          "(dense); jaxlm's MoE model has experts in every layer")
         if step > 1:
-            raise _refuse("decoder_sparse_step", step, f"experts in one layer of every {step}, the others dense; jaxlm's "
-                                                       "MoE model has experts in every layer")
+            raise _refuse("decoder_sparse_step", step,
+                          f"experts in one layer of every {step}, the others dense; jaxlm's MoE model has experts in "
+                          "every layer")
     # Mixtral renormalizes its top k probabilities: the top k logits softmaxed; Qwen3-MoE where norm_topk_prob
     router = "topk_softmax" if arch == "mixtral" or _get(hf, "norm_topk_prob", bool, False) else "softmax_topk"
-    fields = _MOE_FIELDS[arch]
-    return dict(mlp="moe", mlp_dim=_get(hf, fields.get("mlp_dim", "intermediate_size")),
-                moe_experts=_get(hf, "num_local_experts" if arch == "mixtral" else _experts_field(hf)),
-                moe_top_k=_get(hf, "num_experts_per_tok"), moe_router=router, moe_shared_experts=0, moe_impl="ragged",
-                moe_aux_loss=_get(hf, "router_aux_loss_coef", float, 0.001), moe_z_loss=0.0)
+    fields = _fields(arch, hf)
+    return dict(mlp="moe", moe_experts=_get(hf, fields["moe_experts"]), moe_top_k=_get(hf, fields["moe_top_k"]),
+                moe_router=router, moe_shared_experts=0, moe_impl="ragged",
+                moe_aux_loss=_get(hf, fields["moe_aux_loss"], float, 0.001), moe_z_loss=0.0)
 
 
 def _gpt2_keys(hf: dict) -> dict:
@@ -261,7 +270,7 @@ def architecture_of(cfg) -> str:
     if llama_like and not cfg.qk_norm and "llama" in counterparts and not cfg.use_bias:
         return "qwen2" if cfg.qkv_bias else "llama"
     if llama_like and not cfg.qk_norm and "mixtral" in counterparts and not cfg.use_bias and not cfg.qkv_bias:
-        if cfg.moe.router != "topk_softmax":  # Mixtral renormalizes its top k: Qwen3-MoE's norm_topk_prob=false is not
+        if cfg.moe.router != "topk_softmax":  # Mixtral renormalizes its top k; softmax_topk: Qwen3-MoE's alone
             raise UserError(f"this MoE model routes with model.moe_router={cfg.moe.router}, which Mixtral (an MoE without "
                             "q/k norms) does not: it exports with moe_router=topk_softmax, or as Qwen3-MoE with q/k "
                             "norms (model.qk_norm=1)")
