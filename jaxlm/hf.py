@@ -14,10 +14,11 @@ generate and explore read it like any run; training starts from it with `--confi
 Each parameter is created in its shards on the devices here, each device reading only its slice of
 the safetensors files, so no host ever holds the whole model.
 
-`export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, Qwen3, GPT-2) as a directory
-`transformers.AutoModelForCausalLM.from_pretrained` loads: config.json, generation_config.json,
-safetensors (sharded past `--max_shard_gb`) and the tokenizer; a LoRA run merged, or (`--adapters=peft`)
-its adapter alone, for the model its base was imported from (`peft_base`).
+`export` writes any jaxlm run with a Hugging Face counterpart (Llama, Qwen2, Qwen3, GPT-2; an MoE as
+Mixtral or Qwen3-MoE) as a directory `transformers.AutoModelForCausalLM.from_pretrained` loads:
+config.json, generation_config.json, safetensors (sharded past `--max_shard_gb`) and the tokenizer; a
+LoRA run merged, or (`--adapters=peft`) its adapter alone, for the model its base was imported from
+(`peft_base`).
 
 Name maps and config translation: `jaxlm.models.hf`.
 """
@@ -142,7 +143,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, output: str | os.PathLike, *, p
         raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
     hf = hf_map.read_json(hf_dir / "config.json", "import")
     arch, keys = hf_map.model_keys(hf)
-    cfg = _run_config(keys, arch, param_dtype, output)  # the file's values checked before its tensors are read
+    cfg = _run_config(keys, arch, param_dtype, output, hf)  # the file's values checked before its tensors are read
     files = SafetensorsFiles(hf_dir)
     tok = _load_tokenizer(pathlib.Path(tokenizer) if tokenizer else hf_dir)
     if tok.vocab_size > keys["vocab_size"]:
@@ -179,8 +180,10 @@ def _load_tokenizer(path: pathlib.Path) -> Tokenizer:
                         "SentencePiece .model)") from None
 
 
-def _run_config(keys: dict, arch: str, param_dtype: str, output: pathlib.Path) -> ml_collections.ConfigDict:
-    """The imported run's config: the defaults, with the model from config.json."""
+def _run_config(keys: dict, arch: str, param_dtype: str, output: pathlib.Path,
+                hf: dict | None = None) -> ml_collections.ConfigDict:
+    """The imported run's config: the defaults, with the model from config.json (`hf`, naming its
+    fields in a refusal)."""
     values = config_lib.base_config().to_dict()  # plain values: max_seq_len and seq_len unlinked
     values["model"].update(keys, param_dtype=param_dtype)
     values["data"].update(seq_len=min(keys["max_seq_len"], EVAL_SEQ_LEN), tokenizer_vocab_size=keys["vocab_size"])
@@ -189,7 +192,7 @@ def _run_config(keys: dict, arch: str, param_dtype: str, output: pathlib.Path) -
     try:
         config_lib.validate(cfg)
     except UserError as e:  # a value of the file: named by its field, not by the jaxlm key it became
-        raise UserError(hf_map.in_file_terms(str(e), arch)) from None
+        raise UserError(hf_map.in_file_terms(str(e), arch, hf)) from None
     return cfg
 
 
@@ -221,11 +224,8 @@ def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) 
         target = leaves[path]
         sources = [files.slice(names[n]) for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)]
 
-        def block(index, part=part, sources=sources, stacked=stacked, dtype=target.dtype):
-            if stacked:
-                layers = range(len(sources))[index[0]]
-                return np.stack([hf_map.read_slice(sources[i], part, index[1:]) for i in layers]).astype(dtype)
-            return hf_map.read_slice(sources[0], part, index).astype(dtype)
+        def block(index, part=part, sources=sources, stacked=stacked, target=target):
+            return hf_map.read_block(sources, part, stacked, target.shape, index).astype(target.dtype)
 
         flat[path] = jax.make_array_from_callback(target.shape, target.sharding, block)
     for path, part, layer, stacked in parts:  # a weight that is not finite would train and sample nan

@@ -199,16 +199,13 @@ def test_unscanned_layers_read_and_write_the_same_tensors(models):
     with spmd.logical_axis_rules(rules), jax.set_mesh(mesh):
         logits = np.asarray(jax.jit(lambda m, ids: m(ids))(nnx.merge(spec.graphdef, params), jnp.asarray(IDS)))
     close(logits, reference_logits(model))
-    # Export's direction on the unscanned tree: each tensor equals the file's.
+    # Export's direction on the unscanned tree: every tensor of the file, each layer's under its own name.
     files = hf.SafetensorsFiles(hf_dir)
-    for path, part, layer, stacked in hf_map.param_parts(params, model_cfg, arch):
-        assert not stacked
-        value = params
-        for key in path:
-            value = value[key]
-        (name,) = hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)
-        floats.identical(hf_map.hf_tensor({part: np.asarray(value)}, np.float32), np.asarray(files.slice(name)[:]),
-                         why=floats.MOVED, err_msg=name)  # read from the file, laid out back
+    assert not any(stacked for *_, stacked in hf_map.param_parts(params, model_cfg, arch))
+    written = dict(hf_map.hf_tensors(params, model_cfg, arch, np.float32))
+    assert sorted(written) == files.names()
+    # read from the file, laid out back
+    floats.identical(written, {name: np.asarray(files.slice(name)[:]) for name in written}, why=floats.MOVED)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -321,7 +318,8 @@ def test_broken_checkpoints_are_one_line_each(models, tmp_path, capsys):
      'rope_parameters.rope_type="yarn"'),
     ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      'rope_scaling.rope_type="dynamic"'),
-    ("mistral", {"sliding_window": 4096}, "sliding_window=4096: jaxlm has no sliding-window attention"),
+    ("mistral", {"sliding_window": 64}, "sliding_window=64: jaxlm has no sliding-window attention (a window shorter "
+                                        "than max_position_embeddings)"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true"),
     ("qwen3", {"use_sliding_window": True}, "config.json: use_sliding_window=true: jaxlm has no sliding-window attention"),
     ("llama", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),

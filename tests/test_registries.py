@@ -9,13 +9,15 @@ for them. Every entry is run here, with no line of its own, through:
 - the training FLOPs against the dots of the compiled train step;
 - the planner's memory against the compiled step's;
 - each Hugging Face architecture it claims: its weights, written as the export writes them
-  (`models.hf.hf_tensors`), load into `transformers`' own model of that architecture and give jaxlm's
-  logits; with none, an export is refused in one line naming model.mlp.
+  (`models.hf.hf_tensors`, a safetensors file beside the config.json of `models.hf.hf_config`), load
+  into `transformers`' own model of that architecture and give jaxlm's logits; with none, an export is
+  refused in one line naming model.mlp.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import floats
 import jax
@@ -48,7 +50,8 @@ REGISTRIES = {"mlp": MLPS, "norm": NORMS, "position": POSITIONS}
 COMPONENTS = [pytest.param(kind, name, id=f"{kind}-{name}") for kind, entries in REGISTRIES.items() for name in entries]
 # The jaxlm variant (and settings) whose export is each Hugging Face architecture
 HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True, head_dim=16),
-             "gpt2": dict(norm="layernorm", position="learned", use_bias=True, tie_embeddings=True, n_kv_heads=8)}
+             "gpt2": dict(norm="layernorm", position="learned", use_bias=True, tie_embeddings=True, n_kv_heads=8),
+             "mixtral": dict(), "qwen3_moe": dict(qk_norm=True, head_dim=16)}
 
 
 # Settings an entry runs the compiled-program tests (FLOPs, memory) under: an MoE's capacity dispatch at
@@ -127,7 +130,7 @@ def test_the_planner_agrees_with_the_compiled_step(kind, name, devices):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(name):
+def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(name, tmp_path):
     cfg = small_config(mlp=name, n_kv_heads=2)
     if not MLPS[name].hf_architectures:
         with pytest.raises(UserError, match=f"model.mlp={name}") as refused:
@@ -136,6 +139,8 @@ def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(na
         return
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import save_file
+
     for arch in MLPS[name].hf_architectures:
         arch_cfg = dataclasses.replace(cfg, **HF_MODELS[arch])
         assert hf_map.architecture_of(arch_cfg) == arch
@@ -146,12 +151,18 @@ def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(na
         state = nnx.state(model, nnx.Param)
         nnx.replace_by_pure_dict(state, params)
         nnx.update(model, state)
+        # As the export writes them, and transformers reads a checkpoint (which renames or fuses some tensors).
+        directory = tmp_path / arch
+        directory.mkdir()
         hf_cfg = hf_map.hf_config(arch_cfg, arch, bos_id=1, eos_id=2, pad_id=None, dtype="float32")
-        settings = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")}
-        reference = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(arch, **settings), dtype=torch.float32).eval()
-        missing, unexpected = reference.load_state_dict(
-            {k: torch.from_numpy(v) for k, v in hf_map.hf_tensors(params, arch_cfg, arch, np.float32)}, strict=False)
+        (directory / "config.json").write_text(json.dumps(hf_cfg))
+        save_file(dict(hf_map.hf_tensors(params, arch_cfg, arch, np.float32)), str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        reference, info = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                                            output_loading_info=True)
+        reference.eval()
+        assert type(reference).__name__ == hf_cfg["architectures"][0]
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
         assert not unexpected and set(missing) <= ({"lm_head.weight"} if arch_cfg.tie_embeddings else set()), (
             missing, unexpected)
         ids = np.arange(24).reshape(2, 12) % arch_cfg.vocab_size

@@ -4,7 +4,8 @@ architecture between Hugging Face tensors and jaxlm parameters.
 A Hugging Face tensor maps onto a jaxlm parameter by a `Part`: the tensor seen as a `view` (each of
 its dimensions split into several, e.g. q_proj's [N*H, D] as [N, H, D]), optionally one view
 dimension fixed (GPT-2's fused c_attn holds q, k and v side by side), and the remaining dimensions
-transposed into jaxlm's order. Layers are stacked on a leading axis when the model scans them. The
+transposed into jaxlm's order. Layers are stacked on a leading axis when the model scans them, and an
+MoE's experts, one Linear per expert in the checkpoint, on the next (`Part.experts`). The
 same table serves import (`read_slice`: only the rows and columns one device holds are read, through
 safetensors' lazy slices) and export (`hf_tensor`). Llama's q and k need no permutation: Hugging
 Face's `rotate_half` is jaxlm's half-split RoPE.
@@ -16,6 +17,7 @@ safetensors (pickled PyTorch files are refused), `auto_map` and custom modeling 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -30,9 +32,11 @@ from jaxlm.errors import UserError
 from jaxlm.models.mlps import MLPS
 
 MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type values jaxlm imports
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe")  # model_type values jaxlm imports
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # their MLP: jaxlm's MoE (model.mlp=moe) in every layer
 _CLASS_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 # Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
 BUFFERS = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
@@ -106,17 +110,33 @@ _FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "nu
            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
            "mlp_dim": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps",
            "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta"}
+# An MoE's keys (`_moe_keys`), by architecture; Qwen3-MoE's count of experts in either spelling (`_experts_field`)
+_MOE_FIELDS = {"mixtral": {"moe_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
+                           "moe_aux_loss": "router_aux_loss_coef"},
+               "qwen3_moe": {"moe_experts": "num_experts", "moe_top_k": "num_experts_per_tok",
+                             "mlp_dim": "moe_intermediate_size", "moe_aux_loss": "router_aux_loss_coef"}}
 _GPT2_FIELDS = {"vocab_size": "vocab_size", "d_model": "n_embd", "n_layers": "n_layer", "n_heads": "n_head",
                 "mlp_dim": "n_inner", "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"}
 _LINKED = {"data.seq_len": "max_seq_len", "data.tokenizer_vocab_size": "vocab_size"}  # keys set from model keys
 _KEY = re.compile(r"(?:config\.)?((?:model|data)\.\w+)")
 
 
-def in_file_terms(message: str, arch: str) -> str:
-    """A config check's line about an imported model, with each jaxlm key its config.json came from
-    replaced by that field: "config.model.n_kv_heads=3 ... model.n_heads=4" becomes "config.json:
-    num_key_value_heads=3 ... num_attention_heads=4"."""
-    fields = _GPT2_FIELDS if arch == "gpt2" else _FIELDS
+def _fields(arch: str, hf: dict | None = None) -> dict[str, str]:
+    """jaxlm key -> the config.json field of `arch` it comes from (in the spelling of the file `hf`, where
+    given)."""
+    if arch == "gpt2":
+        return _GPT2_FIELDS
+    fields = {**_FIELDS, **_MOE_FIELDS.get(arch, {})}
+    if arch == "qwen3_moe" and hf is not None:
+        fields["moe_experts"] = _experts_field(hf)
+    return fields
+
+
+def in_file_terms(message: str, arch: str, hf: dict | None = None) -> str:
+    """A config check's line about an imported model (of the config.json `hf`, where given), with each
+    jaxlm key its config.json came from replaced by that field: "config.model.n_kv_heads=3 ...
+    model.n_heads=4" becomes "config.json: num_key_value_heads=3 ... num_attention_heads=4"."""
+    fields = _fields(arch, hf)
 
     def field(m: re.Match) -> str:
         key = m.group(1)
@@ -143,29 +163,66 @@ def model_keys(hf: dict) -> tuple[str, dict]:
         raise _refuse("hidden_act", act, "jaxlm's SwiGLU uses silu")
     if hf.get("mlp_bias"):
         raise _refuse("mlp_bias", True, "jaxlm's SwiGLU has no biases")
-    if arch == "mistral" and hf.get("sliding_window") is not None:
-        raise _refuse("sliding_window", hf["sliding_window"], "jaxlm has no sliding-window attention")
-    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    window = hf.get("sliding_window")
+    # Mistral's and Mixtral's window: one as long as the context is every earlier position, full attention
+    if arch in ("mistral", "mixtral") and window is not None and not (
+            isinstance(window, int) and window >= _get(hf, "max_position_embeddings")):
+        raise _refuse("sliding_window", window, "jaxlm has no sliding-window attention (a window shorter than "
+                                                "max_position_embeddings)")
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise _refuse("use_sliding_window", True, "jaxlm has no sliding-window attention")
     d, n = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
     keys = dict(
         # Qwen3: Llama with an RMSNorm on each head's queries and keys (the qwen3 variant's model.qk_norm)
-        variant=arch if arch in ("qwen2", "qwen3") else "llama",
+        variant={"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3"}.get(arch, "llama"),
         vocab_size=_get(hf, "vocab_size"),
         d_model=d,
         n_layers=_get(hf, "num_hidden_layers"),
         n_heads=n,
         n_kv_heads=_get(hf, "num_key_value_heads", int, None) or n,
         head_dim=_get(hf, "head_dim", int, None) or d // n,
-        mlp_dim=_get(hf, "intermediate_size"),
+        mlp_dim=_get(hf, _fields(arch)["mlp_dim"]),  # an MoE's: each expert's width
         max_seq_len=_get(hf, "max_position_embeddings"),
         norm_eps=_get(hf, "rms_norm_eps", float, 1e-6),
         tie_embeddings=_get(hf, "tie_word_embeddings", bool, False),
         # attention_bias: q, k, v and o biases, what model.use_bias gives a SwiGLU model with RMSNorm
-        use_bias=1 if arch in ("llama", "qwen3") and hf.get("attention_bias") else -1,
+        use_bias=1 if arch in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias") else -1,
         **_rope_keys(hf),
     )
+    if arch in MOE_ARCHITECTURES:
+        keys.update(_moe_keys(hf, arch, keys["n_layers"]))
     return arch, keys
+
+
+def _experts_field(hf: dict) -> str:
+    """Qwen3-MoE's count of experts: num_experts on the Hub; transformers 5 writes num_local_experts."""
+    return "num_local_experts" if "num_experts" not in hf and "num_local_experts" in hf else "num_experts"
+
+
+def _moe_keys(hf: dict, arch: str, n_layers: int) -> dict:
+    """jaxlm's MoE keys of a Mixtral or Qwen3-MoE config.json: its experts in every layer, dropless (`ragged`:
+    the function transformers computes, no token dropped); a Qwen3-MoE with dense layers is refused."""
+    if arch == "qwen3_moe":
+        step, dense_only = _get(hf, "decoder_sparse_step", int, 1), hf.get("mlp_only_layers") or []
+        if step < 1:
+            raise _refuse("decoder_sparse_step", step, "expected a positive integer")
+        if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
+            raise _refuse("mlp_only_layers", dense_only, "expected a list of layer numbers")
+        listed = [i for i in range(n_layers) if i in dense_only]
+        if listed:
+            raise _refuse("mlp_only_layers", dense_only,
+                          f"layer{'s' if len(listed) > 1 else ''} {', '.join(map(str, listed))} without experts "
+                          "(dense); jaxlm's MoE model has experts in every layer")
+        if step > 1:
+            raise _refuse("decoder_sparse_step", step,
+                          f"experts in one layer of every {step}, the others dense; jaxlm's MoE model has experts in "
+                          "every layer")
+    # Mixtral renormalizes its top k probabilities: the top k logits softmaxed; Qwen3-MoE where norm_topk_prob
+    router = "topk_softmax" if arch == "mixtral" or _get(hf, "norm_topk_prob", bool, False) else "softmax_topk"
+    fields = _fields(arch, hf)
+    return dict(mlp="moe", moe_experts=_get(hf, fields["moe_experts"]), moe_top_k=_get(hf, fields["moe_top_k"]),
+                moe_router=router, moe_shared_experts=0, moe_impl="ragged",
+                moe_aux_loss=_get(hf, fields["moe_aux_loss"], float, 0.001), moe_z_loss=0.0)
 
 
 def _gpt2_keys(hf: dict) -> dict:
@@ -205,17 +262,29 @@ def architecture_of(cfg) -> str:
     if cfg.norm == "layernorm" and "gpt2" in counterparts and cfg.position == "learned" and cfg.use_bias \
             and cfg.tie_embeddings and not cfg.qk_norm:
         return "gpt2"
+    unsupported = MLPS[cfg.mlp].hf_unsupported(cfg)
+    if unsupported:
+        raise UserError(f"this model's MLP (model.mlp={cfg.mlp}) has {unsupported}, which no Hugging Face "
+                        f"architecture holds, so it cannot be exported")
     llama_like = cfg.norm == "rmsnorm" and cfg.position == "rope"
     if llama_like and not cfg.qk_norm and "llama" in counterparts and not cfg.use_bias:
         return "qwen2" if cfg.qkv_bias else "llama"
+    if llama_like and not cfg.qk_norm and "mixtral" in counterparts and not cfg.use_bias and not cfg.qkv_bias:
+        if cfg.moe.router != "topk_softmax":  # Mixtral renormalizes its top k; softmax_topk: Qwen3-MoE's alone
+            raise UserError(f"this MoE model routes with model.moe_router={cfg.moe.router}, which Mixtral (an MoE without "
+                            "q/k norms) does not: it exports with moe_router=topk_softmax, or as Qwen3-MoE with q/k "
+                            "norms (model.qk_norm=1)")
+        return "mixtral"
     # Qwen3's attention_bias is q, k, v and o biases together: model.use_bias where the MLP has no biases
-    if llama_like and cfg.qk_norm and "qwen3" in counterparts and (cfg.use_bias or not cfg.qkv_bias) \
-            and not MLPS[cfg.mlp].biases:
-        return "qwen3"
+    if llama_like and cfg.qk_norm and (cfg.use_bias or not cfg.qkv_bias) and not MLPS[cfg.mlp].biases:
+        for arch in ("qwen3", "qwen3_moe"):
+            if arch in counterparts:
+                return arch
     raise UserError(f"this model (norm={cfg.norm}, mlp={cfg.mlp}, position={cfg.position}, use_bias={cfg.use_bias}, "
                     f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, tie_embeddings={cfg.tie_embeddings}) has no "
                     "Hugging Face architecture: Llama, Qwen2, Qwen3 (q/k norms; q/k/v biases only with the output's: "
-                    "model.use_bias) and GPT-2 (with tied embeddings) are exported")
+                    "model.use_bias), GPT-2 (with tied embeddings), and with model.mlp=moe Mixtral (no biases) and "
+                    "Qwen3-MoE (Qwen3's attention) are exported")
 
 
 def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, dtype: str) -> dict:
@@ -245,11 +314,27 @@ def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, d
            "rope_scaling": None if rope["rope_type"] == "default" else rope}
     if arch == "llama":
         out.update(attention_bias=cfg.use_bias, mlp_bias=False)
+    elif arch == "mixtral":
+        out.update(sliding_window=None)
     else:
         out.update(use_sliding_window=False, sliding_window=None)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         out.update(attention_bias=cfg.use_bias)
+    if arch in MOE_ARCHITECTURES:
+        out.update(_moe_config(cfg, arch))
     return out
+
+
+def _moe_config(cfg, arch: str) -> dict:
+    """The MoE's fields of a Mixtral or Qwen3-MoE config.json (`_moe_keys` read back): experts in every layer;
+    the router's balancing loss coefficient, which transformers applies where asked (output_router_logits)."""
+    spec = cfg.moe
+    out = {"num_experts_per_tok": spec.top_k, "router_aux_loss_coef": spec.aux_loss, "output_router_logits": False}
+    if arch == "mixtral":  # intermediate_size: each expert's width
+        return {**out, "num_local_experts": spec.experts, "router_jitter_noise": 0.0}
+    # Qwen3-MoE: num_experts as the Hub's checkpoints spell it (transformers 5 reads it as num_local_experts)
+    return {**out, "num_experts": spec.experts, "moe_intermediate_size": cfg.mlp_dim,
+            "norm_topk_prob": spec.router == "topk_softmax", "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -261,12 +346,15 @@ class Part:
 
     `groups[i]` splits the tensor's dimension i into view dimensions; `select` fixes view
     dimensions (by their index in the view) to one index; `perm` gives jaxlm's dimensions as
-    indices into the view dimensions that remain."""
+    indices into the view dimensions that remain. `experts` > 0: the parameter is that many
+    tensors (one per expert, "{expert}" in `hf`) stacked on its first axis, each laid out as the rest
+    of the Part says."""
 
-    hf: str  # the tensor's name; "{layer}" where it is per layer
+    hf: str  # the tensor's name; "{layer}" where it is per layer, "{expert}" per expert
     groups: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
     select: tuple[tuple[int, int], ...] = ()
+    experts: int = 0
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -284,9 +372,10 @@ class Part:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """jaxlm's shape of the parameter (of one layer)."""
+        """jaxlm's shape of the parameter (of one layer; every expert's)."""
         kept = self.kept
-        return tuple(self.view[kept[p]] for p in self.perm)
+        one = tuple(self.view[kept[p]] for p in self.perm)
+        return (self.experts, *one) if self.experts else one
 
 
 def _same(name: str, *shape: int) -> Part:
@@ -298,20 +387,28 @@ def _transposed(name: str, rows: int, cols: int) -> Part:
     return Part(name, ((rows,), (cols,)), (1, 0))
 
 
-def _mlp_parts(cfg, prefix: str, conv1d: bool) -> dict[tuple, Part]:
-    """The MLP's weights under `prefix` + "mlp.", by the names its class gives them (`MLP.hf_names`):
-    GPT-2's Conv1D stores a kernel as jaxlm does, [in, out]; a PyTorch Linear as [out, in]."""
+def _mlp_parts(cfg, arch: str, prefix: str, conv1d: bool) -> dict[tuple, Part]:
+    """The MLP's weights under the layer's `prefix`, by the modules its class gives them in `arch`
+    (`MLP.hf_modules`): GPT-2's Conv1D stores a kernel as jaxlm does, [in, out]; a PyTorch Linear as
+    [out, in]; an MoE's experts one Linear each (a module with "{expert}"), stacked on jaxlm's first axis."""
     mlp = MLPS[cfg.mlp]
     shapes = mlp.projection_shapes(cfg)
     biases = mlp.bias_shapes(cfg)
+    others = mlp.weight_shapes(cfg)
     out = {}
-    for name, module in mlp.hf_names.items():
-        hf = f"{prefix}mlp.{module}"
+    for name, module in mlp.hf_modules(arch).items():
+        hf = prefix + module
         if name in shapes:
             i, o = shapes[name]
             out["mlp", name, "kernel"] = _same(hf + ".weight", i, o) if conv1d else _transposed(hf + ".weight", o, i)
         elif name in biases:
             out["mlp", name] = _same(hf + ".bias", biases[name])
+        elif name in others and "{expert}" in module:
+            experts, i, o = others[name]
+            out["mlp", name] = dataclasses.replace(_transposed(hf + ".weight", o, i), experts=experts)
+        elif name in others:
+            i, o = others[name]
+            out["mlp", name] = _transposed(hf + ".weight", o, i)
     return out
 
 
@@ -325,7 +422,7 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
             ("mlp_norm", "scale"): _same(p + "ln_2.weight", d), ("mlp_norm", "bias"): _same(p + "ln_2.bias", d),
             ("attn", "wo", "kernel"): Part(p + "attn.c_proj.weight", ((n, h), (d,)), (0, 1, 2)),
             ("attn", "bo"): _same(p + "attn.c_proj.bias", d),
-            **_mlp_parts(cfg, p, conv1d=True),
+            **_mlp_parts(cfg, arch, p, conv1d=True),
         }
         for i, name in enumerate(("q", "k", "v")):  # Conv1D's c_attn: [D, 3D], x @ W, q | k | v along columns
             layer[("attn", f"w{name}", "kernel")] = Part(p + "attn.c_attn.weight", ((d,), (3, n, h)), (0, 1, 2),
@@ -344,7 +441,7 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
         ("attn", "wk", "kernel"): Part(p + "self_attn.k_proj.weight", ((k, h), (d,)), (2, 0, 1)),
         ("attn", "wv", "kernel"): Part(p + "self_attn.v_proj.weight", ((k, h), (d,)), (2, 0, 1)),
         ("attn", "wo", "kernel"): Part(p + "self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0)),
-        **_mlp_parts(cfg, p, conv1d=False),
+        **_mlp_parts(cfg, arch, p, conv1d=False),
     }
     if cfg.use_bias or cfg.qkv_bias:
         layer[("attn", "bq")] = Part(p + "self_attn.q_proj.bias", ((n, h),), (0, 1))
@@ -384,17 +481,24 @@ def hf_tensors(params: dict, cfg, arch: str, dtype, *, to_host=np.asarray,
     `dtype`, one at a time: the leaves of one tensor (every layer's) are read with `to_host` together
     and dropped before the next. `build=False` (a process that writes nothing) still reads each leaf,
     for reads that gather across processes, and yields None for the tensor."""
-    by_tensor: dict[str, list] = {}
+    by_tensor: dict[tuple[str, int | None], list] = {}  # each layer's own where the blocks are a list
     for path, part, layer, stacked in param_parts(params, cfg, arch):
-        by_tensor.setdefault(part.hf, []).append((path, part, layer, stacked))
+        by_tensor.setdefault((part.hf, layer), []).append((path, part, layer, stacked))
     all_leaves = dict(leaves(params))
     for entries in by_tensor.values():
         host = {path: to_host(all_leaves[path]) for path, *_ in entries}
         _, part0, layer0, stacked0 = entries[0]
         for i, name in enumerate(hf_names(part0, cfg.n_layers, layer0, stacked0)):
-            values = {part: host[path][i] if stacked else host[path] for path, part, _, stacked in entries}
+            values = {part: one_per_tensor(host[path], part, stacked)[i] for path, part, _, stacked in entries}
             yield name, hf_tensor(values, dtype) if build else None
         del host
+
+
+def one_per_tensor(value: np.ndarray, part: Part, stacked: bool) -> np.ndarray:
+    """A leaf as one array per Hugging Face tensor of it, in `hf_names`' order: its leading axes (the
+    layers where `stacked`, the experts where `part` has them) flattened into one."""
+    lead = int(stacked) + bool(part.experts)
+    return value.reshape(-1, *value.shape[lead:]) if lead else value[None]
 
 
 def leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -406,10 +510,25 @@ def leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
 
 
 def hf_names(part: Part, n_layers: int, layer: int | None, stacked: bool) -> list[str]:
+    """The Hugging Face tensors of one leaf: of each layer (every one where `stacked`, else `layer`), and
+    within a layer of each expert."""
     if "{layer}" not in part.hf:
         return [part.hf]
     layers = range(n_layers) if stacked else [layer]
-    return [part.hf.format(layer=i) for i in layers]
+    return [part.hf.format(layer=i, expert=e) for i in layers for e in range(part.experts or 1)]
+
+
+def read_block(sources: list, part: Part, stacked: bool, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` of a leaf of `shape` from its Hugging Face tensors `sources` (sliceable, in
+    `hf_names`' order): of each layer and expert the block covers, only its rows and columns
+    (`read_slice`), stacked on the leaf's leading axes."""
+    lead = int(stacked) + bool(part.experts)
+    if not lead:
+        return read_slice(sources[0], part, index)
+    ranges = [range(size)[s] for size, s in zip(shape[:lead], index[:lead])]
+    blocks = [read_slice(sources[int(np.ravel_multi_index(at, shape[:lead]))], part, index[lead:])
+              for at in itertools.product(*ranges)]
+    return np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape)
 
 
 def read_slice(tensor, part: Part, index: tuple[slice, ...]) -> np.ndarray:

@@ -449,6 +449,10 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     for name in requested:
         targets += [n for n in names if n != "unembed"] if name == "all" else [name]
     unknown = [t for t in dict.fromkeys(targets) if t not in names]
+    if unknown and unknown[0] in MLPS[cfg.mlp].weight_shapes(cfg):  # an MoE's experts or router: no Projection
+        raise UserError(f"config.lora.targets={lora['targets']!r}: {unknown[0]!r} is a weight of the "
+                        f"model.mlp={cfg.mlp} layer, not a projection, and adapters on it are not built yet; this "
+                        f"model's projections: {', '.join(names)}, or 'all' (every one but unembed)")
     if unknown or not targets:
         raise UserError(f"config.lora.targets={lora['targets']!r}: "
                         f"{repr(unknown[0]) + ' is not a projection of this model' if unknown else 'names nothing'}; "

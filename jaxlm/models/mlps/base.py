@@ -41,6 +41,9 @@ class MLP(nnx.Module):
         refuses in one line.
       hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
         `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
+      hf_layouts: where the architectures differ (Mixtral's and Qwen3-MoE's MLPs), each one's own table:
+        architecture -> weight -> module path under the layer (not only under "mlp."); a module path with
+        "{expert}" is one Linear per expert, stacked on the weight's first axis (`weight_shapes`).
       aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: value})
         (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss, one ending in
         `_by_layer` is kept per layer; each a scalar unless `aux_shapes` says otherwise); () for none, and
@@ -55,6 +58,7 @@ class MLP(nnx.Module):
     autodiff_hidden: ClassVar[int]
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_names: ClassVar[dict[str, str]] = {}
+    hf_layouts: ClassVar[dict[str, dict[str, str]]] = {}
     aux_names: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
@@ -78,6 +82,26 @@ class MLP(nnx.Module):
         """Each bias's size (none without biases)."""
         size = {EMBED: cfg.d_model, HIDDEN: cfg.mlp_dim}
         return {name: size[axis] for name, axis in cls.biases.items()} if cfg.use_bias else {}
+
+    @classmethod
+    def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """The shapes of the weights that are neither projections nor biases (one layer's, jaxlm's layout: an
+        MoE's router [D, E] and experts [E, inputs, outputs]); {} for most."""
+        return {}
+
+    @classmethod
+    def hf_modules(cls, arch: str) -> dict[str, str]:
+        """Each weight's module path under a layer of the Hugging Face architecture `arch`: its own table in
+        `hf_layouts`, else `hf_names` under "mlp."."""
+        if arch in cls.hf_layouts:
+            return cls.hf_layouts[arch]
+        return {name: f"mlp.{module}" for name, module in cls.hf_names.items()}
+
+    @classmethod
+    def hf_unsupported(cls, cfg) -> str:
+        """What in this MLP's settings (`cfg`: a ModelConfig) none of its Hugging Face architectures holds, in
+        one phrase naming the key; "" for nothing (the export's refusal: `models.hf.architecture_of`)."""
+        return ""
 
     @classmethod
     def other_params(cls, cfg) -> int:

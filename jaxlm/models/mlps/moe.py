@@ -186,6 +186,17 @@ class MoEMLP(MLP):
     autodiff_hidden = GatedMLP.autodiff_hidden
     aux_names = ("moe_balance_loss", "moe_z_loss", "moe_balance", "moe_load_max", "moe_load_min",
                  "moe_load_entropy", "moe_dropped", "moe_load_by_layer", "moe_dropped_by_layer")
+    # Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM), as their checkpoints store them: the
+    # router a Linear [E, D] named gate, each expert three Linears (what `save_pretrained` writes, and what
+    # transformers fuses into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F] when it loads)
+    hf_architectures = ("mixtral", "qwen3_moe")
+    hf_layouts: ClassVar[dict[str, dict[str, str]]] = {
+        "mixtral": {"router": "block_sparse_moe.gate", "expert_gate": "block_sparse_moe.experts.{expert}.w1",
+                    "expert_up": "block_sparse_moe.experts.{expert}.w3",
+                    "expert_down": "block_sparse_moe.experts.{expert}.w2"},
+        "qwen3_moe": {"router": "mlp.gate", "expert_gate": "mlp.experts.{expert}.gate_proj",
+                      "expert_up": "mlp.experts.{expert}.up_proj", "expert_down": "mlp.experts.{expert}.down_proj"},
+    }
 
     @classmethod
     def aux_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
@@ -206,6 +217,22 @@ class MoEMLP(MLP):
         f = cls.shared_dim(cfg)
         size = {EMBED: cfg.d_model, HIDDEN: f}
         return {name: (size[i], size[o]) for name, (i, o) in SHARED.items()} if f else {}
+
+    @classmethod
+    def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """The router [D, E], its bias [E] (sigmoid routing), the experts [E, D, F] and [E, F, D]."""
+        d, f, e = cfg.d_model, cfg.mlp_dim, cfg.moe.experts
+        shapes = {"router": (d, e), **({"router_bias": (e,)} if cfg.moe.router == "sigmoid" else {})}
+        return {**shapes, **{name: (e, d, f) if i == EMBED else (e, f, d) for name, (_, i, _) in EXPERT_AXES.items()}}
+
+    @classmethod
+    def hf_unsupported(cls, cfg) -> str:
+        """Mixtral and Qwen3-MoE route by a softmax, and have no shared experts."""
+        if cfg.moe.router not in ("topk_softmax", "softmax_topk"):
+            return f"model.moe_router={cfg.moe.router} (Mixtral and Qwen3-MoE route with topk_softmax or softmax_topk)"
+        if cfg.moe.shared_experts:
+            return f"model.moe_shared_experts={cfg.moe.shared_experts} (Mixtral and Qwen3-MoE have no shared experts)"
+        return ""
 
     @classmethod
     def expert_params(cls, cfg) -> int:
