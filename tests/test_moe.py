@@ -294,8 +294,11 @@ EP_MESHES = {"expert2-fsdp4": dict(expert=2, fsdp=4), "expert4-fsdp2": dict(expe
              "expert8": dict(expert=8), "expert2-data2-fsdp2": dict(expert=2, data=2, fsdp=2)}
 
 
-@pytest.mark.parametrize("impl", ["ragged", "capacity"])
-@pytest.mark.parametrize("mesh", ["expert2-fsdp4", "expert8"])
+@pytest.mark.parametrize("mesh, impl", [
+    ("expert2-fsdp4", "ragged"), ("expert8", "capacity"),
+    pytest.param("expert8", "ragged", marks=pytest.mark.slow),
+    pytest.param("expert2-fsdp4", "capacity", marks=pytest.mark.slow),
+])
 def test_expert_parallelism_trains_as_one_device(mesh, impl):
     """Each device holds E / mesh.expert experts (its slice of every expert weight), and the step's losses
     are one device's: the dispatch gathers the rows along the expert axis and sums each row's outputs
