@@ -104,6 +104,32 @@ def cudnn_checks_for(target: Target):
         cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = saved
 
 
+@contextlib.contextmanager
+def kernel_checks_for(target: Target):
+    """While lowering for compile-only `target` devices: `cudnn_checks_for`, and the same for tokamax
+    (model.moe_impl=tokamax), where it is installed: its kernels check the default device (here the CPU)
+    and fall back to XLA's masked dense grouped matmul; within this they compile for the target (its
+    `cross_compile` option), and its Mosaic GPU kernels are told the target's compute capability, as
+    a real H100 picks them before Triton's."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cudnn_checks_for(target))
+        try:
+            import tokamax
+            from tokamax._src import gpu_utils  # private: the capability its Mosaic GPU kernels check
+        except ImportError:
+            tokamax = None
+        if tokamax is not None:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()  # tokamax's options are absl flags (jaxlm.models.mlps.moe._tokamax)
+            stack.enter_context(tokamax.config.cross_compile(True))
+            saved = gpu_utils._compute_capability
+            gpu_utils._compute_capability = lambda device=None: float(target.capability)
+            stack.callback(setattr, gpu_utils, "_compute_capability", saved)
+        yield
+
+
 H100 = Target(
     name="h100", device_kind="NVIDIA H100 80GB HBM3", platform="cuda",
     # bf16/fp16 989.4 TFLOP/s, fp8 1979, tf32 (XLA's default for float32 dots on GPUs) 494.7
@@ -249,6 +275,33 @@ def _cudnn_attention(module: hlo.Module, inst: dict, backward: bool) -> tuple[fl
     return (full / 2 if causal else full), full, q_t
 
 
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')  # the escaped quotes of a name holding JSON included
+
+
+def _tokamax_ragged_dot(attrs: str) -> tuple[float, str] | None:
+    """A tokamax grouped-matmul kernel's FLOPs and operand dtype, or None for another custom call. tokamax
+    names its kernels' scope after the op and its arguments as JSON (`tokamax:{...}` in op_name): the
+    FLOPs are 2 x lhs elements x the rhs's kept size, every ragged row in a group (a dropless dispatch
+    routes every row; block padding not counted), the routed FLOPs."""
+    m = _OP_NAME.search(attrs)
+    name = m.group(1).replace('\\"', '"') if m else ""
+    start = name.find("tokamax:{")
+    if start < 0 or "RaggedDot" not in name:
+        return None
+    try:
+        op, _ = json.JSONDecoder().raw_decode(name[start + len("tokamax:"):])
+        args = op["arguments"]
+        dims = args["ragged_dot_dimension_numbers"]
+        lhs_t, lhs = hlo.dtype_dims(args["lhs"])
+        _, rhs = hlo.dtype_dims(args["rhs"])
+        (_, rhs_contracting), (_, rhs_batch) = dims["dot_dimension_numbers"]
+        dropped = [*rhs_contracting, *rhs_batch, *dims["rhs_group_dimensions"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    kept = math.prod(n for i, n in enumerate(rhs) if i not in dropped)
+    return 2.0 * math.prod(lhs) * kept, lhs_t
+
+
 def _users(computation: list[dict], name: str) -> list[dict]:
     return [i for i in computation if name in i["operands"]]
 
@@ -367,6 +420,9 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
                     kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
                                                                                           "Backward" in call)
+                elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
+                    kernel.kind = "gemm"
+                    kernel.flops, kernel.dtype = grouped
                 else:
                     kernel.kind = f"custom call ({call})"
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
