@@ -7,7 +7,9 @@ plugin; `make h100-env`), and the scheduled HLO text lists the kernels in launch
 
 - **FLOPs**: the dots of a GEMM fusion (Triton) or a cuBLAS call, 2·M·N·K; cuDNN attention
   4·B·H·T·S·D forward (two matmuls), x2.5 backward (five), halved when cuDNN is told the mask is
-  causal (it skips the blocks above the diagonal). Elementwise work counts no FLOPs (memory-bound).
+  causal (it skips the blocks above the diagonal); tokamax's grouped GEMMs (an MoE's experts, Triton or
+  Mosaic GPU custom calls) 2·rows·K·N, every ragged row in a group (the routed FLOPs, read from the op and
+  shapes tokamax names its kernels' scope with). Elementwise work counts no FLOPs (memory-bound).
 - **bytes** (HBM traffic): what the kernel reads and writes: its operands and results, except that
   a dynamic slice reads only the slice and an in-place dynamic-update-slice writes only the update
   (the layer loop's stacked weights and activations).
