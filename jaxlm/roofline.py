@@ -116,12 +116,12 @@ def kernel_checks_for(target: Target):
     with contextlib.ExitStack() as stack:
         stack.enter_context(cudnn_checks_for(target))
         try:
-            import tokamax
-            from tokamax._src import gpu_utils  # private: the capability its Mosaic GPU kernels check
+            import tokamax  # local import: an optional package (the cuda12 extra)
+            from tokamax._src import gpu_utils  # local import: private, the capability its Mosaic GPU kernels check
         except ImportError:
             tokamax = None
         if tokamax is not None:
-            from absl import flags
+            from absl import flags  # local import: only with tokamax, for compile-only targets
 
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()  # tokamax's options are absl flags (jaxlm.models.mlps.moe._tokamax)

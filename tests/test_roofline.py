@@ -332,6 +332,24 @@ with jax.set_mesh(setup.mesh):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_tokamax_moe_h100_program_computes_the_routed_flops():
+    """configs/moe_tiny.py with model.moe_impl=tokamax compiled for one H100 (tokamax told to compile for it:
+    `roofline.kernel_checks_for`): the experts run in tokamax's grouped-GEMM kernels, whose FLOPs are the
+    routed ones, so the program's matmuls are exactly the model's active count plus cuDNN's recomputed
+    scores (jax's own ragged_dot computes E x the experts' FLOPs there)."""
+    if subprocess.run([str(H100_PYTHON), "-c", "import tokamax"], capture_output=True).returncode:
+        pytest.skip("tokamax is not installed in the H100 compiler environment")
+    result = subprocess.run([str(H100_PYTHON), "-m", "jaxlm.plan", "--config=configs/moe_tiny.py", "--target=h100",
+                             "--devices=1", "--config.model.moe_impl=tokamax", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(result.stdout)["compiled"]["roofline"]
+    assert r["matmul_flops"] - r["attention_recompute_flops"] == pytest.approx(r["model_flops"], rel=1e-9)
+    assert 0 < r["roofline_mfu"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
 def test_the_init_program_keeps_each_random_generator_its_own_kernel():
     """XLA's GPU backend fuses the generators of all same-shaped parameters of unscanned layers into one
     multi-output kernel that takes minutes to compile (1b: 2 min 12 s on an H200); the init program

@@ -49,6 +49,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 from flax.linen import spmd
 from jax.custom_batching import custom_vmap
@@ -338,8 +339,7 @@ def _tokamax():
     jaxlm's own command lines."""
     if not tokamax_available():
         raise UserError(TOKAMAX_MISSING)
-    import tokamax
-    from absl import flags
+    import tokamax  # local import: an optional package (the cuda12 extra)
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
