@@ -58,9 +58,10 @@ bench: install  ## the MFU harness: 1b on a GPU, tiny on a CPU; ARGS="--recipe 1
 	$(BIN)/python benchmarks/mfu.py $(if $(ARGS),$(ARGS),$(if $(shell command -v nvidia-smi),--recipe 1b,--recipe tiny))
 
 # XLA's CUDA compiler without a GPU (2.6 GB, installed only on request): compiles the real H100 program on
-# this machine for `python -m jaxlm.plan --target=h100` and benchmarks/roofline.py. Pinned to the jax above.
+# this machine for `python -m jaxlm.plan --target=h100` and benchmarks/roofline.py. Pinned to the jax above;
+# tokamax: the MoE's grouped GEMM (model.moe_impl=tokamax, auto's choice on GPUs), compiled here as on an H100.
 H100_VENV := .venv-h100
-H100_PACKAGES := jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 nvidia-cudnn-cu13==9.28.1.4
+H100_PACKAGES := jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 nvidia-cudnn-cu13==9.28.1.4 tokamax==0.0.12
 
 $(H100_VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(H100_VENV)/bin/python || $(PYTHON) -m venv $(H100_VENV)

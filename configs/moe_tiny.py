@@ -3,8 +3,9 @@ units with 2 routed per token, the same active parameters per token as tiny's 38
 parameters in all).
 
 Capacity dispatch (each expert takes at most 1.25x its balanced share of a row's tokens, the rest
-dropped and counted in aux/moe_dropped): on a CPU the dropless grouped matmul (`model.moe_impl=ragged`)
-runs as a masked dense matmul over every expert, about twice as slow (benchmarks/BENCHMARKS.md).
+dropped and counted in aux/moe_dropped), what `model.moe_impl=auto` picks on a CPU: there the dropless
+grouped matmul (`model.moe_impl=ragged`) runs as a masked dense matmul over every expert, several times
+slower (benchmarks/BENCHMARKS.md).
 """
 
 from jaxlm.config import load_recipe

@@ -136,7 +136,7 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     # The attention kernel the trainer runs for batches that fit cuDNN's packed layout; a run across
     # hosts (several processes) keeps the conditional that chooses it on the device (TrainSetup.attention_choice).
     packed = None if target is not None and len(devices) > target.devices_per_host else "expected"
-    with roofline.cudnn_checks_for(target) if target is not None else contextlib.nullcontext():
+    with roofline.kernel_checks_for(target) if target is not None else contextlib.nullcontext():
         compiled = setup.compile_train_step(packed)
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()

@@ -7,7 +7,9 @@ plugin; `make h100-env`), and the scheduled HLO text lists the kernels in launch
 
 - **FLOPs**: the dots of a GEMM fusion (Triton) or a cuBLAS call, 2·M·N·K; cuDNN attention
   4·B·H·T·S·D forward (two matmuls), x2.5 backward (five), halved when cuDNN is told the mask is
-  causal (it skips the blocks above the diagonal). Elementwise work counts no FLOPs (memory-bound).
+  causal (it skips the blocks above the diagonal); tokamax's grouped GEMMs (an MoE's experts, Triton or
+  Mosaic GPU custom calls) 2·rows·K·N, every ragged row in a group (the routed FLOPs, read from the op and
+  shapes tokamax names its kernels' scope with). Elementwise work counts no FLOPs (memory-bound).
 - **bytes** (HBM traffic): what the kernel reads and writes: its operands and results, except that
   a dynamic slice reads only the slice and an in-place dynamic-update-slice writes only the update
   (the layer loop's stacked weights and activations).
@@ -102,6 +104,32 @@ def cudnn_checks_for(target: Target):
         yield
     finally:
         cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = saved
+
+
+@contextlib.contextmanager
+def kernel_checks_for(target: Target):
+    """While lowering for compile-only `target` devices: `cudnn_checks_for`, and the same for tokamax
+    (model.moe_impl=tokamax), where it is installed: its kernels check the default device (here the CPU)
+    and fall back to XLA's masked dense grouped matmul; within this they compile for the target (its
+    `cross_compile` option), and its Mosaic GPU kernels are told the target's compute capability, as
+    a real H100 picks them before Triton's."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cudnn_checks_for(target))
+        try:
+            import tokamax  # local import: an optional package (the cuda12 extra)
+            from tokamax._src import gpu_utils  # local import: private, the capability its Mosaic GPU kernels check
+        except ImportError:
+            tokamax = None
+        if tokamax is not None:
+            from absl import flags  # local import: only with tokamax, for compile-only targets
+
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()  # tokamax's options are absl flags (jaxlm.models.mlps.moe._tokamax)
+            stack.enter_context(tokamax.config.cross_compile(True))
+            saved = gpu_utils._compute_capability
+            gpu_utils._compute_capability = lambda device=None: float(target.capability)
+            stack.callback(setattr, gpu_utils, "_compute_capability", saved)
+        yield
 
 
 H100 = Target(
@@ -249,6 +277,33 @@ def _cudnn_attention(module: hlo.Module, inst: dict, backward: bool) -> tuple[fl
     return (full / 2 if causal else full), full, q_t
 
 
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')  # the escaped quotes of a name holding JSON included
+
+
+def _tokamax_ragged_dot(attrs: str) -> tuple[float, str] | None:
+    """A tokamax grouped-matmul kernel's FLOPs and operand dtype, or None for another custom call. tokamax
+    names its kernels' scope after the op and its arguments as JSON (`tokamax:{...}` in op_name): the
+    FLOPs are 2 x lhs elements x the rhs's kept size, every ragged row in a group (a dropless dispatch
+    routes every row; block padding not counted), the routed FLOPs."""
+    m = _OP_NAME.search(attrs)
+    name = m.group(1).replace('\\"', '"') if m else ""
+    start = name.find("tokamax:{")
+    if start < 0 or "RaggedDot" not in name:
+        return None
+    try:
+        op, _ = json.JSONDecoder().raw_decode(name[start + len("tokamax:"):])
+        args = op["arguments"]
+        dims = args["ragged_dot_dimension_numbers"]
+        lhs_t, lhs = hlo.dtype_dims(args["lhs"])
+        _, rhs = hlo.dtype_dims(args["rhs"])
+        (_, rhs_contracting), (_, rhs_batch) = dims["dot_dimension_numbers"]
+        dropped = [*rhs_contracting, *rhs_batch, *dims["rhs_group_dimensions"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    kept = math.prod(n for i, n in enumerate(rhs) if i not in dropped)
+    return 2.0 * math.prod(lhs) * kept, lhs_t
+
+
 def _users(computation: list[dict], name: str) -> list[dict]:
     return [i for i in computation if name in i["operands"]]
 
@@ -367,6 +422,9 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
                     kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
                                                                                           "Backward" in call)
+                elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
+                    kernel.kind = "gemm"
+                    kernel.flops, kernel.dtype = grouped
                 else:
                     kernel.kind = f"custom call ({call})"
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])

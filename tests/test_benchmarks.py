@@ -316,3 +316,41 @@ def test_host_launches_counts_graphs_once_loops_by_trips_and_conditionals_as_wai
     assert got == {"launches": 1 + 3 * (1 + 1 + 2), "kernels": 3 + 3 * (1 + 2 + 2), "waits": 3}
     assert bench.thunk_names('thunk_metadata {\n  thunk_info {\n    profile_annotation: "while.7"\n'
                              '    thunk_id: 10\n  }\n  thunk_kind: "kWhile"\n}\n') == {10: "while.7"}
+
+
+def test_moe_matmul_benchmark_counts_each_ways_flops(tmp_path):
+    """benchmarks/moe.py matmul on the tiny shape (E = 8, k = 2): the compiled programs' FLOPs against the
+    routed ones are E for ragged_dot (a masked dense dot over every expert on a CPU), E / k for every expert
+    on every token, the capacity factor for the capacity einsum; the table comes last but for the load."""
+    out = tmp_path / "matmul.json"
+    result = subprocess.run([sys.executable, "benchmarks/moe.py", "matmul", "--shapes", "tiny", "--iters", "1",
+                             "--repeats", "1", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "XLA_FLAGS": xla_flags()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["versions"].startswith("jax ") and report["meta"]["load_average"]
+    ratios = {r["impl"]: r["flops_ratio"] for r in report["results"]}
+    assert {k: v for k, v in ratios.items() if k != "tokamax"} == {"ragged_dot": 8.0, "dense_einsum": 4.0,
+                                                                   "capacity_einsum": 1.25}
+    assert ratios.get("tokamax", 8.0) == 8.0  # on a CPU tokamax falls back to ragged_dot
+    assert all(r["ms"] > 0 and r["routed_gflop"] == round(3 * 2 * 4096 * 128 * 192 / 1e9, 3) for r in report["results"])
+    assert result.stdout.strip().splitlines()[-2].startswith("| tiny | capacity_einsum |")
+
+
+@pytest.mark.slow  # compiles a train step per variant
+def test_moe_train_benchmark_times_dense_and_each_dispatch(tmp_path):
+    out = tmp_path / "train.json"
+    result = subprocess.run([sys.executable, "benchmarks/moe.py", "train", "--variants", "dense", "E8k2", "--impls",
+                             "capacity", "ragged", "--steps", "1", "--warmup", "0", "--repeats", "2", "--set",
+                             "data.global_batch_size=2", "data.seq_len=32", "model.n_layers=1", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "XLA_FLAGS": xla_flags()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {(r["variant"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("dense", "-"), ("E8k2", "capacity"), ("E8k2", "ragged")}
+    assert rows["dense", "-"]["vs_dense"] == 1.0
+    # the same active parameters but the router's (d_model x E per layer)
+    assert rows["E8k2", "ragged"]["active_m"] - rows["dense", "-"]["active_m"] == pytest.approx(128 * 8 / 1e6, abs=1e-3)
+    assert all(len(r["step_ms_rounds"]) == 2 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["E8k2", "ragged"]["dropped"] == 0.0

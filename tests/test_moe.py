@@ -23,6 +23,10 @@ from jaxlm.models import transformer
 from jaxlm.models.mlps import moe
 from jaxlm.models.mlps.moe import MoEMLP, MoESpec
 
+# the dispatches this machine runs: tokamax's needs its optional package (tests of its own below)
+HERE = [impl for impl in moe.IMPLS if impl != "tokamax" or moe.tokamax_available()]
+needs_tokamax = pytest.mark.skipif(not moe.tokamax_available(), reason="tokamax is not installed (the cuda12 extra)")
+
 
 def _config(**spec) -> transformer.ModelConfig:
     return small_config(mlp="moe", mlp_dim=32, moe=MoESpec(**{"experts": 4, "top_k": 2, **spec}))
@@ -77,7 +81,7 @@ def _reference(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("impl", moe.IMPLS)
+@pytest.mark.parametrize("impl", HERE)
 def test_every_dispatch_is_each_token_through_its_experts(impl):
     cfg = _config(impl=impl, capacity_factor=4.0)  # capacity for every pair: nothing dropped
     mlp = _mlp(cfg)
@@ -90,7 +94,7 @@ def test_every_dispatch_is_each_token_through_its_experts(impl):
 def test_the_dispatches_have_the_same_gradients():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 64)), jnp.float32)
     grads = {}
-    for impl in moe.IMPLS:
+    for impl in HERE:
         graph, state = nnx.split(_mlp(_config(impl=impl, capacity_factor=4.0, z_loss=1e-3)))
 
         def loss(state, x, graph=graph):
@@ -98,12 +102,13 @@ def test_the_dispatches_have_the_same_gradients():
             return jnp.sum(jnp.sin(y)) + out["moe_balance_loss"] + out["moe_z_loss"]
 
         grads[impl] = jax.grad(loss, argnums=(0, 1))(state, x)
-    for impl in ("dense", "capacity"):
+    for impl in HERE[1:]:
         for a, b in zip(jax.tree.leaves(grads["ragged"]), jax.tree.leaves(grads[impl])):
             floats.close(np.asarray(b), np.asarray(a), ulps=256)
 
 
-def test_the_grouped_matmul_runs_vmapped_with_unbatched_weights():
+@pytest.mark.parametrize("grouped", ["grouped_matmul", pytest.param("tokamax_grouped_matmul", marks=needs_tokamax)])
+def test_the_grouped_matmul_runs_vmapped_with_unbatched_weights(grouped):
     """As the step's gradient is vmapped over `data` replicas, the expert weights unbatched."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
@@ -113,11 +118,41 @@ def test_the_grouped_matmul_runs_vmapped_with_unbatched_weights():
     def f(w, x, s, matmul):
         return jnp.sum(jnp.sin(matmul(x, w, s)))
 
-    got = jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 0, 0, None))(w, x, sizes, moe.grouped_matmul)
+    got = jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 0, 0, None))(w, x, sizes, getattr(moe, grouped))
     for i in range(3):
         want = jax.grad(f, argnums=(0, 1))(w, x[i], sizes[i], jax.lax.ragged_dot)
         floats.identical(got[0][i], want[0], why=floats.MOVED)
         floats.identical(got[1][i], want[1], why=floats.MOVED)
+
+
+@needs_tokamax
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tokamax_is_ragged_where_it_falls_back_to_xla(dtype):
+    """On a CPU tokamax's grouped matmul is `jax.lax.ragged_dot_general` (its XLA kernel): the tokamax
+    dispatch gives ragged's outputs and gradients (in bfloat16 its weight gradient takes the cotangent
+    in bfloat16, which holds the same values: the experts' outputs are cast to the compute dtype)."""
+    cfg = dataclasses.replace(_config(impl="ragged", z_loss=1e-3), dtype=dtype)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 8, 64)), jnp.float32)
+    outs, grads = {}, {}
+    for impl in ("ragged", "tokamax"):
+        graph, state = nnx.split(_mlp(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, impl=impl))))
+
+        def loss(state, x, graph=graph):
+            y, out = nnx.merge(graph, state)(x)
+            return jnp.sum(jnp.sin(y.astype(jnp.float32))) + out["moe_z_loss"]
+
+        outs[impl] = nnx.merge(graph, state)(x)[0]
+        grads[impl] = jax.grad(loss, argnums=(0, 1))(state, x)
+    floats.close(np.asarray(outs["tokamax"]), np.asarray(outs["ragged"]))
+    for a, b in zip(jax.tree.leaves(grads["ragged"]), jax.tree.leaves(grads["tokamax"])):
+        floats.close(np.asarray(b), np.asarray(a))
+
+
+def test_tokamax_not_installed_stops_with_one_line(monkeypatch):
+    monkeypatch.setattr(moe, "tokamax_available", lambda: False)
+    with pytest.raises(UserError, match="moe_impl=tokamax needs the tokamax package, which is not installed") as raised:
+        recipe("tiny", model__mlp="moe", model__moe_impl="tokamax")
+    assert "\n" not in str(raised.value)
 
 
 def test_a_full_expert_drops_the_later_pairs_and_counts_them():

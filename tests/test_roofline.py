@@ -168,6 +168,45 @@ def test_a_hand_counted_module():
     assert "the projection" in roofline.format_summary(summary)
 
 
+def _tokamax_call(name: str, result: str, operands: str, lhs: str, rhs: str, dims: str, op: str) -> str:
+    """A tokamax grouped-matmul custom call as XLA writes it: its op and arguments as JSON in op_name."""
+    meta = (f'{{"op":{{"__type":"tokamax._src.ops.ragged_dot.{op}","config":{{"block_m":64}}}},"arguments":{{'
+            f'"group_sizes":{{"num_groups":8,"total_size":4096}},"lhs":"{lhs}","preferred_element_type":"float32",'
+            f'"ragged_dot_dimension_numbers":{dims},"rhs":"{rhs}"}}}}')
+    target = "mosaic_gpu_v2" if "Mosaic" in op else "__gpu$xla.gpu.triton"
+    return (f'  %{name} = {result} custom-call({operands}), custom_call_target="{target}", '
+            f'metadata={{op_name="jit(step)/tokamax:{meta.replace(chr(34), chr(92) + chr(34))}/pallas_call"}}')
+
+
+TOKAMAX_MODULE = "\n".join([
+    "HloModule grouped, is_scheduled=true", "",
+    "ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,2304], ct: bf16[4096,2304], lo: s32[8], hi: s32[8]) -> f32[4096,2304] {",
+    "  %x = bf16[4096,1024]{1,0} parameter(0)", "  %w = bf16[8,1024,2304]{2,1,0} parameter(1)",
+    "  %ct = bf16[4096,2304]{1,0} parameter(2)", "  %lo = s32[8]{0} parameter(3)", "  %hi = s32[8]{0} parameter(4)",
+    _tokamax_call("fwd", "f32[4096,2304]{1,0}", "%x, %w, %lo, %hi", "bf16[4096,1024]", "bf16[8,1024,2304]",
+                  '{"dot_dimension_numbers":[[[1],[1]],[[],[]]],"lhs_ragged_dimensions":[0],"rhs_group_dimensions":[0]}',
+                  "pallas_mosaic_gpu.PallasMosaicGpuRaggedDot"),
+    _tokamax_call("dx", "f32[4096,1024]{1,0}", "%ct, %w, %lo, %hi", "bf16[4096,2304]", "bf16[8,1024,2304]",
+                  '{"dot_dimension_numbers":[[[1],[2]],[[],[]]],"lhs_ragged_dimensions":[0],"rhs_group_dimensions":[0]}',
+                  "pallas_triton.PallasTritonRaggedDot"),
+    _tokamax_call("dw", "f32[8,1024,2304]{2,1,0}", "%x, %ct, %lo, %hi", "bf16[4096,1024]", "bf16[4096,2304]",
+                  '{"dot_dimension_numbers":[[[0],[0]],[[],[]]],"lhs_ragged_dimensions":[0],"rhs_group_dimensions":[]}',
+                  "pallas_mosaic_gpu.PallasMosaicGpuRaggedDot"),
+    "  ROOT %out = f32[4096,2304]{1,0} add(%fwd, %fwd)", "}",
+])
+
+
+def test_tokamax_grouped_matmuls_count_their_routed_flops():
+    """tokamax's kernels (Triton or Mosaic GPU custom calls, model.moe_impl=tokamax) are GEMMs of 2 M K N
+    FLOPs, M the grouped rows, read from the op and shapes tokamax writes into their op_name: the forward
+    x [M, K] by w [E, K, N], the input gradient ct [M, N] by w's transpose, the weight gradient summed
+    over each group's rows into [E, K, N]."""
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(TOKAMAX_MODULE), roofline.H100, 1)}
+    for name in ("fwd", "dx", "dw"):
+        assert (kernels[name].kind, kernels[name].flops, kernels[name].dtype) == ("gemm", 2 * 4096 * 1024 * 2304, "bf16")
+    assert kernels["out"].kind == "add" and kernels["out"].flops == 0
+
+
 def test_a_target_without_its_compiler_is_one_line(tmp_path):
     """In an environment without the CUDA plugin (the default install), --target says how to get it."""
     if (pathlib.Path(sys.executable).parent / ".." / "lib").resolve() == (H100_PYTHON.parent / ".." / "lib").resolve():
@@ -289,6 +328,24 @@ with jax.set_mesh(setup.mesh):
         outputs = [len(re.findall(r"f32\\[", line.split(" fusion(")[0])) for line in generators]  # zeros are not generators
         print(max(outputs, default=1))
 """
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not H100_PYTHON.exists(), reason="the H100 compiler environment is not installed (make h100-env)")
+def test_the_tokamax_moe_h100_program_computes_the_routed_flops():
+    """configs/moe_tiny.py with model.moe_impl=tokamax compiled for one H100 (tokamax told to compile for it:
+    `roofline.kernel_checks_for`): the experts run in tokamax's grouped-GEMM kernels, whose FLOPs are the
+    routed ones, so the program's matmuls are exactly the model's active count plus cuDNN's recomputed
+    scores (jax's own ragged_dot computes E x the experts' FLOPs there)."""
+    if subprocess.run([str(H100_PYTHON), "-c", "import tokamax"], capture_output=True).returncode:
+        pytest.skip("tokamax is not installed in the H100 compiler environment")
+    result = subprocess.run([str(H100_PYTHON), "-m", "jaxlm.plan", "--config=configs/moe_tiny.py", "--target=h100",
+                             "--devices=1", "--config.model.moe_impl=tokamax", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(result.stdout)["compiled"]["roofline"]
+    assert r["matmul_flops"] - r["attention_recompute_flops"] == pytest.approx(r["model_flops"], rel=1e-9)
+    assert 0 < r["roofline_mfu"] < 1
 
 
 @pytest.mark.slow

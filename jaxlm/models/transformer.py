@@ -178,9 +178,12 @@ class ModelSection(Section):
         "per-expert bias on the choice) (jaxlm.models.mlps.moe)")
     moe_impl: str = setting(
         "auto",
-        "model.mlp=moe: how tokens reach their experts: auto (ragged) | ragged (dropless: sorted by expert, "
-        "grouped matmuls) | dense (dropless: every expert on every token, E/k x the FLOPs) | capacity (at most "
-        "moe_capacity_factor x the balanced share per expert, the rest dropped and counted)")
+        "model.mlp=moe: how tokens reach their experts: auto (tokamax on GPUs where installed, else capacity: "
+        "measured, jaxlm.models.mlps.moe.resolve_impl) | ragged (dropless: sorted by expert, jax.lax.ragged_dot, "
+        "which jax 0.10 runs as a masked dense dot: E x the routed FLOPs) | tokamax (ragged with tokamax's "
+        "grouped GEMM: the routed FLOPs on GPUs; the cuda12 extra) | dense (dropless: every expert on every "
+        "token, E/k x the FLOPs) | capacity (at most moe_capacity_factor x the balanced share per expert, the "
+        "rest dropped and counted)")
     moe_capacity_factor: float = setting(1.25, "model.mlp=moe, moe_impl=capacity: each expert's room, x its balanced share")
     moe_aux_loss: float = setting(
         0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
@@ -234,6 +237,8 @@ class ModelSection(Section):
                   "0 or a positive number")
             check_choice(key("moe_router"), self.moe_router, moe_lib.ROUTERS)
             check_choice(key("moe_impl"), self.moe_impl, ("auto", *moe_lib.IMPLS))
+            if self.moe_impl == "tokamax" and not moe_lib.tokamax_available():
+                raise UserError(moe_lib.TOKAMAX_MISSING)
             check(self.moe_capacity_factor > 0, key("moe_capacity_factor"), self.moe_capacity_factor,
                   "a positive number")
             for name in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):

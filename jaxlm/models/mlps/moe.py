@@ -16,7 +16,12 @@ that step was under its share, down for one over it (DeepSeek-V3's rule, its gam
 
 Dispatch (`model.moe_impl`), each the same function of the routed tokens where none is dropped:
   ragged    dropless: the (token, expert) pairs sorted by expert, each expert's rows multiplied by its
-            weights with `jax.lax.ragged_dot` (a grouped matmul), then unsorted
+            weights with `jax.lax.ragged_dot` (a grouped matmul), then unsorted. jax 0.10 lowers it on
+            XLA:CPU and XLA:GPU alike to a dense dot over every expert, masked: E x the routed FLOPs
+  tokamax   ragged's dispatch with tokamax's grouped matmul (`tokamax.ragged_dot`, an optional package:
+            the `cuda12` extra): on a GPU a real grouped GEMM (Mosaic GPU on Hopper, else Triton) whose
+            FLOPs are the routed ones; elsewhere tokamax falls back to `jax.lax.ragged_dot` (the same
+            values as ragged)
   dense     dropless: every expert applied to every token, the outputs weighted by the gates (E / k
             times the routed FLOPs; exact, simple, for small E and for checking the others)
   capacity  each expert takes at most C = ceil(capacity_factor x T x k / E) pairs of each row of T
@@ -40,24 +45,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 from flax.linen import spmd
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
+from jaxlm.errors import UserError
 from jaxlm.mesh import logical_to_spec, mesh_axes_of
 from jaxlm.models import layers
 from jaxlm.models.mlps.base import EMBED, HIDDEN, MLP, output
 from jaxlm.models.mlps.swiglu import GatedMLP
 
 ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid")
-IMPLS = ("ragged", "dense", "capacity")  # model.moe_impl; "auto" resolves to one (`resolve_impl`)
+IMPLS = ("ragged", "tokamax", "dense", "capacity")  # model.moe_impl; "auto" resolves to one (`resolve_impl`)
+# tokamax's grouped matmuls, in the order tried (each refuses what it cannot run with NotImplementedError):
+# Mosaic GPU (Hopper and Blackwell), Triton (GPUs), XLA (`jax.lax.ragged_dot_general`, anywhere)
+TOKAMAX_KERNELS = ("mosaic_gpu", "triton", "xla")
 # The expert weights' logical axis names: [experts, inputs, outputs]
 EXPERT_AXES = {"expert_gate": ("experts", EMBED, HIDDEN), "expert_up": ("experts", EMBED, HIDDEN),
                "expert_down": ("experts", HIDDEN, EMBED)}
@@ -135,8 +146,21 @@ def step_hooks(cfg) -> list[RouterBiasHook]:
 
 
 def resolve_impl(impl: str, platform: str) -> str:
-    """model.moe_impl=auto: the dropless grouped matmul (`ragged`) on every platform."""
-    return "ragged" if impl == "auto" else impl
+    """model.moe_impl=auto, chosen by measurement (benchmarks/moe.py; benchmarks/BENCHMARKS.md): dropless
+    where a dropless dispatch costs about what capacity's does, capacity elsewhere.
+
+    - gpu: `tokamax` where it is installed: its grouped GEMM computes the routed FLOPs and no more, less
+      than capacity's 1.25x and nothing dropped (in the H100 program compiled here); without it,
+      `capacity`: jax's ragged_dot computes E x the routed FLOPs on a GPU (a masked dense dot over
+      every expert), `dense` E / k x.
+    - every other platform: `capacity`. A CPU has no grouped matmul: ragged_dot (and tokamax, which
+      falls back to it) is the same masked dense dot, many times slower than capacity's batched
+      einsum on the tiny recipe's shapes, and `dense` costs E / k x."""
+    if impl == "tokamax":
+        _tokamax()  # installed, or one line saying so
+    if impl != "auto":
+        return impl
+    return "tokamax" if platform == "gpu" and tokamax_available() else "capacity"
 
 
 def capacity(spec: MoESpec, tokens: int) -> int:
@@ -255,10 +279,10 @@ class MoEMLP(MLP):
 
     @classmethod
     def rows_per_token(cls, cfg) -> float:
-        """The rows the experts compute per token: k dropless (ragged), E (dense: every expert, every
+        """The rows the experts compute per token: k dropless (ragged, tokamax), E (dense: every expert, every
         token), up to k x capacity_factor (capacity)."""
         spec = cfg.moe
-        return {"ragged": spec.top_k, "dense": spec.experts,
+        return {"ragged": spec.top_k, "tokamax": spec.top_k, "dense": spec.experts,
                 "capacity": min(spec.top_k * spec.capacity_factor, spec.experts)}[spec.impl]
 
     @classmethod
@@ -333,40 +357,100 @@ def _broadcast_rule(fn):
     return rule
 
 
+def _vmappable(fn):
+    """`fn` under `custom_vmap` with `_broadcast_rule`."""
+    wrapped = custom_vmap(fn)
+    wrapped.def_vmap(_broadcast_rule(fn))
+    return wrapped
+
+
+def _grouped(forward, input_grad, weight_grad):
+    """A grouped matmul (x [M, K], w [E, K, N], sizes [E]) -> [M, N] from its three products:
+    `forward(x, w, sizes)`, `input_grad(ct, w, sizes)` -> [M, K] and `weight_grad(x, ct, sizes, w)` ->
+    [E, K, N]; its gradient written out so that it also runs under vmap with the weights unbatched."""
+    forward_v, input_grad_v, weight_grad_v = map(_vmappable, (forward, input_grad, weight_grad))
+
+    @jax.custom_vjp
+    def matmul(x, w, sizes):
+        return forward_v(x, w, sizes)
+
+    def fwd(x, w, sizes):
+        return forward_v(x, w, sizes), (x, w, sizes)
+
+    def bwd(saved, ct):
+        x, w, sizes = saved
+        dx = input_grad_v(ct, w, sizes).astype(x.dtype)
+        dw = weight_grad_v(x, ct, sizes, w).astype(w.dtype)
+        return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
 def _ragged_forward(x, w, sizes):
     return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def _ragged_input_grad(ct, w, sizes):
+    return _ragged_forward(ct.astype(w.dtype), jnp.swapaxes(w, 1, 2), sizes)
 
 
 def _ragged_weight_grad(x, ct, sizes, w):
     return jax.vjp(lambda w: _ragged_forward(x, w, sizes), w)[1](ct)[0]
 
 
-_forward_vmappable = custom_vmap(_ragged_forward)
-_forward_vmappable.def_vmap(_broadcast_rule(_ragged_forward))
-_weight_grad_vmappable = custom_vmap(_ragged_weight_grad)
-_weight_grad_vmappable.def_vmap(_broadcast_rule(_ragged_weight_grad))
+grouped_matmul = _grouped(_ragged_forward, _ragged_input_grad, _ragged_weight_grad)
+grouped_matmul.__doc__ = """Rows [M, K] grouped by expert (the first sizes[0] rows expert 0's, ...) times their
+expert's weight [E, K, N] -> [M, N] float32: `jax.lax.ragged_dot`."""
 
 
-@jax.custom_vjp
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """Rows [M, K] grouped by expert (the first sizes[0] rows expert 0's, ...) times their expert's
-    weight [E, K, N] -> [M, N] float32: `jax.lax.ragged_dot`, with its gradient written out so that it
-    also runs under vmap with the weights unbatched."""
-    return _forward_vmappable(x, w, sizes)
+TOKAMAX_MISSING = ("config.model.moe_impl=tokamax needs the tokamax package, which is not installed: "
+                   "pip install 'jaxlm[cuda12]' (or tokamax), or set model.moe_impl=auto")
 
 
-def _grouped_fwd(x, w, sizes):
-    return _forward_vmappable(x, w, sizes), (x, w, sizes)
+def tokamax_available() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
 
 
-def _grouped_bwd(saved, ct):
-    x, w, sizes = saved
-    dx = _forward_vmappable(ct.astype(w.dtype), jnp.swapaxes(w, 1, 2), sizes).astype(x.dtype)
-    dw = _weight_grad_vmappable(x, ct, sizes, w).astype(w.dtype)
-    return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+def _tokamax():
+    """The tokamax package (optional: `pip install 'jaxlm[cuda12]'`), its options readable: tokamax reads
+    them from absl flags, which parse sys.argv on first use when nobody has, and refuse the arguments of
+    jaxlm's own command lines."""
+    if not tokamax_available():
+        raise UserError(TOKAMAX_MISSING)
+    import tokamax  # local import: an optional package (the cuda12 extra)
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
 
 
-grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+def _dims(contracting, groups):
+    """Dimension numbers of `ragged_dot_general`, in the form tokamax's kernels compare against."""
+    return jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(contracting, ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=groups)
+
+
+_ROWS_BY_WEIGHT = _dims(([1], [1]), [0])  # x [M, K] . w [E, K, N] -> [M, N]
+_ROWS_BY_WEIGHT_T = _dims(([1], [2]), [0])  # ct [M, N] . w [E, K, N] -> [M, K]
+_ROWS_BY_ROWS = _dims(([0], [0]), [])  # x [M, K] . ct [M, N], summed within each group -> [E, K, N]
+
+
+def _tokamax_dot(lhs, rhs, sizes, dims, out):
+    # one operand dtype: Mosaic GPU's kernels take no mixed pair; summed in float32 inside the kernel
+    return _tokamax().ragged_dot_general(lhs, rhs.astype(lhs.dtype), sizes, dims, preferred_element_type=out,
+                                         implementation=TOKAMAX_KERNELS)
+
+
+tokamax_grouped_matmul = _grouped(
+    lambda x, w, sizes: _tokamax_dot(x, w, sizes, _ROWS_BY_WEIGHT, x.dtype),
+    lambda ct, w, sizes: _tokamax_dot(ct.astype(w.dtype), w, sizes, _ROWS_BY_WEIGHT_T, w.dtype),
+    lambda x, ct, sizes, w: _tokamax_dot(x, ct, sizes, _ROWS_BY_ROWS, w.dtype))
+tokamax_grouped_matmul.__doc__ = """`grouped_matmul` with tokamax's kernels (`TOKAMAX_KERNELS`), each product written in its
+operands' dtype (the compute dtype), summed in float32 inside the kernel: a float32 output would be cast
+by a separate kernel that XLA cannot fuse into a custom call, and the compiled step kept the float32
+buffers alive for the backward pass instead of their casts (benchmarks/BENCHMARKS.md). The cotangent in
+the weights' dtype (it holds values of the compute dtype: the experts' outputs are cast to it)."""
 
 
 def _expert_ffn(rows: jax.Array, weights: dict[str, jax.Array], matmul) -> jax.Array:
@@ -384,10 +468,11 @@ def _combine(slots: jax.Array, gates: jax.Array) -> jax.Array:
     return jnp.sum(slots.reshape(n, k, -1) * gates[:, :, None], axis=1)
 
 
-def _ragged(x, gates, experts, weights, spec, einsum_op, first):
-    """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight. Only the
-    experts `first` .. `first` + (the weights' count) are computed (expert parallelism: a device's
-    own); the other pairs sort last, outside every group (zero rows), and their gates count nothing."""
+def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_matmul):
+    """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight (`grouped`:
+    jax's or tokamax's). Only the experts `first` .. `first` + (the weights' count) are computed (expert
+    parallelism: a device's own); the other pairs sort last, outside every group (zero rows), and their
+    gates count nothing."""
     n, k = gates.shape
     count = weights["expert_gate"].shape[0]
     local = experts.reshape(-1) - first  # token-major: pair p is token p // k
@@ -396,7 +481,7 @@ def _ragged(x, gates, experts, weights, spec, einsum_op, first):
     order = jnp.argsort(local, stable=True)
     sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
-    out = _expert_ffn(rows, weights, lambda r, w: grouped_matmul(r, w, sizes))
+    out = _expert_ffn(rows, weights, lambda r, w: grouped(r, w, sizes))
     slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return _combine(slots, jnp.where(mine.reshape(n, k), gates, 0.0)), jnp.ones(gates.shape, jnp.float32)
 
@@ -443,7 +528,8 @@ def _capacity(x, gates, experts, weights, spec, einsum_op, first):
     return _combine(slots, gates), kept.reshape(k, n).T.astype(jnp.float32)
 
 
-DISPATCH = {"ragged": _ragged, "dense": _dense, "capacity": _capacity}
+DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul), "dense": _dense,
+            "capacity": _capacity}
 EXPERT_AXIS = "expert"  # the mesh axis the rules split the experts over (rules.experts)
 
 
