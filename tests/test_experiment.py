@@ -69,7 +69,7 @@ def test_grids_name_their_variants_and_random_trials_are_reproducible():
 
 
 def test_the_example_experiments_resolve_to_valid_runs(tmp_path):
-    for name, count in (("lr_warmup", 12), ("norm_mlp", 8)):
+    for name, count in (("lr_warmup", 12), ("norm_mlp", 8), ("dense_vs_moe", 18)):
         exp = experiment.load_experiment(ROOT / "experiments" / f"{name}.py")
         assert exp.name == name and exp.description
         runs = experiment.make_runs(exp, exp.variants, exp.seeds, tmp_path / name)
