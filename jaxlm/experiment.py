@@ -11,6 +11,7 @@ An experiment is a base recipe, named variants (config overrides) and seeds, dec
         variants=grid({"optim.peak_lr": [1e-3, 3e-3, 1e-2], "optim.warmup_steps": [0, 50]}),
         seeds=[0, 1],                                               # run.seed: initialization
         search_space={"optim.peak_lr": LogUniform(3e-4, 3e-2), "optim.warmup_steps": IntUniform(0, 60)},
+        columns=["active_params"],                                  # more per-run columns (below)
     )
 
 Every run is one `python -m jaxlm.train` process (the CLI, unchanged) with its own run directory
@@ -19,7 +20,10 @@ Every run is one `python -m jaxlm.train` process (the CLI, unchanged) with its o
 checkpoint, so a sweep survives being killed. At the end (and with `--collect` alone) every run's
 metrics.jsonl is read into `results.csv` (one row per run: final and best train loss, validation
 loss and bits per byte), `results.md` (per variant, mean ± standard deviation over seeds),
-`curves.csv` (every run's loss per step) and `loss.png` (the curves of all variants).
+`curves.csv` (every run's loss per step) and `loss.png` (the curves of all variants). `columns` adds
+columns to results.csv and results.md, each a key of the runs' summary.json (`params`,
+`active_params`, `compile_s`, ...) or a training metric they logged (`grad_norm`, `aux/<name>`, ...),
+that one as its mean over the last tenth of the logged steps (one step is noisy).
 
     --parallel N          N runs at once (on a machine with GPUs, each gets its share of them)
     --print_commands      one `python -m jaxlm.train ...` line per unfinished run, for a cluster;
@@ -75,6 +79,10 @@ from jaxlm.table import Table
 # Per-run columns of results.csv besides the identifiers; lower is better for all of them.
 METRICS = ("final_loss", "best_loss", "final_val_loss", "best_val_loss",
            "final_val_bits_per_byte", "best_val_bits_per_byte")
+# Every column of results.csv that `run_row` writes whatever the experiment asks (`Experiment.columns` adds more)
+ROW_KEYS = ("run", "variant", "seed", "status", "steps", *METRICS, "best_val_step", "tokens_per_s", "train_s",
+            "energy_wh", "energy_measured", "wh_per_loss_drop", "overrides")
+FINAL_SHARE = 0.1  # an extra column's logged metric: its mean over this share of the last logged steps
 STOPPED = "stopped.json"  # written into a run directory that early stopping ended
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$")
 POLL_S = 0.5
@@ -184,6 +192,8 @@ class Experiment:
     metric: str = "final_val_loss"  # ranks variants in results.md; what searches minimize
     search_space: dict[str, Any] = dataclasses.field(default_factory=dict)  # key -> Space or list of values
     search_seed: int = 0  # random search draws and optuna's sampler
+    # more per-run columns: summary.json keys, or logged training metrics (their mean over the last tenth)
+    columns: Sequence[str] = ()
     name: str = ""  # default: the file's name
     description: str = ""  # default: the file's docstring
 
@@ -198,6 +208,12 @@ class Experiment:
             raise UserError(f"{where}: seeds={list(self.seeds)}: give one or more distinct integers")
         if self.metric not in METRICS:
             raise UserError(f"{where}: metric={self.metric!r}: use one of {', '.join(METRICS)}")
+        if isinstance(self.columns, str):
+            raise UserError(f"{where}: columns={self.columns!r}: give a list of keys, e.g. columns=[{self.columns!r}]")
+        for key in self.columns:
+            if not isinstance(key, str) or not key or key in ROW_KEYS or list(self.columns).count(key) > 1:
+                raise UserError(f"{where}: columns: {key!r}: give distinct summary.json keys or logged metric names "
+                                f"that are not already columns ({', '.join(ROW_KEYS)})")
 
 
 def load_experiment(path: str | os.PathLike) -> Experiment:
@@ -520,8 +536,9 @@ def read_metrics(run_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
-def run_row(run: Run) -> dict[str, Any]:
-    """A run's final and best metrics, read from its own files (metrics.jsonl, summary.json)."""
+def run_row(run: Run, columns: Sequence[str] = ()) -> dict[str, Any]:
+    """A run's final and best metrics, read from its own files (metrics.jsonl, summary.json), and the
+    `columns` asked for (`column_value`)."""
     train, evals = read_metrics(run.run_dir)
     row: dict[str, Any] = {"run": run.name, "variant": run.variant, "seed": run.seed, "status": run_status(run),
                            "steps": train[-1]["step"] if train else 0}
@@ -541,7 +558,21 @@ def run_row(run: Run) -> dict[str, Any]:
     drop = train[0]["loss"] - last if train and last is not None else None
     row["wh_per_loss_drop"] = row["energy_wh"] / drop if row["energy_wh"] is not None and drop and drop > 0 else None
     row["overrides"] = json.dumps(run.overrides, sort_keys=True)
+    for key in columns:
+        row[key] = column_value(key, summary, train)
     return row
+
+
+def column_value(key: str, summary: dict[str, Any], train: Sequence[dict[str, Any]]) -> Any:
+    """An extra column's value for a run: its summary.json's `key` where it has one (a run that has
+    not finished has none), else the mean of the training metric `key` over the last tenth
+    (`FINAL_SHARE`) of the steps that logged it, at least the last one; None where neither is."""
+    if key in summary:
+        return summary[key]
+    values = [r[key] for r in train if isinstance(r.get(key), (int, float))]
+    if not values:
+        return None
+    return statistics.fmean(values[-max(1, int(len(values) * FINAL_SHARE)):])
 
 
 def curve_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
@@ -563,22 +594,25 @@ class VariantSummary:
     overrides: str
     runs: int  # finished runs that the statistics cover
     stats: dict[str, tuple[float | None, float | None]]  # metric -> (mean, sample std over seeds; None for one)
+    integral: set[str] = dataclasses.field(default_factory=set)  # the extra columns whose values are all integers
 
 
-def summarize(rows: Sequence[dict[str, Any]], metric: str) -> list[VariantSummary]:
-    """Per variant (finished runs only): mean and standard deviation of each metric over seeds,
-    best `metric` first."""
+def summarize(rows: Sequence[dict[str, Any]], metric: str, columns: Sequence[str] = ()) -> list[VariantSummary]:
+    """Per variant (finished runs only): mean and standard deviation of each metric and extra column
+    over seeds, best `metric` first."""
     order = list(dict.fromkeys(r["variant"] for r in rows))
     out = []
     for variant in order:
         done = [r for r in rows if r["variant"] == variant and r["status"] == "done"]
-        stats = {}
-        for key in (*METRICS, "tokens_per_s", "energy_wh", "wh_per_loss_drop"):
-            values = [r[key] for r in done if r.get(key) is not None]
+        stats, integral = {}, set()
+        for key in (*METRICS, "tokens_per_s", "energy_wh", "wh_per_loss_drop", *columns):
+            values = [r[key] for r in done if isinstance(r.get(key), (int, float))]
             stats[key] = (statistics.fmean(values) if values else None,
                           statistics.stdev(values) if len(values) > 1 else None)
+            if key in columns and values and all(isinstance(v, int) for v in values):
+                integral.add(key)
         overrides = next(r["overrides"] for r in rows if r["variant"] == variant)
-        out.append(VariantSummary(variant=variant, overrides=overrides, runs=len(done), stats=stats))
+        out.append(VariantSummary(variant=variant, overrides=overrides, runs=len(done), stats=stats, integral=integral))
     return sorted(out, key=lambda v: (v.stats[metric][0] is None, v.stats[metric][0] or 0.0))
 
 
@@ -589,6 +623,15 @@ def mean_std(stat: tuple[float | None, float | None], digits: int = 4) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
+def _column_text(stat: tuple[float | None, float | None], integral: bool) -> str:
+    """An extra column's cell: integers (parameter counts) with thousands separators, the spread where there
+    is one; other values as `mean_std`."""
+    mean, std = stat
+    if mean is None or not integral:
+        return mean_std(stat)
+    return f"{mean:,.0f}" + (f" ± {std:,.0f}" if std else "")
+
+
 COLUMNS = (("final_val_loss", "final val loss"), ("best_val_loss", "best val loss"),
            ("final_loss", "final train loss"), ("final_val_bits_per_byte", "val bits/byte"))
 
@@ -597,9 +640,10 @@ def _overrides_text(overrides: str) -> str:
     return ", ".join(f"{k}={format_value(v)}" for k, v in json.loads(overrides).items()) or "(base)"
 
 
-def variant_table(rows: Sequence[dict[str, Any]], metric: str = "final_val_loss"):
-    """The per-variant table (mean ± std over seeds) as a `Table` (Markdown in a notebook)."""
-    summaries = summarize(rows, metric)
+def variant_table(rows: Sequence[dict[str, Any]], metric: str = "final_val_loss", columns: Sequence[str] = ()):
+    """The per-variant table (mean ± std over seeds) as a `Table` (Markdown in a notebook); the extra
+    `columns` last, headed by their keys."""
+    summaries = summarize(rows, metric, columns)
     table_rows = []
     for i, v in enumerate(summaries):
         name = f"**{v.variant}**" if i == 0 and v.stats[metric][0] is not None else v.variant
@@ -609,13 +653,14 @@ def variant_table(rows: Sequence[dict[str, Any]], metric: str = "final_val_loss"
         est = "" if all(r.get("energy_measured") for r in metered) else " (est.)"
         table_rows.append([name, _overrides_text(v.overrides), v.runs, *(mean_std(v.stats[k]) for k, _ in COLUMNS),
                            "–" if rate is None else f"{rate:,.0f}", "–" if wh is None else f"{wh:.3g}{est}",
-                           "–" if per_drop is None else f"{per_drop:.3g}{est}"])
+                           "–" if per_drop is None else f"{per_drop:.3g}{est}",
+                           *(_column_text(v.stats[k], k in v.integral) for k in columns)])
     return Table(["variant", "overrides", "runs", *(label for _, label in COLUMNS), "tokens/s", "energy (Wh)",
-                  "Wh per nat of loss"], table_rows)
+                  "Wh per nat of loss", *columns], table_rows)
 
 
 def markdown_report(title: str, description: str, rows: Sequence[dict[str, Any]], metric: str,
-                    setup: str = "") -> str:
+                    setup: str = "", columns: Sequence[str] = ()) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "stopped", "partial", "pending")}
     status = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     label = dict(COLUMNS).get(metric, metric)
@@ -624,9 +669,11 @@ def markdown_report(title: str, description: str, rows: Sequence[dict[str, Any]]
         lines += [description, ""]
     if setup:
         lines += [setup, ""]
+    extra = (f" The last columns ({', '.join(columns)}): each run's summary.json value, or a logged training metric's "
+             f"mean over the last {FINAL_SHARE:.0%} of the steps." if columns else "")
     lines += [f"Runs: {status}. Per variant: mean ± standard deviation over seeds (finished runs); lower is "
-              f"better; sorted by {label}, the best in bold. Per run: results.csv; curves: loss.png.", "",
-              variant_table(rows, metric).to_markdown()]
+              f"better; sorted by {label}, the best in bold. Per run: results.csv; curves: loss.png.{extra}", "",
+              variant_table(rows, metric, columns).to_markdown()]
     stopped = [r for r in rows if r["status"] == "stopped"]
     if stopped:
         lines += ["", "Stopped early: " + ", ".join(
@@ -749,16 +796,18 @@ class Results:
     curves: list[dict[str, Any]]  # one per run and step (curves.csv)
     metric: str
     directory: pathlib.Path | None = None
+    columns: Sequence[str] = ()  # the experiment's extra columns (`Experiment.columns`)
 
     def table(self):
-        return variant_table(self.rows, self.metric)
+        return variant_table(self.rows, self.metric, self.columns)
 
     def plot(self, path=None, title: str = ""):
         return plot_curves(self.curves, path, title, order=list(dict.fromkeys(r["variant"] for r in self.rows)))
 
 
-def collect(runs: Sequence[Run], metric: str) -> Results:
-    return Results(rows=[run_row(r) for r in runs], curves=curve_rows(runs), metric=metric)
+def collect(runs: Sequence[Run], metric: str, columns: Sequence[str] = ()) -> Results:
+    return Results(rows=[run_row(r, columns) for r in runs], curves=curve_rows(runs), metric=metric,
+                   columns=tuple(columns))
 
 
 def write_results(results: Results, directory: pathlib.Path, title: str, description: str = "",
@@ -768,7 +817,8 @@ def write_results(results: Results, directory: pathlib.Path, title: str, descrip
     write_csv(directory / "results.csv", results.rows)
     write_csv(directory / "curves.csv", results.curves)
     write_bytes_atomically(directory / "results.md",
-                           markdown_report(title, description, results.rows, results.metric, setup).encode("utf-8"))
+                           markdown_report(title, description, results.rows, results.metric, setup,
+                                           results.columns).encode("utf-8"))
     written = [directory / n for n in ("results.md", "results.csv", "curves.csv")]
     try:
         results.plot(directory / "loss.png", title)
@@ -788,7 +838,9 @@ def load_results(directory: str | os.PathLike, metric: str | None = None) -> Res
     rows = read_csv(directory / "results.csv")
     if metric is None:
         metric = "final_val_loss" if any(r["final_val_loss"] is not None for r in rows) else "final_loss"
-    return Results(rows=rows, curves=read_csv(directory / "curves.csv"), metric=metric, directory=directory)
+    columns = tuple(k for k in (rows[0] if rows else {}) if k not in ROW_KEYS)  # the experiment's extra ones
+    return Results(rows=rows, curves=read_csv(directory / "curves.csv"), metric=metric, directory=directory,
+                   columns=columns)
 
 
 # ----------------------------------------------------------------------------- searches
@@ -975,7 +1027,7 @@ def sweep(exp: Experiment, *, output_dir: str | os.PathLike = "runs", search: st
                 raise UserError("--early_stop needs runs in their own processes (--parallel 1 or more)")
             stopper = MedianStopper(runs) if early_stop else None
             outcomes = execute(todo, parallel=parallel, stopper=stopper, echo=echo, total=len(todo))
-    results = collect(runs, exp.metric)
+    results = collect(runs, exp.metric, exp.columns)
     directory = pathlib.Path(results_dir) if results_dir else root
     written = write_results(results, directory, title, description, setup, echo)
     echo(str(results.table()))

@@ -69,7 +69,7 @@ def test_grids_name_their_variants_and_random_trials_are_reproducible():
 
 
 def test_the_example_experiments_resolve_to_valid_runs(tmp_path):
-    for name, count in (("lr_warmup", 12), ("norm_mlp", 8)):
+    for name, count in (("lr_warmup", 12), ("norm_mlp", 8), ("dense_vs_moe", 18)):
         exp = experiment.load_experiment(ROOT / "experiments" / f"{name}.py")
         assert exp.name == name and exp.description
         runs = experiment.make_runs(exp, exp.variants, exp.seeds, tmp_path / name)
@@ -88,6 +88,56 @@ def test_a_bad_override_is_one_line_before_anything_runs(tmp_path, capsys):
         "jaxlm: error: experiment bad, variant typo: unknown config key 'optim.peak_lrr' (did you mean 'optim.peak_lr'?); "
         "keys under 'optim': " + ", ".join(sorted(config_lib.base_config().optim.keys()))]
     assert not (tmp_path / "runs").exists()
+
+
+def test_extra_columns_are_summary_keys_or_logged_metrics_means_over_the_last_tenth(tmp_path):
+    """`Experiment.columns` (no training: run directories written here): a summary.json key is copied,
+    a logged metric is its mean over the last tenth of the logged steps, a key in neither is empty; the
+    table shows them per variant, integers with separators; results.csv keeps them and load_results
+    finds them again. A column that is already one, or a string for a list, is refused in one line."""
+    columns = ["active_params", "aux/moe_dropped", "compile_s"]
+    exp = Experiment(recipe="tiny", base={"run.steps": 20}, variants={"a": {}, "b": {"optim.peak_lr": 1e-3}},
+                     seeds=[0, 1], columns=columns, name="cols")
+    exp.check()
+    runs = experiment.make_runs(exp, exp.variants, exp.seeds, tmp_path)
+    logged, active = {}, {"a": 1_000_000, "b": 2_000_000}
+    for k, run in enumerate(runs):
+        run.run_dir.mkdir(parents=True)
+        dropped = [0.5 + 0.01 * k + 0.001 * step for step in range(1, 21)]
+        logged[run.name] = dropped
+        records = [{"step": s, "loss": 5.0 - 0.1 * s - k, "aux/moe_dropped": d} for s, d in zip(range(1, 21), dropped)]
+        records.insert(10, {"step": 10, "val_loss": 4.0 - k})  # (an evaluation record has no aux metric)
+        records.append({"step": 20, "val_loss": 3.0 - k})
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        summary = {"steps": 20, "tokens_per_s": 100.0, "active_params": active[run.variant] + 2 * run.seed}
+        (run.run_dir / "summary.json").write_text(json.dumps(summary))
+
+    results = experiment.collect(runs, exp.metric, exp.columns)
+    for row in results.rows:
+        # the last tenth of 20 logged steps: steps 19 and 20, averaged here with numpy
+        expected = float(np.mean(logged[row["run"]][-2:]))
+        assert row["aux/moe_dropped"] == pytest.approx(expected, rel=1e-15) and row["compile_s"] is None
+        assert row["active_params"] == active[row["variant"]] + 2 * row["seed"]
+        assert list(row) == [*experiment.ROW_KEYS, *columns]  # (load_results tells the extra columns by this)
+    table = results.table()
+    assert table.columns[-3:] == columns
+    cells = {r[0].strip("*"): r[-3:] for r in table.rows}
+    mean_a, std_a = mean_and_std([float(np.mean(logged[f"a-s{s}"][-2:])) for s in (0, 1)])
+    assert cells["a"] == ["1,000,001 ± 1", f"{mean_a:.4f} ± {std_a:.4f}", "–"]
+    assert cells["b"][0] == "2,000,001 ± 1"
+
+    experiment.write_results(results, tmp_path / "out", "cols", echo=lambda line: None)
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "| active_params | aux/moe_dropped | compile_s |" in markdown
+    assert "(active_params, aux/moe_dropped, compile_s): each run's summary.json value, or a logged" in markdown
+    again = experiment.load_results(tmp_path / "out")
+    assert again.columns == tuple(columns)
+    assert again.table().rows == table.rows
+
+    for bad, words in ((["tokens_per_s"], "'tokens_per_s': give distinct"), (["x", "x"], "'x': give distinct"),
+                       ("active_params", "give a list of keys, e.g. columns=['active_params']")):
+        with pytest.raises(experiment.UserError, match=re.escape(words)):
+            Experiment(recipe="tiny", columns=bad, name="bad").check()
 
 
 def test_print_commands_gives_one_train_command_per_unfinished_run(tmp_path, capsys):
