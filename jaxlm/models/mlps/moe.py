@@ -550,7 +550,10 @@ def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[s
     the devices along it are gathered (all-gather), each device runs its own experts on all of them,
     and each row's partial outputs are summed back to the device that holds it (reduce-scatter): the
     same function as one device's, dropless or with the same drops, with the collectives any XLA
-    backend runs. (Otherwise the experts are whole on every device, gathered as fsdp gathers a weight.)"""
+    backend runs. (Otherwise the experts are whole on every device, gathered as fsdp gathers a weight.)
+    The capacity dispatch computes a device's experts' capacity alone; the dropless ones sort and hold
+    every gathered pair's row, `expert` times a device's own (a ragged all-to-all would move only the
+    routed pairs: not built)."""
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     meshed = bool(rules) and not mesh.empty
