@@ -330,7 +330,8 @@ EP_MESHES = {"expert2-fsdp4": dict(expert=2, fsdp=4), "expert4-fsdp2": dict(expe
 
 
 @pytest.mark.parametrize("mesh, impl", [
-    ("expert2-fsdp4", "ragged"), ("expert8", "capacity"),
+    ("expert2-fsdp4", "ragged"),
+    pytest.param("expert8", "capacity", marks=pytest.mark.slow),
     pytest.param("expert8", "ragged", marks=pytest.mark.slow),
     pytest.param("expert2-fsdp4", "capacity", marks=pytest.mark.slow),
 ])
