@@ -290,6 +290,11 @@ class MoEMLP(MLP):
         return cls.rows_per_token(cfg) + cfg.moe.shared_experts
 
     @classmethod
+    def hidden_dots(cls) -> int:
+        """Gate and up, the experts' and the shared experts' alike (saved under remat's dots policies)."""
+        return 2
+
+    @classmethod
     def gathered_params(cls, cfg) -> int:
         """The experts: whole on every device in the per-shard dispatch (`dispatch`)."""
         return cfg.moe.experts * cls.expert_params(cfg)
