@@ -146,6 +146,9 @@ class ActivationSizes:
     scores: float  # [B, N, T, T]: XLA attention's logits
     head_stats: float  # [B, N, T]: cuDNN attention's softmax statistics
     tokens: float  # [B, T]
+    # the devices whose rows an MoE dispatch gathers: the expert axis where the rules split the experts and
+    # the batch over it (expert parallelism, `moe.dispatch`), else 1
+    gather: int = 1
 
 
 def _ways(names: Sequence[str | None], rules, mesh_sizes: dict[str, int]) -> int:
@@ -171,7 +174,15 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
         scores=per_device(m.n_heads * seq_len, (b, t, "act_heads", None)),
         head_stats=per_device(m.n_heads, (b, t, "act_heads")),
         tokens=per_device(1, (b, t)),
+        gather=expert_gather(rules, mesh_sizes),
     )
+
+
+def expert_gather(rules, mesh_sizes: dict[str, int]) -> int:
+    """The expert axis's size where the rules split both the experts and the batch over it, else 1."""
+    table = dict(rules)
+    axes = set(mesh_lib.axes_of(table.get("experts"))) & set(mesh_lib.axes_of(table.get("act_batch")))
+    return math.prod(mesh_sizes.get(a, 1) for a in axes if a == "expert") or 1
 
 
 def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
@@ -187,15 +198,15 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     a, mlp = act_bytes, MLPS[m.mlp]
     if not recomputed:  # every intermediate, as autodiff saves it
         return (layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x
-                + (mlp.autodiff_hidden - mlp.saved_hidden) * mlp.hidden_copies(m) * a * s.mlp)
+                + (mlp.autodiff_hidden - mlp.saved_hidden) * mlp.hidden_copies(m, s.gather) * a * s.mlp)
     norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
     if m.qk_norm:  # and the per-head norms of q and k (Qwen3): the projections' q and k and the norms' outputs
         norms += 2 * a * (s.q + s.kv)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
     rope = POSITIONS[m.position].saved_bytes_per_token(m.head_dim) * s.tokens  # RoPE: sin and cos, for q and k
     attention_out = a * s.q
-    hidden = mlp.saved_hidden * mlp.hidden_copies(m) * a * s.mlp  # SwiGLU: gate, up, product; GELU: in and out
-    per_x, per_token = mlp.extra_saved(m, a)  # an MoE's dispatched rows and routing
+    hidden = mlp.saved_hidden * mlp.hidden_copies(m, s.gather) * a * s.mlp  # SwiGLU: gate, up, product; GELU: in, out
+    per_x, per_token = mlp.extra_saved(m, a, s.gather)  # an MoE's dispatched rows and routing
     hidden += per_x * s.x + per_token * s.tokens
     return norms + qkv + rope + attention.KERNELS[m.attention].forward_bytes(s, a) + attention_out + hidden
 
@@ -233,7 +244,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
-    mlp_dots = MLPS[m.mlp].hidden_dots() * MLPS[m.mlp].hidden_copies(m) * a * s.mlp  # SwiGLU: gate and up; GELU: in
+    mlp_dots = MLPS[m.mlp].hidden_dots() * MLPS[m.mlp].hidden_copies(m, s.gather) * a * s.mlp  # gate and up; GELU: in
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
     if m.qk_norm:  # the projections' q and k beside the rotated ones, which the per-head norms' backward reads
         # (grouped-query heads: the joint matmul's whole output, v's part too: `layers.project_qkv`)

@@ -125,13 +125,14 @@ class MLP(nnx.Module):
         return sum(i * o for i, o in cls.projection_shapes(cfg).values())
 
     @classmethod
-    def hidden_copies(cls, cfg) -> float:
+    def hidden_copies(cls, cfg, gather: int = 1) -> float:
         """[tokens, mlp_dim] hidden activations per token, in `saved_hidden`'s units: 1 (an MoE: the rows
-        its experts compute per token)."""
+        its experts compute per token; `gather`: the devices whose rows its dispatch gathers, with
+        expert parallelism)."""
         return 1
 
     @classmethod
-    def extra_saved(cls, cfg, act_bytes: int) -> tuple[float, float]:
+    def extra_saved(cls, cfg, act_bytes: int, gather: int = 1) -> tuple[float, float]:
         """(bytes per [tokens, d_model] element, bytes per token) kept for the backward pass beyond the
         hidden activations (an MoE's dispatch); (0, 0) for most."""
         return 0.0, 0.0

@@ -286,8 +286,12 @@ class MoEMLP(MLP):
                 "capacity": min(spec.top_k * spec.capacity_factor, spec.experts)}[spec.impl]
 
     @classmethod
-    def hidden_copies(cls, cfg) -> float:
-        return cls.rows_per_token(cfg) + cfg.moe.shared_experts
+    def hidden_copies(cls, cfg, gather: int = 1) -> float:
+        """Per token of its own: the rows of its experts (a dropless dispatch under expert parallelism sorts
+        every gathered pair, `gather` x its own; capacity computes its experts' share alone) and the
+        shared experts'."""
+        rows = cls.rows_per_token(cfg) * (gather if cfg.moe.impl in ("ragged", "tokamax") else 1)
+        return rows + cfg.moe.shared_experts
 
     @classmethod
     def hidden_dots(cls) -> int:
@@ -300,13 +304,15 @@ class MoEMLP(MLP):
         return cfg.moe.experts * cls.expert_params(cfg)
 
     @classmethod
-    def extra_saved(cls, cfg, act_bytes: int) -> tuple[float, float]:
+    def extra_saved(cls, cfg, act_bytes: int, gather: int = 1) -> tuple[float, float]:
         """(bytes per [tokens, d_model] element, bytes per token) the layer keeps for its backward pass
-        beside its hidden activations: the rows gathered for the experts and each pair's output; the
-        router's float32 probabilities (its softmax's two, the chosen gates)."""
+        beside its hidden activations: the rows gathered for the experts and each pair's output, and
+        with expert parallelism (`gather` devices' rows) the gathered tokens; the router's float32
+        probabilities (its softmax's two, the chosen gates)."""
         spec = cfg.moe
-        rows = cls.rows_per_token(cfg) if spec.impl != "dense" else 0  # dense reads the tokens themselves
-        return act_bytes * (rows + spec.top_k), 4 * (2 * spec.experts + 3 * spec.top_k)
+        rows = cls.hidden_copies(cfg, gather) - spec.shared_experts if spec.impl != "dense" else 0  # dense: tokens
+        gathered = gather if gather > 1 else 0
+        return act_bytes * (rows + spec.top_k + gathered), 4 * (2 * spec.experts + 3 * spec.top_k)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         spec = self.spec = cfg.moe
