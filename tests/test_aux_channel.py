@@ -118,7 +118,8 @@ def test_a_data_dependent_output_is_the_same_mean_whichever_way_the_layers_run()
 
 @pytest.mark.parametrize("overrides", [
     (("optim.micro_batches", "1"),),
-    (("optim.micro_batches", "2"),),  # the micro-batch loop
+    # the micro-batch loop (in the slow suite: data-replicas runs a micro-batch loop too, each replica's)
+    pytest.param((("optim.micro_batches", "2"),), marks=pytest.mark.slow),
     (("optim.micro_batches", "2"), ("mesh.data", "2"), ("mesh.fsdp", "4")),  # each data replica's own loop
 ], ids=["one-micro-batch", "micro-batches", "data-replicas"])
 def test_a_run_logs_the_auxiliary_outputs_and_trains_on_the_loss_with_them(tmp_path, overrides):
