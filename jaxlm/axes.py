@@ -13,9 +13,9 @@ from collections.abc import Sequence
 # From the slowest links to the fastest: a mesh's last axes are its nearest devices. data and stage
 # (pipeline parallelism) usually span nodes: one gradient reduction per step, one activation hand-over
 # per micro-batch. fsdp, expert and tensor stay within one node. expert (expert parallelism) sits
-# between fsdp and tensor: its all-to-alls (tokens to their experts and back, in every MoE layer, both
-# passes) wait on the router and cannot be prefetched as fsdp's weight gathers can, while tensor's
-# all-reduces, in every attention and MLP, need the nearest links. Its place also orders the batch's
+# between fsdp and tensor: its collectives (tokens to their experts' devices and the outputs back, in
+# every MoE layer, both passes) wait on the router and cannot be prefetched as fsdp's weight gathers
+# can, while tensor's all-reduces, in every attention and MLP, need the nearest links. Its place also orders the batch's
 # rows (`act_batch`: data, fsdp, expert, as the mesh), so that each process holds one block of rows.
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "expert", "tensor")
 

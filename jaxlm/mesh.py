@@ -7,7 +7,7 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
   sequence parallel  rules.act_seq="tensor": activations' sequence axis over `tensor` wherever no
                      other dimension uses it (between the tensor-parallel regions)
   hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
-  expert parallelism mesh.expert: MoE layers' experts split over `expert` (rules experts, act_experts);
+  expert parallelism mesh.expert: MoE layers' experts split over `expert` (rule experts);
                      everywhere else `expert` is one more batch axis (act_batch), as `data` is
 """
 
@@ -113,7 +113,6 @@ def default_rules() -> dict[str, str]:
         "act_mlp": "tensor",  # the MLP's hidden activation
         "act_vocab": "tensor",  # the logits' vocabulary axis
         "act_stage": "stage",  # the pipeline's per-stage activations
-        "act_experts": "expert",  # the expert dimension of tokens dispatched to an MoE layer's experts
         # the rows of a batch: over every axis that splits the batch, in the mesh's order (each process then
         # holds one block of rows); outside the MoE layers `expert` is one more data-parallel axis
         "act_batch": "data,fsdp,expert",
