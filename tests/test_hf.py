@@ -83,22 +83,23 @@ def save(model, directory: pathlib.Path, dtype=None) -> pathlib.Path:
     return directory
 
 
-class _Models(dict):
-    """arch -> (transformers model, its saved directory), each made when a test first asks for it."""
+class Models(dict):
+    """arch -> (transformers model, its saved directory), each made by `make(arch)` when a test first asks
+    for it (tests/test_hf_moe.py's MoE models too)."""
 
-    def __init__(self, root: pathlib.Path):
+    def __init__(self, root: pathlib.Path, make=None):
         super().__init__()
-        self.root = root
+        self.root, self.make = root, make or make_model
 
     def __missing__(self, arch):
-        model = make_model(arch)
+        model = self.make(arch)
         self[arch] = (model, save(model, self.root / arch))
         return self[arch]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return _Models(tmp_path_factory.mktemp("hf"))
+    return Models(tmp_path_factory.mktemp("hf"))
 
 
 IDS = np.random.default_rng(0).integers(0, VOCAB, (8, 40))

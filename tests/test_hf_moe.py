@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import shutil
 
 import floats
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax.core import spmd
-from test_hf import IDS, VOCAB, close, edit_config, error_of, jaxlm_logits, reference_logits, save, train_cli
+from test_hf import IDS, VOCAB, Models, close, edit_config, error_of, jaxlm_logits, reference_logits, train_cli
 
 from helpers import small_config
 from jaxlm import hf, inference, train_state
@@ -76,22 +75,9 @@ def make_model(arch: str):
     return model.eval()
 
 
-class _Models(dict):
-    """arch -> (transformers model, its saved directory), each made when a test first asks for it."""
-
-    def __init__(self, root: pathlib.Path):
-        super().__init__()
-        self.root = root
-
-    def __missing__(self, arch):
-        model = make_model(arch)
-        self[arch] = (model, save(model, self.root / arch))
-        return self[arch]
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return _Models(tmp_path_factory.mktemp("hf-moe"))
+    return Models(tmp_path_factory.mktemp("hf-moe"), make_model)
 
 
 def logits_with_impl(run: inference.LoadedRun, impl: str) -> np.ndarray:
