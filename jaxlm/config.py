@@ -195,6 +195,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                f"a multiple of mesh.stage x pipeline.repeats = {cfg.mesh.stage} x {pl.repeats}")
         _check(pl.microbatches == 0 or pl.microbatches >= cfg.mesh.stage, "pipeline.microbatches", pl.microbatches,
                f"0 (auto) or at least mesh.stage={cfg.mesh.stage}: every stage needs a micro-batch to work on")
+        _check(m.mlp != "moe" or m.moe_dense_layers == 0, "model.moe_dense_layers", m.moe_dense_layers,
+               f"0 with mesh.stage={cfg.mesh.stage}: pipeline stages split one stack of like layers, and dense "
+               "first layers are a second stack (not built for pipelines)")
     _check(m.loss_chunk_len >= 0 and (m.loss_chunk_len == 0 or d.seq_len % m.loss_chunk_len == 0),
            "model.loss_chunk_len", m.loss_chunk_len, f"0 (off) or a divisor of data.seq_len={d.seq_len}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"at most model.max_seq_len={m.max_seq_len}")

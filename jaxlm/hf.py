@@ -199,11 +199,10 @@ def _run_config(keys: dict, arch: str, param_dtype: str, output: pathlib.Path,
 def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) -> dict:
     """Every parameter, created in its shards: each device's block read from the files alone."""
     parts = list(hf_map.param_parts(abstract, model_cfg, arch))
-    wanted = sorted({n for _, part, layer, stacked in parts
-                     for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)})
+    wanted = sorted({n for _, part, layers, _ in parts for n in hf_map.hf_names(part, layers)})
     names = _resolve_names(files, wanted)
-    for _, part, layer, stacked in parts:  # every shape checked before anything is read
-        for name in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked):
+    for _, part, layers, _ in parts:  # every shape checked before anything is read
+        for name in hf_map.hf_names(part, layers):
             shape, dtype = files.shape(names[name]), files.dtype(names[name])
             if shape != part.hf_shape:
                 raise UserError(f"tensor {names[name]} has shape {list(shape)} but config.json implies "
@@ -220,17 +219,17 @@ def _read_params(files: SafetensorsFiles, abstract: dict, model_cfg, arch: str) 
                         f"{', ...' if len(extra) > 3 else ''}); the config does not describe these weights")
     flat = {}
     leaves = dict(hf_map.leaves(abstract))
-    for path, part, layer, stacked in parts:
+    for path, part, layers, stacked in parts:
         target = leaves[path]
-        sources = [files.slice(names[n]) for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)]
+        sources = [files.slice(names[n]) for n in hf_map.hf_names(part, layers)]
 
         def block(index, part=part, sources=sources, stacked=stacked, target=target):
             return hf_map.read_block(sources, part, stacked, target.shape, index).astype(target.dtype)
 
         flat[path] = jax.make_array_from_callback(target.shape, target.sharding, block)
-    for path, part, layer, stacked in parts:  # a weight that is not finite would train and sample nan
+    for path, part, layers, _ in parts:  # a weight that is not finite would train and sample nan
         if not bool(jax.device_get(jnp.isfinite(flat[path]).all())):
-            tensors = ", ".join(names[n] for n in hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)[:2])
+            tensors = ", ".join(names[n] for n in hf_map.hf_names(part, layers)[:2])
             raise UserError(f"{files.directory}: tensor {tensors} holds nan or inf values as read in "
                             f"{np.dtype(model_cfg.param_dtype).name} (a damaged checkpoint, or weights beyond that "
                             f"dtype's range: --param_dtype=float32 reads them whole); download or save it again")
@@ -241,8 +240,8 @@ def _check_tied_head(files: SafetensorsFiles, parts, names: dict[str, str], mode
     """config.json ties the output layer to the embedding, but the files also hold an lm_head.weight: one
     that equals the embedding is the tie written out (imported tied); one that differs is a model that
     transformers loads untied, which jaxlm would import as something else: refused in one line."""
-    path, part, layer, stacked = next(p for p in parts if p[0][0] == "embed")
-    embedding = names[hf_map.hf_names(part, model_cfg.n_layers, layer, stacked)[0]]
+    path, part, layers, stacked = next(p for p in parts if p[0][0] == "embed")
+    embedding = names[hf_map.hf_names(part, layers)[0]]
     whole = tuple(slice(None) for _ in part.hf_shape)
     if files.shape("lm_head.weight") != files.shape(embedding) or not np.array_equal(
             hf_map.read_slice(files.slice("lm_head.weight"), part, whole),
@@ -414,19 +413,19 @@ def _write_model(directory: pathlib.Path, run: inference.LoadedRun, params: dict
 def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The adapters as PEFT's tensors (`base_model.model.<module>.lora_A.weight` [r, in] and
     `lora_B.weight` [out, r]), and jaxlm's projection name -> the checkpoint's module name."""
-    layer_parts, outside = hf_map.name_map(base_cfg, arch)
+    outside = hf_map.name_map(base_cfg, arch)[1]
     tensors, modules = {}, {}
     for site in lora.sites(cfg):
-        in_block = site.path[0] == "blocks"
+        in_block = site.path[0] in transformer.STACKS
         key = (*(p for p in site.path[1:] if not isinstance(p, int)), "kernel") if in_block else (*site.path, "kernel")
-        part = (layer_parts if in_block else outside)[key]
+        part = (hf_map.layer_parts(base_cfg, arch, site.path) if in_block else outside)[key]
         x, kernel = site.equation.split("->")[0].split(",")
         in_axes = tuple(i for i, c in enumerate(kernel) if c in x)
         node = params
         for k in site.path:
             node = node[k]
         a, b = _to_host(node["lora_a"]), _to_host(node["lora_b"])
-        per_layer = [(i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
+        per_layer = [(site.first + i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
         for layer, la, lb in per_layer:
             lora_a, lora_b = hf_map.peft_matrices(part, in_axes, la, lb)
             module = (part.hf.format(layer=layer) if layer is not None else part.hf).removesuffix(".weight")

@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxlm import quant
 from jaxlm.errors import UserError
-from jaxlm.models import layers, quantized
+from jaxlm.models import layers, quantized, transformer
 from jaxlm.models.transformer import ModelConfig, abstract_model
 from jaxlm.models.transforms.lora import Adapted, lora_equations
 from jaxlm.section import Section, check, setting
@@ -109,6 +109,7 @@ class Site:
     stacked: bool  # its parameters carry a leading layers axis (scanned blocks)
     input_names: tuple  # logical names of the kernel's input (contracted) dimensions
     output_names: tuple  # and of its output dimensions
+    first: int = 0  # stacked: the model layer its leading axis starts at (its stack's first: `transformer.layer_stacks`)
 
     @property
     def layer(self) -> int | None:
@@ -130,7 +131,8 @@ def sites(cfg: ModelConfig) -> tuple[Site, ...]:
         out.append(Site(path=tuple(path), name=path[-1], equation=projection.equation,
                         rank=cfg.lora.rank_of(path[-1]), scale=projection.lora_scale, stacked=stacked,
                         input_names=tuple(names[i] for i in ins),
-                        output_names=tuple(n for i, n in enumerate(names) if i not in ins)))
+                        output_names=tuple(n for i, n in enumerate(names) if i not in ins),
+                        first=transformer.layer_number(cfg, tuple(path), 0) if stacked else 0))
     return tuple(out)
 
 
@@ -232,7 +234,7 @@ def adapters(params: dict, cfg: ModelConfig) -> list[Adapter]:
     for site in sites(cfg):
         node = _get(params, site.path)
         a, b = node["lora_a"], node["lora_b"]
-        per_layer = [(i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
+        per_layer = [(site.first + i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked else [(site.layer, a, b)]
         out += [Adapter(name=site.name, layer=layer, a=la, b=lb, rank=site.rank, alpha=cfg.lora.alpha,
                         input_names=site.input_names, output_names=site.output_names) for layer, la, lb in per_layer]
     return sorted(out, key=lambda x: (x.layer is None, x.layer or 0, x.name))

@@ -395,8 +395,13 @@ def estimate(
     # split over tensor): the gathered copy and the gradient before its reduce-scatter, in f32.
     tensor = sizes["tensor"]
     bits = m.stored_quant.bits if m.stored_quant else 4
-    layer_params = [n / m.n_layers for n in tree_weights(state.params["blocks"], bits)]  # (per device, all)
-    full_weights = [2 * F32 * layer_params[1] / tensor, 2 * F32 * layer_params[1]]
+    # Each stack of like layers (`transformer.layer_stacks`: an MoE's dense first layers, then the model's own):
+    # its blocks' settings, layers and weights of one layer (per device, all)
+    stacks = [(stack.cfg, stack.count,
+               [n / stack.count for n in tree_weights(transformer.stack_params(state.params, m, stack), bits)])
+              for stack in transformer.layer_stacks(m)]
+    block_weights = [sum(count * w[i] for _, count, w in stacks) for i in (0, 1)]  # every layer's (per device, all)
+    full_weights = [[2 * F32 * w[1] / tensor, 2 * F32 * w[1]] for _, _, w in stacks]  # each stack's one layer's
     # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
     # gradient of one micro-batch at full size, before it is added to the accumulator.
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
@@ -409,11 +414,14 @@ def estimate(
         The vocabulary tables at full size are in neither of the middle two: they are alive through both."""
         s = activation_sizes(m, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes)
         passes = layer_passes if i == 0 or schedule is None else layer_passes * schedule.stages
-        saved = passes * layer_saved_bytes(m, s, a, m.remat) + (m.n_layers * a * layer_params[i] if cast else 0.0)
+        # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
+        saved = sum(passes * count / m.n_layers * layer_saved_bytes(
+            stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
+            a, m.remat) for stack_cfg, count, _ in stacks) + (a * block_weights[i] if cast else 0.0)
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes
-            saved += operand_bytes * m.n_layers * layer_params[1] / mesh_sizes["tensor"]
+            saved += operand_bytes * block_weights[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if attention.KERNELS[m.attention].takes_mask:
             saved += s.scores  # the attention mask, one for all layers
@@ -421,12 +429,16 @@ def estimate(
         if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer
             saved += 2 * a * s.x * (1 + 1 / schedule.microbatches)
             if schedule.repeats > 1:  # circular: the layer group each iteration picks, kept for its backward
-                saved += schedule.iterations * a * layer_params[i] * m.n_layers / schedule.repeats
-            s = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
-                                 mesh_sizes)  # a layer runs on one pipeline micro-batch
-        layer = layer_backward_bytes(m, s, a, m.remat, full_weights[i])
-        if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
-            layer += F32 * MLPS[m.mlp].gathered_params(m) / mesh_sizes.get("expert", 1)  # (its own, with EP)
+                saved += schedule.iterations * a * block_weights[i] / schedule.repeats
+        rows = derived.micro_batch_size // (1 if schedule is None else schedule.microbatches)  # a pipeline's: one
+        s = activation_sizes(m, rows, cfg.data.seq_len, rules, mesh_sizes)  # a layer runs on one pipeline micro-batch
+        layer = 0.0  # one layer's backward: the largest of the stacks'
+        for (stack_cfg, _, _), weights in zip(stacks, full_weights):
+            stack_sizes = activation_sizes(stack_cfg, rows, cfg.data.seq_len, rules, mesh_sizes)
+            one = layer_backward_bytes(stack_cfg, stack_sizes, a, m.remat, weights[i])
+            if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
+                one += F32 * MLPS[stack_cfg.mlp].gathered_params(stack_cfg) / mesh_sizes.get("expert", 1)  # (its own)
+            layer = max(layer, one)
         # cuDNN's packed layout: its backward's workspace, sized for the bound of documents in every row
         workspace = cudnn_packed_workspace(m.attention_segments * s.head_stats, m.head_dim) \
             if m.attention_segments else 0.0

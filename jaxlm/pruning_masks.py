@@ -118,10 +118,10 @@ def magnitude_mask(kernel: jax.Array, sparsity: jax.Array, stacked: bool) -> jax
 
 
 def gradual_step(trainable: dict, frozen: dict, step: jax.Array, *, final: float, start: int, end: int, every: int,
-                 stacked_prefix: str = "blocks") -> tuple[dict, dict]:
+                 stacked_prefixes: tuple[str, ...] = transformer.STACKS) -> tuple[dict, dict]:
     """Gradual magnitude pruning inside the train step: at step `start` and every `every` steps up to
     `end`, each masked kernel's mask becomes its old mask and the magnitude mask at `sparsity_at(step)`
-    (per matrix: per layer of the scanned blocks under `stacked_prefix`, whose kernels lead with a
+    (per matrix: per layer of the scanned blocks under `stacked_prefixes`, whose kernels lead with a
     layers axis), and the kernel is zeroed where the mask is False. Between those steps nothing
     changes; the work runs under a `lax.cond`, only at pruning steps."""
     masks = mask_tree(trainable, frozen)
@@ -133,21 +133,22 @@ def gradual_step(trainable: dict, frozen: dict, step: jax.Array, *, final: float
 
     def prune(args):
         t, f = args
-        return _apply(t, f, target, stacked_prefix)
+        return _apply(t, f, target, stacked_prefixes)
 
     return jax.lax.cond(due, prune, lambda args: args, (trainable, frozen))
 
 
-def _apply(trainable: dict, frozen: dict, target: jax.Array, stacked_prefix: str, path: tuple = ()) -> tuple[dict, dict]:
+def _apply(trainable: dict, frozen: dict, target: jax.Array, stacked_prefixes: tuple[str, ...],
+           path: tuple = ()) -> tuple[dict, dict]:
     """`gradual_step`'s pruning: every (kernel, kernel_mask) pair in the two trees, recomputed."""
     t_out, f_out = dict(trainable), dict(frozen)
     for key, value in trainable.items():
         if isinstance(value, dict):
-            t_out[key], f_out[key] = _apply(value, frozen.get(key, {}), target, stacked_prefix, path + (key,))
+            t_out[key], f_out[key] = _apply(value, frozen.get(key, {}), target, stacked_prefixes, path + (key,))
             if not f_out[key] and key not in frozen:
                 del f_out[key]
         elif key == "kernel" and "kernel_mask" in frozen:
-            stacked = bool(path) and path[0] == stacked_prefix and not any(isinstance(p, int) for p in path)
+            stacked = bool(path) and path[0] in stacked_prefixes and not any(isinstance(p, int) for p in path)
             mask = frozen["kernel_mask"] & magnitude_mask(value, target, stacked)
             t_out[key] = jnp.where(mask, value, jnp.zeros_like(value))
             f_out["kernel_mask"] = mask

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import loss_scale as loss_scale_lib
 from jaxlm.mesh import Rules, axes_of, constrain, logical_to_spec
 from jaxlm.metrics import MetricsConfig
-from jaxlm.models import attention, aux
+from jaxlm.models import attention, aux, transformer
 from jaxlm.optim import OptimConfig
 from jaxlm.train_state import ModelSpec, TrainState
 
@@ -274,13 +274,15 @@ def micro_batch_loss(loss_fn):
     return loss
 
 
-def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
+def norms_by_group(tree, logical_names, cfg=None) -> dict[str, jax.Array]:
     """L2 norms of `tree` (params or grads) per layer and per top-level group.
 
-    Keys: `layer_NN` for each decoder block (scanned blocks are split along their `layers` axis,
-    unrolled ones are found by their index), and the name of every other top-level entry
-    (`embed`, `final_norm`, `unembed`, ...).
+    Keys: `layer_NN` for each decoder block (scanned blocks are split along their `layers` axis, each
+    stack's from its first layer on: `transformer.layer_stacks` of `cfg`, the model's settings; unrolled
+    ones are found by their index), and the name of every other top-level entry (`embed`, `final_norm`,
+    `unembed`, ...).
     """
+    firsts = {stack.name: stack.first for stack in transformer.layer_stacks(cfg)} if cfg is not None else {}
     squares: dict[str, jax.Array] = {}
 
     def add(key: str, value: jax.Array) -> None:
@@ -295,7 +297,7 @@ def norms_by_group(tree, logical_names) -> dict[str, jax.Array]:
             layer_axis = axes.index("layers")
             per_layer = jnp.sum(sq, axis=tuple(a for a in range(leaf.ndim) if a != layer_axis))
             for i in range(leaf.shape[layer_axis]):
-                add(f"layer_{i:02d}", per_layer[i])
+                add(f"layer_{firsts.get(keys[0], 0) + i:02d}", per_layer[i])
         elif len(keys) > 1 and isinstance(keys[1], int):  # unrolled blocks: blocks/<i>/...
             add(f"layer_{keys[1]:02d}", jnp.sum(sq))
         else:
@@ -470,7 +472,8 @@ def make_train_step(
             metrics["grad_zero_fraction"] = sum(jnp.sum(g == 0, dtype=jnp.float32) for g in leaves) / size
             metrics["grad_nonfinite_fraction"] = sum(jnp.sum(~jnp.isfinite(g), dtype=jnp.float32) for g in leaves) / size
         if grad_norm_per_layer:
-            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names).items()})
+            metrics.update({f"grad_norm/{k}": v for k, v in norms_by_group(grads, model_spec.trainable_names,
+                                                                                model_spec.cfg).items()})
         if attention_segments:  # the micro-batches whose cuDNN attention fell back to the masked kernel
             if packed is None:
                 rows = _split_micro({"s": batch["segment_ids"]}, micro_batches)["s"]

@@ -34,8 +34,9 @@ from jaxlm.models.mlps import MLPS, MoESpec
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("mixtral", "qwen3_moe", "qwen3_moe_normalized")
-MODEL_TYPE = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen3_moe_normalized": "qwen3_moe"}
+ARCHS = ("mixtral", "qwen3_moe", "qwen3_moe_normalized", "qwen3_moe_dense")
+MODEL_TYPE = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen3_moe_normalized": "qwen3_moe",
+              "qwen3_moe_dense": "qwen3_moe"}
 # What each architecture's config.json says the model is, as transformers reads it (its own spelling of a field
 # where versions differ: Qwen3-MoE's num_experts, written num_local_experts by transformers 5)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -64,6 +65,10 @@ def make_model(arch: str):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, moe_intermediate_size=96, intermediate_size=160, num_experts=4, head_dim=16,
             tie_word_embeddings=True, rope_theta=1e6))
+    elif arch == "qwen3_moe_dense":  # its first layer dense (intermediate_size wide), experts in the other two
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3}, moe_intermediate_size=96, intermediate_size=160, num_experts=4,
+            norm_topk_prob=True, mlp_only_layers=[0]))
     else:  # Qwen3-MoE with norm_topk_prob (renormalized, as Mixtral), attention biases, its own norm eps
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, moe_intermediate_size=96, num_experts=4, norm_topk_prob=True, attention_bias=True,
@@ -97,6 +102,7 @@ def test_imported_moe_gives_transformers_logits_and_exports_back(models, arch, t
     m = run.cfg.model
     assert (m.mlp, m.moe_impl, m.moe_experts, m.moe_top_k, m.mlp_dim) == ("moe", "ragged", 4, 2, 96)
     assert m.moe_router == ("softmax_topk" if arch == "qwen3_moe" else "topk_softmax")
+    assert (m.moe_dense_layers, m.moe_dense_dim) == ((1, 160) if arch == "qwen3_moe_dense" else (0, 0))
     assert m.moe_aux_loss == model.config.router_aux_loss_coef and run.model_cfg.qk_norm == (arch != "mixtral")
     want = reference_logits(model)
     close(jaxlm_logits(run), want)  # ragged: the dropless grouped matmul
@@ -118,10 +124,11 @@ def test_imported_moe_gives_transformers_logits_and_exports_back(models, arch, t
     floats.identical(again.params, run.params, why=floats.MOVED)
 
 
-def test_unscanned_layers_read_and_write_each_expert(models, tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe_dense"])
+def test_unscanned_layers_read_and_write_each_expert(models, tmp_path, arch):
     """A model whose blocks are a list (model.scan_layers=False): each layer's experts stacked from the
-    checkpoint's Linears, and back into them."""
-    model, hf_dir = models["mixtral"]
+    checkpoint's Linears, and back into them; a dense first layer's MLP from its own."""
+    model, hf_dir = models[arch]
     arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
     cfg = hf._run_config(keys, arch, "float32", hf_dir / "unused")
     cfg.model.scan_layers = False
@@ -131,7 +138,8 @@ def test_unscanned_layers_read_and_write_each_expert(models, tmp_path):
     mesh, abstract = inference.make_inference_mesh(cfg, model_cfg, spec, jax.devices(), rules)
     files = hf.SafetensorsFiles(hf_dir)
     params = hf._read_params(files, abstract, model_cfg, arch)
-    assert params["blocks"][0]["mlp"]["expert_gate"].shape == (4, 64, 96)
+    first_moe = len(getattr(model.config, "mlp_only_layers", None) or [])
+    assert params["blocks"][first_moe]["mlp"]["expert_gate"].shape == (4, 64, 96)
     with spmd.logical_axis_rules(rules), jax.set_mesh(mesh):
         logits = np.asarray(jax.jit(lambda m, ids: m(ids))(nnx.merge(spec.graphdef, params), jnp.asarray(IDS)))
     close(logits, reference_logits(model))
@@ -142,7 +150,9 @@ def test_unscanned_layers_read_and_write_each_expert(models, tmp_path):
 
 @pytest.mark.parametrize("arch, changes, words", [
     ("qwen3_moe", {"mlp_only_layers": [1]},
-     "config.json: mlp_only_layers=[1]: layer 1 without experts (dense); jaxlm's MoE model has experts in every layer"),
+     "config.json: mlp_only_layers=[1]: layer 1 without experts (dense) after layer 0 with experts; jaxlm's MoE model "
+     "has its dense layers first (model.moe_dense_layers)"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1]: every layer dense: import it as a Qwen3"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "config.json: decoder_sparse_step=2: experts in one layer of every 2"),
     ("mixtral", {"sliding_window": 64}, "config.json: sliding_window=64: jaxlm has no sliding-window attention"),
     ("qwen3_moe", {"use_sliding_window": True}, "config.json: use_sliding_window=true"),
@@ -188,6 +198,7 @@ def test_moe_models_without_a_hugging_face_counterpart_are_refused_naming_the_ke
             (dict(moe=dataclasses.replace(moe, shared_experts=1), qk_norm=True), "model.moe_shared_experts=1"),
             (dict(moe=dataclasses.replace(moe, router="softmax_topk")), "model.moe_router=softmax_topk"),
             (dict(moe=moe, use_bias=True), "use_bias=True"),
+            (dict(moe=dataclasses.replace(moe, dense_layers=1, dense_dim=64)), "model.moe_dense_layers=1"),
             (dict(moe=moe, norm="layernorm"), "norm=layernorm")):
         with pytest.raises(UserError, match=words) as refused:
             hf_map.architecture_of(small_config(mlp="moe", **settings))

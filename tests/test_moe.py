@@ -242,6 +242,8 @@ def test_a_moe_model_trains_through_the_train_step():
     ("moe_impl", "megablox", "ragged"),
     ("moe_capacity_factor", 0.0, "a positive number"),
     ("moe_aux_loss", -0.1, "0 (off) or a positive coefficient"),
+    ("moe_dense_layers", 4, "fewer than model.n_layers=4 (at least one layer with experts)"),
+    ("moe_dense_dim", -1, "0 (the default width) or more"),
 ])
 def test_bad_moe_settings_stop_with_one_line(key, value, allowed):
     with pytest.raises(UserError, match=f"model.{key}") as raised:
@@ -279,22 +281,87 @@ def test_total_and_active_parameters():
         per_layer_mlp - one_expert)
 
 
+def _dense_first(scan: bool, **more) -> transformer.ModelConfig:
+    """A 3-layer MoE whose first layer is dense (a SwiGLU of 48 units), its experts 4 x 32, top 2."""
+    return small_config(mlp="moe", mlp_dim=32, n_layers=3, scan_layers=scan, scan_unroll=1,
+                        moe=MoESpec(experts=4, top_k=2, dense_layers=1, dense_dim=48), **more)
+
+
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
-def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan):
+def test_dense_first_layers_are_a_swiglu_then_the_experts(scan):
+    """model.moe_dense_layers=1: layer 0's MLP is a SwiGLU of moe_dense_dim units, the others MoE layers. Its
+    output equals the layers run one by one by hand (the dense block, then each MoE block), the parameter
+    counts are the built model's, and the auxiliary outputs are the MoE layers' alone."""
+    cfg = _dense_first(scan)
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert transformer.param_count(cfg)["total"] == sum(x.size for x in jax.tree.leaves(params))
+    one_expert = 3 * cfg.d_model * cfg.mlp_dim
+    assert transformer.active_param_count(cfg) == transformer.param_count(cfg)["total"] - 2 * 2 * one_expert
+    stacks = transformer.layer_stacks(cfg)
+    assert [(s.name, s.first, s.count, s.cfg.mlp, s.cfg.mlp_dim) for s in stacks] == [
+        ("dense_blocks", 0, 1, "swiglu", 48), ("blocks", 1, 2, "moe", 32)]
+    # the FLOPs: the dense layer's SwiGLU, then the router, 2 experts per token in each MoE layer
+    attention = sum(i * o for i, o in transformer._attention_shapes(cfg).values())
+    assert transformer.matmul_params(cfg) == (3 * attention + 3 * cfg.d_model * 48
+                                              + 2 * (cfg.d_model * 4 + 2 * one_expert) + cfg.d_model * cfg.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    logits, out = model(tokens, with_aux=True)
+    assert out["moe_load_by_layer"].shape == (2, 4) and out["moe_dropped_by_layer"].shape == (2,)
+
+    # by hand: each layer's block alone (layer i of a stack: its slice of the stacked weights)
+    def block(i):
+        stack = next(s for s in stacks if s.first <= i < s.first + s.count)
+        alone = dataclasses.replace(stack.cfg, scan_layers=False, n_layers=1,
+                                    moe=dataclasses.replace(stack.cfg.moe, dense_layers=0))
+        graphdef, state = nnx.split(transformer.Transformer(alone, rngs=nnx.Rngs(params=7)).blocks[0])
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: w[i - stack.first], params[stack.name]) if scan
+                                 else params["blocks"][i])
+        return nnx.merge(graphdef, state)
+
+    positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+    x = model.embed_tokens(tokens, positions)
+    for i in range(3):
+        x = block(i)(x, positions, None, None)
+    floats.close(logits, model.logits(model.final_norm(x)), ulps=64)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_dense_first_layers_decode_with_the_cache_as_the_whole_sequence(scan):
+    """Decoding token by token with the KV cache gives the logits of the whole sequence at once: each stack
+    writes its own layers of the cache (the MoE stack's from layer 1 on)."""
+    cfg = _dense_first(scan)
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(params=0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    whole = model(tokens)
+    cache = transformer.init_cache(cfg, 2, 16, jnp.zeros((2,), jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
+    prefix, cache = model(tokens[:, :8], positions[:, :8], cache=cache)
+    steps = [prefix]
+    for t in range(8, 12):
+        step, cache = model(tokens[:, t:t + 1], positions[:, t:t + 1], cache=cache)
+        steps.append(step)
+    floats.close(jnp.concatenate(steps, axis=1), whole, ulps=4096)
+
+
+@pytest.mark.parametrize("scan, dense", [(True, 0), (False, 0), (True, 1), (False, 1)],
+                         ids=["scanned", "unrolled", "scanned-dense-first", "unrolled-dense-first"])
+def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan, dense):
     """DeepSeek-V3's rule: after a step, each layer's bias of expert e moves by the rate times sign(1 -
-    load_e), the loads being the ones the step logged; the output's gradient never moves it."""
+    load_e), the loads being the ones the step logged; the output's gradient never moves it. A dense first
+    layer (model.moe_dense_layers) has no router: the loads and biases are the two MoE layers'."""
     from jaxlm import train_setup
 
-    cfg = recipe("tiny", model__mlp="moe", model__moe_experts=4, model__n_layers=2, model__mlp_dim=64,
+    cfg = recipe("tiny", model__mlp="moe", model__moe_experts=4, model__n_layers=2 + dense, model__mlp_dim=64,
                  model__moe_router="sigmoid", model__moe_bias_rate=0.01, model__scan_layers=scan,
-                 data__global_batch_size=4, data__seq_len=32)
+                 model__moe_dense_layers=dense, model__moe_dense_dim=96, data__global_batch_size=4, data__seq_len=32)
     setup = train_setup.build(cfg, devices=jax.devices()[:1])
 
     def biases(state):
         blocks = state.params["blocks"]
         if scan:
             return np.asarray(blocks["mlp"]["router_bias"])
-        return np.stack([np.asarray(blocks[i]["mlp"]["router_bias"]) for i in range(2)])
+        return np.stack([np.asarray(blocks[dense + i]["mlp"]["router_bias"]) for i in range(2)])
 
     state, batch = setup.state, setup.put_batch(random_batch(4, 32, 2048))
     before = biases(state)
@@ -388,3 +455,81 @@ def mesh_rules():
     from jaxlm import mesh as mesh_lib
 
     return mesh_lib.rules_from_config(mesh_lib.default_rules())
+
+
+def test_dense_first_layers_flops_and_memory_are_the_compiled_steps():
+    """Dense first layers (model.moe_dense_layers, moe_dense_dim wider than an expert): the compiled step's dots
+    are the model's matmuls counted stack by stack (`transformer.layer_stacks`: the dense layers' SwiGLU, the
+    MoE layers' router and k experts, capacity 1.0 computing exactly those), and on data 2 x fsdp 4 its
+    memory is within the planner's tolerance, each stack planned with its own MLP, as the registry tests
+    hold every MLP (tests/test_registries.py)."""
+    from helpers import hlo_dot_flops
+    from jaxlm import memory, plan, train_setup
+
+    moe_keys = dict(model__mlp="moe", model__moe_impl="capacity", model__moe_capacity_factor=1.0,
+                    model__moe_dense_layers=1, model__moe_dense_dim=512)
+    cfg = recipe("tiny", **moe_keys, model__n_layers=3, model__scan_layers=False, model__remat="none",
+                 optim__micro_batches=1, model__attention="xla")
+    setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
+    m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
+    square = 12 * m.n_layers * seq_len * m.n_heads * m.head_dim * tokens
+    assert hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * transformer.matmul_params(m) * tokens + square
+
+    cfg = recipe("tiny", **moe_keys, model__mlp_dim=0, model__remat="none", mesh__data=2, mesh__fsdp=4)
+    report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=jax.devices()[:8])
+    analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
+    assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE, (
+        report["compiled"]["per_device_bytes"], analytic)
+
+
+def test_dense_first_layers_are_numbered_as_the_model_s_layers():
+    """Per-layer gradient norms (`steps.norms_by_group`) and LoRA's adapters (`lora.adapters`, what the PEFT
+    export writes) name each layer by its number in the model: a scanned MoE stack's slice i is layer
+    moe_dense_layers + i, as the unrolled list's index is."""
+    import optax
+
+    from jaxlm import lora, steps, train_state
+
+    lora_settings = dict(rank=2, alpha=4.0, targets="wq", ranks="", dropout=0.0)
+    norms, layers_of_adapters = {}, {}
+    for scan in (True, False):
+        cfg = transformer.with_lora(_dense_first(scan), lora_settings)
+        spec = train_state.build_model_spec(cfg)
+        tree = nnx.to_pure_dict(nnx.state(train_state.build_model(cfg, seed=0), nnx.Param))
+        norms[scan] = {k: float(v) for k, v in steps.norms_by_group(tree, spec.logical_names, cfg).items()}
+        assert {k for k in norms[scan] if k.startswith("layer_")} == {"layer_00", "layer_01", "layer_02"}
+        np.testing.assert_allclose(np.sqrt(sum(v * v for v in norms[scan].values())), float(optax.tree.norm(tree)),
+                                   rtol=1e-5)
+        layers_of_adapters[scan] = [a.layer for a in lora.adapters(tree, cfg)]
+        if scan:  # the MoE stack's slice 0 is layer 1
+            one = float(optax.tree.norm(jax.tree.map(lambda x: x[0], tree["blocks"])))
+            np.testing.assert_allclose(norms[True]["layer_01"], one, rtol=1e-5)
+    assert layers_of_adapters[True] == layers_of_adapters[False] == [0, 1, 2]
+
+
+def test_gptq_compresses_dense_first_layers_scanned_as_unrolled():
+    """GPTQ on a model with a dense first layer: each layer calibrated on the outputs of the ones before
+    it (`LayerRunner`, the dense block then the MoE blocks), so the scanned model's codes are the unrolled
+    model's with the same weights, and the dense layer's MLP is quantized too."""
+    from jaxlm import config, train_state
+    from jaxlm.compress import methods
+
+    co = config.recipe("tiny", compress__quantize="int4", compress__group=16, compress__method="gptq").compress
+    calibration = np.random.default_rng(0).integers(0, 96, (4, 16)).astype(np.int32)
+    scanned = _dense_first(True)
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(train_state.build_model(scanned, 0), nnx.Param)))()
+    stacks = transformer.layer_stacks(scanned)
+    unrolled = {**{k: v for k, v in params.items() if k not in transformer.STACKS},
+                "blocks": {s.first + i: jax.tree.map(lambda w, i=i: w[i], params[s.name])
+                           for s in stacks for i in range(s.count)}}
+    out = {}
+    for cfg, tree in ((scanned, params), (_dense_first(False), unrolled)):
+        out_cfg = transformer.with_compress(cfg, co)
+        out[cfg.scan_layers], _ = methods.compress_params(tree, cfg, out_cfg, co, calibration=calibration)
+    assert out[True]["dense_blocks"]["mlp"]["w_gate"]["kernel_q"].shape[0] == 1
+    for s in stacks:
+        for i in range(s.count):
+            for path in (("attn", "wq"), ("attn", "wo")) + ((("mlp", "w_down"),) if s.name == "dense_blocks" else ()):
+                a = out[True][s.name][path[0]][path[1]]["kernel_q"][i]
+                b = out[False]["blocks"][s.first + i][path[0]][path[1]]["kernel_q"]
+                np.testing.assert_array_equal(a, b, err_msg=f"{s.name} {i} {path}")

@@ -37,11 +37,17 @@ def _slice(blocks: dict, i: jax.Array) -> dict:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), blocks)
 
 
+def stack_of(cfg: transformer.ModelConfig, i: int) -> transformer.LayerStack:
+    """The stack of layer `i` (`transformer.layer_stacks`: an MoE's dense first layers, or the model's own)."""
+    return next(s for s in transformer.layer_stacks(cfg) if s.first <= i < s.first + s.count)
+
+
 def layer_of(params: dict, cfg: transformer.ModelConfig, i: int) -> dict:
-    """Layer `i`'s block parameters (a slice of the stacked blocks, one compiled program for every
-    layer; or the i-th of the list)."""
+    """Layer `i`'s block parameters (a slice of its stack's stacked blocks, one compiled program for every
+    layer of the stack; or the i-th of the list)."""
     if cfg.scan_layers:
-        return jax.block_until_ready(_slice(params["blocks"], jnp.int32(i)))
+        stack = stack_of(cfg, i)
+        return jax.block_until_ready(_slice(params[stack.name], jnp.int32(i - stack.first)))
     return params["blocks"][i]
 
 
@@ -71,9 +77,12 @@ class LayerRunner:
         self.cfg = dataclasses.replace(self.cfg, dtype=jnp.float32, dropout=0.0, remat="none")
         model_graphdef, _ = nnx.split(transformer.abstract_model(self.cfg))
         self._model_graphdef = model_graphdef
-        block_cfg = dataclasses.replace(self.cfg, scan_layers=False, n_layers=1)
-        self._block_graphdef = nnx.split(transformer.abstract_model(block_cfg).blocks[0])[0]
-        self._names, self._stats, self._advance = None, None, None
+        self._block_graphdefs = {}  # of each stack's blocks: one block of its settings, alone
+        for stack in transformer.layer_stacks(self.cfg):
+            alone = dataclasses.replace(stack.cfg, scan_layers=False, n_layers=1,
+                                        moe=dataclasses.replace(stack.cfg.moe, dense_layers=0))
+            self._block_graphdefs[stack.name] = nnx.split(transformer.abstract_model(alone).blocks[0])[0]
+        self._names, self._stats, self._advance = {}, {}, {}  # each stack's
 
     def _rows(self):
         return jax.sharding.NamedSharding(self.mesh, logical_to_spec(("act_batch", None, None), self.rules))
@@ -96,8 +105,8 @@ class LayerRunner:
                 out.append(run(self.params, chunk))
         return out
 
-    def _call(self, block_params: dict, x: jax.Array, capture: bool):
-        graphdef = self._block_graphdef
+    def _call(self, block_params: dict, x: jax.Array, capture: bool, stack: str):
+        graphdef = self._block_graphdefs[stack]
         with spmd.logical_axis_rules(self.rules):
             block = nnx.merge(graphdef, block_params)
             seen: dict[int, tuple[str, jax.Array]] = {}
@@ -121,32 +130,33 @@ class LayerRunner:
                      for first, flat in seen.values()}
             return y, grams, names
 
-    def statistics(self, block_params: dict, xs: list[jax.Array]) -> dict[str, jax.Array]:
-        """{projection name: H [inputs, inputs]} of one layer over the calibration inputs `xs`."""
-        if self._names is None:  # which projection reads which input: one abstract trace
+    def statistics(self, block_params: dict, xs: list[jax.Array], stack: str = "blocks") -> dict[str, jax.Array]:
+        """{projection name: H [inputs, inputs]} of one layer (of the stack `stack`) over the calibration
+        inputs `xs`."""
+        if stack not in self._names:  # which projection reads which input: one abstract trace
             names: dict[str, str] = {}
 
             def probe(p, x):
-                _, grams, found = self._call(p, x, True)
+                _, grams, found = self._call(p, x, True, stack)
                 names.update(found)
                 return grams
 
             jax.eval_shape(probe, block_params, xs[0])
-            self._names = names
-            self._stats = jax.jit(lambda p, x: self._call(p, x, True)[1])
+            self._names[stack] = names
+            self._stats[stack] = jax.jit(lambda p, x: self._call(p, x, True, stack)[1])
         total: dict[str, jax.Array] = {}
         with jax.set_mesh(self.mesh):
             for x in xs:
-                grams = self._stats(block_params, x)
+                grams = self._stats[stack](block_params, x)
                 total = grams if not total else {k: total[k] + grams[k] for k in grams}
-        return {name: total[first] for name, first in self._names.items()}
+        return {name: total[first] for name, first in self._names[stack].items()}
 
-    def advance(self, block_params: dict, xs: list[jax.Array]) -> list[jax.Array]:
-        """The layer's outputs for inputs `xs` (the next layer's inputs)."""
-        if self._advance is None:
-            self._advance = jax.jit(lambda p, x: self._call(p, x, False)[0])
+    def advance(self, block_params: dict, xs: list[jax.Array], stack: str = "blocks") -> list[jax.Array]:
+        """The layer's (of the stack `stack`) outputs for inputs `xs` (the next layer's inputs)."""
+        if stack not in self._advance:
+            self._advance[stack] = jax.jit(lambda p, x: self._call(p, x, False, stack)[0])
         with jax.set_mesh(self.mesh):
-            return [self._advance(block_params, x) for x in xs]
+            return [self._advance[stack](block_params, x) for x in xs]
 
     def final_inputs(self, xs: list[jax.Array]) -> jax.Array:
         """H of the unembedding's input (the final norm's output) over the last layer's outputs."""

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxlm import quant
 from jaxlm.compress import gptq, prune
-from jaxlm.compress.calibrate import LayerRunner, layer_of
+from jaxlm.compress.calibrate import LayerRunner, layer_of, stack_of
 from jaxlm.models import layers, quantized, transformer
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Target:
 
     @property
     def in_block(self) -> bool:
-        return self.path[0] == "blocks"
+        return self.path[0] in transformer.STACKS
 
     def block_path(self) -> tuple:
         """The path inside one block: ('attn', 'wq')."""
@@ -68,7 +68,7 @@ def targets(out_cfg: transformer.ModelConfig) -> list[Target]:
         name = path[-1]
         if not any(name in transform.targets for transform in out_cfg.transforms):
             continue
-        stacked = out_cfg.scan_layers and path[0] == "blocks"
+        stacked = out_cfg.scan_layers and path[0] in transformer.STACKS
         out.append(Target(path=tuple(path), name=name, kernel_shape=projection.kernel_shape,
                           n_in=len(projection.in_axes), axis=projection.quant_axis, stacked=stacked))
     # the token embedding [vocab, width], grouped along its width
@@ -219,11 +219,14 @@ def compress_params(params: dict, cfg: transformer.ModelConfig, out_cfg: transfo
     per_layer: dict[tuple, list[dict]] = {t.path: [] for t in found if t.stacked}
     block_targets = [t for t in found if t.in_block]
     for i in range(cfg.n_layers):
-        layer_targets = [t for t in block_targets if t.stacked or t.path[1] == i]
-        if not layer_targets:
+        stack = stack_of(cfg, i).name
+        layer_targets = [t for t in block_targets if (t.path[0] == stack if t.stacked else t.path[1] == i)]
+        if not layer_targets:  # (still run, for the next layers' inputs: an MoE's dense layers may have none)
+            if runner and any(t.stacked or t.path[1] > i for t in block_targets):
+                xs = runner.advance(layer_of(params, cfg, i), xs, stack)
             continue
         block = layer_of(params, cfg, i)
-        hessians = runner.statistics(block, xs) if runner else {}
+        hessians = runner.statistics(block, xs, stack) if runner else {}
         new_block = jax.tree.map(lambda x: x, block)
         for t in layer_targets:
             kernel = _node(block, t.block_path())["kernel"]
@@ -236,7 +239,7 @@ def compress_params(params: dict, cfg: transformer.ModelConfig, out_cfg: transfo
                 node.pop("kernel")
                 node.update(leaves)
         if runner:
-            xs = runner.advance(new_block, xs)
+            xs = runner.advance(new_block, xs, stack)
         # One layer in flight at a time: XLA:CPU's collectives can stall when many multi-device programs
         # are queued at once (seen with 8 host devices), and the layer's memory is freed before the next.
         jax.block_until_ready((xs, per_layer, out))

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxlm.errors import UserError
+from jaxlm.models import transformer
 from jaxlm.models.mlps import MLPS
 
 MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
@@ -114,7 +115,8 @@ _FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "nu
 _MOE_FIELDS = {"mixtral": {"moe_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
                            "moe_aux_loss": "router_aux_loss_coef"},
                "qwen3_moe": {"moe_experts": "num_experts", "moe_top_k": "num_experts_per_tok",
-                             "mlp_dim": "moe_intermediate_size", "moe_aux_loss": "router_aux_loss_coef"}}
+                             "mlp_dim": "moe_intermediate_size", "moe_aux_loss": "router_aux_loss_coef",
+                             "moe_dense_layers": "mlp_only_layers", "moe_dense_dim": "intermediate_size"}}
 _GPT2_FIELDS = {"vocab_size": "vocab_size", "d_model": "n_embd", "n_layers": "n_layer", "n_heads": "n_head",
                 "mlp_dim": "n_inner", "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"}
 _LINKED = {"data.seq_len": "max_seq_len", "data.tokenizer_vocab_size": "vocab_size"}  # keys set from model keys
@@ -200,19 +202,27 @@ def _experts_field(hf: dict) -> str:
 
 
 def _moe_keys(hf: dict, arch: str, n_layers: int) -> dict:
-    """jaxlm's MoE keys of a Mixtral or Qwen3-MoE config.json: its experts in every layer, dropless (`ragged`:
-    the function transformers computes, no token dropped); a Qwen3-MoE with dense layers is refused."""
+    """jaxlm's MoE keys of a Mixtral or Qwen3-MoE config.json: its experts in every layer, or a Qwen3-MoE's
+    dense first layers (mlp_only_layers 0 .. n-1: model.moe_dense_layers, intermediate_size wide),
+    dropless (`ragged`: the function transformers computes, no token dropped); other dense layers are
+    refused."""
+    dense: dict = {}
     if arch == "qwen3_moe":
         step, dense_only = _get(hf, "decoder_sparse_step", int, 1), hf.get("mlp_only_layers") or []
         if step < 1:
             raise _refuse("decoder_sparse_step", step, "expected a positive integer")
         if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
             raise _refuse("mlp_only_layers", dense_only, "expected a list of layer numbers")
-        listed = [i for i in range(n_layers) if i in dense_only]
-        if listed:
+        listed = sorted({i for i in dense_only if 0 <= i < n_layers})
+        if listed and listed != list(range(len(listed))):
+            gap = next(i for i in range(n_layers) if i not in listed)  # the first layer with experts
             raise _refuse("mlp_only_layers", dense_only,
-                          f"layer{'s' if len(listed) > 1 else ''} {', '.join(map(str, listed))} without experts "
-                          "(dense); jaxlm's MoE model has experts in every layer")
+                          f"layer {min(i for i in listed if i > gap)} without experts (dense) after layer {gap} "
+                          "with experts; jaxlm's MoE model has its dense layers first (model.moe_dense_layers)")
+        if len(listed) == n_layers:
+            raise _refuse("mlp_only_layers", dense_only, "every layer dense: import it as a Qwen3 (model_type qwen3)")
+        if listed:
+            dense = dict(moe_dense_layers=len(listed), moe_dense_dim=_get(hf, "intermediate_size"))
         if step > 1:
             raise _refuse("decoder_sparse_step", step,
                           f"experts in one layer of every {step}, the others dense; jaxlm's MoE model has experts in "
@@ -222,7 +232,7 @@ def _moe_keys(hf: dict, arch: str, n_layers: int) -> dict:
     fields = _fields(arch, hf)
     return dict(mlp="moe", moe_experts=_get(hf, fields["moe_experts"]), moe_top_k=_get(hf, fields["moe_top_k"]),
                 moe_router=router, moe_shared_experts=0, moe_impl="ragged",
-                moe_aux_loss=_get(hf, fields["moe_aux_loss"], float, 0.001), moe_z_loss=0.0)
+                moe_aux_loss=_get(hf, fields["moe_aux_loss"], float, 0.001), moe_z_loss=0.0, **dense)
 
 
 def _gpt2_keys(hf: dict) -> dict:
@@ -270,6 +280,10 @@ def architecture_of(cfg) -> str:
     if llama_like and not cfg.qk_norm and "llama" in counterparts and not cfg.use_bias:
         return "qwen2" if cfg.qkv_bias else "llama"
     if llama_like and not cfg.qk_norm and "mixtral" in counterparts and not cfg.use_bias and not cfg.qkv_bias:
+        if cfg.moe.dense_layers:
+            raise UserError(f"this MoE model has dense first layers (model.moe_dense_layers={cfg.moe.dense_layers}), "
+                            "which Mixtral (an MoE without q/k norms) does not: it exports as Qwen3-MoE, with q/k "
+                            "norms (model.qk_norm=1)")
         if cfg.moe.router != "topk_softmax":  # Mixtral renormalizes its top k; softmax_topk: Qwen3-MoE's alone
             raise UserError(f"this MoE model routes with model.moe_router={cfg.moe.router}, which Mixtral (an MoE without "
                             "q/k norms) does not: it exports with moe_router=topk_softmax, or as Qwen3-MoE with q/k "
@@ -334,7 +348,10 @@ def _moe_config(cfg, arch: str) -> dict:
         return {**out, "num_local_experts": spec.experts, "router_jitter_noise": 0.0}
     # Qwen3-MoE: num_experts as the Hub's checkpoints spell it (transformers 5 reads it as num_local_experts)
     return {**out, "num_experts": spec.experts, "moe_intermediate_size": cfg.mlp_dim,
-            "norm_topk_prob": spec.router == "topk_softmax", "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": spec.router == "topk_softmax", "decoder_sparse_step": 1,
+            # the dense first layers' (model.moe_dense_layers): intermediate_size wide
+            "mlp_only_layers": list(range(spec.dense_layers)),
+            **({"intermediate_size": spec.dense_dim} if spec.dense_layers else {})}
 
 
 # ----------------------------------------------------------------------------- the name map
@@ -459,20 +476,36 @@ def name_map(cfg, arch: str) -> tuple[dict[tuple, Part], dict[tuple, Part]]:
     return layer, outside
 
 
-def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, int | None, bool]]:
-    """(path, part, layer, stacked) for every leaf of `params` (a nested dict of the model's
-    parameters, arrays or abstract): `layer` is the layer of an unscanned block (None otherwise),
-    `stacked` whether the leaf holds every layer on its first axis. A leaf the map lacks is an error
-    in the map, never skipped."""
-    layer_parts, outside = name_map(cfg, arch)
+def param_parts(params: dict, cfg, arch: str) -> Iterator[tuple[tuple, Part, tuple[int, ...], bool]]:
+    """(path, part, layers, stacked) for every leaf of `params` (a nested dict of the model's
+    parameters, arrays or abstract): `layers` the model layers the leaf holds (an unscanned block's
+    one; a stacked block's, its stack's (`transformer.layer_stacks`); none outside the blocks), `stacked`
+    whether the leaf holds them on its first axis. A leaf the map lacks is an error in the map, never
+    skipped."""
+    outside = name_map(cfg, arch)[1]
+    stacks = {stack.name: stack for stack in transformer.layer_stacks(cfg)}
+    maps = {name: name_map(stack.cfg, arch)[0] for name, stack in stacks.items()}
+    stack_of = [stack for stack in stacks.values() for _ in range(stack.count)]  # each layer's
     for path, _ in leaves(params):
-        if path[0] == "blocks":
-            if cfg.scan_layers:
-                yield path, layer_parts[path[1:]], None, True
-            else:
-                yield path, layer_parts[path[2:]], int(path[1]), False
+        if path[0] in stacks and cfg.scan_layers:
+            stack = stacks[path[0]]
+            yield path, maps[stack.name][path[1:]], tuple(range(stack.first, stack.first + stack.count)), True
+        elif path[0] == "blocks":
+            layer = int(path[1])
+            yield path, maps[stack_of[layer].name][path[2:]], (layer,), False
         else:
-            yield path, outside[path], None, False
+            yield path, outside[path], (), False
+
+
+def layer_parts(cfg, arch: str, path: tuple) -> dict[tuple, Part]:
+    """The parts of one layer (keyed by the path inside a block) of the block at `path` (in the params
+    tree: a stack's name first, or ('blocks', layer) unscanned): its stack's (`transformer.layer_stacks`)."""
+    stacks = transformer.layer_stacks(cfg)
+    if len(path) > 1 and isinstance(path[1], int):
+        stack = [s for s in stacks for _ in range(s.count)][path[1]]
+    else:
+        stack = next(s for s in stacks if s.name == path[0])
+    return name_map(stack.cfg, arch)[0]
 
 
 def hf_tensors(params: dict, cfg, arch: str, dtype, *, to_host=np.asarray,
@@ -482,13 +515,13 @@ def hf_tensors(params: dict, cfg, arch: str, dtype, *, to_host=np.asarray,
     and dropped before the next. `build=False` (a process that writes nothing) still reads each leaf,
     for reads that gather across processes, and yields None for the tensor."""
     by_tensor: dict[tuple[str, int | None], list] = {}  # each layer's own where the blocks are a list
-    for path, part, layer, stacked in param_parts(params, cfg, arch):
-        by_tensor.setdefault((part.hf, layer), []).append((path, part, layer, stacked))
+    for path, part, layers, stacked in param_parts(params, cfg, arch):
+        by_tensor.setdefault((part.hf, layers), []).append((path, part, layers, stacked))
     all_leaves = dict(leaves(params))
     for entries in by_tensor.values():
         host = {path: to_host(all_leaves[path]) for path, *_ in entries}
-        _, part0, layer0, stacked0 = entries[0]
-        for i, name in enumerate(hf_names(part0, cfg.n_layers, layer0, stacked0)):
+        _, part0, layers0, _ = entries[0]
+        for i, name in enumerate(hf_names(part0, layers0)):
             values = {part: one_per_tensor(host[path], part, stacked)[i] for path, part, _, stacked in entries}
             yield name, hf_tensor(values, dtype) if build else None
         del host
@@ -509,12 +542,11 @@ def leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
             yield (*prefix, key), value
 
 
-def hf_names(part: Part, n_layers: int, layer: int | None, stacked: bool) -> list[str]:
-    """The Hugging Face tensors of one leaf: of each layer (every one where `stacked`, else `layer`), and
-    within a layer of each expert."""
+def hf_names(part: Part, layers: tuple[int, ...]) -> list[str]:
+    """The Hugging Face tensors of one leaf: of each of its `layers` (`param_parts`), and within a layer of
+    each expert."""
     if "{layer}" not in part.hf:
         return [part.hf]
-    layers = range(n_layers) if stacked else [layer]
     return [part.hf.format(layer=i, expert=e) for i in layers for e in range(part.experts or 1)]
 
 

@@ -188,6 +188,12 @@ class ModelSection(Section):
     moe_aux_loss: float = setting(
         0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
     moe_z_loss: float = setting(0.0, "model.mlp=moe: the router z-loss's coefficient (ST-MoE; 0 = off, still reported)")
+    moe_dense_layers: int = setting(
+        0,
+        "model.mlp=moe: the first this many layers dense, a SwiGLU of model.moe_dense_dim units in place of the "
+        "experts (DeepSeek-V3's first_k_dense_replace; Qwen3-MoE's mlp_only_layers of the first layers)")
+    moe_dense_dim: int = setting(
+        0, "model.mlp=moe: the dense layers' SwiGLU width (0 = the SwiGLU's default for model.d_model)")
     moe_bias_rate: float = setting(
         0.001,
         "model.mlp=moe, moe_router=sigmoid: after each step every expert's choice bias moves this much towards "
@@ -243,6 +249,9 @@ class ModelSection(Section):
                   "a positive number")
             for name in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):
                 check(getattr(self, name) >= 0, key(name), getattr(self, name), "0 (off) or a positive coefficient")
+            check(0 <= self.moe_dense_layers < self.n_layers, key("moe_dense_layers"), self.moe_dense_layers,
+                  f"0 or more, fewer than model.n_layers={self.n_layers} (at least one layer with experts)")
+            check(self.moe_dense_dim >= 0, key("moe_dense_dim"), self.moe_dense_dim, "0 (the default width) or more")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,11 +604,79 @@ class Block(nnx.Module):
         return x, cache, aux.as_float32(out)
 
 
+# An MLP of the dense first layers of an MoE (model.moe_dense_layers): the experts' own kind
+DENSE_MLP = "swiglu"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """Consecutive layers of one kind. Under model.scan_layers the model holds each stack as one stacked
+    block, the attribute `name` (its weights with a leading layers axis); unrolled, every layer's block is
+    in one list, `blocks`, in layer order (its index is the layer's number)."""
+
+    name: str
+    first: int  # its first layer's number in the model
+    count: int
+    cfg: ModelConfig  # its blocks' settings
+
+
+# The model's layer stacks, in layer order: an MoE's dense first layers (when asked), then the layers of the
+# model's own MLP. Every layer of a stack has the same parameters' shapes, so a stack is scanned or pipelined
+# as one; a second kind of layer is a second stack.
+STACKS = ("dense_blocks", "blocks")
+
+
+def layer_number(cfg: ModelConfig, path: tuple, index: int | None = None) -> int | None:
+    """The model layer of a parameter at `path` in the params tree (keys, as `jax.tree_util` paths give them
+    or plain): an unrolled block's ('blocks', i, ...) is layer i; a stacked block's (a stack's name first),
+    whose leading axis holds its layers, is its stack's first layer plus `index` (that axis's index);
+    None outside the blocks."""
+    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+    if not keys or keys[0] not in STACKS:
+        return None
+    if len(keys) > 1 and isinstance(keys[1], int):
+        return keys[1]
+    first = next(s.first for s in layer_stacks(cfg) if s.name == keys[0])
+    return None if index is None else first + index
+
+
+def stack_params(params: dict, cfg: ModelConfig, stack: LayerStack) -> Any:
+    """The parameters of one stack's layers in a params tree (a pure dict: `nnx.to_pure_dict`, or the
+    state's): its stacked block, or (unrolled) its blocks of the list."""
+    if cfg.scan_layers:
+        return params[stack.name]
+    blocks = params["blocks"]
+    return [blocks[i] for i in range(stack.first, stack.first + stack.count)]
+
+
+def layer_stacks(cfg: ModelConfig) -> tuple[LayerStack, ...]:
+    """The model's stacks of layers (`STACKS`), each with its blocks' config: the dense first layers of an
+    MoE (model.moe_dense_layers: a `DENSE_MLP` of model.moe_dense_dim units), then the model's own."""
+    dense = cfg.moe.dense_layers if cfg.mlp == "moe" else 0
+    main = LayerStack("blocks", dense, cfg.n_layers - dense, cfg)
+    if not dense:
+        return (main,)
+    return LayerStack("dense_blocks", 0, dense, dataclasses.replace(cfg, mlp=DENSE_MLP, mlp_dim=cfg.moe.dense_dim)), main
+
+
 def add_adapters(block: Block, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
     """LoRA adapters on the block's projections that `cfg.lora` names (`transforms.Adapted`)."""
     for path, projection in list(layers.projections(block)):
         if isinstance(projection, transforms.Adapted):
             projection.add_adapter(cfg.lora.rank_of(path[-1]), cfg.lora.alpha, rngs=rngs, dropout=cfg.lora.dropout)
+
+
+def _stacked_blocks(stack: LayerStack, rngs: nnx.Rngs) -> Block:
+    """One stacked Block of a stack's layers, its weights with a leading 'layers' axis, run by a scan."""
+
+    @nnx.split_rngs(splits=stack.count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+        block = Block(stack.cfg, rngs=rngs)
+        add_adapters(block, stack.cfg, rngs)  # each layer's stream: its base weights first, then adapters
+        return block
+
+    return make_blocks(rngs)
 
 
 def _pipelined_block(x, block, key, positions, segment_ids):
@@ -630,18 +707,11 @@ class Transformer(nnx.Module):
             self.pos_embed = layers.make_param(
                 rngs, layers.normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model), (None, "embed"), cfg.param_dtype
             )
-        if cfg.scan_layers:
-            # One stacked Block whose weights have a leading 'layers' axis, run by a scan.
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make_blocks(rngs):
-                block = Block(cfg, rngs=rngs)
-                add_adapters(block, cfg, rngs)  # each layer's stream: its base weights first, then adapters
-                return block
-
-            self.blocks = make_blocks(rngs)
-        else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:  # each stack one stacked Block (`STACKS`)
+            for stack in layer_stacks(cfg):
+                setattr(self, stack.name, _stacked_blocks(stack, rngs))
+        else:  # a list of every layer's block, in layer order, whatever its stack
+            self.blocks = nnx.List([Block(stack.cfg, rngs=rngs) for stack in layer_stacks(cfg) for _ in range(stack.count)])
         self.final_norm = NORMS[cfg.norm](
             cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.use_bias, rngs=rngs
         )
@@ -653,8 +723,8 @@ class Transformer(nnx.Module):
         # LoRA adapters, drawn after every base weight, so that these are the same with or without
         # adapters (one seed, one base model). The unembedding's (when lora.targets names it) has no dropout.
         if not cfg.scan_layers:
-            for block in self.blocks:
-                add_adapters(block, cfg, rngs)
+            for block, block_cfg in zip(self.blocks, (s.cfg for s in layer_stacks(cfg) for _ in range(s.count))):
+                add_adapters(block, block_cfg, rngs)
         if not cfg.tie_embeddings and isinstance(self.unembed, transforms.Adapted):
             self.unembed.add_adapter(cfg.lora.rank_of("unembed"), cfg.lora.alpha, rngs=rngs)
 
@@ -698,23 +768,15 @@ class Transformer(nnx.Module):
             x, out = pipeline_parallel.run(self.pipeline_schedule, self.blocks, x, positions, segment_ids, keys,
                                            _remat(_pipelined_block, cfg.remat, True), aux_shapes=self.aux_shapes)
         elif cfg.scan_layers:
-
-            @nnx.scan(
-                in_axes=(nnx.Carry, 0, None if keys is None else 0),
-                out_axes=(nnx.Carry, 0),
-                unroll=cfg.scan_unroll,
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            def scan_blocks(x, block, key):
-                return run_block(x, block, key)
-
-            x, per_layer = scan_blocks(x, self.blocks, keys)
-            out = aux.over_layers(per_layer)
+            for stack in layer_stacks(cfg):  # the last stack's blocks are the model's MLP's, whose outputs these are
+                stack_keys = None if keys is None else keys[stack.first:stack.first + stack.count]
+                x, out = self._scan_stack(stack, x, stack_keys, run_block)
         else:
             outs = []
             for i, block in enumerate(self.blocks):
                 x, layer_out = run_block(x, block, None if keys is None else keys[i])
                 outs.append(layer_out)
+            outs = outs[layer_stacks(cfg)[-1].first:]  # the layers of the model's MLP (not an MoE's dense first ones)
             out = aux.over_layers({name: jnp.stack([o[name] for o in outs]) for name in self.aux_shapes})
         if last_only:
             x = x[:, -1:]
@@ -723,6 +785,21 @@ class Transformer(nnx.Module):
         if cache is not None:
             return result, cache
         return (result, out) if with_aux else result
+
+    def _scan_stack(self, stack: LayerStack, x: jax.Array, keys: jax.Array | None, run_block):
+        """x through one stack's stacked block, scanned: (x, the blocks' auxiliary outputs over its layers)."""
+
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0, None if keys is None else 0),
+            out_axes=(nnx.Carry, 0),
+            unroll=min(self.cfg.scan_unroll, stack.count),
+            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        )
+        def scan_blocks(x, block, key):
+            return run_block(x, block, key)
+
+        x, per_layer = scan_blocks(x, getattr(self, stack.name), keys)
+        return x, aux.over_layers(per_layer)
 
     @property
     def aux_names(self) -> tuple[str, ...]:
@@ -758,16 +835,21 @@ class Transformer(nnx.Module):
     def _blocks_with_cache(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The blocks in order, each reading and writing its layer of the cache; then advance `index`."""
         if self.cfg.scan_layers:
+            start = cache  # its index and start, the same for every layer
+
             # The stacked cache rides in the carry: each layer updates its slice in place.
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.cfg.scan_unroll,
-                      transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def scan_blocks(carry, block, layer):
+            def run_block(carry, block, layer):
                 x, k, v = carry
-                x, c = block(x, positions, None, None, cache._replace(k=k, v=v, layer=layer))
+                x, c = block(x, positions, None, None, start._replace(k=k, v=v, layer=layer))
                 return x, c.k, c.v
 
-            x, k, v = scan_blocks((x, cache.k, cache.v), self.blocks, jnp.arange(self.cfg.n_layers, dtype=jnp.int32))
-            cache = cache._replace(k=k, v=v)
+            for stack in layer_stacks(self.cfg):
+                scan_blocks = nnx.scan(run_block, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+                                       unroll=min(self.cfg.scan_unroll, stack.count),
+                                       transform_metadata={nnx.PARTITION_NAME: "layers"})
+                layer_numbers = jnp.arange(stack.first, stack.first + stack.count, dtype=jnp.int32)
+                x, k, v = scan_blocks((x, cache.k, cache.v), getattr(self, stack.name), layer_numbers)
+                cache = cache._replace(k=k, v=v)
         else:
             for i, block in enumerate(self.blocks):
                 x, cache = block(x, positions, None, None, cache._replace(layer=i))
@@ -776,7 +858,8 @@ class Transformer(nnx.Module):
 
 def aux_shapes(cfg: ModelConfig) -> aux.Shapes:
     """The model's auxiliary outputs' shapes (`Transformer.aux_shapes`), from the config alone."""
-    return {name: (cfg.n_layers, *shape) if aux.by_layer(name) else shape
+    layers_with = layer_stacks(cfg)[-1].count  # the model's MLP's layers (an MoE's: not its dense first ones)
+    return {name: (layers_with, *shape) if aux.by_layer(name) else shape
             for name, shape in MLPS[cfg.mlp].aux_shapes(cfg).items()}
 
 
@@ -803,11 +886,12 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         attn += d
     if cfg.qk_norm:
         attn += 2 * layers.RMSNorm.params(h, False)  # the queries' and the keys' norms, shared by the heads
-    per_layer = attn + MLPS[cfg.mlp].params(cfg) + 2 * norm
+    layer_params = sum(stack.count * (attn + MLPS[stack.cfg.mlp].params(stack.cfg) + 2 * norm)
+                       for stack in layer_stacks(cfg))
     counts = {
         "embedding": v * d,
         "positions": POSITIONS[cfg.position].params(cfg.max_seq_len, d),
-        "layers": cfg.n_layers * per_layer,
+        "layers": layer_params,
         "final_norm": norm,
         "unembedding": 0 if cfg.tie_embeddings else d * v,
         "lora": lora_param_count(cfg),
@@ -819,7 +903,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
 def active_param_count(cfg: ModelConfig) -> int:
     """Parameters a token goes through: all of them but the experts it is not routed to (an MoE's;
     the total for a dense model). What peers report as an MoE's active size."""
-    return param_count(cfg)["total"] - cfg.n_layers * MLPS[cfg.mlp].unrouted_params(cfg)
+    return param_count(cfg)["total"] - sum(stack.count * MLPS[stack.cfg.mlp].unrouted_params(stack.cfg)
+                                           for stack in layer_stacks(cfg))
 
 
 def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -837,15 +922,18 @@ def lora_param_count(cfg: ModelConfig) -> int:
     """The LoRA adapters' parameters: rank x (inputs + outputs) of each adapted projection."""
     if cfg.lora is None:
         return 0
-    return cfg.lora.param_count(layer_projection_shapes(cfg), cfg.n_layers,
-                                None if cfg.tie_embeddings else (cfg.d_model, cfg.vocab_size))
+    stacks = layer_stacks(cfg)
+    return sum(cfg.lora.param_count(layer_projection_shapes(stack.cfg), stack.count,
+                                    None if cfg.tie_embeddings or stack is not stacks[-1] else (cfg.d_model, cfg.vocab_size))
+               for stack in stacks)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: every layer's attention and MLP (an MoE: the experts a
     token is routed to, its router and shared experts: the active weights) plus the unembedding."""
-    per_layer = sum(i * o for i, o in _attention_shapes(cfg).values()) + MLPS[cfg.mlp].matmul_params(cfg)
-    return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
+    attention = sum(i * o for i, o in _attention_shapes(cfg).values())
+    return (sum(stack.count * (attention + MLPS[stack.cfg.mlp].matmul_params(stack.cfg)) for stack in layer_stacks(cfg))
+            + cfg.d_model * cfg.vocab_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -89,6 +89,8 @@ class MoESpec:
     aux_loss: float = 0.01
     z_loss: float = 0.0
     bias_rate: float = 0.001  # the sigmoid router's bias step (`RouterBiasHook`)
+    dense_layers: int = 0  # the first layers dense: a SwiGLU of dense_dim units (`transformer.layer_stacks`)
+    dense_dim: int = 0  # resolved: never 0 where dense_layers > 0
 
     @classmethod
     def from_model(cls, m, platform: str) -> MoESpec:
@@ -101,7 +103,9 @@ class MoESpec:
                    impl=resolve_impl(str(get("moe_impl", "auto")), platform),
                    capacity_factor=float(get("moe_capacity_factor", d.capacity_factor)),
                    aux_loss=float(get("moe_aux_loss", d.aux_loss)), z_loss=float(get("moe_z_loss", d.z_loss)),
-                   bias_rate=float(get("moe_bias_rate", d.bias_rate)))
+                   bias_rate=float(get("moe_bias_rate", d.bias_rate)),
+                   dense_layers=int(get("moe_dense_layers", 0)),
+                   dense_dim=int(get("moe_dense_dim", 0)) or GatedMLP.default_dim(int(get("d_model", 0))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,7 @@ class RouterBiasHook:
     the bias is (trained or frozen, stacked or one per layer)."""
 
     rate: float
+    first: int = 0  # the first MoE layer (model.moe_dense_layers): an unrolled block's index less this
 
     def optimizer_transforms(self) -> list:
         return []
@@ -128,7 +133,7 @@ class RouterBiasHook:
             if not names or names[-1] != "router_bias":
                 return leaf
             layer = next((n for n in names if isinstance(n, int)), None)  # unrolled layers: one bias each
-            delta = step_by_layer if layer is None else step_by_layer[layer]
+            delta = step_by_layer if layer is None else step_by_layer[layer - self.first]
             return (leaf + delta.reshape(leaf.shape)).astype(leaf.dtype)
 
         return (jax.tree_util.tree_map_with_path(moved, trainable),
@@ -141,7 +146,7 @@ class RouterBiasHook:
 def step_hooks(cfg) -> list[RouterBiasHook]:
     """The train step's hooks of a model (`ModelConfig`): the bias rule of an MoE with the sigmoid router."""
     if cfg.mlp == "moe" and cfg.moe.router == "sigmoid" and cfg.moe.bias_rate > 0:
-        return [RouterBiasHook(cfg.moe.bias_rate)]
+        return [RouterBiasHook(cfg.moe.bias_rate, cfg.moe.dense_layers)]
     return []
 
 
@@ -316,7 +321,7 @@ class MoEMLP(MLP):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         spec = self.spec = cfg.moe
-        self.dtype, self.n_layers = cfg.dtype, cfg.n_layers
+        self.dtype, self.n_layers = cfg.dtype, cfg.n_layers - spec.dense_layers  # its layers with experts
         d, f, e = cfg.d_model, cfg.mlp_dim, spec.experts
         self.router = layers.make_param(rngs, layers.normal(cfg.init_std), (d, e), (EMBED, None), cfg.param_dtype)
         if spec.router == "sigmoid":
