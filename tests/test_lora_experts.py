@@ -198,3 +198,36 @@ def test_compress_leaves_the_experts_and_names_them_in_one_line():
     with pytest.raises(UserError, match="'expert_\\*' names the MoE's expert projections") as no:
         transformer.with_compress(cfg, {**c, "targets": "wq,expert_*"})
     assert "\n" not in str(no.value)
+
+
+def _expert_lora_losses(devices: int, **mesh) -> tuple[np.ndarray, object]:
+    """A 2-layer MoE (8 experts, top 2, capacity dispatch) in float32 with LoRA on its experts, 3 steps."""
+    from helpers import random_batch
+    from jaxlm import train_setup
+
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, **mesh}
+    cfg = config.recipe("tiny", model__mlp="moe", model__moe_experts=8, model__moe_top_k=2, model__mlp_dim=64,
+                        model__n_layers=2, model__dtype="float32", model__moe_impl="capacity", lora__rank=4,
+                        lora__targets="expert_gate,expert_up,expert_down", optim__peak_lr=0.05,
+                        data__global_batch_size=16, data__seq_len=32,
+                        **{f"mesh__{axis}": size for axis, size in sizes.items()})
+    setup = train_setup.build(cfg, devices=jax.devices()[:devices])
+    state, out = setup.state, []
+    batch = setup.put_batch(random_batch(16, 32, 2048))
+    for _ in range(3):
+        state, metrics = setup.train_step(state, batch)
+        out.append(float(metrics["loss"]))
+    return np.asarray(out, np.float32), setup
+
+
+@pytest.mark.slow  # two 8-device programs: ~15 s of CPU
+def test_expert_adapters_split_over_the_expert_axis_and_train_as_on_one_device():
+    """Expert parallelism (mesh.expert=2, fsdp=4): each device holds its experts' adapters beside their
+    kernels, and the adapted model trains with one device's losses."""
+    want, _ = _expert_lora_losses(1)
+    got, setup = _expert_lora_losses(8, expert=2, fsdp=4)
+    floats.close(got, want, ulps=64)
+    assert want[-1] < want[0], want
+    mlp = setup.state.params["blocks"]["mlp"]["expert_up"]
+    assert mlp["lora_a"].sharding.spec[1] == mlp["lora_b"].sharding.spec[1] == "expert"  # [layers, experts, ...]
+    assert mlp["kernel"].sharding.spec[1] == "expert"
