@@ -50,6 +50,7 @@ from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, run_command
 from jaxlm.models import hf as hf_map
 from jaxlm.models import quantized, transformer
+from jaxlm.models.mlps import MLPS
 
 log = logging.getLogger(__name__)
 
@@ -410,12 +411,27 @@ def _write_model(directory: pathlib.Path, run: inference.LoadedRun, params: dict
             "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
 
 
-def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _peft_tensors(params: dict, cfg, base_cfg, arch: str,
+                  dtype) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, dict]]:
     """The adapters as PEFT's tensors (`base_model.model.<module>.lora_A.weight` [r, in] and
-    `lora_B.weight` [out, r]), and jaxlm's projection name -> the checkpoint's module name."""
+    `lora_B.weight` [out, r]), jaxlm's projection name -> the checkpoint's module name, and an MoE's
+    expert adapters as adapters of transformers' fused expert parameters (`hf_map.peft_expert_matrices`:
+    their `target_parameters`, `rank_pattern` and `alpha_pattern` entries)."""
     outside = hf_map.name_map(base_cfg, arch)[1]
     tensors, modules = {}, {}
+    expert_sizes = {name: shape[-1] for name, shape in MLPS[cfg.mlp].expert_shapes(cfg).items()}
+    experts: dict[int, dict] = {}  # layer -> expert name -> (A, B, scale): PEFT's fused parameters, below
     for site in lora.sites(cfg):
+        if site.name in expert_sizes:
+            node = params
+            for k in site.path:
+                node = node[k]
+            a, b = _to_host(node["lora_a"]), _to_host(node["lora_b"])
+            per_layer = ([(site.first + i, a[i], b[i]) for i in range(a.shape[0])] if site.stacked
+                         else [(site.layer, a, b)])
+            for layer, la, lb in per_layer:
+                experts.setdefault(layer, {})[site.name] = (la, lb, site.scale)
+            continue
         in_block = site.path[0] in transformer.STACKS
         key = (*(p for p in site.path[1:] if not isinstance(p, int)), "kernel") if in_block else (*site.path, "kernel")
         part = (hf_map.layer_parts(base_cfg, arch, site.path) if in_block else outside)[key]
@@ -433,20 +449,38 @@ def _peft_tensors(params: dict, cfg, base_cfg, arch: str, dtype) -> tuple[dict[s
             tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(lora_a, dtype)
             tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(lora_b, dtype)
             modules[site.name] = module.rsplit(".", 1)[-1]
-    return tensors, modules
+    fused: dict[str, dict] = {"target_parameters": {}, "rank_pattern": {}, "alpha_pattern": {}}
+    for layer, adapted in sorted(experts.items()):
+        matrices = hf_map.peft_expert_matrices(adapted, expert_sizes)
+        for i, (param, (lora_a, lora_b, rank, alpha)) in enumerate(matrices.items()):
+            # PEFT wraps a module's parameters one inside the other, the first it registers innermost
+            module = f"model.layers.{layer}.{hf_map.EXPERTS_MODULE}" + ".base_layer" * (len(matrices) - 1 - i)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(lora_a, dtype)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(lora_b, dtype)
+            fused["target_parameters"][f"{hf_map.EXPERTS_MODULE}.{param}"] = None
+            # (peft 0.21 warns that these patterns match no targeted module, its check looking at modules
+            # alone, and applies them to the parameters: tests/test_hf_moe.py loads ranks 4 + 2)
+            fused["rank_pattern"][param], fused["alpha_pattern"][param] = rank, alpha
+    return tensors, modules, fused
 
 
 def _write_peft(directory: pathlib.Path, base: str, revision: str | None, tensors: dict[str, np.ndarray],
-                modules: dict[str, str], cfg) -> None:
+                modules: dict[str, str], fused: dict[str, dict], cfg) -> None:
     """adapter_model.safetensors and adapter_config.json, as `peft` saves a LoRA adapter of `base`
-    (a directory or a hub id, at `revision`)."""
+    (a directory or a hub id, at `revision`). An MoE's expert adapters adapt transformers' fused expert
+    parameters (`fused`: `target_parameters`, their ranks and alphas); PEFT refuses dropout on those, so
+    with them the config says none (it acts in training alone; jaxlm's expert adapters have none)."""
     settings = cfg.lora.peft_settings()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    extra = {"target_parameters": list(fused["target_parameters"]), "lora_dropout": 0.0} if fused[
+        "target_parameters"] else {}
     _write_json(directory / "adapter_config.json", {
         **settings, "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "revision": revision, "target_modules": sorted({modules[n] for n in settings["target_modules"]}),
-        "rank_pattern": {modules[n]: r for n, r in settings["rank_pattern"].items()}, "alpha_pattern": {},
+        "revision": revision, "target_modules": sorted({modules[n] for n in settings["target_modules"] if n in modules}),
+        "rank_pattern": {**{modules[n]: r for n, r in settings["rank_pattern"].items() if n in modules},
+                         **fused["rank_pattern"]},
+        "alpha_pattern": fused["alpha_pattern"], **extra,
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None})
 

@@ -56,10 +56,11 @@ class LoraConfig(Section):
     alpha: float = setting(16.0, "the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)")
     targets: str = setting(
         "wq,wk,wv,wo",
-        'comma-separated projection names (wq wk wv wo, w_gate w_up w_down or w_in w_out, unembed); "all" = '
-        'every projection but the unembedding')
+        'comma-separated projection names (wq wk wv wo, w_gate w_up w_down or w_in w_out, an MoE\'s expert_gate '
+        'expert_up expert_down, unembed); "all" = every projection but the unembedding')
     ranks: str = setting("", 'ranks of single targets, overriding lora.rank: "wq:16,w_down:4"; "" = lora.rank for all')
-    dropout: float = setting(0.0, "dropout on the adapters' input in training (not on the unembedding's)")
+    dropout: float = setting(0.0, "dropout on the adapters' input in training (not on the unembedding's nor an "
+                                  "MoE's experts', whose adapters are merged into their weights)")
     quantize_base: str = setting(
         "",
         "QLoRA (needs lora.rank > 0): every block projection's frozen kernel (all but the unembedding, "

@@ -25,6 +25,7 @@ from test_hf import IDS, VOCAB, Models, close, edit_config, error_of, jaxlm_logi
 
 from helpers import small_config
 from jaxlm import hf, inference, train_state
+from jaxlm import lora as lora_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
 from jaxlm.models import hf as hf_map
@@ -35,6 +36,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ARCHS = ("mixtral", "qwen3_moe", "qwen3_moe_normalized", "qwen3_moe_dense")
+EXPERTS = ("expert_down", "expert_gate", "expert_up")
 MODEL_TYPE = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen3_moe_normalized": "qwen3_moe",
               "qwen3_moe_dense": "qwen3_moe"}
 # What each architecture's config.json says the model is, as transformers reads it (its own spelling of a field
@@ -139,7 +141,7 @@ def test_unscanned_layers_read_and_write_each_expert(models, tmp_path, arch):
     files = hf.SafetensorsFiles(hf_dir)
     params = hf._read_params(files, abstract, model_cfg, arch)
     first_moe = len(getattr(model.config, "mlp_only_layers", None) or [])
-    assert params["blocks"][first_moe]["mlp"]["expert_gate"].shape == (4, 64, 96)
+    assert params["blocks"][first_moe]["mlp"]["expert_gate"]["kernel"].shape == (4, 64, 96)
     with spmd.logical_axis_rules(rules), jax.set_mesh(mesh):
         logits = np.asarray(jax.jit(lambda m, ids: m(ids))(nnx.merge(spec.graphdef, params), jnp.asarray(IDS)))
     close(logits, reference_logits(model))
@@ -206,37 +208,64 @@ def test_moe_models_without_a_hugging_face_counterpart_are_refused_naming_the_ke
 
 
 def test_every_moe_weight_has_a_place_in_both_architectures():
-    """The MoE's declared weights (`weight_shapes`) are its parameters beside the projections, and each
-    architecture's layout (`hf_layouts`) places every one a softmax router has."""
+    """The MoE's declared weights (`weight_shapes`: the router; `expert_shapes`: the expert projections' kernels)
+    are its parameters beside the other projections, and each architecture's layout (`hf_layouts`) places
+    every one a softmax router has."""
     cfg = small_config(mlp="moe", moe=MoESpec(experts=4, top_k=2, router="sigmoid"))
-    shapes = MLPS["moe"].weight_shapes(cfg)
+    shapes = {**MLPS["moe"].weight_shapes(cfg), **MLPS["moe"].expert_shapes(cfg)}
     assert sum(int(np.prod(s)) for s in shapes.values()) == MLPS["moe"].other_params(cfg)
     for arch in MLPS["moe"].hf_architectures:
         assert set(MLPS["moe"].hf_modules(arch)) == set(shapes) - {"router_bias"}
 
 
-def test_lora_on_an_imported_moe_adapts_attention_and_names_the_experts_it_cannot(models, tmp_path):
-    """lora.targets=all: every projection, attention's (and shared experts', where a model has them); an
-    expert weight named as a target is refused in one line (adapters on the experts are not built yet)."""
+def test_lora_on_an_imported_moe_adapts_attention_and_the_experts_not_the_router(models, tmp_path):
+    """lora.targets=all: every projection, attention's and the experts' (and shared experts', where a model
+    has them); the router, a weight, is refused in one line."""
     _, hf_dir = models["mixtral"]
     arch, keys = hf_map.model_keys(json.loads((hf_dir / "config.json").read_text()))
     base = inference.model_config(hf._run_config(keys, arch, "float32", hf_dir / "unused"), "cpu", "float32")
     lora = dict(rank=4, alpha=16.0, targets="all", ranks="", dropout=0.0)
-    assert transformer.with_lora(base, lora).lora.targets == ("wk", "wo", "wq", "wv")
+    assert transformer.with_lora(base, lora).lora.targets == (*EXPERTS, "wk", "wo", "wq", "wv")
     shared = dataclasses.replace(base, moe=dataclasses.replace(base.moe, shared_experts=1))
     assert set(transformer.with_lora(shared, lora).lora.targets) == {
-        "wk", "wo", "wq", "wv", "shared_gate", "shared_up", "shared_down"}
-    for target in ("expert_gate", "router"):
-        with pytest.raises(UserError, match=f"'{target}' is a weight of the model.mlp=moe layer, not a projection, "
-                                            "and adapters on it are not built yet") as refused:
-            transformer.with_lora(base, {**lora, "targets": f"wq,{target}"})
-        assert "\n" not in str(refused.value)
+        "wk", "wo", "wq", "wv", *EXPERTS, "shared_gate", "shared_up", "shared_down"}
+    with pytest.raises(UserError, match="'router' is a weight of the model.mlp=moe layer, not a projection") as no:
+        transformer.with_lora(base, {**lora, "targets": "wq,router"})
+    assert "\n" not in str(no.value)
+
+
+@pytest.mark.parametrize("arch, targets, ranks", [("mixtral", "all", "expert_up:2"),
+                                                  ("qwen3_moe", "wq,expert_up,expert_down", "")])
+def test_expert_adapters_export_as_peft_adapters_of_the_fused_experts(models, arch, targets, ranks, tmp_path):
+    """Adapters on the experts (random, B too) as PEFT's adapters of transformers' fused expert parameters
+    (`target_parameters`: gate_up_proj, down_proj): `peft.PeftModel` over the original model computes jaxlm's
+    logits. Mixtral: gate and up adapted with different ranks (one block-diagonal adapter of rank 4 + 2); Qwen3-MoE:
+    up alone (gate's rows of gate_up_proj unadapted)."""
+    peft = pytest.importorskip("peft")
+    model, hf_dir = models[arch]
+    run = inference.load_run(hf.import_checkpoint(hf_dir, tmp_path / "run"), dtype="float32")
+    cfg = transformer.with_lora(run.model_cfg, dict(rank=4, alpha=16.0, targets=targets, ranks=ranks, dropout=0.0))
+    fresh = nnx.to_pure_dict(nnx.state(train_state.build_model(cfg, 0)))
+    adapters = jax.tree_util.tree_map_with_path(  # B drawn too: adapters that change the model
+        lambda p, v: v + 0.1 * jax.random.normal(jax.random.key(len(jax.tree_util.keystr(p))), v.shape)
+        if "lora_b" in jax.tree_util.keystr(p) else v, jax.tree.map(np.asarray, lora_lib.adapter_params(fresh)))
+    params = lora_lib.fill_missing(jax.tree.map(np.asarray, run.params), adapters)
+    want = jaxlm_logits(dataclasses.replace(run, model_spec=train_state.build_model_spec(cfg)), params)
+    assert np.abs(want - reference_logits(model)).max() / np.abs(want).max() > 1e-2  # the adapters change it
+    tensors, modules, fused = hf._peft_tensors(params, cfg, run.model_cfg, MODEL_TYPE[arch], np.float32)
+    hf._write_peft(tmp_path / "adapter", str(hf_dir), None, tensors, modules, fused, cfg)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert set(config["target_parameters"]) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} - (
+        set() if "expert_down" in cfg.lora.targets else {"mlp.experts.down_proj"})
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    close(reference_logits(peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()), want)
 
 
 @pytest.mark.slow
 def test_a_lora_fine_tune_of_an_imported_mixtral_exports_merged_and_as_a_peft_adapter(models, tmp_path):
-    """`python -m jaxlm.train` from an imported Mixtral with LoRA on every projection, a few steps: merged
-    into the weights, transformers computes jaxlm's logits; as a PEFT adapter of the original model, too."""
+    """`python -m jaxlm.train` from an imported Mixtral with LoRA on every projection (attention's and the
+    experts'), a few steps: merged into the weights, transformers computes jaxlm's logits; as a PEFT adapter of
+    the original model (the experts' on its fused expert parameters), too."""
     peft = pytest.importorskip("peft")
     original, hf_dir = models["mixtral"]
     imported = hf.import_checkpoint(hf_dir, tmp_path / "imported")
@@ -244,7 +273,7 @@ def test_a_lora_fine_tune_of_an_imported_mixtral_exports_merged_and_as_a_peft_ad
                       "--config.lora.targets=all", "--config.optim.peak_lr=0.01")
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     run = inference.load_run(tmp_path / "lora", dtype="float32")
-    assert run.cfg.model.mlp == "moe" and run.model_cfg.lora.targets == ("wk", "wo", "wq", "wv")
+    assert run.cfg.model.mlp == "moe" and run.model_cfg.lora.targets == (*EXPERTS, "wk", "wo", "wq", "wv")
     want = jaxlm_logits(run)
     assert np.abs(want - reference_logits(original)).max() / np.abs(want).max() > 1e-3  # the adapters changed it
     merged = hf.export_run(run.run_dir, tmp_path / "merged", dtype="float32")
@@ -252,5 +281,6 @@ def test_a_lora_fine_tune_of_an_imported_mixtral_exports_merged_and_as_a_peft_ad
     out = hf.export_run(run.run_dir, tmp_path / "adapter", dtype="float32", adapters="peft")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), out).eval()
     close(reference_logits(adapted), want)

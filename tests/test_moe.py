@@ -68,7 +68,7 @@ def test_each_router_chooses_and_weighs_as_its_reference(router):
 
 def _reference(mlp: MoEMLP, x: np.ndarray) -> np.ndarray:
     """Each token through its k experts one at a time, in NumPy (float64)."""
-    w = {name: np.asarray(getattr(mlp, name)[...], np.float64) for name in moe.EXPERT_AXES}
+    w = {name: np.asarray(getattr(mlp, name).kernel[...], np.float64) for name in moe.EXPERT_AXES}
     flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
     logits = flat @ np.asarray(mlp.router[...], np.float64)
     out = np.zeros_like(flat)
@@ -201,7 +201,7 @@ def test_the_balancing_loss_gradient_reaches_the_router_alone():
     graph, state = nnx.split(_mlp(cfg))
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 8, cfg.d_model)), jnp.float32)
     grads = jax.grad(lambda state: nnx.merge(graph, state)(x)[1]["moe_balance"])(state)
-    assert not np.any(np.asarray(grads["expert_gate"][...])) and not np.any(np.asarray(grads["expert_down"][...]))
+    assert not any(np.any(np.asarray(grads[name]["kernel"][...])) for name in ("expert_gate", "expert_down"))
     flat = x.reshape(16, -1)
     logits = np.asarray(flat, np.float64) @ np.asarray(state["router"][...], np.float64)
     share = np.bincount(np.argsort(-logits, axis=-1)[:, :2].reshape(-1), minlength=4) / 32
@@ -409,7 +409,7 @@ def test_expert_parallelism_trains_as_one_device(mesh, impl):
     want, _ = _losses(1, 3, impl)
     got, setup = _losses(8, 3, impl, **EP_MESHES[mesh])
     floats.close(got, want, ulps=64)
-    spec = setup.state.params["blocks"]["mlp"]["expert_gate"].sharding.spec
+    spec = setup.state.params["blocks"]["mlp"]["expert_gate"]["kernel"].sharding.spec
     assert spec[1] == "expert", spec  # [layers, experts, embed, mlp]: the experts split over the axis
     text = setup.compile_train_step().as_text()
     assert "all-gather" in text and "reduce-scatter" in text

@@ -71,7 +71,9 @@ def test_every_entry_is_registered_under_its_own_name():
 @pytest.mark.parametrize("use_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("kind, name", COMPONENTS)
 def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
-    targets = (tuple(MLPS[name].projections) or ("wo",)) if kind == "mlp" else ("w_up",)
+    mlp_projections = (*MLPS[name].projections, *MLPS[name].expert_shapes(small_config(mlp=name))) if (
+        kind == "mlp") else ()
+    targets = (mlp_projections or ("wo",)) if kind == "mlp" else ("w_up",)
     cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2,
                        lora=LoRA(2, 16.0, ("wq", *targets), ((targets[0], 3),)))
     state = nnx.state(_built(cfg))
@@ -84,11 +86,11 @@ def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
 def test_an_mlps_projection_table_is_the_built_model(name, use_bias):
     mlp = MLPS[name]
     cfg = small_config(mlp=name, use_bias=use_bias)
-    # The table is what the block holds: each projection's kernel [inputs, outputs], each bias (stacked
-    # over the layers).
+    # The table is what the block holds: each projection's kernel [inputs, outputs] (an MoE's experts'
+    # [experts, inputs, outputs]), each bias (stacked over the layers).
     block_mlp = _built(cfg).blocks.mlp
     built = {path[-1]: p.kernel_shape for path, p in layers.projections(block_mlp)}
-    table = mlp.projection_shapes(cfg)
+    table = {**mlp.projection_shapes(cfg), **mlp.expert_shapes(cfg)}
     assert built == table
     biases = {name: getattr(block_mlp, name)[...].shape for name in mlp.biases if hasattr(block_mlp, name)}
     assert biases == {name: (cfg.n_layers, size) for name, size in

@@ -412,6 +412,7 @@ def _mlp_parts(cfg, arch: str, prefix: str, conv1d: bool) -> dict[tuple, Part]:
     shapes = mlp.projection_shapes(cfg)
     biases = mlp.bias_shapes(cfg)
     others = mlp.weight_shapes(cfg)
+    experts = mlp.expert_shapes(cfg)
     out = {}
     for name, module in mlp.hf_modules(arch).items():
         hf = prefix + module
@@ -420,9 +421,9 @@ def _mlp_parts(cfg, arch: str, prefix: str, conv1d: bool) -> dict[tuple, Part]:
             out["mlp", name, "kernel"] = _same(hf + ".weight", i, o) if conv1d else _transposed(hf + ".weight", o, i)
         elif name in biases:
             out["mlp", name] = _same(hf + ".bias", biases[name])
-        elif name in others and "{expert}" in module:
-            experts, i, o = others[name]
-            out["mlp", name] = dataclasses.replace(_transposed(hf + ".weight", o, i), experts=experts)
+        elif name in experts:  # "{expert}": one Linear per expert
+            e, i, o = experts[name]
+            out["mlp", name, "kernel"] = dataclasses.replace(_transposed(hf + ".weight", o, i), experts=e)
         elif name in others:
             i, o = others[name]
             out["mlp", name] = _transposed(hf + ".weight", o, i)
@@ -628,3 +629,43 @@ def peft_matrices(part: Part, in_axes: tuple[int, ...], a: np.ndarray, b: np.nda
     b_out = [1 + outs_sorted.index(t) for t in outs]
     b = np.asarray(b).transpose(0, *b_out).reshape(b.shape[0], -1)
     return a.T, b.T
+
+
+# An MoE's experts as transformers (5 and later) holds them once loaded, whatever the checkpoint's layout:
+# one module per layer (Mixtral's and Qwen3-MoE's `mlp.experts`) with two 3-D parameters, `gate_up_proj`
+# [E, 2F, D] (each expert's gate rows, then its up rows) and `down_proj` [E, D, F], in the order the module
+# registers them. PEFT adapts them as parameters (`target_parameters`: its `ParamWrapper`).
+EXPERTS_MODULE = "mlp.experts"
+FUSED_EXPERTS = {"gate_up_proj": ("expert_gate", "expert_up"), "down_proj": ("expert_down",)}
+
+
+def peft_expert_matrices(adapters: dict[str, tuple[np.ndarray, np.ndarray, float]],
+                         sizes: dict[str, int]) -> dict[str, tuple[np.ndarray, np.ndarray, int, float]]:
+    """One layer's expert adapters (jaxlm: name -> (A [E, in, r], B [E, r, out], alpha / r)) as PEFT's
+    adapters of the fused parameters (`FUSED_EXPERTS`): parameter -> (lora_A.weight [r' E, in], lora_B.weight
+    [out, r' E], r', lora_alpha'), PEFT's per-expert layout (row e r' + k of lora_A and column k E + e of
+    lora_B are expert e's k-th rank) and scale lora_alpha' / r'. gate_up_proj's adapter is gate's and up's
+    side by side, rank r_gate + r_up, block-diagonal (each one's B on its own rows, zero on the other's:
+    the same update, exactly); its scale is the first one's, the second's B rescaled to it. `sizes`:
+    the outputs of each expert weight (F for gate and up), for the zero rows of one not adapted."""
+    out = {}
+    for param, names in FUSED_EXPERTS.items():
+        present = [n for n in names if n in adapters]
+        if not present:
+            continue
+        scale = adapters[present[0]][2]
+        e = adapters[present[0]][0].shape[0]
+        rank = sum(adapters[n][0].shape[-1] for n in present)
+        a = np.concatenate([np.asarray(adapters[n][0]) for n in present], axis=-1)  # [E, in, r']
+        b = np.zeros((e, rank, sum(sizes[n] for n in names)), np.float32)  # [E, r', out]
+        r0, o0 = 0, 0
+        for n in names:
+            if n in adapters:
+                la, lb, s = adapters[n]
+                b[:, r0:r0 + la.shape[-1], o0:o0 + sizes[n]] = np.asarray(lb, np.float32) * (s / scale)
+                r0 += la.shape[-1]
+            o0 += sizes[n]
+        lora_a = a.transpose(0, 2, 1).reshape(e * rank, -1)  # [E, r', in] -> [E r', in]
+        lora_b = b.transpose(2, 1, 0).reshape(b.shape[2], rank * e)  # [out, r', E] -> [out, r' E]
+        out[param] = (lora_a, lora_b, rank, scale * rank)
+    return out

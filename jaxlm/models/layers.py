@@ -276,8 +276,15 @@ class Projection(nnx.Module):
     @property
     def in_axes(self) -> tuple[int, ...]:
         """The kernel's dimensions that are contracted with the input (the rest are the output's)."""
-        x, kernel = self.equation.split("->")[0].split(",")
-        return tuple(i for i, c in enumerate(kernel) if c in x)
+        (x, kernel), out = self.equation.split("->")[0].split(","), self.equation.split("->")[1]
+        return tuple(i for i, c in enumerate(kernel) if c in x and c not in out)
+
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        """The kernel's dimensions that the input and the output share, one matrix per index: an MoE's
+        experts, [E, inputs, outputs] in "end,edf->enf" (none in a dense projection)."""
+        (x, kernel), out = self.equation.split("->")[0].split(","), self.equation.split("->")[1]
+        return tuple(i for i, c in enumerate(kernel) if c in x and c in out)
 
     @property
     def quant_axis(self) -> int:
@@ -287,6 +294,12 @@ class Projection(nnx.Module):
     def weight(self) -> jax.Array:
         """The kernel as the contraction uses it, in the compute dtype."""
         return self.kernel[...].astype(self.dtype)
+
+    def effective_weight(self) -> jax.Array:
+        """The one kernel, in the compute dtype, whose contraction gives this projection's output: `weight()`
+        (dequantized, fake-quantized), with what a transform adds to the output folded in (LoRA's adapter,
+        `transforms.Adapted`). What an MoE hands its experts' grouped matmuls (`mlps.moe`)."""
+        return self.weight()
 
     @property
     def compute_kernel(self) -> ComputeKernel | None:
@@ -298,8 +311,9 @@ class Projection(nnx.Module):
     def fusable(self) -> bool:
         """Whether this projection is a plain `jnp.einsum` of its cast kernel (no transform that changes its
         weight or output, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it
-        can share one matmul with others of the same input (`project_qkv`)."""
-        return self.einsum_op is jnp.einsum
+        can share one matmul with others of the same input (`project_qkv`). A projection with batch axes
+        (an MoE's experts) never is: its weight goes to the dispatch's grouped matmuls whole."""
+        return self.einsum_op is jnp.einsum and not self.batch_axes
 
     def cast_leaves(self) -> dict[str, object]:
         """The leaves whose forward use is a plain cast to the compute dtype, with that dtype (`kernel`).

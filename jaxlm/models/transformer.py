@@ -463,9 +463,9 @@ def with_lora(cfg: ModelConfig, lora) -> ModelConfig:
     for name in requested:
         targets += [n for n in names if n != "unembed"] if name == "all" else [name]
     unknown = [t for t in dict.fromkeys(targets) if t not in names]
-    if unknown and unknown[0] in MLPS[cfg.mlp].weight_shapes(cfg):  # an MoE's experts or router: no Projection
+    if unknown and unknown[0] in MLPS[cfg.mlp].weight_shapes(cfg):  # an MoE's router: no Projection
         raise UserError(f"config.lora.targets={lora['targets']!r}: {unknown[0]!r} is a weight of the "
-                        f"model.mlp={cfg.mlp} layer, not a projection, and adapters on it are not built yet; this "
+                        f"model.mlp={cfg.mlp} layer, not a projection, and adapters on it are not built; this "
                         f"model's projections: {', '.join(names)}, or 'all' (every one but unembed)")
     if unknown or not targets:
         raise UserError(f"config.lora.targets={lora['targets']!r}: "
@@ -523,12 +523,18 @@ def check_quant_groups(cfg: ModelConfig, key: str) -> None:
 def resolve_targets(cfg: ModelConfig, text: str, key: str) -> tuple[str, ...]:
     """Weight names from comma-separated names or shell patterns (`w_*`): the projections' and `embed`
     (the token embedding, quantized only); "blocks" = every projection of the blocks (all but the
-    embedding and the unembedding). A pattern that matches none is a UserError naming `key`."""
-    names = (*projection_names(cfg), "embed")
+    embedding and the unembedding). A pattern that matches none is a UserError naming `key`. An MoE's
+    expert projections are not among them (compress's methods take a matrix per projection, not one per
+    expert: not built; QLoRA's lora.quantize_base quantizes them); a pattern naming one is a UserError."""
+    experts = MLPS[cfg.mlp].expert_shapes(cfg)
+    names = (*(n for n in projection_names(cfg) if n not in experts), "embed")
     out = []
     for pattern in (t.strip() for t in text.split(",") if t.strip()):
         matched = ([n for n in names if n not in ("embed", "unembed")] if pattern == "blocks"
                    else fnmatch.filter(names, pattern))
+        if not matched and fnmatch.filter(experts, pattern):
+            raise UserError(f"{key}={text!r}: {pattern!r} names the MoE's expert projections, which compression "
+                            f"does not take (not built; lora.quantize_base quantizes them for QLoRA); leave them out")
         if not matched:
             raise UserError(f"{key}={text!r}: {pattern!r} matches no weight of this model; its weights: "
                             f"{', '.join(names)}, or 'blocks' (every projection but unembed)")
@@ -913,9 +919,10 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"wq": (d, n * h), "wk": (d, k * h), "wv": (d, k * h), "wo": (n * h, d)}
 
 
-def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(inputs, outputs) of each projection of a block: the attention's and the MLP's."""
-    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg)}
+def layer_projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """(inputs, outputs) of each projection of a block: the attention's and the MLP's; (experts, inputs,
+    outputs) of an MoE's expert projections."""
+    return {**_attention_shapes(cfg), **MLPS[cfg.mlp].projection_shapes(cfg), **MLPS[cfg.mlp].expert_shapes(cfg)}
 
 
 def lora_param_count(cfg: ModelConfig) -> int:

@@ -43,7 +43,7 @@ class MLP(nnx.Module):
         `weight`, a bias its `bias`; models/hf.py lays them out as the architecture stores its matrices).
       hf_layouts: where the architectures differ (Mixtral's and Qwen3-MoE's MLPs), each one's own table:
         architecture -> weight -> module path under the layer (not only under "mlp."); a module path with
-        "{expert}" is one Linear per expert, stacked on the weight's first axis (`weight_shapes`).
+        "{expert}" is one Linear per expert, stacked on the kernel's first axis (`expert_shapes`).
       aux_names: the auxiliary outputs its `__call__` returns beside its output, as (y, {name: value})
         (`jaxlm.models.aux`: a name ending in `_loss` is a term of the training loss, one ending in
         `_by_layer` is kept per layer; each a scalar unless `aux_shapes` says otherwise); () for none, and
@@ -86,7 +86,13 @@ class MLP(nnx.Module):
     @classmethod
     def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
         """The shapes of the weights that are neither projections nor biases (one layer's, jaxlm's layout: an
-        MoE's router [D, E] and experts [E, inputs, outputs]); {} for most."""
+        MoE's router [D, E]); {} for most."""
+        return {}
+
+    @classmethod
+    def expert_shapes(cls, cfg) -> dict[str, tuple[int, int, int]]:
+        """The kernels of the projections with an experts axis, [experts, inputs, outputs] (an MoE's experts,
+        counted in `other_params`, not in `projection_shapes`); {} for most."""
         return {}
 
     @classmethod

@@ -72,6 +72,9 @@ TOKAMAX_KERNELS = ("mosaic_gpu", "triton", "xla")
 # The expert weights' logical axis names: [experts, inputs, outputs]
 EXPERT_AXES = {"expert_gate": ("experts", EMBED, HIDDEN), "expert_up": ("experts", EMBED, HIDDEN),
                "expert_down": ("experts", HIDDEN, EMBED)}
+# Each expert projection's contraction: rows [E, N, inputs] by their expert's matrix, the experts a batch axis
+# (`layers.Projection.batch_axes`); the dispatches take its whole weight [E, inputs, outputs] instead
+_EXPERT_EQUATIONS = {(EMBED, HIDDEN): "end,edf->enf", (HIDDEN, EMBED): "enf,efd->end"}
 SHARED = {"shared_gate": (EMBED, HIDDEN), "shared_up": (EMBED, HIDDEN), "shared_down": (HIDDEN, EMBED)}
 _SHARED_EQUATIONS = {(EMBED, HIDDEN): "btd,df->btf", (HIDDEN, EMBED): "btf,fd->btd"}
 
@@ -205,9 +208,12 @@ def load_stats(experts: jax.Array, probs: jax.Array, spec: MoESpec) -> dict[str,
 class MoEMLP(MLP):
     """`E` SwiGLU experts of `model.mlp_dim` hidden units, a router choosing `k` per token, and optional
     shared experts (module docstring). Its weights: `router` [D, E] and `router_bias` [E] (sigmoid
-    routing only), `expert_gate`, `expert_up` [E, D, F], `expert_down` [E, F, D], and the shared experts'
-    projections `shared_gate`, `shared_up`, `shared_down` (plain projections: adapters and
-    quantization apply to them as to a dense MLP's)."""
+    routing only); the experts, projections with a leading experts axis (`layers.Projection.batch_axes`):
+    `expert_gate`, `expert_up` [E, D, F], `expert_down` [E, F, D] (each one's `kernel`); and the shared
+    experts' projections `shared_gate`, `shared_up`, `shared_down`. Adapters (LoRA: A [E, inputs, r] and
+    B [E, r, outputs], one per expert) and quantized or fake-quantized kernels apply to every projection
+    by name, the experts' as a dense MLP's; the dispatches take each expert projection's
+    `effective_weight`."""
 
     name = "moe"
     projections: ClassVar[dict[str, tuple[str, str]]] = {}  # the shared experts', when there are any
@@ -249,10 +255,15 @@ class MoEMLP(MLP):
 
     @classmethod
     def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
-        """The router [D, E], its bias [E] (sigmoid routing), the experts [E, D, F] and [E, F, D]."""
+        """The router [D, E] and its bias [E] (sigmoid routing)."""
+        d, e = cfg.d_model, cfg.moe.experts
+        return {"router": (d, e), **({"router_bias": (e,)} if cfg.moe.router == "sigmoid" else {})}
+
+    @classmethod
+    def expert_shapes(cls, cfg) -> dict[str, tuple[int, int, int]]:
+        """The expert projections' kernels: [E, D, F] (gate, up) and [E, F, D] (down)."""
         d, f, e = cfg.d_model, cfg.mlp_dim, cfg.moe.experts
-        shapes = {"router": (d, e), **({"router_bias": (e,)} if cfg.moe.router == "sigmoid" else {})}
-        return {**shapes, **{name: (e, d, f) if i == EMBED else (e, f, d) for name, (_, i, _) in EXPERT_AXES.items()}}
+        return {name: (e, d, f) if i == EMBED else (e, f, d) for name, (_, i, _) in EXPERT_AXES.items()}
 
     @classmethod
     def hf_unsupported(cls, cfg) -> str:
@@ -326,10 +337,12 @@ class MoEMLP(MLP):
         self.router = layers.make_param(rngs, layers.normal(cfg.init_std), (d, e), (EMBED, None), cfg.param_dtype)
         if spec.router == "sigmoid":
             self.router_bias = layers.make_param(rngs, layers.zeros, (e,), (None,), jnp.float32, decay=False)
-        for name, (_, i, o) in EXPERT_AXES.items():
+        for name, (_, i, o) in EXPERT_AXES.items():  # projections: LoRA, QLoRA's codes apply to them by name
             std = cfg.residual_init_std if o == EMBED else cfg.init_std
             shape = (e, d, f) if i == EMBED else (e, f, d)
-            setattr(self, name, layers.make_param(rngs, layers.normal(std), shape, EXPERT_AXES[name], cfg.param_dtype))
+            setattr(self, name, cfg.projection(name, _EXPERT_EQUATIONS[i, o], shape, EXPERT_AXES[name],
+                                               init=layers.normal(std), dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                               rngs=rngs))
         for name, (i, o) in SHARED.items() if spec.shared_experts else ():
             std = cfg.residual_init_std if o == EMBED else cfg.init_std
             shape = (d, self.shared_dim(cfg)) if i == EMBED else (self.shared_dim(cfg), d)
@@ -343,7 +356,9 @@ class MoEMLP(MLP):
         logits = jnp.einsum("nd,de->ne", flat.astype(dtype), self.router[...].astype(dtype),
                             preferred_element_type=jnp.float32)
         gates, experts, probs = route(logits, spec, self.router_bias[...] if spec.router == "sigmoid" else None)
-        weights = {name: getattr(self, name)[...].astype(dtype) for name in EXPERT_AXES}
+        # Each expert projection's weight [E, inputs, outputs] as its matmul takes it: cast, dequantized (QLoRA),
+        # with its LoRA adapters merged (W_e + scale A_e B_e): exact for every dispatch, none of them changed
+        weights = {name: getattr(self, name).effective_weight() for name in EXPERT_AXES}
         y, kept = dispatch(x.astype(dtype), gates.reshape(batch, seq, -1), experts.reshape(batch, seq, -1), weights,
                            spec)
         y, dropped = y.astype(dtype), 1.0 - jnp.mean(kept)
