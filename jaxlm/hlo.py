@@ -268,11 +268,14 @@ class Module:
 
 
 def collective_result_bytes(inst: dict) -> int:
-    """The bytes a collective produces. An async all-gather, reduce-scatter or collective-permute
-    start's shape is (operands, results[, scratch]): its results are the second element; an
-    all-reduce-start's shape is its results."""
+    """The bytes a collective produces. An async all-gather, reduce-scatter, all-to-all or
+    collective-permute start's shape is (operands, results[, scratch]): its results are the second
+    element (XLA:GPU's all-to-all-start: `((bf16[8,8,128]), bf16[8,8,128])`); an all-reduce-start's
+    shape is its results. (XLA:CPU's synchronous all-to-all returns a tuple of one array per device of
+    the group, together its result.)"""
     shape = inst["shape"]
-    if inst["op"] in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and shape.startswith("("):
+    if inst["op"] in ("all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start") \
+            and shape.startswith("("):
         parts = tuple_parts(shape)
         if len(parts) >= 2:
             return shape_bytes(parts[1])

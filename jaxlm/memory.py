@@ -146,8 +146,9 @@ class ActivationSizes:
     scores: float  # [B, N, T, T]: XLA attention's logits
     head_stats: float  # [B, N, T]: cuDNN attention's softmax statistics
     tokens: float  # [B, T]
-    # the devices whose rows an MoE dispatch gathers: the expert axis where the rules split the experts and
-    # the batch over it (expert parallelism, `moe.dispatch`), else 1
+    # the devices an MoE dispatch exchanges rows with: the expert axis where the rules split the experts and
+    # the batch over it (expert parallelism, `moe.dispatch`: rows gathered, or capacity buffers sent by
+    # all-to-all, as `MoEMLP.gathers_rows` says), else 1
     gather: int = 1
 
 
@@ -179,7 +180,8 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
 
 
 def expert_gather(rules, mesh_sizes: dict[str, int]) -> int:
-    """The expert axis's size where the rules split both the experts and the batch over it, else 1."""
+    """The expert axis's size where the rules split both the experts and the batch over it (the devices
+    whose rows an MoE dispatch gathers, or exchanges capacity buffers with by all-to-all), else 1."""
     table = dict(rules)
     axes = set(mesh_lib.axes_of(table.get("experts"))) & set(mesh_lib.axes_of(table.get("act_batch")))
     return math.prod(mesh_sizes.get(a, 1) for a in axes if a == "expert") or 1

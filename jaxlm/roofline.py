@@ -454,7 +454,7 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
 def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device: float, top: int = 15) -> dict[str, Any]:
     """Totals per kind, the step's roofline time, the roofline-bound MFU and the largest kernels."""
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict(kernels=0, launches=0, seconds=0.0, flops=0.0,
-                                                                    bytes=0.0))
+                                                                    bytes=0.0, exposed_seconds=0.0))
     compute = [k for k in kernel_list if not k.comm_bytes and k.kind not in hlo.COLLECTIVES]
     comm = [k for k in kernel_list if k.kind in hlo.COLLECTIVES]
     for k in kernel_list:
@@ -464,6 +464,7 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
         row["seconds"] += k.total_seconds
         row["flops"] += k.flops * k.runs
         row["bytes"] += (k.comm_bytes or k.bytes) * k.runs
+        row["exposed_seconds"] += k.exposed_seconds * k.runs  # collectives: the time the step waits for them
     compute_s = sum(k.total_seconds for k in compute)
     comm_s = sum(k.total_seconds for k in comm)
     exposed_s = sum(k.exposed_seconds * k.runs for k in comm)
@@ -489,6 +490,17 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
     )
 
 
+def collective_shares(summary: dict[str, Any]) -> str:
+    """One line: each kind of collective's bytes sent per device, its time and share of the roofline step, and
+    the part of it exposed (not overlapped by kernels), largest first (an MoE's all-to-all among them)."""
+    step = summary["step_seconds"]
+    parts = [f"{kind} {r['bytes'] / 1e9:.2f} GB, {r['seconds'] * 1e3:.1f} ms"
+             + (f" ({r['seconds'] / step:.1%} of the step), exposed {r.get('exposed_seconds', 0.0) * 1e3:.1f} ms "
+                f"({r.get('exposed_seconds', 0.0) / step:.1%})" if step else "")
+             for kind, r in summary["by_kind"].items() if kind in hlo.COLLECTIVES]
+    return "collectives per device: " + "; ".join(parts)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a few readable lines and two tables."""
     ms = 1e3
@@ -502,6 +514,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['matmul_flops'] / 1e12:.2f} TFLOP; roofline-bound MFU "
         + (f"{mfu:.3f}" if mfu is not None else "n/a")
         + (f" (not counted: {summary['incomplete']})" if summary.get("incomplete") else ""),
+        *([collective_shares(summary)] if any(kind in hlo.COLLECTIVES for kind in summary["by_kind"]) else []),
         *([f"the device waits for the host {summary['host_syncs']} time(s) per step (conditionals: each copies "
            f"its predicate to the host, which then launches a branch)"] if summary.get("host_syncs") else []),
         "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import floats
 import jax
@@ -375,53 +376,135 @@ def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan, dense):
     assert np.abs(after).max() > 0
 
 
-def _losses(devices: int, steps: int, impl: str, **mesh) -> tuple[np.ndarray, object]:
-    """A 4-layer MoE (8 experts, top-2) in float32 trained `steps` steps on a mesh; (losses, setup)."""
+def _losses(devices: int, steps: int, impl: str, ep: str = "auto", **mesh) -> tuple[np.ndarray, np.ndarray, object]:
+    """A 4-layer MoE (8 experts, top-2) in float32 trained `steps` steps on a mesh; (losses, the shares of
+    pairs dropped, setup)."""
     from jaxlm import train_setup
 
     sizes = {"data": 1, "fsdp": 1, "expert": 1, **mesh}
     cfg = recipe("tiny", model__mlp="moe", model__moe_experts=8, model__moe_top_k=2, model__mlp_dim=64,
-                 model__n_layers=4, model__dtype="float32", model__moe_impl=impl, data__global_batch_size=16,
-                 data__seq_len=32, **{f"mesh__{axis}": size for axis, size in sizes.items()})
+                 model__n_layers=4, model__dtype="float32", model__moe_impl=impl, model__moe_ep=ep,
+                 data__global_batch_size=16, data__seq_len=32, **{f"mesh__{axis}": size for axis, size in sizes.items()})
     setup = train_setup.build(cfg, devices=jax.devices()[:devices])
-    state, out = setup.state, []
+    state, losses, dropped = setup.state, [], []
     batch = setup.put_batch(random_batch(16, 32, 2048))
     for _ in range(steps):
         state, metrics = setup.train_step(state, batch)
-        out.append(float(metrics["loss"]))
-    return np.asarray(out, np.float32), setup
+        losses.append(float(metrics["loss"]))
+        dropped.append(float(metrics["aux/moe_dropped"]))
+    return np.asarray(losses, np.float32), np.asarray(dropped, np.float32), setup
 
 
 EP_MESHES = {"expert2-fsdp4": dict(expert=2, fsdp=4), "expert4-fsdp2": dict(expert=4, fsdp=2),
-             "expert8": dict(expert=8), "expert2-data2-fsdp2": dict(expert=2, data=2, fsdp=2)}
+             "expert8": dict(expert=8), "expert2-data2-fsdp2": dict(expert=2, data=2, fsdp=2),
+             "expert2-fsdp2-tensor2": dict(expert=2, fsdp=2, tensor=2)}
 
 
-@pytest.mark.parametrize("mesh, impl", [
-    ("expert2-fsdp4", "ragged"),
-    pytest.param("expert8", "capacity", marks=pytest.mark.slow),
-    pytest.param("expert8", "ragged", marks=pytest.mark.slow),
-    pytest.param("expert2-fsdp4", "capacity", marks=pytest.mark.slow),
+def _collectives(text: str) -> dict[str, list[str]]:
+    """The result shapes of a compiled program's collectives, by kind (`all-to-all`, `all-gather`, ...); a
+    tuple's as one string (XLA:CPU's all-to-all returns one array per device of the group)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.search(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s"
+                      r"(all-to-all|all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
+        if m:
+            out.setdefault(m.group(2), []).append(m.group(1))
+    return out
+
+
+@pytest.mark.parametrize("mesh, impl, ep", [
+    ("expert2-fsdp4", "ragged", "auto"),
+    pytest.param("expert8", "capacity", "auto", marks=pytest.mark.slow),
+    pytest.param("expert8", "ragged", "auto", marks=pytest.mark.slow),
+    pytest.param("expert2-fsdp4", "capacity", "auto", marks=pytest.mark.slow),
+    pytest.param("expert4-fsdp2", "capacity", "gather", marks=pytest.mark.slow),
 ])
-def test_expert_parallelism_trains_as_one_device(mesh, impl):
+def test_expert_parallelism_trains_as_one_device(mesh, impl, ep):
     """Each device holds E / mesh.expert experts (its slice of every expert weight), and the step's losses
-    are one device's: the dispatch gathers the rows along the expert axis and sums each row's outputs
-    back (`moe.dispatch`), dropless or with the same drops (capacity: a row per group)."""
-    want, _ = _losses(1, 3, impl)
-    got, setup = _losses(8, 3, impl, **EP_MESHES[mesh])
+    are one device's, dropless or with the same drops (capacity: a row per group). The dropless dispatches
+    gather the rows along the expert axis and reduce-scatter each row's outputs back; capacity sends each
+    row's buffers to their experts' devices and back by all-to-all, and gathers no rows (`moe.dispatch`)."""
+    want, want_dropped, _ = _losses(1, 3, impl)
+    got, dropped, setup = _losses(8, 3, impl, ep, **EP_MESHES[mesh])
     floats.close(got, want, ulps=64)
+    floats.close(dropped, want_dropped, ulps=4)
     spec = setup.state.params["blocks"]["mlp"]["expert_gate"]["kernel"].sharding.spec
     assert spec[1] == "expert", spec  # [layers, experts, embed, mlp]: the experts split over the axis
-    text = setup.compile_train_step().as_text()
-    assert "all-gather" in text and "reduce-scatter" in text
+    found = _collectives(setup.compile_train_step().as_text())
+    # the routing of gathered rows: each token's gates and experts [rows, 32, 2] (no weight has that shape)
+    rows_gathered = [shape for shape in found.get("all-gather", []) if ",32,2]" in shape]
+    if impl == "capacity" and ep == "auto":  # both directions of the 4 layers' dispatch, forward and backward
+        assert len(found.get("all-to-all", [])) >= 16 and not rows_gathered, found
+    else:
+        assert rows_gathered and found.get("reduce-scatter") and not found.get("all-to-all"), found
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["ragged", "capacity"])
 @pytest.mark.parametrize("mesh", sorted(EP_MESHES))
-def test_expert_parallelism_keeps_ten_steps_of_losses(mesh):
-    """Issue 49's check: 10 steps, the losses of one device to 1e-5, expert = 2, 4 and 8, alone and with fsdp."""
-    want, _ = _losses(1, 10, "ragged")
-    got, _ = _losses(8, 10, "ragged", **EP_MESHES[mesh])
+def test_expert_parallelism_keeps_ten_steps_of_losses(mesh, impl):
+    """Issue 49's check: 10 steps, the losses of one device to 1e-5, expert = 2, 4 and 8, alone and with fsdp
+    (and data, tensor), dropless (gathered rows) and with capacity (all-to-all): the same pairs dropped."""
+    want, want_dropped, _ = _losses(1, 10, impl)
+    got, dropped, _ = _losses(8, 10, impl, **EP_MESHES[mesh])
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (got, want)
+    floats.close(dropped, want_dropped, ulps=4)
+
+
+def _dispatch_on(mesh_shape: dict[str, int], x, gates, experts, weights, spec, grad: bool = False):
+    """`moe.dispatch` (or its gradient of a sum of sines, with respect to x and the weights) jitted on 8 CPU
+    devices with the default rules: (its value, the compiled program's text)."""
+    from flax.core import spmd
+
+    from jaxlm import mesh as mesh_lib
+
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh_shape}
+    mesh = mesh_lib.make_mesh(tuple(sizes.values()), jax.devices()[:8])
+    rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
+
+    def f(x, weights):
+        y, kept = moe.dispatch(x, gates, experts, weights, spec)
+        return (jnp.sum(jnp.sin(y)), kept) if grad else (y, kept)
+
+    fn = jax.jit(jax.grad(lambda x, w: f(x, w)[0], argnums=(0, 1)) if grad else f)
+    with spmd.logical_axis_rules(rules), jax.set_mesh(mesh):
+        compiled = fn.lower(x, weights).compile()
+        return compiled(x, weights), compiled.as_text()
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(expert=8), dict(expert=4, fsdp=2)])
+def test_the_all_to_all_dispatch_is_one_devices_capacity_dispatch(mesh_shape):
+    """The capacity dispatch under expert parallelism (`moe._capacity_all_to_all`), at a capacity factor
+    that drops pairs: the outputs, the pairs kept and the gradients (through both all-to-alls) of the
+    dispatch without a mesh; its program exchanges the buffers by all-to-all and gathers no rows."""
+    rng = np.random.default_rng(11)
+    b, t, d, f, e, k = 8, 16, 8, 12, 8, 2
+    spec = MoESpec(experts=e, top_k=k, impl="capacity", capacity_factor=0.75)
+    x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((b * t, e)) + np.linspace(0, 2, e), jnp.float32)  # unbalanced: drops
+    gates, experts, _ = moe.route(logits, spec)
+    gates, experts = gates.reshape(b, t, k), experts.reshape(b, t, k)
+    weights = {name: jnp.asarray(rng.standard_normal((e, d, f) if i == "embed" else (e, f, d)) / 3, jnp.float32)
+               for name, (_, i, _) in moe.EXPERT_AXES.items()}
+    want_y, want_kept = moe.dispatch(x, gates, experts, weights, spec)
+    assert 0 < float(jnp.mean(want_kept)) < 1  # some pairs dropped
+    (y, kept), text = _dispatch_on(mesh_shape, x, gates, experts, weights, spec)
+    floats.identical(np.asarray(kept), np.asarray(want_kept), why=floats.MOVED)
+    floats.close(np.asarray(y), np.asarray(want_y), ulps=16)
+    found = _collectives(text)
+    assert len(found.get("all-to-all", [])) == 2 and not found.get("all-gather"), found
+    want_grads = jax.grad(lambda x, w: jnp.sum(jnp.sin(moe.dispatch(x, gates, experts, w, spec)[0])),
+                          argnums=(0, 1))(x, weights)
+    grads, text = _dispatch_on(mesh_shape, x, gates, experts, weights, spec, grad=True)
+    for a, b_ in zip(jax.tree.leaves(want_grads), jax.tree.leaves(grads)):
+        floats.close(np.asarray(b_), np.asarray(a), ulps=64)
+    assert len(_collectives(text).get("all-to-all", [])) == 4  # and both again, transposed
+
+
+def test_an_all_to_all_with_a_dropless_dispatch_is_one_line():
+    with pytest.raises(UserError, match=r"model.moe_ep.*set model.moe_impl=capacity") as raised:
+        recipe("tiny", model__mlp="moe", model__moe_impl="ragged", model__moe_ep="alltoall")
+    assert "\n" not in str(raised.value)
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line():
@@ -433,16 +516,18 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_the_planner_counts_an_expert_parallel_dispatch():
-    """With expert parallelism each device keeps the rows it gathered along the expert axis for the backward
-    pass (`MoEMLP.extra_saved`, `memory.expert_gather`): the capacity dispatch's compiled step on expert 4 x
-    fsdp 2 within the planner's tolerance, as the registry tests hold every MLP on data x fsdp. (At this
-    size the gathered rows are a few percent of the step; on moe_1b for 8 H100s they moved the plan from
-    0.81 to 0.98 of the compiled program: benchmarks/BENCHMARKS.md.)"""
+@pytest.mark.parametrize("ep", ["auto", pytest.param("gather", marks=pytest.mark.slow)])
+def test_the_planner_counts_an_expert_parallel_dispatch(ep):
+    """With expert parallelism each device keeps, for the backward pass, the capacity buffers the all-to-all
+    brought (auto), or the rows it gathered along the expert axis (gather) (`MoEMLP.extra_saved`,
+    `memory.expert_gather`): the capacity dispatch's compiled step on expert 4 x fsdp 2 within the
+    planner's tolerance, as the registry tests hold every MLP on data x fsdp. (At this size the gathered
+    rows are a few percent of the step; on moe_1b for 8 H100s they moved the plan from 0.81 to 0.98 of the
+    compiled program, and the all-to-all's plan is 0.97 of it: benchmarks/BENCHMARKS.md.)"""
     from jaxlm import memory, plan
 
     cfg = recipe("tiny", model__mlp="moe", model__mlp_dim=0, model__remat="none", model__moe_impl="capacity",
-                 model__moe_capacity_factor=1.0, mesh__expert=4, mesh__fsdp=2)
+                 model__moe_capacity_factor=1.0, model__moe_ep=ep, mesh__expert=4, mesh__fsdp=2)
     report = plan.plan(cfg, 8, 80 * memory.GIB, compile=True, devices=jax.devices()[:8])
     analytic = memory.estimate(cfg, 8, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE

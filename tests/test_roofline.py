@@ -168,6 +168,35 @@ def test_a_hand_counted_module():
     assert "the projection" in roofline.format_summary(summary)
 
 
+# An MoE's all-to-all as XLA:GPU schedules it (moe_1b on 8 compile-only H100s, expert parallelism): the start's
+# shape is ((operands), result), its done's the result, a copy scheduled between them
+ALL_TO_ALL = """HloModule a2a, entry_computation_layout={(bf16[8,1024,1024]{2,1,0})->bf16[8,1024,1024]{2,1,0}}
+
+ENTRY %main (x: bf16[8,1024,1024]) -> bf16[8,1024,1024] {
+  %x = bf16[8,1024,1024]{2,1,0} parameter(0)
+  %a2a = ((bf16[8,1024,1024]{2,1,0}), bf16[8,1024,1024]{2,1,0}) all-to-all-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %y = bf16[8,1024,1024]{2,1,0} copy(%x)
+  ROOT %done = bf16[8,1024,1024]{2,1,0} all-to-all-done(%a2a)
+}
+"""
+
+
+def test_an_all_to_all_counts_what_it_sends_and_states_its_share():
+    """The all-to-all sends 7/8 of its result (each device keeps its own block), not of its start's
+    tuple (operands and result); the copy between start and done covers part of it; the summary's line
+    of collectives states its bytes, time and share of the step."""
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(ALL_TO_ALL), roofline.H100, 8)}
+    a2a, copy = kernels["a2a"], kernels["y"]
+    assert a2a.kind == "all-to-all" and a2a.comm_bytes == 7 / 8 * 8 * 1024 * 1024 * 2
+    assert a2a.seconds == a2a.comm_bytes / 450e9
+    assert a2a.exposed_seconds == pytest.approx(a2a.seconds - copy.seconds)
+    summary = roofline.summarize(list(kernels.values()), roofline.H100, model_flops_per_device=1e9)
+    assert summary["by_kind"]["all-to-all"]["exposed_seconds"] == pytest.approx(a2a.exposed_seconds)
+    share = a2a.seconds / summary["step_seconds"]
+    line = f"all-to-all {a2a.comm_bytes / 1e9:.2f} GB, {a2a.seconds * 1e3:.1f} ms ({share:.1%} of the step)"
+    assert line in roofline.format_summary(summary)
+
+
 def _tokamax_call(name: str, result: str, operands: str, lhs: str, rhs: str, dims: str, op: str) -> str:
     """A tokamax grouped-matmul custom call as XLA writes it: its op and arguments as JSON in op_name."""
     meta = (f'{{"op":{{"__type":"tokamax._src.ops.ragged_dot.{op}","config":{{"block_m":64}}}},"arguments":{{'

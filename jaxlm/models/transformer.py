@@ -185,6 +185,12 @@ class ModelSection(Section):
         "token, E/k x the FLOPs) | capacity (at most moe_capacity_factor x the balanced share per expert, the "
         "rest dropped and counted)")
     moe_capacity_factor: float = setting(1.25, "model.mlp=moe, moe_impl=capacity: each expert's room, x its balanced share")
+    moe_ep: str = setting(
+        "auto",
+        "model.mlp=moe with mesh.expert > 1: how rows reach the experts on other devices: auto (alltoall for "
+        "capacity, gather for the dropless dispatches) | alltoall (GShard's: each row's [E, C, D] capacity buffers "
+        "sent to their experts' devices and back; moe_impl=capacity only) | gather (every device along the axis "
+        "gathers all their rows, runs its experts, reduce-scatters the outputs) (jaxlm.models.mlps.moe.dispatch)")
     moe_aux_loss: float = setting(
         0.01, "model.mlp=moe: the load-balancing loss's coefficient (Switch/GShard form; 0 = off, still reported)")
     moe_z_loss: float = setting(0.0, "model.mlp=moe: the router z-loss's coefficient (ST-MoE; 0 = off, still reported)")
@@ -245,6 +251,10 @@ class ModelSection(Section):
             check_choice(key("moe_impl"), self.moe_impl, ("auto", *moe_lib.IMPLS))
             if self.moe_impl == "tokamax" and not moe_lib.tokamax_available():
                 raise UserError(moe_lib.TOKAMAX_MISSING)
+            check_choice(key("moe_ep"), self.moe_ep, ("auto", *moe_lib.EP_PATHS))
+            check(self.moe_ep != "alltoall" or self.moe_impl in ("capacity", "auto"), key("moe_ep"), self.moe_ep,
+                  f"auto or gather with model.moe_impl={self.moe_impl} (the all-to-all exchanges capacity's "
+                  f"fixed-size buffers: set model.moe_impl=capacity)")
             check(self.moe_capacity_factor > 0, key("moe_capacity_factor"), self.moe_capacity_factor,
                   "a positive number")
             for name in ("moe_aux_loss", "moe_z_loss", "moe_bias_rate"):

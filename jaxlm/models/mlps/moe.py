@@ -66,6 +66,9 @@ from jaxlm.models.mlps.swiglu import GatedMLP
 
 ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid")
 IMPLS = ("ragged", "tokamax", "dense", "capacity")  # model.moe_impl; "auto" resolves to one (`resolve_impl`)
+# model.moe_ep: how rows reach the experts of other devices under expert parallelism; "auto" resolves to one
+# (`resolve_ep`): the capacity dispatch's buffers exchanged by all-to-all, or every row gathered (`dispatch`)
+EP_PATHS = ("alltoall", "gather")
 # tokamax's grouped matmuls, in the order tried (each refuses what it cannot run with NotImplementedError):
 # Mosaic GPU (Hopper and Blackwell), Triton (GPUs), XLA (`jax.lax.ragged_dot_general`, anywhere)
 TOKAMAX_KERNELS = ("mosaic_gpu", "triton", "xla")
@@ -94,16 +97,18 @@ class MoESpec:
     bias_rate: float = 0.001  # the sigmoid router's bias step (`RouterBiasHook`)
     dense_layers: int = 0  # the first layers dense: a SwiGLU of dense_dim units (`transformer.layer_stacks`)
     dense_dim: int = 0  # resolved: never 0 where dense_layers > 0
+    ep: str = "alltoall"  # expert parallelism's path (`EP_PATHS`, `dispatch`): alltoall for capacity, else gather
 
     @classmethod
     def from_model(cls, m, platform: str) -> MoESpec:
         """From `config.model` (a ConfigDict or dict: its `moe_*` keys; the defaults where absent)."""
         d = cls()
         get = m.get if hasattr(m, "get") else (lambda k, v: v)
+        impl = resolve_impl(str(get("moe_impl", "auto")), platform)
         return cls(experts=int(get("moe_experts", d.experts)), top_k=int(get("moe_top_k", d.top_k)),
                    shared_experts=int(get("moe_shared_experts", d.shared_experts)),
                    router=str(get("moe_router", d.router)),
-                   impl=resolve_impl(str(get("moe_impl", "auto")), platform),
+                   impl=impl, ep=resolve_ep(str(get("moe_ep", "auto")), impl),
                    capacity_factor=float(get("moe_capacity_factor", d.capacity_factor)),
                    aux_loss=float(get("moe_aux_loss", d.aux_loss)), z_loss=float(get("moe_z_loss", d.z_loss)),
                    bias_rate=float(get("moe_bias_rate", d.bias_rate)),
@@ -169,6 +174,18 @@ def resolve_impl(impl: str, platform: str) -> str:
     if impl != "auto":
         return impl
     return "tokamax" if platform == "gpu" and tokamax_available() else "capacity"
+
+
+def resolve_ep(ep: str, impl: str) -> str:
+    """model.moe_ep=auto: `alltoall` for the capacity dispatch, `gather` for the dropless ones (XLA:CPU has
+    no ragged all-to-all, and the dropless buffers have no fixed size). An explicit `alltoall` with a
+    dropless dispatch is one line. Measured on moe_1b for 8 H100s (benchmarks/BENCHMARKS.md)."""
+    if ep == "alltoall" and impl != "capacity":
+        raise UserError(f"config.model.moe_ep=alltoall needs config.model.moe_impl=capacity (the all-to-all "
+                        f"exchanges fixed-size buffers; {impl} is dropless): set model.moe_ep=auto or gather")
+    if ep != "auto":
+        return ep
+    return "alltoall" if impl == "capacity" else "gather"
 
 
 def capacity(spec: MoESpec, tokens: int) -> int:
@@ -302,10 +319,16 @@ class MoEMLP(MLP):
                 "capacity": min(spec.top_k * spec.capacity_factor, spec.experts)}[spec.impl]
 
     @classmethod
+    def gathers_rows(cls, cfg, gather: int) -> bool:
+        """Whether the dispatch gathers the rows of the `gather` devices of the expert axis (`dispatch`: the
+        gather path), rather than exchanging capacity buffers by all-to-all or running without the axis."""
+        return gather > 1 and not (cfg.moe.impl == "capacity" and cfg.moe.ep == "alltoall")
+
+    @classmethod
     def hidden_copies(cls, cfg, gather: int = 1) -> float:
         """Per token of its own: the rows of its experts (a dropless dispatch under expert parallelism sorts
-        every gathered pair, `gather` x its own; capacity computes its experts' share alone) and the
-        shared experts'."""
+        every gathered pair, `gather` x its own; capacity computes its experts' share alone, of the
+        gathered rows or of the buffers the all-to-all brings: as many) and the shared experts'."""
         rows = cls.rows_per_token(cfg) * (gather if cfg.moe.impl in ("ragged", "tokamax") else 1)
         return rows + cfg.moe.shared_experts
 
@@ -322,12 +345,13 @@ class MoEMLP(MLP):
     @classmethod
     def extra_saved(cls, cfg, act_bytes: int, gather: int = 1) -> tuple[float, float]:
         """(bytes per [tokens, d_model] element, bytes per token) the layer keeps for its backward pass
-        beside its hidden activations: the rows gathered for the experts and each pair's output, and
-        with expert parallelism (`gather` devices' rows) the gathered tokens; the router's float32
-        probabilities (its softmax's two, the chosen gates)."""
+        beside its hidden activations: the rows gathered for the experts (with the all-to-all, the buffers
+        it brought: as many) and each pair's output, and with the gather path of expert parallelism
+        (`gather` devices' rows) the gathered tokens; the router's float32 probabilities (its softmax's
+        two, the chosen gates)."""
         spec = cfg.moe
         rows = cls.hidden_copies(cfg, gather) - spec.shared_experts if spec.impl != "dense" else 0  # dense: tokens
-        gathered = gather if gather > 1 else 0
+        gathered = gather if cls.gathers_rows(cfg, gather) else 0
         return act_bytes * (rows + spec.top_k + gathered), 4 * (2 * spec.experts + 3 * spec.top_k)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -532,19 +556,27 @@ def _dense(x, gates, experts, weights, spec, einsum_op, first):
     return jnp.sum(out * combine.T[:, :, None], axis=0), jnp.ones(gates.shape, jnp.float32)
 
 
+def _capacity_slots(experts: jax.Array, spec: MoESpec, c: int) -> tuple[jax.Array, jax.Array]:
+    """A group's (a row's) pairs, experts [n, k], in its [E, C] buffers: (slot [n * k] choice-major, pair q
+    being choice q // n of token q % n, at expert x C + its place in the expert's queue, E x C where
+    dropped; kept [n * k] bool). First choices of every token before second choices (GShard's order)."""
+    choice_major = experts.T.reshape(-1)
+    onehot = jax.nn.one_hot(choice_major, spec.experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # its place in its expert's queue
+    kept = position < c
+    return jnp.where(kept, choice_major * c + position, spec.experts * c), kept
+
+
 def _capacity(x, gates, experts, weights, spec, einsum_op, first):
     """At most `capacity` pairs per expert, first choices of every token before second choices; which
     pairs are kept is decided over all the experts, only `first` .. `first` + (the weights' count) are
     computed."""
     n, k = gates.shape
-    e, c, count = spec.experts, capacity(spec, n), weights["expert_gate"].shape[0]
-    choice_major = experts.T.reshape(-1)  # pair q is choice q // n of token q % n
-    onehot = jax.nn.one_hot(choice_major, e, dtype=jnp.int32)
-    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # its place in its expert's queue
-    kept = position < c
-    local = choice_major - first
+    c, count = capacity(spec, n), weights["expert_gate"].shape[0]
+    slot, kept = _capacity_slots(experts, spec, c)
+    local = slot // c - first
     computed = kept & (local >= 0) & (local < count)
-    slot = jnp.where(computed, local * c + position, count * c)  # count * c: the discard slot
+    slot = jnp.where(computed, slot - first * c, count * c)  # count * c: the discard slot
     token = jnp.arange(n * k) % n
     source = jnp.full((count * c + 1,), n, jnp.int32).at[slot].set(token)[: count * c]  # n: empty (a zero row)
     rows = jnp.take(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]), source, axis=0)
@@ -557,6 +589,44 @@ def _capacity(x, gates, experts, weights, spec, einsum_op, first):
     out = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
     slots = jnp.take(out, slot, axis=0).reshape(k, n, -1).transpose(1, 0, 2).reshape(n * k, -1)  # token-major
     return _combine(slots, gates), kept.reshape(k, n).T.astype(jnp.float32)
+
+
+def _capacity_all_to_all(x, gates, experts, weights, spec, einsum_op, axis: str):
+    """The capacity dispatch with the experts split over mesh axis `axis` (GShard's): inside `shard_map`,
+    x [B, T, D], gates and experts [B, T, k] a device's own rows, `weights` its E / P experts (P the
+    axis's size). Each row is a group of capacity C (`capacity`, `_capacity_slots`: the pairs one device
+    keeps), its pairs copied into the row's [E, C, D] buffers; one all-to-all sends each device along
+    the axis its experts' buffers of every row, [E/P, P x B x C, D] received; its experts run on them,
+    and a second all-to-all returns the outputs to the rows' devices, where each token's k outputs are
+    weighted by its gates and summed. Both all-to-alls move B x E x C x D values per device (each
+    sends (P - 1) / P of them), in the compute dtype. -> (y [B, T, D] float32, kept [B, T, k])."""
+    b, t, d = x.shape
+    k, e = gates.shape[-1], spec.experts
+    c, count = capacity(spec, t), weights["expert_gate"].shape[0]
+    parts = e // count
+    slot, kept = jax.vmap(lambda ex: _capacity_slots(ex, spec, c))(experts)  # [B, T * k] each
+    row = jnp.arange(b)[:, None]
+    token = jnp.arange(t * k) % t
+    # for each row's buffer place (expert, position): the token it holds, t where empty
+    source = jax.vmap(lambda s: jnp.full((e * c + 1,), t, jnp.int32).at[s].set(token)[: e * c])(slot)
+    source = jnp.where(source < t, row * t + source, b * t)  # into the flat rows, b * t a zero row
+    # expert-major [E, B, C]: the all-to-all splits and joins leading blocks, no transposes around it
+    source = source.reshape(b, e, c).transpose(1, 0, 2)
+    flat = jnp.concatenate([x.reshape(b * t, d), jnp.zeros((1, d), x.dtype)])
+    buffers = jnp.take(flat, source, axis=0)  # [E, B, C, D]
+    received = jax.lax.all_to_all(buffers, axis, split_axis=0, concat_axis=1, tiled=True)  # [E/P, P x B, C, D]
+
+    def matmul(r, w):
+        return einsum_op("ecd,edf->ecf", r, w)
+
+    out = _expert_ffn(received.reshape(count, parts * b * c, d), weights, matmul)
+    out = jax.lax.all_to_all(out.reshape(count, parts * b, c, d), axis, split_axis=1, concat_axis=0,
+                             tiled=True)  # [E, B, C, D]: every expert's outputs for this device's rows
+    out = jnp.concatenate([out.reshape(e * b * c, d), jnp.zeros((1, d), out.dtype)])
+    where = jnp.where(kept, (slot // c) * (b * c) + row * c + slot % c, e * b * c)  # each pair's output
+    slots = jnp.take(out, where, axis=0).reshape(b, k, t, d).transpose(0, 2, 1, 3)  # [B, T, k, D]
+    y = jnp.sum(slots * gates[..., None], axis=2)
+    return y, kept.reshape(b, k, t).transpose(0, 2, 1).astype(jnp.float32)
 
 
 DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul), "dense": _dense,
@@ -577,14 +647,24 @@ def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[s
     pairs it drops does not depend on how the rows are split over devices.
 
     Expert parallelism (the rules split the experts over the `expert` mesh axis, mesh.expert > 1): each
-    device holds E / mesh.expert experts and the batch's rows are split over that axis too. The rows of
-    the devices along it are gathered (all-gather), each device runs its own experts on all of them,
-    and each row's partial outputs are summed back to the device that holds it (reduce-scatter): the
-    same function as one device's, dropless or with the same drops, with the collectives any XLA
-    backend runs. (Otherwise the experts are whole on every device, gathered as fsdp gathers a weight.)
-    The capacity dispatch computes a device's experts' capacity alone; the dropless ones sort and hold
-    every gathered pair's row, `expert` times a device's own (a ragged all-to-all would move only the
-    routed pairs: not built)."""
+    device holds E / mesh.expert experts and the batch's rows are split over that axis too; `spec.ep` says
+    how rows reach the experts on other devices (`model.moe_ep`, `resolve_ep`):
+
+    - alltoall (the capacity dispatch; GShard's): each device copies its rows' pairs into the rows' [E, C]
+      capacity buffers, an all-to-all over the axis hands every device its experts' buffers from all the
+      devices along it, it runs its experts, and a second all-to-all returns the outputs, which each
+      device combines for its own rows (`_capacity_all_to_all`). Each moves B x E x C x D values of the
+      compute dtype per device, k x capacity_factor x a device's tokens; nothing is gathered or summed.
+    - gather (the dropless dispatches, or asked for): the rows of the devices along the axis are gathered
+      (all-gather), each device runs its own experts on all of them, and each row's partial outputs are
+      summed back to the device that holds it (a float32 reduce-scatter). The dropless ones sort and hold
+      every gathered pair's row, `expert` times a device's own (a ragged all-to-all, which moves only the
+      routed pairs, is not built: XLA:CPU has none).
+
+    Both compute the same function as one device, dropless or with the same drops (a row is a group on
+    any mesh), with collectives every XLA backend runs. Where the rules keep the batch whole along the
+    axis, every device there has the same rows: each runs its experts and the outputs are summed (psum).
+    (Without the axis the experts are whole on every device, gathered as fsdp gathers a weight.)"""
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     meshed = bool(rules) and not mesh.empty
@@ -592,6 +672,8 @@ def dispatch(x: jax.Array, gates: jax.Array, experts: jax.Array, weights: dict[s
     rows_split = split and EXPERT_AXIS in mesh_axes_of("act_batch")  # (else every device there has the same rows)
 
     def local(x, gates, experts, *ws):
+        if rows_split and spec.impl == "capacity" and spec.ep == "alltoall":
+            return _capacity_all_to_all(x, gates, experts, dict(zip(weights, ws)), spec, einsum_op, EXPERT_AXIS)
         if rows_split:  # the rows of every device along the expert axis
             x, gates, experts = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, gates, experts))
         first = jax.lax.axis_index(EXPERT_AXIS) * ws[0].shape[0] if split else 0  # this device's experts
