@@ -93,6 +93,15 @@ def tree_weights(tree, bits: int = 4) -> tuple[float, float]:
     return per_device, total
 
 
+def _expert_split_weights(tree, bits: int = 4) -> float:
+    """The weights (all of them, as `tree_weights` counts) of the leaves split over the `expert` mesh axis."""
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if any("expert" in mesh_lib.axes_of(entry) for entry in leaf.sharding.spec):
+            total += quant.weights_per_element(getattr(path[-1], "key", None), bits) * math.prod(leaf.shape)
+    return total
+
+
 def tree_bytes(tree) -> tuple[int, int]:
     """(bytes on one device, unsharded bytes) of a tree of ShapeDtypeStructs that carry shardings."""
     per_device = total = 0
@@ -400,10 +409,14 @@ def estimate(
     # Each stack of like layers (`transformer.layer_stacks`: an MoE's dense first layers, then the model's own):
     # its blocks' settings, layers and weights of one layer (per device, all)
     stacks = [(stack.cfg, stack.count,
-               [n / stack.count for n in tree_weights(transformer.stack_params(state.params, m, stack), bits)])
+               [n / stack.count for n in tree_weights(transformer.stack_params(state.params, m, stack), bits)],
+               _expert_split_weights(transformer.stack_params(state.params, m, stack), bits) / stack.count)
               for stack in transformer.layer_stacks(m)]
-    block_weights = [sum(count * w[i] for _, count, w in stacks) for i in (0, 1)]  # every layer's (per device, all)
-    full_weights = [[2 * F32 * w[1] / tensor, 2 * F32 * w[1]] for _, _, w in stacks]  # each stack's one layer's
+    block_weights = [sum(count * w[i] for _, count, w, _ in stacks) for i in (0, 1)]  # every layer's (per device, all)
+    # each stack's one layer's; weights split over the expert axis (expert parallelism) stay split: each device
+    # gathers its own experts over fsdp, not the others'
+    experts = sizes.get("expert", 1)
+    full_weights = [[2 * F32 * (w[1] - e + e / experts) / tensor, 2 * F32 * w[1]] for _, _, w, e in stacks]
     # The loss's: a vocabulary table gathered and its gradient; with micro-batches also each table's
     # gradient of one micro-batch at full size, before it is added to the accumulator.
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
@@ -419,7 +432,7 @@ def estimate(
         # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
         saved = sum(passes * count / m.n_layers * layer_saved_bytes(
             stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
-            a, m.remat) for stack_cfg, count, _ in stacks) + (a * block_weights[i] if cast else 0.0)
+            a, m.remat) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes
@@ -435,7 +448,7 @@ def estimate(
         rows = derived.micro_batch_size // (1 if schedule is None else schedule.microbatches)  # a pipeline's: one
         s = activation_sizes(m, rows, cfg.data.seq_len, rules, mesh_sizes)  # a layer runs on one pipeline micro-batch
         layer = 0.0  # one layer's backward: the largest of the stacks'
-        for (stack_cfg, _, _), weights in zip(stacks, full_weights):
+        for (stack_cfg, *_), weights in zip(stacks, full_weights):
             stack_sizes = activation_sizes(stack_cfg, rows, cfg.data.seq_len, rules, mesh_sizes)
             one = layer_backward_bytes(stack_cfg, stack_sizes, a, m.remat, weights[i])
             if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
