@@ -39,6 +39,9 @@ probability of e, 1.0 x k when balanced, as Switch Transformer and Hugging Face'
 balanced), `moe_load_entropy` (the shares' entropy over log E: 1.0 when balanced), `moe_dropped` (the
 share of pairs dropped); and per layer (`aux.by_layer`, TensorBoard's `aux/moe_load_by_layer/layer_<i>/<e>`),
 `moe_load_by_layer` (each expert's share of the layer's pairs times E) and `moe_dropped_by_layer`.
+"The batch" is what the model runs on at once: with micro-batches (gradient accumulation's, a pipeline's)
+each is computed over one micro-batch and the step reports their mean (Megatron's choice), so the
+balancing loss, a product of two means, depends on the micro-batch size as well as on the routing.
 """
 
 from __future__ import annotations
