@@ -247,3 +247,24 @@ def test_a_teacher_read_from_a_run_onto_the_students_mesh_gives_the_logits_infer
     real = segments.astype(bool)
     np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
     assert np.abs(want[real]).max() > 1  # a trained model's logits, not zeros
+
+    # as the train step will take it: the teacher's params a frozen input of the jitted step, with their
+    # shardings; a student that is the teacher has a KL of 0 and a gradient of 0
+    targets = np.roll(tokens, -1, axis=1)
+    weights = (segments * np.roll(segments, -1, axis=1)).astype(np.float32)
+    weights[:, -1] = 0
+    full = {**batch, "targets": targets, "weights": weights}
+    loss = distill.make_trainable_loss(teacher.model_spec, distill.DistillConfig(temperature=2.0))
+
+    def grads(student, teacher_params, batch):
+        with spmd.logical_axis_rules(rules):
+            return jax.value_and_grad(loss, has_aux=True)(student, {}, teacher.model_spec, batch, None, 0.0, 0,
+                                                          teacher_params)
+
+    shardings = (teacher.param_shardings, teacher.param_shardings, mesh_lib.batch_sharding(mesh, rules))
+    with jax.set_mesh(mesh):
+        (total, (tokens_sum, _, terms)), g = jax.jit(grads, in_shardings=shardings)(teacher.params, teacher.params, full)
+    assert float(tokens_sum) == weights.sum() > 0
+    assert abs(float(terms["distill/kl"])) < 1e-4 and abs(float(total)) < 1e-3
+    assert float(terms["distill/ce"]) / weights.sum() < 3.0  # the facts run's next-token loss: it learned the facts
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) < 1e-4
