@@ -186,12 +186,18 @@ def load_run(
     dtype: str | None = None,
     param_dtype: str | None = None,
     devices: Sequence[jax.Device] | None = None,
+    mesh: Mesh | None = None,
+    rules: mesh_lib.Rules | None = None,
 ) -> LoadedRun:
     """Load checkpoint `step` (default: the newest that loads) of a run for inference.
 
     `dtype` overrides the compute dtype (e.g. float32 for exact comparisons); `param_dtype` casts the
     parameters as they are read (bfloat16 halves their memory; the model computes in `dtype` anyway),
     all but a QLoRA run's 4-bit base, which loads as it was saved (uint8 codes, scales).
+
+    `mesh` and `rules` (both or neither) place the parameters on another model's mesh by that model's
+    rules, as a distillation teacher runs inside its student's step (`jaxlm.post_training.distill`);
+    by default the run's own rules, on the mesh `make_inference_mesh` picks for `devices`.
     """
     run_dir = pathlib.Path(run_dir)
     cfg = read_config(run_dir)
@@ -212,11 +218,16 @@ def load_run(
     if tokenizer.vocab_size > cfg.model.vocab_size:  # more model rows than tokens is fine (a padded vocabulary)
         raise UserError(f"{tok_path} has {tokenizer.vocab_size} tokens but the run's model.vocab_size is "
                         f"{cfg.model.vocab_size}; the run directory is inconsistent")
-    devices = list(devices) if devices is not None else jax.devices()
+    if (mesh is None) != (rules is None):
+        raise ValueError("load_run: give both mesh and rules, or neither")
+    devices = list(mesh.devices.flat) if mesh is not None else list(devices) if devices is not None else jax.devices()
     model_cfg = model_config(cfg, devices[0].platform, dtype)
-    rules = mesh_lib.rules_from_config(cfg.mesh.rules)
     model_spec = train_state.build_model_spec(model_cfg)
-    mesh, abstract_params = make_inference_mesh(cfg, model_cfg, model_spec, devices, rules)
+    if mesh is None:
+        rules = mesh_lib.rules_from_config(cfg.mesh.rules)
+        mesh, abstract_params = make_inference_mesh(cfg, model_cfg, model_spec, devices, rules)
+    else:
+        abstract_params = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, model_spec)[0].params
     cast = None
     if param_dtype:
         if param_dtype not in transformer.DTYPES:

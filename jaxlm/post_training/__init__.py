@@ -1,0 +1,1 @@
+"""Post-training objectives beyond SFT (issue 50): distillation from a teacher (`distill`)."""
