@@ -37,9 +37,12 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import jax
 import ml_collections
 import numpy as np
 
+from jaxlm import steps
+from jaxlm.data.loader import DataConfig, load_data
 from jaxlm.section import Section, check_choice, setting
 
 
@@ -89,13 +92,9 @@ class LanguageModel(Objective):
     name = "lm"
 
     def loss(self, trainable, frozen, model_spec, batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
-        from jaxlm import steps
-
         return steps.trainable_loss(trainable, frozen, model_spec, batch, dropout_key, z_loss, loss_chunk_len)
 
     def eval_fn(self, model_spec, rules):
-        from jaxlm import steps
-
         return steps.make_eval_step(model_spec, rules)
 
     def evaluate(self, setup, params, batches, target_bytes: int | None = None) -> dict[str, float]:
@@ -103,8 +102,6 @@ class LanguageModel(Objective):
         `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
         the UTF-8 bytes the target tokens stand for; it compares runs with different tokenizers) when
         `target_bytes` is given. Empty when there are no batches, or no token in them to score."""
-        import jax
-
         if not batches:
             return {}
         sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch), setup.attention_choice(batch))
@@ -123,12 +120,11 @@ class LanguageModel(Objective):
         return f"val loss {val['val_loss']:.4f} | perplexity {val['val_perplexity']:.2f}{bpb}"
 
     def load_data(self, cfg: ml_collections.ConfigDict, shards: int | None, rows: slice | None):
-        from jaxlm.data.loader import DataConfig, load_data
-
         return load_data(DataConfig.from_config(cfg.data), shards, rows)
 
 
 def _registry() -> dict[str, type[Objective]]:
+    # local import: dpo.py derives from this module's `Objective` (at the top, a cycle)
     from jaxlm.objectives.dpo import DPO
 
     return {cls.name: cls for cls in (LanguageModel, DPO)}

@@ -44,9 +44,12 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlm import steps
 from jaxlm.console import console
-from jaxlm.data import preferences, sft, sources, tokenizer
+from jaxlm.data import loader, preferences, sft, sources, tokenizer
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
+from jaxlm.models import attention, aux
 from jaxlm.objectives import Objective
 from jaxlm.section import Section, check, check_choice, setting
 
@@ -93,8 +96,6 @@ def adapters_off(params):
 def _chunked_token_losses(project, x: jax.Array, targets: jax.Array, chunk_len: int) -> jax.Array:
     """Per-token cross-entropy [B, T] with the logits made `chunk_len` positions at a time (each chunk's
     recomputed in the backward pass), as `steps.chunked_loss_sum` makes them."""
-    from jaxlm import steps
-
     b, t, _ = x.shape
     n = t // chunk_len
 
@@ -118,8 +119,6 @@ def segment_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
 def sequence_logps(params, model_spec, batch, dropout_key=None, loss_chunk_len: int = 0):
     """(summed log-probs of each pair's chosen and rejected scored tokens [B, 2], their counts [B, 2],
     the model's auxiliary outputs)."""
-    from jaxlm import steps
-
     model = nnx.merge(model_spec.graphdef, params)
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
@@ -222,8 +221,6 @@ class DPO(Objective):
         return losses, rewards, pairs, out
 
     def loss(self, trainable, frozen, model_spec, batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
-        from jaxlm.models import aux
-
         params = model_spec.merge(trainable, frozen)
         losses, rewards, pairs, out = self._pair_terms(params, model_spec, batch, dropout_key, loss_chunk_len)
         count = jnp.sum(pairs)
@@ -235,8 +232,6 @@ class DPO(Objective):
 
     def eval_fn(self, model_spec, rules):
         def eval_fn(params, batch, packed=None):
-            from jaxlm.models import attention
-
             with spmd.logical_axis_rules(rules), attention.packed_kernel(packed):
                 losses, rewards, pairs, _ = self._pair_terms(params, model_spec, batch, None, _chunk(model_spec))
                 return {"loss": jnp.sum(losses * pairs), "pairs": jnp.sum(pairs), **pair_sums(losses, rewards, pairs)}
@@ -344,8 +339,6 @@ def pair_tokenizer(cfg: ml_collections.ConfigDict, train_pairs) -> tokenizer.Tok
 
 def load_pairs(cfg: ml_collections.ConfigDict, shards: int | None, rows: slice | None) -> PairData:
     """data.corpus's pairs -> the training stream and the held-out rows (their batches come in `prepare`)."""
-    from jaxlm.data import loader
-
     d = cfg.data
     split: dict[bool, list] = {False: [], True: []}
     for pair in preferences.iter_pairs(d.corpus):
@@ -438,9 +431,7 @@ def reference_logps(setup, params, rows: preferences.PairRows) -> np.ndarray:
 def _process_rows(setup, batch_size: int) -> slice:
     if jax.process_count() == 1:
         return slice(0, batch_size)
-    from jaxlm.data.loader import rows_held
-
-    return rows_held(setup.batch_sharding, (batch_size, setup.cfg.data.seq_len))
+    return loader.rows_held(setup.batch_sharding, (batch_size, setup.cfg.data.seq_len))
 
 
 def reference_key(cfg: ml_collections.ConfigDict, data: PairData, params_fingerprint: str) -> str:
@@ -455,8 +446,6 @@ def cached_reference(setup, params, data: PairData, run_dir: pathlib.Path, resum
     before for this model and these pairs, else computed now and kept there; the run directory records
     their key. A resumed run reads the key it recorded; with LoRA adapters alone trained (the base, the
     reference, unchanged) it may compute them again."""
-    from jaxlm.data.tokenizer import write_bytes_atomically
-
     record = run_dir / RECORD
     base_unchanged = cfg.lora.rank > 0 and not cfg.optim.trainable
     recorded = json.loads(record.read_text())["key"] if resume_step and record.exists() else None
