@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from helpers import small_config
-from jaxlm import config, lora, steps, train_state
+from jaxlm import config, lora, steps, train_setup, train_state
 from jaxlm.data import preferences
 from jaxlm.errors import UserError
 from jaxlm.models.transforms.lora import LoRA
@@ -282,3 +282,24 @@ def test_training_raises_the_preference_accuracy_and_a_resumed_run_is_bit_exact(
     full, resumed = step_losses(tmp_path / "full"), step_losses(tmp_path / "resumed")
     assert sorted(resumed) == sorted(full) == list(range(1, 13))
     assert resumed == full
+
+
+def test_the_precomputed_reference_log_probs_are_the_reference_models(tmp_path):
+    """`reference_logps` (the setup's sharded batches, before the first step) against the starting model
+    scoring each held-out sequence alone, in NumPy."""
+    cfg = config.load_recipe("dpo_tiny")
+    config.apply_overrides(cfg, [("data.cache_dir", str(tmp_path)), ("data.global_batch_size", "8")])
+    data = dpo_lib.load_pairs(cfg, None, None)
+    setup = train_setup.build(cfg)
+    rows = data.val_rows
+    got = dpo_lib.reference_logps(setup, setup.state.params, rows)
+    assert got.shape == (len(rows), 2) and len(rows) > 8  # (more than one batch, the last one padded)
+    model = nnx.merge(setup.model_spec.graphdef, setup.state.params)
+    for i in (0, len(rows) - 1):
+        ids_c, w_c, ids_r, w_r = rows.encoded[i]
+        for s, (ids, w) in enumerate(((ids_c, w_c), (ids_r, w_r))):
+            n = len(ids) - 1
+            logits = np.asarray(model(ids[None, :-1], np.arange(n)[None], np.ones((1, n), np.int32)))
+            alone = {"targets": ids[None, 1:], "weights": w[None, 1:].astype(np.float32),
+                     "segment_ids": np.ones((1, n), np.int32)}
+            np.testing.assert_allclose(got[i, s], numpy_sums(logits, alone)[0][0, 0], rtol=1e-5)
