@@ -31,14 +31,17 @@ from jaxlm.metrics import MetricsConfig, ProfileConfig
 from jaxlm.models import transformer
 from jaxlm.models.pipeline_parallel import PipelineConfig
 from jaxlm.models.quantized import CompressConfig
+from jaxlm.objectives import ObjectiveConfig
+from jaxlm.objectives import validate as validate_objective
+from jaxlm.objectives.dpo import DPOConfig
 from jaxlm.optim import OptimConfig
 from jaxlm.run_dir import RunConfig, run_dir_path  # noqa: F401 -- run_dir_path: for callers of config
 
 # Every section of the config, owned by its component as a typed dataclass (`jaxlm.section`), in the
 # order of the configuration reference
 SECTIONS = {cls.section: cls for cls in (
-    RunConfig, transformer.ModelSection, DataConfig, OptimConfig, LoraConfig, CompressConfig, CheckpointConfig,
-    MetricsConfig, EnergyConfig, ProfileConfig, MeshConfig, PipelineConfig)}
+    RunConfig, transformer.ModelSection, DataConfig, OptimConfig, LoraConfig, CompressConfig, ObjectiveConfig,
+    DPOConfig, CheckpointConfig, MetricsConfig, EnergyConfig, ProfileConfig, MeshConfig, PipelineConfig)}
 
 RECIPES_DIR = overrides_lib.RECIPES_DIR  # (configs/ beside the package)
 recipe_names = overrides_lib.recipe_names
@@ -211,6 +214,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                                             compress=cfg.compress)
     _check(not cfg.checkpoint.keep_best or d.val_tokens > 0, "checkpoint.keep_best", cfg.checkpoint.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
+    validate_objective(cfg)  # the chosen objective's checks across sections (`jaxlm.objectives`)
     if o.loss_scale == "dynamic" and m.dtype == "float32":
         raise UserError("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed: float32 "
                         "gradients do not underflow; use loss_scale='auto' or a float16 model.dtype")

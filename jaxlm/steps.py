@@ -183,7 +183,7 @@ def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
 
 
 def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
-                         rules: Rules, z_loss: float, loss_chunk_len: int):
+                         rules: Rules, z_loss: float, loss_chunk_len: int, aux_shapes: aux.Shapes | None = None):
     """Sum of k micro-batches' (loss sum, tokens, auxiliary outputs, gradients), each `data` replica
     accumulating its own rows' gradient locally and the replicas reduced once at the end.
 
@@ -227,7 +227,7 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
         lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((replicas, *p.shape), jnp.float32), s),
         model_spec.compute_layout(params, cast=False), acc_specs,
     )
-    aux_zeros = aux.zeros(dict(model_spec.aux_shapes), lead=(replicas,))
+    aux_zeros = aux.zeros(dict(model_spec.aux_shapes) if aux_shapes is None else aux_shapes, lead=(replicas,))
     init = (jnp.zeros((replicas,), jnp.float32), jnp.zeros((replicas,), jnp.float32), aux_zeros, zeros)
     keys = None if keys is None else jax.random.split(keys, (k, replicas))
     (loss_sum, tokens, aux_sums, grads), _ = jax.lax.scan(accumulate, init, (micro, keys))
@@ -330,6 +330,7 @@ def make_train_step(
     metrics: MetricsConfig | None = None,
     rules: Rules = (),
     hooks: Sequence[StepHook] = (),
+    objective=None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
@@ -352,6 +353,12 @@ def make_train_step(
     `hooks`: the model's transforms' parts of the update (`StepHook`; a pruned model's
     `pruning_masks.PruningHook`): arguments of `tx.update`, a change after the update, metrics.
 
+    `objective`: what the step minimises (`jaxlm.objectives`: its `loss`, with `trainable_loss`'s signature
+    and sums over examples that add up over micro-batches, and its `aux_shapes`); None, the language
+    model's loss (`trainable_loss`). Then `loss` is the objective's mean over its examples, `tokens` their
+    count (pairs, for DPO), and each auxiliary entry named `<objective>/<metric>` a metric under that name
+    (a mean over the examples).
+
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
     times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
     it; an overflow skips the update (metric `overflow`, not `skipped`) and the scale adapts, doubling
@@ -368,6 +375,8 @@ def make_train_step(
     loss_chunk_len = cfg.loss_chunk_len if cfg is not None else 0
     attention_segments = cfg.attention_segments if cfg is not None else 0
     grad_numerics, grad_norm_per_layer = metrics.grad_numerics, metrics.grad_norm_per_layer
+    objective_loss = trainable_loss if objective is None else objective.loss
+    aux_shapes = dict(model_spec.aux_shapes) if objective is None else objective.aux_shapes(model_spec)
 
     def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
         with attention.packed_kernel(packed):
@@ -376,12 +385,12 @@ def make_train_step(
     def _step(state: TrainState, batch: Batch, packed: bool | None):
         scaling = state.loss_scale
         if scaling is None:
-            loss_fn = trainable_loss
+            loss_fn = objective_loss
         else:
             def loss_fn(trainable, frozen, model_spec, batch, *rest):
                 # The backward pass starts from scale / positions (the micro-batch's token slots): the scale is
                 # relative to the mean loss, as in PyTorch's GradScaler, whatever the micro-batch's size
-                total, stats = trainable_loss(trainable, frozen, model_spec, batch, *rest)
+                total, stats = objective_loss(trainable, frozen, model_spec, batch, *rest)
                 return total * (scaling.scale / batch["inputs"].size), stats
 
         grad_fn = jax.value_and_grad(loss_fn if micro_batches == 1 else micro_batch_loss(loss_fn), has_aux=True)
@@ -396,7 +405,7 @@ def make_train_step(
                 positions = batch["inputs"].size // (micro_batches * replicas)
                 loss_sum, tokens, aux_sums, grads = _replica_local_grads(
                     grad_fn, trainable, frozen, compute_kernels(model_spec, rules, replicas), batch, key,
-                    micro_batches, replicas, rules, z_loss, loss_chunk_len,
+                    micro_batches, replicas, rules, z_loss, loss_chunk_len, aux_shapes,
                 )
             else:
                 spec = compute_kernels(model_spec, rules, 1)
@@ -422,8 +431,7 @@ def make_train_step(
                     lambda k, p, n: constrain(jnp.zeros(p.shape, jnp.float32 if k else p.dtype), n),
                     kernels, spec.compute_layout(trainable, cast=False), spec.compute_names(),
                 )
-                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux.zeros(dict(model_spec.aux_shapes)),
-                        zeros)
+                init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux.zeros(aux_shapes), zeros)
                 loss_sum, tokens, aux_sums, grads = jax.lax.scan(accumulate, init, (micro, keys))[0]
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), spec.param_layout(grads), trainable)
             denom = jnp.maximum(tokens, 1.0)
@@ -460,8 +468,9 @@ def make_train_step(
             "skipped": skipped.astype(jnp.int32),
             "param_norm": optax.tree.norm(params),
         }
-        # the blocks' auxiliary outputs, means over the step's tokens (its loss terms are in `loss`)
-        metrics.update({f"aux/{name}": value for name, value in aux_means.items()})
+        # the blocks' auxiliary outputs, means over the step's tokens (its loss terms are in `loss`); an
+        # objective's own metrics (`<objective>/<metric>`) under their names
+        metrics.update({name if "/" in name else f"aux/{name}": value for name, value in aux_means.items()})
         if state.loss_scale is not None:
             metrics["loss_scale"], metrics["overflow"] = state.loss_scale.scale, overflow.astype(jnp.int32)
         for hook in hooks:

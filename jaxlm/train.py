@@ -33,6 +33,7 @@ from jaxlm import (
     init_from,
     loss_scale,
     memory,
+    objectives,
     precision,
     quant,
     train_setup,
@@ -42,7 +43,7 @@ from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
 from jaxlm.console import Progress, console, duration
-from jaxlm.data.loader import Data, DataConfig, load_data, rows_held
+from jaxlm.data.loader import Data, rows_held
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import EXIT_TERMINATED, UserError, run_command
 from jaxlm.models import transformer
@@ -316,7 +317,7 @@ def _run(cfg: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict[str, Any
 
     t0 = time.time()
     # a bad path or corrupt file fails here, before any device work
-    data = load_data(DataConfig.from_config(cfg.data), saved.get("data_shards"), _process_rows(cfg))
+    data = objectives.from_config(cfg).load_data(cfg, saved.get("data_shards"), _process_rows(cfg))
     section = checkpoint.CheckpointConfig.from_config(cfg.checkpoint)
     with checkpoint.Checkpointer.from_config(run_dir / "checkpoints", section) as ckpt:
         return _train(cfg, run_dir, ckpt, data, resume_step, saved, t0)
@@ -416,6 +417,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     derived, model_cfg = setup.derived, setup.model_cfg
     make_run_dir(run_dir, cfg, resume_step)
     console(f"jaxlm: run directory {run_dir}" + (f", resuming from step {resume_step}" if resume_step else ""))
+    setup.objective.prepare(setup, state, data, run_dir, resume_step)  # its frozen inputs (DPO: the reference's)
     params_total = transformer.param_count(model_cfg)["total"]
     params_trained = trainable_count(setup, state.params)
     params_active = transformer.active_param_count(model_cfg)
@@ -493,8 +495,8 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 if val:
                     initial_val_loss = val["val_loss"]
                     sinks.write(0, val)
-                    log.progress.line(f"step {0:>6}/{total_steps} | val loss {initial_val_loss:.4f} | perplexity "
-                                      f"{val['val_perplexity']:.2f} (before the first step)")
+                    log.progress.line(f"step {0:>6}/{total_steps} | {setup.objective.describe_eval(val)} "
+                                      f"(before the first step)")
             for step in range(resume_step + 1, total_steps + 1):
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
@@ -541,11 +543,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                     if val:
                         val_loss = val["val_loss"]
                         sinks.write(step, val)
-                        bpb = f" | bits/byte {val['val_bits_per_byte']:.4f}" if "val_bits_per_byte" in val else ""
-                        log.progress.line(
-                            f"step {step:>6}/{total_steps} | val loss {val_loss:.4f} | "
-                            f"perplexity {val['val_perplexity']:.2f}{bpb}"
-                        )
+                        log.progress.line(f"step {step:>6}/{total_steps} | {setup.objective.describe_eval(val)}")
                         evaluated = val_loss
                 # With keep_best, every evaluated step is saved: a candidate for the best checkpoints.
                 if ckpt.time_due():

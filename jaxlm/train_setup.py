@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlm import config as config_lib
-from jaxlm import init_from, loss_scale, optim, pruning_masks, steps, train_state
+from jaxlm import init_from, loss_scale, objectives, optim, pruning_masks, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
@@ -46,6 +45,7 @@ class TrainSetup:
     eval_step: Any  # compiled (params, batch[, packed]) -> (sum of token losses, tokens)
     tx: Any = None  # the optimizer (optax), for a state built around given parameters (`train_state.from_params`)
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
+    objective: Any = dataclasses.field(default_factory=objectives.LanguageModel)  # what the step minimises
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of a batch -> one global array per key, sharded over the batch axes
@@ -60,8 +60,7 @@ class TrainSetup:
     def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch as abstract arrays, for ahead-of-time compilation."""
         shape = (self.cfg.data.global_batch_size, self.cfg.data.seq_len)
-        dtypes = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-                  "weights": np.float32}
+        dtypes = objectives.batch_dtypes(self.objective)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in dtypes.items()}
 
     def attention_choice(self, batch: dict[str, np.ndarray]) -> bool | None:
@@ -138,16 +137,16 @@ def build(
         state, shardings, _ = train_state.create(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,
                                                  loss_scale=scale)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    objective = objectives.from_config(cfg)
     step_fn = steps.make_train_step(model_spec, tx, schedule, optim=optim.OptimConfig.from_config(cfg.optim),
                                     metrics=metrics_lib.MetricsConfig.from_config(cfg.metrics), rules=rules,
-                                    hooks=hooks)
+                                    hooks=hooks, objective=objective)
     setup = TrainSetup(
         cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
         shardings=shardings, batch_sharding=batch_sharding, schedule=schedule, tx=tx,
         train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.jit_eval_step(
-            steps.make_eval_step(model_spec, rules), shardings.params, batch_sharding
-        ),
+        eval_step=steps.jit_eval_step(objective.eval_fn(model_spec, rules), shardings.params, batch_sharding),
+        objective=objective,
     )
     if cfg.run.init_from and not abstract:
         setup.state, setup.init_from = init_from.load_state(setup)
@@ -156,19 +155,6 @@ def build(
 
 def evaluate(setup: TrainSetup, params, batches: list[dict[str, np.ndarray]],
              target_bytes: int | None = None) -> dict[str, float]:
-    """Held-out metrics over fixed batches: `val_loss` (token-mean cross-entropy, nats),
-    `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
-    the UTF-8 bytes the target tokens stand for; it compares runs with different tokenizers) when
-    `target_bytes` is given. Empty when there are no batches, or no token in them to score."""
-    if not batches:
-        return {}
-    sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch), setup.attention_choice(batch))
-                           for batch in batches])
-    total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
-    if not tokens:  # nothing to score (SFT rows whose answers were all cut off): no loss, rather than 0
-        return {}
-    loss = total / tokens
-    out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
-    if target_bytes:
-        out["val_bits_per_byte"] = total / math.log(2) / target_bytes
-    return out
+    """Held-out metrics over fixed batches, as the run's objective computes them (`Objective.evaluate`;
+    the LM's: `val_loss`, `val_perplexity`, `val_tokens`, `val_bits_per_byte` given `target_bytes`)."""
+    return setup.objective.evaluate(setup, params, batches, target_bytes)
