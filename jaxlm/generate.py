@@ -147,6 +147,36 @@ def _next_tokens(logits, key, count, done, sampling: SamplingArrays):
     return token, done | jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
 
 
+def prefill_step(cfg: transformer.ModelConfig, graphdef, rules: mesh_lib.Rules, params, prompts, start, done, rng,
+                 sampling: SamplingArrays, cache_len: int, max_new: int) -> tuple[attention.KVCache, DecodeState]:
+    """The prefill, traced inside a jit (`Generator.compiled`, and `jaxlm.post_training.grpo`'s rollout): the
+    left-padded prompts [B, T] (row b's first real slot `start[b]`; rows `done` are batch padding) run once,
+    filling a cache of `cache_len` slots, and each row's first new token is sampled (`max_new` columns kept)."""
+    with spmd.logical_axis_rules(rules):
+        model = nnx.merge(graphdef, params)
+        batch, length = prompts.shape
+        cache = transformer.init_cache(cfg, batch, cache_len, start)
+        positions = jnp.maximum(jnp.arange(length)[None, :] - start[:, None], 0)  # [B, T]
+        logits, cache = model(prompts, positions, cache=cache, last_only=True)  # every row ends at slot T - 1
+        count = jnp.zeros((), jnp.int32)
+        token, done = _next_tokens(logits[:, -1], rng, count, done, sampling)
+        tokens = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token)
+        return cache, DecodeState(tokens=tokens, last=token, done=done, count=count + 1, key=rng, sampling=sampling)
+
+
+def decode_step(graphdef, rules: mesh_lib.Rules, params, cache: attention.KVCache,
+                state: DecodeState) -> tuple[attention.KVCache, DecodeState]:
+    """One decode step, traced inside a jit: each row's last token at its own position, its keys and
+    values appended to the cache, the next token sampled into column `state.count`."""
+    with spmd.logical_axis_rules(rules):
+        model = nnx.merge(graphdef, params)
+        positions = (cache.index - cache.start)[:, None]  # [B, 1]: each row's own position
+        logits, cache = model(state.last[:, None], positions, cache=cache)
+        token, done = _next_tokens(logits[:, 0], state.key, state.count, state.done, state.sampling)
+        tokens = jax.lax.dynamic_update_slice(state.tokens, token[:, None], (jnp.int32(0), state.count))
+        return cache, state._replace(tokens=tokens, last=token, done=done, count=state.count + 1)
+
+
 class Generator:
     """Batched sampling from a model's parameters on a mesh, with one compiled prefill and one compiled
     decode step for every sampling setting (compiled once per batch shape and cache length).
@@ -206,29 +236,12 @@ class Generator:
         if self._compiled is not None:
             return self._compiled
         cfg, graphdef, rules = self.model_cfg, self.graphdef, self.rules
-        next_tokens = _next_tokens
 
         def prefill(params, prompts, start, done, rng, sampling, cache_len, max_new):
-            with spmd.logical_axis_rules(rules):
-                model = nnx.merge(graphdef, params)
-                batch, length = prompts.shape
-                cache = transformer.init_cache(cfg, batch, cache_len, start)
-                positions = jnp.maximum(jnp.arange(length)[None, :] - start[:, None], 0)  # [B, T]
-                logits, cache = model(prompts, positions, cache=cache, last_only=True)  # every row ends at slot T - 1
-                count = jnp.zeros((), jnp.int32)
-                token, done = next_tokens(logits[:, -1], rng, count, done, sampling)
-                tokens = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token)
-                return cache, DecodeState(tokens=tokens, last=token, done=done, count=count + 1, key=rng,
-                                          sampling=sampling)
+            return prefill_step(cfg, graphdef, rules, params, prompts, start, done, rng, sampling, cache_len, max_new)
 
         def decode(params, cache, state):
-            with spmd.logical_axis_rules(rules):
-                model = nnx.merge(graphdef, params)
-                positions = (cache.index - cache.start)[:, None]  # [B, 1]: each row's own position
-                logits, cache = model(state.last[:, None], positions, cache=cache)
-                token, done = next_tokens(logits[:, 0], state.key, state.count, state.done, state.sampling)
-                tokens = jax.lax.dynamic_update_slice(state.tokens, token[:, None], (jnp.int32(0), state.count))
-                return cache, state._replace(tokens=tokens, last=token, done=done, count=state.count + 1)
+            return decode_step(graphdef, rules, params, cache, state)
 
         outs = (self._cache_sharding(), self._state_sharding())
         rows = self._sharding("act_batch")
