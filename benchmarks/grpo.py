@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     gen = Generator(model_cfg, state.params, mesh, rules, shardings.params, graphdef=spec.graphdef)
     settings = grpo.GRPOConfig(group_size=args.group_size, max_new_tokens=args.new_tokens,
                                max_prompt_len=args.prompt_len, temperature=1.0, mu=args.mu)
-    sampler = grpo.Sampler.from_settings(gen, settings, stop_ids=None)
+    sampler = grpo.Sampler.from_generator(gen, stop_ids=None, **grpo.Sampler.settings_kwargs(settings))
     rng = np.random.default_rng(0)
     prompts = [[2, *rng.integers(4, model_cfg.vocab_size, args.prompt_len - 1).tolist()] for _ in range(args.prompts)]
     rows = args.prompts * args.group_size

@@ -278,8 +278,8 @@ def tiny():
 
 
 def sampler(gen, sampling=generate.GREEDY, stop_ids=None, group_size=2):
-    return grpo.Sampler(gen, group_size=group_size, max_new_tokens=NEW, max_prompt_len=8, sampling=sampling,
-                        stop_ids=stop_ids)
+    return grpo.Sampler.from_generator(gen, stop_ids=stop_ids, group_size=group_size, max_new_tokens=NEW,
+                                       max_prompt_len=8, sampling=sampling)
 
 
 def test_greedy_rollouts_equal_generates_greedy_output(tiny):
@@ -355,7 +355,7 @@ def test_a_prompt_longer_than_max_prompt_len_is_one_line(tiny):
     with pytest.raises(UserError, match="a prompt is 9 tokens, longer than max_prompt_len=8"):
         sampler(gen)(gen.params, [[2] * 9], jax.random.PRNGKey(0))
     with pytest.raises(UserError, match="passes the model's context of 32 tokens"):
-        grpo.Sampler(gen, group_size=2, max_new_tokens=30, max_prompt_len=8)
+        grpo.Sampler.from_generator(gen, group_size=2, max_new_tokens=30, max_prompt_len=8)
 
 
 # ----------------------------------------------------------------------------- one update
@@ -378,7 +378,7 @@ def first_token_mass(gen, params, prompts):
 
 def grpo_step(gen, spec, params, settings, lr):
     """Rollouts, rewards, advantages, one optax step on the GRPO loss; the new parameters."""
-    sample = grpo.Sampler.from_settings(gen, settings, stop_ids=None)
+    sample = grpo.Sampler.from_generator(gen, stop_ids=None, **grpo.Sampler.settings_kwargs(settings))
     rollouts = sample(params, PROMPTS, grpo.Sampler.key(0, 0))
     first = np.array([ids[0] for ids in rollouts.completion_ids()])
     reward = np.isin(first, PREFERRED).astype(np.float32)

@@ -21,7 +21,7 @@ greedy sampling counts as temperature 1), as TRL computes them; top-k and top-p 
 not the log-probabilities, as everywhere else.
 
 **Rollouts** (`Sampler`): one compiled function per batch shape runs the KV-cache sampler of
-`jaxlm.generate` (its `prefill_step` and `decode_step`, the same code `Generator` jits) with the decode
+`jaxlm.sampling` (its `prefill_step` and `decode_step`, the same code `generate.Generator` jits) with the decode
 steps in a `lax.while_loop` that ends when every row has stopped, then lays the sequences out as the
 train step reads them and runs one forward pass over them for the sampling policy's log-probabilities.
 It takes the parameters as an argument (the train state's `params`: the frozen base and the LoRA
@@ -75,13 +75,15 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import generate, inference, steps
+from jaxlm import inference, steps
+from jaxlm import mesh as mesh_lib
+from jaxlm import sampling as sampling_lib
 from jaxlm.errors import UserError
 from jaxlm.section import Section, check, check_choice, setting
 from jaxlm.train_state import ModelSpec
 
 AGGREGATIONS = ("token", "sequence", "constant")
-FROM_THE_MODEL = generate.Sampling()  # temperature 1, no top-k or top-p: the model's own distribution
+FROM_THE_MODEL = sampling_lib.Sampling()  # temperature 1, no top-k or top-p: the model's own distribution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,7 @@ class GRPOConfig(Section):
         check(self.group_size >= 2, self.key("group_size"), self.group_size, "at least 2 (a group to compare with)")
         check(self.max_new_tokens >= 1, self.key("max_new_tokens"), self.max_new_tokens, "a positive number")
         check(self.max_prompt_len >= 1, self.key("max_prompt_len"), self.max_prompt_len, "a positive number")
-        generate.Sampling(self.temperature, self.top_k, self.top_p)  # its own one-line errors
+        sampling_lib.Sampling(self.temperature, self.top_k, self.top_p)  # its own one-line errors
         check(0 < self.epsilon < 1, self.key("epsilon"), self.epsilon, "a number in (0, 1)")
         check(self.epsilon_high >= 0, self.key("epsilon_high"), self.epsilon_high, "0 (= epsilon) or positive")
         check(self.beta >= 0, self.key("beta"), self.beta, "0 (no KL penalty) or positive")
@@ -117,8 +119,8 @@ class GRPOConfig(Section):
         check_choice(self.key("loss_aggregation"), self.loss_aggregation, AGGREGATIONS)
 
     @property
-    def sampling(self) -> generate.Sampling:
-        return generate.Sampling(self.temperature, self.top_k, self.top_p)
+    def sampling(self) -> sampling_lib.Sampling:
+        return sampling_lib.Sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def clip_high(self) -> float:
@@ -314,51 +316,67 @@ def training_layout(prompts: jax.Array, start: jax.Array, tokens: jax.Array, mas
 class Sampler:
     """Group rollouts from parameters on the device: `sampler(params, prompts, key)` -> `Rollouts`.
 
-    Built on a `generate.Generator` (the model, mesh, rules, parameter shardings, pad and EOS ids; its own
-    parameters are not used: each call takes the current ones). `seq_len` rows are max_prompt_len +
-    max_new_tokens, so that every call, and the train step after it, has one shape."""
+    Takes the model (its config and NNX graphdef), the mesh, the rules and the parameters' shardings,
+    as the train state has them, and the tokenizer's ids: a row stops at any of `stop_ids` (EOS, a
+    chat template's end of turn; none: only at the length), padding is `pad_id`. `from_generator`
+    takes them from a `generate.Generator`. Rows are max_prompt_len + max_new_tokens positions, so
+    that every call, and the train step after it, has one shape."""
 
-    def __init__(self, generator: generate.Generator, *, group_size: int, max_new_tokens: int, max_prompt_len: int,
-                 sampling: generate.Sampling = FROM_THE_MODEL, stop_ids: generate.StopIds | str = "tokenizer"):
+    def __init__(self, model_cfg, graphdef, mesh, rules, param_shardings, *, group_size: int, max_new_tokens: int,
+                 max_prompt_len: int, sampling: sampling_lib.Sampling = FROM_THE_MODEL,
+                 stop_ids: sampling_lib.StopIds = None, pad_id: int = 0, bos_id: int = -1):
         if group_size < 1:
             raise UserError(f"group_size={group_size}: sample at least one completion per prompt")
-        if max_prompt_len + max_new_tokens > generator.model_cfg.max_seq_len:
+        if max_prompt_len + max_new_tokens > model_cfg.max_seq_len:
             raise UserError(f"max_prompt_len + max_new_tokens = {max_prompt_len} + {max_new_tokens} passes the model's "
-                            f"context of {generator.model_cfg.max_seq_len} tokens (model.max_seq_len); lower them")
-        self.generator, self.group_size, self.sampling = generator, group_size, sampling
+                            f"context of {model_cfg.max_seq_len} tokens (model.max_seq_len); lower them")
+        self.model_cfg, self.graphdef, self.mesh, self.rules = model_cfg, graphdef, mesh, rules
+        self.param_shardings, self.pad_id, self.bos_id = param_shardings, pad_id, bos_id
+        self.group_size, self.sampling = group_size, sampling
         self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
         self.seq_len = max_prompt_len + max_new_tokens
-        self.stop_ids = generate.stop_tuple(generator.eos_id if isinstance(stop_ids, str) else stop_ids)
+        self.stop_ids = sampling_lib.stop_tuple(stop_ids)
+        self.batch_shards = inference.batch_shards(mesh, rules)
         self._jit = None
 
     @classmethod
-    def from_settings(cls, generator: generate.Generator, settings: GRPOConfig, stop_ids="tokenizer") -> Sampler:
-        return cls(generator, group_size=settings.group_size, max_new_tokens=settings.max_new_tokens,
-                   max_prompt_len=settings.max_prompt_len, sampling=settings.sampling, stop_ids=stop_ids)
+    def from_generator(cls, gen, stop_ids: sampling_lib.StopIds | str = "tokenizer", **kwargs) -> Sampler:
+        """A Sampler of a `generate.Generator`'s model, mesh and ids (stopping at its EOS unless given)."""
+        bos = -1 if gen.tokenizer is None else gen.tokenizer.bos_id
+        return cls(gen.model_cfg, gen.graphdef, gen.mesh, gen.rules, gen.param_shardings, pad_id=gen.pad_id,
+                   bos_id=bos, stop_ids=gen.eos_id if isinstance(stop_ids, str) else stop_ids, **kwargs)
+
+    @staticmethod
+    def settings_kwargs(settings: GRPOConfig) -> dict:
+        """The Sampler's keyword arguments a `grpo` config section gives."""
+        return dict(group_size=settings.group_size, max_new_tokens=settings.max_new_tokens,
+                    max_prompt_len=settings.max_prompt_len, sampling=settings.sampling)
 
     @staticmethod
     def key(seed: int, step: int) -> jax.Array:
         """The rollout key of a step: the same seed and step give the same rollouts (a resumed run's)."""
         return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
+    def _sharding(self, *names) -> NamedSharding:
+        return NamedSharding(self.mesh, mesh_lib.logical_to_spec(names, self.rules))
+
     def compiled(self):
         """rollout(params, prompts [R, P], start [R], is_padding [R], key, sampling, cache_len, max_new)
         -> (training-layout fields, old log-probs, completions, lengths, stopped); jitted once, compiled
-        per prompt width (a multiple of `generate.PROMPT_BUCKET`) and row count."""
+        per prompt width (a multiple of `sampling_lib.PROMPT_BUCKET`) and row count."""
         if self._jit is not None:
             return self._jit
-        gen, seq_len = self.generator, self.seq_len
-        cfg, graphdef, rules = gen.model_cfg, gen.graphdef, gen.rules
+        seq_len, cfg, graphdef, rules = self.seq_len, self.model_cfg, self.graphdef, self.rules
 
         def rollout(params, prompts, start, is_padding, key, sampling, cache_len, max_new):
-            cache, state = generate.prefill_step(cfg, graphdef, rules, params, prompts, start, is_padding, key,
+            cache, state = sampling_lib.prefill_step(cfg, graphdef, rules, params, prompts, start, is_padding, key,
                                                  sampling, cache_len, max_new)
 
             def more(carry):
                 return (carry[1].count < max_new) & ~jnp.all(carry[1].done)
 
             def step(carry):
-                return generate.decode_step(graphdef, rules, params, *carry)
+                return sampling_lib.decode_step(graphdef, rules, params, *carry)
 
             _, state = jax.lax.while_loop(more, step, (cache, state))
             mask, stopped = completion_mask(state.tokens, sampling.stop_ids, is_padding)
@@ -369,13 +387,13 @@ class Sampler:
             tokens = jnp.where(mask, state.tokens, sampling.pad_id)
             return batch, old, tokens, jnp.sum(mask, axis=1, dtype=jnp.int32), stopped
 
-        rows, grid = gen._sharding("act_batch"), gen._sharding("act_batch", None)
-        replicated = NamedSharding(gen.mesh, P())
+        rows, grid = self._sharding("act_batch"), self._sharding("act_batch", None)
+        replicated = NamedSharding(self.mesh, P())
         fields = {k: grid for k in ("inputs", "targets", "positions", "segment_ids", "weights")}
         self._jit = jax.jit(
             rollout, static_argnums=(6, 7),
-            in_shardings=(gen.param_shardings, grid, rows, rows, replicated,
-                          generate.SamplingArrays(*[replicated] * len(generate.SamplingArrays._fields))),
+            in_shardings=(self.param_shardings, grid, rows, rows, replicated,
+                          sampling_lib.SamplingArrays(*[replicated] * len(sampling_lib.SamplingArrays._fields))),
             out_shardings=(fields, grid, grid, rows, rows))
         return self._jit
 
@@ -385,17 +403,19 @@ class Sampler:
         if too_long:
             raise UserError(f"a prompt is {max(too_long)} tokens, longer than max_prompt_len={self.max_prompt_len}; "
                             f"raise it or shorten the prompts")
-        gen = self.generator
+        if not prompts or min(len(p) for p in prompts) < 1:
+            raise UserError("no prompts, or a prompt without tokens; begin each with BOS")
         group = [p for p in prompts for _ in range(self.group_size)]
-        tokens, start, is_padding, cache_len, max_new = gen.prepare(group, self.max_new_tokens)
-        with jax.set_mesh(gen.mesh):
-            whole, put = NamedSharding(gen.mesh, P()), inference.put_global
-            settings = generate.SamplingArrays(*[put(x, whole) for x in generate.SamplingArrays.of(
-                self.sampling, self.stop_ids, gen.pad_id)])
+        tokens, start, is_padding = sampling_lib.left_pad(group, self.batch_shards, self.pad_id, self.bos_id)
+        with jax.set_mesh(self.mesh):
+            whole, put = NamedSharding(self.mesh, P()), inference.put_global
+            settings = sampling_lib.SamplingArrays(*[put(x, whole) for x in sampling_lib.SamplingArrays.of(
+                self.sampling, self.stop_ids, self.pad_id)])
+            rows = self._sharding("act_batch")
             batch, old, completions, lengths, stopped = self.compiled()(
-                params, put(tokens, gen._sharding("act_batch", None)), put(start, gen._sharding("act_batch")),
-                put(is_padding, gen._sharding("act_batch")), put(np.asarray(jax.device_get(key)), whole), settings,
-                cache_len, max_new)
+                params, put(tokens, self._sharding("act_batch", None)), put(start, rows), put(is_padding, rows),
+                put(np.asarray(jax.device_get(key)), whole), settings, tokens.shape[1] + self.max_new_tokens,
+                self.max_new_tokens)
         return Rollouts(**batch, old_logprobs=old, completions=completions, lengths=lengths, stopped=stopped,
                         rows=len(group))
 
