@@ -26,7 +26,7 @@ import logging
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -38,96 +38,29 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import commands, inference, train_state
 from jaxlm import mesh as mesh_lib
+from jaxlm import sampling as sampling_lib
 from jaxlm.data import sft
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.models import attention, transformer
+from jaxlm.sampling import (  # noqa: F401 -- the sampler's core, also used (and long imported) as generate.<name>
+    GREEDY,
+    MAX_STOP_IDS,
+    PROMPT_BUCKET,
+    DecodeState,
+    Sampling,
+    SamplingArrays,
+    StopIds,
+    decode_step,
+    prefill_step,
+    sample_logits,
+    stop_tuple,
+)
+from jaxlm.sampling import next_tokens as _next_tokens
 
 log = logging.getLogger(__name__)
 
-PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so nearby lengths share one compiled prefill
 DONE_CHECK_EVERY = 8  # decode steps between checks whether every row has stopped (a device-to-host sync)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How the next token is drawn from the logits. The defaults sample from the model's distribution."""
-
-    temperature: float = 1.0  # 0 = greedy (argmax)
-    top_k: int = 0  # keep only the k most likely tokens; 0 = all
-    top_p: float = 1.0  # keep the fewest most likely tokens whose probabilities sum to at least p; 1 = all
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UserError(f"--temperature={self.temperature}: use 0 (greedy) or a positive number")
-        if self.top_k < 0:
-            raise UserError(f"--top_k={self.top_k}: use 0 (off) or a positive number of tokens")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top_p={self.top_p}: use a probability in (0, 1]; 1 is off")
-
-
-GREEDY = Sampling(temperature=0.0)
-
-
-# The ids a row may stop at: EOS and, for a chat, the template's end-of-turn marker when it is another
-# token (`sft.Encoder.stop_ids`); a fixed count, so one compiled step serves every tokenizer
-MAX_STOP_IDS = 4
-StopIds = int | Sequence[int] | None  # None (or empty): never stop early
-
-
-def stop_tuple(stop: StopIds) -> tuple[int, ...]:
-    """The stop ids as a tuple (one id, several, or none)."""
-    ids = () if stop is None else (stop,) if isinstance(stop, (int, np.integer)) else tuple(stop)
-    if len(ids) > MAX_STOP_IDS:
-        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {ids}")
-    return tuple(int(i) for i in ids)
-
-
-class SamplingArrays(NamedTuple):
-    """A `Sampling` and the stop and pad ids as device arrays: arguments of the compiled functions, not
-    constants of them, so one compiled prefill and decode step serve every setting and tokenizer."""
-
-    temperature: jax.Array  # float32 []
-    top_k: jax.Array  # int32 []
-    top_p: jax.Array  # float32 []
-    stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded: a row stops after producing any of them
-    pad_id: jax.Array  # int32 []: a stopped row's tokens
-
-    @classmethod
-    def of(cls, sampling: Sampling, stop: StopIds, pad_id: int = 0) -> SamplingArrays:
-        ids = stop_tuple(stop)
-        return cls(np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p),
-                   np.array(ids + (-1,) * (MAX_STOP_IDS - len(ids)), np.int32), np.int32(pad_id))
-
-
-def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling | SamplingArrays) -> jax.Array:
-    """Next tokens [B] int32 from logits [B, V]: the argmax at temperature 0, else a draw from the
-    distribution at that temperature restricted to the top k tokens, then to the top-p nucleus of those."""
-    if isinstance(sampling, Sampling):
-        sampling = SamplingArrays.of(sampling, None)
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(sampling.temperature, 1e-6)
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V], descending
-    k = jnp.where((sampling.top_k > 0) & (sampling.top_k < vocab), sampling.top_k, vocab)
-    ordered = jnp.where(jnp.arange(vocab) < k, ordered, -jnp.inf)  # top-k, then top-p of what is left
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each
-    kept = (jnp.arange(vocab) < k) & (mass_before < sampling.top_p)  # a prefix; the first is always kept
-    threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
-    drawn = jax.random.categorical(key, jnp.where(scaled < threshold, -jnp.inf, scaled), axis=-1)
-    return jnp.where(sampling.temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-
-
-class DecodeState(NamedTuple):
-    """Everything a decode step carries besides the cache."""
-
-    tokens: jax.Array  # [B, max_new] int32: the new tokens so far (pad after a row stops)
-    last: jax.Array  # [B] int32: each row's latest token, the next step's input
-    done: jax.Array  # [B] bool: the row has produced EOS (or is batch padding)
-    count: jax.Array  # int32 []: new tokens so far (the column the next one goes to)
-    key: jax.Array  # PRNG key; step n samples with fold_in(key, n)
-    sampling: SamplingArrays
 
 
 @dataclasses.dataclass
@@ -138,13 +71,6 @@ class Completion:
     prompt: str | None = None
     text: str | None = None  # the new tokens decoded
     messages: list[dict[str, str]] | None = None  # a chat prompt's conversation (rendered to prompt_ids)
-
-
-def _next_tokens(logits, key, count, done, sampling: SamplingArrays):
-    """Each row's next token (pad once it has stopped) and whether it has now stopped."""
-    token = sample_logits(logits, jax.random.fold_in(key, count), sampling)
-    token = jnp.where(done, sampling.pad_id, token)
-    return token, done | jnp.any(token[:, None] == sampling.stop_ids[None, :], axis=-1)
 
 
 class Generator:
@@ -206,29 +132,12 @@ class Generator:
         if self._compiled is not None:
             return self._compiled
         cfg, graphdef, rules = self.model_cfg, self.graphdef, self.rules
-        next_tokens = _next_tokens
 
         def prefill(params, prompts, start, done, rng, sampling, cache_len, max_new):
-            with spmd.logical_axis_rules(rules):
-                model = nnx.merge(graphdef, params)
-                batch, length = prompts.shape
-                cache = transformer.init_cache(cfg, batch, cache_len, start)
-                positions = jnp.maximum(jnp.arange(length)[None, :] - start[:, None], 0)  # [B, T]
-                logits, cache = model(prompts, positions, cache=cache, last_only=True)  # every row ends at slot T - 1
-                count = jnp.zeros((), jnp.int32)
-                token, done = next_tokens(logits[:, -1], rng, count, done, sampling)
-                tokens = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token)
-                return cache, DecodeState(tokens=tokens, last=token, done=done, count=count + 1, key=rng,
-                                          sampling=sampling)
+            return prefill_step(cfg, graphdef, rules, params, prompts, start, done, rng, sampling, cache_len, max_new)
 
         def decode(params, cache, state):
-            with spmd.logical_axis_rules(rules):
-                model = nnx.merge(graphdef, params)
-                positions = (cache.index - cache.start)[:, None]  # [B, 1]: each row's own position
-                logits, cache = model(state.last[:, None], positions, cache=cache)
-                token, done = next_tokens(logits[:, 0], state.key, state.count, state.done, state.sampling)
-                tokens = jax.lax.dynamic_update_slice(state.tokens, token[:, None], (jnp.int32(0), state.count))
-                return cache, state._replace(tokens=tokens, last=token, done=done, count=state.count + 1)
+            return decode_step(graphdef, rules, params, cache, state)
 
         outs = (self._cache_sharding(), self._state_sharding())
         rows = self._sharding("act_batch")
@@ -315,17 +224,9 @@ class Generator:
         if min(lengths) < 1:
             raise UserError("a prompt has no tokens; begin each with BOS (the tokenizer adds it to text prompts)")
         max_new = self.max_new_tokens_for(lengths, max_new_tokens)
-        length = -(-max(lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
-        rows = -(-len(prompts) // self.batch_shards) * self.batch_shards
-        tokens = np.full((rows, length), self.pad_id, np.int32)
-        start = np.full(rows, length - 1, np.int32)  # batch padding rows: a lone token, BOS where there is one
         bos = -1 if self.tokenizer is None else self.tokenizer.bos_id
-        tokens[:, -1] = bos if bos >= 0 else self.pad_id
-        for row, prompt in enumerate(prompts):
-            tokens[row, length - len(prompt):] = np.asarray(prompt, np.int32)
-            start[row] = length - len(prompt)
-        is_padding = np.arange(rows) >= len(prompts)
-        return tokens, start, is_padding, length + max_new, max_new
+        tokens, start, is_padding = sampling_lib.left_pad(prompts, self.batch_shards, self.pad_id, bos)
+        return tokens, start, is_padding, tokens.shape[1] + max_new, max_new
 
     def generate_ids(
         self,
