@@ -50,7 +50,7 @@ from jaxlm.data import loader, preferences, sft, sources, tokenizer
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.models import attention, aux
-from jaxlm.objectives import Objective
+from jaxlm.objectives.base import Objective
 from jaxlm.section import Section, check, check_choice, setting
 
 LOSSES = ("sigmoid", "ipo", "simpo")

@@ -1,0 +1,99 @@
+"""The objective's interface (`Objective`, documented in `jaxlm.objectives`) and the language model's
+objective, apart from the registry so that each entry may derive from them without an import cycle."""
+
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxlm import steps
+from jaxlm.data.loader import DataConfig, load_data
+from jaxlm.section import Section
+
+
+class Objective:
+    """An entry of `OBJECTIVES` (see the module's docstring for what each method owns). Built from the
+    whole config (`from_config`); holds no state of a run."""
+
+    name: ClassVar[str]
+    sections: ClassVar[tuple[type[Section], ...]] = ()
+
+    def __init__(self, cfg: ml_collections.ConfigDict | None = None):
+        self.cfg = cfg
+
+    @classmethod
+    def validate(cls, cfg: ml_collections.ConfigDict) -> None:
+        """Checks across sections when this objective is chosen (one `UserError` line)."""
+
+    def batch_fields(self) -> dict[str, Any]:
+        """The batch's [B, T] arrays beyond inputs, targets, segment_ids, positions and weights."""
+        return {}
+
+    def loss(self, trainable, frozen, model_spec, batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
+        raise NotImplementedError
+
+    def aux_shapes(self, model_spec) -> dict[str, tuple[int, ...]]:
+        return dict(model_spec.aux_shapes)
+
+    def eval_fn(self, model_spec, rules):
+        raise NotImplementedError
+
+    def evaluate(self, setup, params, batches, target_bytes: int | None = None) -> dict[str, float]:
+        raise NotImplementedError
+
+    def describe_eval(self, val: dict[str, float]) -> str:
+        return f"val loss {val['val_loss']:.4f}"
+
+    def load_data(self, cfg: ml_collections.ConfigDict, shards: int | None, rows: slice | None):
+        raise NotImplementedError
+
+    def prepare(self, setup, state, data, run_dir, resume_step: int) -> None:
+        """Compute the frozen inputs the step reads (none for the LM)."""
+
+
+class LanguageModel(Objective):
+    """Next-token cross-entropy, weighted per target (`weights`: SFT trains on the answers alone)."""
+
+    name = "lm"
+
+    def loss(self, trainable, frozen, model_spec, batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
+        return steps.trainable_loss(trainable, frozen, model_spec, batch, dropout_key, z_loss, loss_chunk_len)
+
+    def eval_fn(self, model_spec, rules):
+        return steps.make_eval_step(model_spec, rules)
+
+    def evaluate(self, setup, params, batches, target_bytes: int | None = None) -> dict[str, float]:
+        """Held-out metrics over fixed batches: `val_loss` (token-mean cross-entropy, nats),
+        `val_perplexity` (its exp), `val_tokens`, and `val_bits_per_byte` (the summed loss in bits over
+        the UTF-8 bytes the target tokens stand for; it compares runs with different tokenizers) when
+        `target_bytes` is given. Empty when there are no batches, or no token in them to score."""
+        if not batches:
+            return {}
+        sums = jax.device_get([setup.eval_step(params, setup.put_batch(batch), setup.attention_choice(batch))
+                               for batch in batches])
+        total, tokens = sum(float(loss) for loss, _ in sums), sum(float(count) for _, count in sums)
+        if not tokens:  # nothing to score (SFT rows whose answers were all cut off): no loss, rather than 0
+            return {}
+        loss = total / tokens
+        out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
+        if target_bytes:
+            out["val_bits_per_byte"] = total / math.log(2) / target_bytes
+        return out
+
+    def describe_eval(self, val: dict[str, float]) -> str:
+        bpb = f" | bits/byte {val['val_bits_per_byte']:.4f}" if "val_bits_per_byte" in val else ""
+        return f"val loss {val['val_loss']:.4f} | perplexity {val['val_perplexity']:.2f}{bpb}"
+
+    def load_data(self, cfg: ml_collections.ConfigDict, shards: int | None, rows: slice | None):
+        return load_data(DataConfig.from_config(cfg.data), shards, rows)
+
+
+def batch_dtypes(objective: Objective) -> dict[str, Any]:
+    """Every batch field's dtype: the LM's five and the objective's."""
+    return {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+            "weights": np.float32, **objective.batch_fields()}
