@@ -126,6 +126,28 @@ def test_the_grouped_matmul_runs_vmapped_with_unbatched_weights(grouped):
         floats.identical(got[1][i], want[1], why=floats.MOVED)
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_take_rows_has_the_gradient_of_a_take(group):
+    """The ragged dispatch's row gather (`_take_rows`): jnp.take's values, and autodiff's gradient of
+    jnp.take (a scatter-add) from its own gather of each row's copies, also vmapped."""
+    rng = np.random.default_rng(11)
+    n = 6
+    src = jnp.asarray(rng.standard_normal((3, n, 5)), jnp.float32)
+    index = jnp.asarray(np.stack([rng.permutation(n * group) // group for _ in range(3)]), jnp.int32)
+    back = jax.vmap(lambda i: jnp.argsort(i, stable=True))(index)  # where row 0's copies are, then row 1's, ...
+    ct = jnp.asarray(rng.standard_normal((3, n * group, 5)), jnp.float32)
+
+    def f(take, s, i, b, c):
+        return jnp.sum(take(s, i, b) * c)
+
+    mine = jax.vmap(jax.value_and_grad(lambda s, i, b, c: f(lambda s, i, b: moe._take_rows(s, i, b, group), s, i, b, c)))
+    want = jax.vmap(jax.value_and_grad(lambda s, i, b, c: f(lambda s, i, b: jnp.take(s, i, axis=0), s, i, b, c)))
+    (value, grad), (value_want, grad_want) = mine(src, index, back, ct), want(src, index, back, ct)
+    floats.close(np.asarray(value), np.asarray(value_want))
+    floats.close(np.asarray(grad), np.asarray(grad_want))
+    assert float(jnp.max(jnp.abs(grad))) > 0
+
+
 @needs_tokamax
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_tokamax_is_ragged_where_it_falls_back_to_xla(dtype):
