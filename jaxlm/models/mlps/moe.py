@@ -570,11 +570,11 @@ def _take_rows_bwd(group, saved, ct):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_matmul):
+def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_matmul, joint=False):
     """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight (`grouped`:
-    jax's or tokamax's). Only the experts `first` .. `first` + (the weights' count) are computed (expert
-    parallelism: a device's own); the other pairs sort last, outside every group (zero rows), and their
-    gates count nothing."""
+    jax's or tokamax's; `joint`: gate and up as one, `_expert_ffn`). Only the experts `first` .. `first` +
+    (the weights' count) are computed (expert parallelism: a device's own); the other pairs sort last,
+    outside every group (zero rows), and their gates count nothing."""
     n, k = gates.shape
     count = weights["expert_gate"].shape[0]
     local = experts.reshape(-1) - first  # token-major: pair p is token p // k
@@ -584,7 +584,7 @@ def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_
     sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
     rows = _take_rows(x, order // k, inverse, k)  # pair i of the sorted order is token order[i] // k
-    out = _expert_ffn(rows, weights, lambda r, w: grouped(r, w, sizes), joint=True)
+    out = _expert_ffn(rows, weights, lambda r, w: grouped(r, w, sizes), joint=joint)
     slots = _take_rows(out, inverse, order, 1)  # back in token-major order: pair p's output is out[inverse[p]]
     return _combine(slots, jnp.where(mine.reshape(n, k), gates, 0.0)), jnp.ones(gates.shape, jnp.float32)
 
@@ -677,8 +677,10 @@ def _capacity_all_to_all(x, gates, experts, weights, spec, einsum_op, axis: str)
     return y, kept.reshape(b, k, t).transpose(0, 2, 1).astype(jnp.float32)
 
 
-DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul), "dense": _dense,
-            "capacity": _capacity}
+# tokamax: gate and up as one grouped GEMM (in the compiled H100 step, 1.9 ms of 208 less); not jax's
+# ragged_dot, whose masked dense dot on a CPU took the tiny MoE step from 315 to 851 ms so (BENCHMARKS.md)
+DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul, joint=True),
+            "dense": _dense, "capacity": _capacity}
 EXPERT_AXIS = "expert"  # the mesh axis the rules split the experts over (rules.experts)
 
 
