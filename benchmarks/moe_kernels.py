@@ -104,12 +104,12 @@ def breakdown(text: str, model_flops: float, devices: int, top: int, kernels_top
                model_tflop=model_flops / 1e12, roofline_mfu=summary["roofline_mfu"],
                other_ms=sum(v[1] for v in by.values()) * 1e3,
                by_kind={kind: round(v["seconds"] * 1e3, 2) for kind, v in summary["by_kind"].items()},
-               by_source=[dict(kind=kind, source=src, launches=n, ms=round(s * 1e3, 3), gb=round(b / 1e9, 3))
+               by_source=[dict(kind=kind, source=src, launches=n, ms=s * 1e3, gb=b / 1e9)
                           for (kind, src), (n, s, b) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]])
     if kernels_top:
         costly = sorted((k for k in ks if not k.comm_bytes), key=lambda k: -k.total_seconds)[:kernels_top]
-        out["kernels"] = [dict(name=k.name, kind=k.kind, launches=k.runs, ms=round(k.total_seconds * 1e3, 3),
-                               gb=round(k.bytes * k.runs / 1e9, 3), tflop=round(k.flops * k.runs / 1e12, 3),
+        out["kernels"] = [dict(name=k.name, kind=k.kind, launches=k.runs, ms=k.total_seconds * 1e3,
+                               gb=k.bytes * k.runs / 1e9, tflop=k.flops * k.runs / 1e12,
                                source=(k.source or k.op_name)[:100]) for k in costly]
     return out
 
@@ -119,7 +119,7 @@ def report(r: dict) -> str:
     lines = [f"roofline step {r['step_ms']:.2f} ms (kernels {r['compute_ms']:.2f}: matmuls {r['matmul_ms']:.2f}, "
              f"of which GEMMs {r['gemm_ms']:.2f}; other kernels {r['other_ms']:.2f}; exposed communication "
              f"{r['exposed_ms']:.2f}); matmul {r['matmul_tflop']:.3f} TFLOP, model {r['model_tflop']:.3f} TFLOP; "
-             f"roofline MFU {mfu:.3f}" if mfu is not None else "n/a",
+             f"roofline MFU " + (f"{mfu:.3f}" if mfu is not None else "n/a"),
              "by kind: " + ", ".join(f"{k} {v}" for k, v in r["by_kind"].items()), "",
              f"{'ms':>8} {'GB':>8} {'launch':>6} {'kind':14s} source"]
     lines += [f"{x['ms']:8.2f} {x['gb']:8.2f} {x['launches']:6d} {x['kind']:14s} {x['source']}" for x in r["by_source"]]
