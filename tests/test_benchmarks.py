@@ -354,3 +354,40 @@ def test_moe_train_benchmark_times_dense_and_each_dispatch(tmp_path):
     assert rows["E8k2", "ragged"]["active_m"] - rows["dense", "-"]["active_m"] == pytest.approx(128 * 8 / 1e6, abs=1e-3)
     assert all(len(r["step_ms_rounds"]) == 2 and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["E8k2", "ragged"]["dropped"] == 0.0
+
+
+def test_moe_kernels_breakdown_sums_a_programs_kernels_by_source_line(tmp_path):
+    """benchmarks/moe_kernels.py on a saved program (here a CPU one: the tiny MoE layer's forward and
+    backward, ragged dispatch): every non-matmul kernel's time lands on a source line, the lines sum to the
+    kernels' total, and the MoE's own lines are among them."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from helpers import small_config
+    from jaxlm.models.mlps.moe import MoEMLP, MoESpec
+
+    cfg = small_config(mlp="moe", mlp_dim=32, moe=MoESpec(experts=4, top_k=2, impl="ragged"))
+    graph, state = nnx.split(MoEMLP(cfg, rngs=nnx.Rngs(params=0)))
+
+    def loss(state, x):
+        return jnp.sum(jnp.square(nnx.merge(graph, state)(x)[0]))
+
+    x = jnp.ones((2, 8, cfg.d_model), jnp.float32)
+    saved = tmp_path / "layer.hlo"
+    saved.write_text(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).compile().as_text())
+    out = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, "benchmarks/moe_kernels.py", "layer", "--hlo", str(saved), "--model_tflop",
+                             "1e-6", "--top", "1000", "--kernels", "5", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "XLA_FLAGS": xla_flags()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["by_source"]
+    assert rows and all(r["ms"] >= 0 and r["launches"] >= 1 for r in rows)
+    floats.close(np.float64(sum(r["ms"] for r in rows)), np.float64(report["other_ms"]))
+    assert report["other_ms"] > 0
+    assert any("jaxlm/models/mlps/moe.py" in r["source"] for r in rows)
+    floats.close(np.float64(report["step_ms"]), np.float64(report["compute_ms"] + report["exposed_ms"]))
+    assert len(report["kernels"]) == 5 and report["kernels"][0]["ms"] >= report["kernels"][-1]["ms"]
+    assert result.stdout.startswith("roofline step ")

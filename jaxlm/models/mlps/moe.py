@@ -500,10 +500,21 @@ def _tokamax_dot(lhs, rhs, sizes, dims, out):
                                          implementation=TOKAMAX_KERNELS)
 
 
+def _tokamax_weight_grad(x, ct, sizes, w):
+    """x [M, K] . ct [M, N] summed within each group -> [E, K, N]. tokamax's kernel reads its left operand
+    transposed, [K, M], which XLA writes out first (a fusion writing M x K elements): the narrower of the
+    two is put on the left, and the product transposed back when that is ct (the down projection's,
+    whose x is [M, F] and ct [M, D]; the transposed product is a weight's size)."""
+    ct = ct.astype(w.dtype)
+    if ct.shape[1] < x.shape[1]:
+        return jnp.swapaxes(_tokamax_dot(ct, x, sizes, _ROWS_BY_ROWS, w.dtype), 1, 2)
+    return _tokamax_dot(x, ct, sizes, _ROWS_BY_ROWS, w.dtype)
+
+
 tokamax_grouped_matmul = _grouped(
     lambda x, w, sizes: _tokamax_dot(x, w, sizes, _ROWS_BY_WEIGHT, x.dtype),
     lambda ct, w, sizes: _tokamax_dot(ct.astype(w.dtype), w, sizes, _ROWS_BY_WEIGHT_T, w.dtype),
-    lambda x, ct, sizes, w: _tokamax_dot(x, ct, sizes, _ROWS_BY_ROWS, w.dtype))
+    _tokamax_weight_grad)
 tokamax_grouped_matmul.__doc__ = """`grouped_matmul` with tokamax's kernels (`TOKAMAX_KERNELS`), each product written in its
 operands' dtype (the compute dtype), summed in float32 inside the kernel: a float32 output would be cast
 by a separate kernel that XLA cannot fuse into a custom call, and the compiled step kept the float32
@@ -511,11 +522,19 @@ buffers alive for the backward pass instead of their casts (benchmarks/BENCHMARK
 the weights' dtype (it holds values of the compute dtype: the experts' outputs are cast to it)."""
 
 
-def _expert_ffn(rows: jax.Array, weights: dict[str, jax.Array], matmul) -> jax.Array:
+def _expert_ffn(rows: jax.Array, weights: dict[str, jax.Array], matmul, joint: bool = False) -> jax.Array:
     """SwiGLU on rows already grouped by expert, `matmul(rows, weight)` doing the grouping; every
-    activation in the rows' dtype, SwiGLU's product recomputed in the backward pass as a dense MLP's."""
+    activation in the rows' dtype, SwiGLU's product recomputed in the backward pass as a dense MLP's.
+    `joint`: gate and up as one matmul against their weights side by side, [E, D, 2F] (joined here, at
+    compute time: the parameters stay apart), its output split."""
     dtype = rows.dtype
-    gate, up = matmul(rows, weights["expert_gate"]).astype(dtype), matmul(rows, weights["expert_up"]).astype(dtype)
+    if joint:
+        f = weights["expert_gate"].shape[-1]
+        both = matmul(rows, jnp.concatenate([weights["expert_gate"], weights["expert_up"]], axis=-1)).astype(dtype)
+        gate, up = both[..., :f], both[..., f:]
+    else:
+        gate = matmul(rows, weights["expert_gate"]).astype(dtype)
+        up = matmul(rows, weights["expert_up"]).astype(dtype)
     h = layers.recomputed(lambda g, u: jax.nn.silu(g) * u)(gate, up)
     return matmul(h, weights["expert_down"]).astype(dtype)
 
@@ -526,11 +545,36 @@ def _combine(slots: jax.Array, gates: jax.Array) -> jax.Array:
     return jnp.sum(slots.reshape(n, k, -1) * gates[:, :, None], axis=1)
 
 
-def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_matmul):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _take_rows(src: jax.Array, index: jax.Array, back: jax.Array, group: int) -> jax.Array:
+    """src[index] along the rows, where `index` takes each row of `src` exactly `group` times and `back`
+    says where: row n's copies are at back[n * group] .. back[n * group + group - 1]. Its gradient is a
+    gather too (each row's copies read back and summed), not the scatter-add autodiff writes for
+    `jnp.take`: XLA fuses a gather with the elementwise work around it, a scatter it runs as a kernel of
+    its own, after one that zeroes its output."""
+    return jnp.take(src, index, axis=0)
+
+
+def _take_rows_fwd(src, index, back, group):
+    return jnp.take(src, index, axis=0), (index, back)
+
+
+def _take_rows_bwd(group, saved, ct):
+    index, back = saved
+    copies = jnp.take(ct, back, axis=0)
+    d_src = copies if group == 1 else jnp.sum(copies.reshape(-1, group, ct.shape[-1]).astype(jnp.float32), axis=1)
+    zero = np.zeros(index.shape, jax.dtypes.float0)
+    return d_src.astype(ct.dtype), zero, zero  # (ct has src's dtype)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_matmul, joint=False):
     """Dropless: the (token, expert) pairs sorted by expert, one grouped matmul per weight (`grouped`:
-    jax's or tokamax's). Only the experts `first` .. `first` + (the weights' count) are computed (expert
-    parallelism: a device's own); the other pairs sort last, outside every group (zero rows), and their
-    gates count nothing."""
+    jax's or tokamax's; `joint`: gate and up as one, `_expert_ffn`). Only the experts `first` .. `first` +
+    (the weights' count) are computed (expert parallelism: a device's own); the other pairs sort last,
+    outside every group (zero rows), and their gates count nothing."""
     n, k = gates.shape
     count = weights["expert_gate"].shape[0]
     local = experts.reshape(-1) - first  # token-major: pair p is token p // k
@@ -538,9 +582,10 @@ def _ragged(x, gates, experts, weights, spec, einsum_op, first, grouped=grouped_
     local = jnp.where(mine, local, count)
     order = jnp.argsort(local, stable=True)
     sizes = jnp.bincount(local, length=count + 1)[:count].astype(jnp.int32)
-    rows = jnp.take(x, order // k, axis=0)
-    out = _expert_ffn(rows, weights, lambda r, w: grouped(r, w, sizes))
-    slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
+    rows = _take_rows(x, order // k, inverse, k)  # pair i of the sorted order is token order[i] // k
+    out = _expert_ffn(rows, weights, lambda r, w: grouped(r, w, sizes), joint=joint)
+    slots = _take_rows(out, inverse, order, 1)  # back in token-major order: pair p's output is out[inverse[p]]
     return _combine(slots, jnp.where(mine.reshape(n, k), gates, 0.0)), jnp.ones(gates.shape, jnp.float32)
 
 
@@ -632,8 +677,11 @@ def _capacity_all_to_all(x, gates, experts, weights, spec, einsum_op, axis: str)
     return y, kept.reshape(b, k, t).transpose(0, 2, 1).astype(jnp.float32)
 
 
-DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul), "dense": _dense,
-            "capacity": _capacity}
+# tokamax: gate and up as one grouped GEMM (the compiled 8-H100 moe_1b step 1.9 ms shorter); not jax's
+# ragged_dot, a masked dense dot on a CPU, slower joined there (the tiny MoE step: tokamax's fallback to it
+# 815 ms joined against ragged's 550 apart, one run; benchmarks/BENCHMARKS.md)
+DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul, joint=True),
+            "dense": _dense, "capacity": _capacity}
 EXPERT_AXIS = "expert"  # the mesh axis the rules split the experts over (rules.experts)
 
 
