@@ -120,7 +120,8 @@ def test_a_data_dependent_output_is_the_same_mean_whichever_way_the_layers_run()
     (("optim.micro_batches", "1"),),
     # the micro-batch loop (in the slow suite: data-replicas runs a micro-batch loop too, each replica's)
     pytest.param((("optim.micro_batches", "2"),), marks=pytest.mark.slow),
-    (("optim.micro_batches", "2"), ("mesh.data", "2"), ("mesh.fsdp", "4")),  # each data replica's own loop
+    # each data replica's own loop (slow too: tests/test_train_step.py checks the replicas' step in the default suite)
+    pytest.param((("optim.micro_batches", "2"), ("mesh.data", "2"), ("mesh.fsdp", "4")), marks=pytest.mark.slow),
 ], ids=["one-micro-batch", "micro-batches", "data-replicas"])
 def test_a_run_logs_the_auxiliary_outputs_and_trains_on_the_loss_with_them(tmp_path, overrides):
     def first_steps(name, *more):

@@ -96,7 +96,8 @@ def _merged_by_hand(params: dict, cfg) -> dict:
     return out
 
 
-@pytest.mark.parametrize("impl", HERE)
+# capacity (a CPU's choice) in the default suite, the others in the slow one (the dispatches' equality: test_moe.py)
+@pytest.mark.parametrize("impl", [i if i == "capacity" else pytest.param(i, marks=pytest.mark.slow) for i in HERE])
 def test_adapted_experts_are_the_merged_weights_in_every_dispatch(impl):
     """B = 0: the dispatch gets the base's expert weights bit for bit (and the base's logits); B != 0: the
     model's logits are those of the base whose expert kernels are W_e + scale A_e B_e, made by hand."""
