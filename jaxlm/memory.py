@@ -477,7 +477,8 @@ def estimate(
         Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
         *([Row("micro-batch gradients", *micro_grads, "one micro-batch's, before they join the sum (the plain "
                "projections' kernels add theirs in the GEMMs)", BACKWARD)] if accumulate else []),
-        Row("activations saved", saved, saved_total, f"{m.n_layers} layers, remat={cfg.model.remat}" + (
+        Row("activations saved", saved, saved_total, f"{m.n_layers} layers" + (
+            f" ({stacks[0][1]} dense first)" if len(stacks) > 1 else "") + f", remat={cfg.model.remat}" + (
             " (XLA:CPU recomputes nothing when the layers are unrolled: counted as none)" if cpu_unrolled else "") + (
             "" if schedule is None else f"; {m.n_layers // schedule.stages} per stage, {schedule.iterations} "
             f"iterations of 1/{schedule.microbatches} micro-batch"), BACKWARD),
