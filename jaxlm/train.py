@@ -407,7 +407,9 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     if resume_step:
         _set_aside_damaged(ckpt, run_dir, resume_step)  # those that did not match their manifests
         # (process 0 checked the manifests already, in _newest_checkpoint)
-        state, saved, resume_step = ckpt.restore(setup.state, data_iter=data.train, verify=False)
+        # an on-policy objective's batches are a function of the state and the step: no stream position
+        data_iter = None if setup.objective.on_policy else data.train
+        state, saved, resume_step = ckpt.restore(setup.state, data_iter=data_iter, verify=False)
         _set_aside_damaged(ckpt, run_dir, resume_step)  # one without a manifest that did not restore
         meter.rebase(saved.get("energy_j", 0.0), saved.get("device_s", 0.0))  # the checkpoint restored
         if resume_step >= cfg.run.steps:  # it had no manifest: restoring it was the check
@@ -479,9 +481,12 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         if initial_val_loss is not None:
             meta["initial_val_loss"] = initial_val_loss  # (a resumed run's summary still has it)
         sinks.flush()  # the metrics of every step this checkpoint covers are on disk before it is
-        ckpt.save(step, state, meta=meta, data_iter=data.train, force=force, val_loss=val_loss)
+        ckpt.save(step, state, meta=meta, data_iter=None if on_policy else data.train, force=force, val_loss=val_loss)
 
     eval_target_bytes = data.eval_target_bytes
+    # An on-policy objective (GRPO) makes each batch from the current state (`Objective.next_batch`), and
+    # saves only where a checkpoint resumes exactly (`checkpoint_allowed`: rollout boundaries)
+    on_policy = setup.objective.on_policy
 
     pending, val_loss, step, initial_val_loss = None, None, resume_step, saved.get("initial_val_loss")
     kernels: set[bool | None] = set()  # the `packed` arguments of the steps compiled so far
@@ -501,23 +506,34 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 profile.before(step)
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     data_start = time.perf_counter()
-                    host_batch = next(data.train)
-                    packed = setup.attention_choice(host_batch)  # cuDNN's kernel for this batch, or None
-                    batch = setup.put_batch(host_batch)
+                    if on_policy:  # each row one sequence from slot 0: the packed layout fits when there is one
+                        batch, host_metrics = setup.objective.next_batch(setup, state, data, step)
+                        packed = setup.expected_attention_choice()
+                    else:
+                        host_batch = next(data.train)
+                        packed = setup.attention_choice(host_batch)  # cuDNN's kernel for this batch, or None
+                        batch = setup.put_batch(host_batch)
                     data_time_s = time.perf_counter() - data_start
                     if packed not in kernels and kernels:
                         # This step compiles its program first (the other attention kernel): the interval
                         # that holds the compilation, the next one recorded, is not timed.
                         log.untimed_steps.add(pending[0] if pending else step)
                     kernels.add(packed)
+                    step_start = time.perf_counter()
                     state, metrics = setup.train_step(state, batch, packed)
+                    if on_policy:  # the next rollout waits for this step anyway: time it, read its sums
+                        host_metrics.update(setup.objective.step_metrics(metrics))
+                        host_metrics["training_s"] = time.perf_counter() - step_start
+                        spent = host_metrics["sampling_s"] + host_metrics["training_s"]
+                        host_metrics["sampling_share"] = host_metrics["sampling_s"] / spent if spent else 0.0
                 profile.after(step, metrics)
                 if pending:
                     log.record(*pending)
                 # data_time_s: this host's seconds to read the step's batch and hand it to the devices, which
                 # the loop waits for (the devices may still be busy with the step before)
                 progress = {"epoch": data.train.epoch, "host_real_tokens_seen": data.train.tokens_seen,
-                            "data_time_s": data_time_s}
+                            "data_time_s": data_time_s, **(host_metrics if on_policy else {})}
+                boundary = setup.objective.checkpoint_allowed(step)
                 histograms = None
                 if histograms_every and step % histograms_every == 0:
                     histograms = metrics_lib.param_histograms(state.params)
@@ -528,7 +544,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 pending = (step, metrics, progress, histograms)
                 if signals.received:
                     agreement.propose("stop", step)
-                if agreement.due("stop", step):
+                if boundary and agreement.due("stop", step):
                     log.record(*pending)
                     save(step, force=True)
                     ckpt.wait()
@@ -548,15 +564,16 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 # With keep_best, every evaluated step is saved: a candidate for the best checkpoints.
                 if ckpt.time_due():
                     agreement.propose("save", step)
-                due = ckpt.step_due(step) or agreement.due("save", step)
-                if step == total_steps or due or (evaluated is not None and cfg.checkpoint.keep_best):
+                due = boundary and (ckpt.step_due(step) or agreement.due("save", step))
+                if step == total_steps or due or (evaluated is not None and cfg.checkpoint.keep_best and boundary):
                     if pending:  # this step's metrics go to disk with the checkpoint (the save waits for it anyway)
                         log.record(*pending)
                         pending = None
                     save(step, force=True, val_loss=evaluated)
             ckpt.wait()
     except NonFiniteError as e:
-        save(step, force=True)  # the state never took the non-finite update: it is the last good one
+        if setup.objective.checkpoint_allowed(step):  # (else the last checkpoint, at a rollout boundary, stands)
+            save(step, force=True)  # the state never took the non-finite update: it is the last good one
         ckpt.wait()
         e.checkpoint_dir = ckpt.directory / str(step)
         raise

@@ -225,6 +225,12 @@ CHAT_ROW = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
 SHAREGPT_ROW = '{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}\n'
 
 
+def GRPO(*flags: str) -> tuple[str, ...]:
+    """`python -m jaxlm.train` with the GRPO recipe from a random model (no SFT stage), writing under the case."""
+    return ("--config=configs/grpo_tiny.py", "--config.run.init_from=", "--config.run.output_dir={case}/runs",
+            "--config.data.cache_dir={case}/cache", "--config.run.eval_at_start=off", *flags)
+
+
 def SFT(file: str, *flags: str) -> tuple[str, ...]:
     """`T` on a chat file in the case's directory, rendered with the simple template, no row held out."""
     return T(f"--config.data.corpus={{case}}/{file}", "--config.data.format=chat", "--config.data.chat_template=simple",
@@ -347,6 +353,15 @@ CASES = [
     # --- SFT data (train, prepare, evaluate): each stops before a tokenizer is trained or a model loaded
     Case("sft-new-tokenizer-no-template", "train", T("--config.data.corpus=builtin_chat"), 2,
          ("a tokenizer trained here has no chat template", "set data.chat_template")),
+    # GRPO (docs/post-training.md): a reward that does not import or raises, a prompt row without a field
+    Case("grpo-reward-does-not-import", "train", GRPO("--config.grpo.rewards=exact_match,no_such_rewards_mod:score"), 2,
+         ("reward 'no_such_rewards_mod:score'", "does not import", "PYTHONPATH")),
+    Case("grpo-reward-raises", "train", GRPO("--config.grpo.rewards={case}/r.py:score"), 2,
+         ("reward '", "r.py:score' raised ZeroDivisionError", "on completion #0", "fix the function"),
+         setup=_write("r.py", "def score(prompt, completion, answer):\n    return 1 / 0\n")),
+    Case("grpo-prompt-without-answer", "train", GRPO("--config.data.corpus={case}/p.jsonl"), 2,
+         ("p.jsonl:2", "no field 'answer'", '"answer": str'),
+         setup=_write("p.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')),
     Case("sft-row-without-messages", "train", SFT("chat.jsonl"), 2, ("chat.jsonl:2", "no field 'messages'"),
          setup=_write("chat.jsonl", CHAT_ROW + '{"text": "a text row"}\n')),
     Case("sft-role-the-template-rejects", "train", SFT("chat.jsonl"), 2,

@@ -27,6 +27,10 @@ _EXTENSIONS = {
 }
 BUILTIN_CHAT = "builtin_chat"  # data.corpus: the chat set shipped in the package (jaxlm/data/builtin_chat.py)
 BUILTIN_CHAT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_chat.jsonl")
+# data.corpus: two-digit sums, SFT rows and GRPO prompts with answers (jaxlm/data/builtin_addition.py)
+BUILTIN_ADDITION = "builtin_addition"
+BUILTIN_ADDITION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_addition.jsonl")
+BUILTIN_FILES = {BUILTIN_CHAT: BUILTIN_CHAT_FILE, BUILTIN_ADDITION: BUILTIN_ADDITION_FILE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,7 @@ def resolve_files(source: SourceSpec) -> list[str]:
     for pattern in (p.strip() for p in source.paths.split(",")):
         if not pattern:
             continue
-        expanded = BUILTIN_CHAT_FILE if pattern == BUILTIN_CHAT else os.path.expanduser(pattern)
+        expanded = BUILTIN_FILES.get(pattern) or os.path.expanduser(pattern)
         if source.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
             matches = [expanded] if os.path.isdir(expanded) else []
         elif os.path.isdir(expanded):

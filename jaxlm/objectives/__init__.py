@@ -2,7 +2,8 @@
 
 `python -m jaxlm.train` runs every objective: `config.objective.name` picks an entry of `OBJECTIVES`
 (`lm`, the default: next-token cross-entropy with SFT's loss weights; `dpo`: preference optimization,
-`jaxlm.objectives.dpo`). Post-training methods plug in here rather than as flags of the step, as the
+`jaxlm.objectives.dpo`; `grpo`: reinforcement learning with verifiable rewards, `jaxlm.objectives.grpo`).
+Post-training methods plug in here rather than as flags of the step, as the
 MLP and attention registries own their arithmetic (`jaxlm.models.mlps.base`). An objective owns:
 
 - **its config**: the typed sections it adds (`sections`, e.g. `dpo`; `config.SECTIONS` lists them) and
@@ -23,6 +24,12 @@ MLP and attention registries own their arithmetic (`jaxlm.models.mlps.base`). An
   count). `aux` holds the model's auxiliary outputs times `count` (`jaxlm.models.aux`) and the
   objective's own metrics as sums, each named `<objective>/<metric>` (`aux_shapes` declares them all);
   the step reports their means over the count under those names (the model's as `aux/<name>`);
+- **its own batches, on-policy** (`on_policy`; GRPO): instead of reading `data.train`, the loop asks
+  `next_batch(setup, state, data, step)` for each step's batch, on the devices, made from the current
+  state (GRPO: completions sampled with the current parameters, scored, advantages), and the host's
+  metrics of it; `step_metrics(metrics)` adds host values computed from the step's device metrics (the
+  loop waits for the step then: GRPO's training time); a checkpoint is saved only after a step where
+  `checkpoint_allowed(step)` (GRPO: rollout boundaries), a due save waiting for the next such step;
 - **its evaluation**: `eval_fn(model_spec, rules)` (the compiled eval step's function: sums over a
   batch), `evaluate(setup, params, batches, target_bytes)` -> `{"val_loss": ..., ...}` and
   `describe_eval(val)` (the console's words for it).
@@ -40,12 +47,13 @@ import ml_collections
 
 from jaxlm.objectives.base import LanguageModel, Objective, batch_dtypes
 from jaxlm.objectives.dpo import DPO
+from jaxlm.objectives.grpo import GRPO
 from jaxlm.section import Section, check_choice, setting
 
 __all__ = ["OBJECTIVES", "Objective", "LanguageModel", "ObjectiveConfig", "batch_dtypes", "from_config",
            "objective_class", "validate"]
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModel, DPO)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModel, DPO, GRPO)}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 
 
@@ -58,7 +66,7 @@ class ObjectiveConfig(Section):
     name: str = setting(
         "lm",
         "lm (next-token cross-entropy; SFT's loss weights from data.format) | dpo (preference pairs: "
-        "config.dpo; docs/post-training.md)")
+        "config.dpo) | grpo (rewards on sampled completions: config.grpo; docs/post-training.md)")
 
     def validate(self) -> None:
         check_choice(self.key("name"), self.name, OBJECTIVE_NAMES)

@@ -55,6 +55,22 @@ class Objective:
     def prepare(self, setup, state, data, run_dir, resume_step: int) -> None:
         """Compute the frozen inputs the step reads (none for the LM)."""
 
+    # ---- on-policy objectives (GRPO): batches made from the current state, not read from `data.train`
+
+    on_policy: ClassVar[bool] = False
+
+    def next_batch(self, setup, state, data, step: int) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """(1-based `step`'s batch on the devices, the host's metrics of it), made from `state`."""
+        raise NotImplementedError
+
+    def step_metrics(self, metrics: dict[str, jax.Array]) -> dict[str, float]:
+        """Host values from a finished step's metrics (the loop waits for the step when on-policy)."""
+        return {}
+
+    def checkpoint_allowed(self, step: int) -> bool:
+        """Whether a checkpoint after `step` resumes exactly (a due save waits for the next such step)."""
+        return True
+
 
 class LanguageModel(Objective):
     """Next-token cross-entropy, weighted per target (`weights`: SFT trains on the answers alone)."""

@@ -63,6 +63,7 @@ made a chunk of positions at a time for large vocabularies (`steps.chunked_loss_
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -75,9 +76,9 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm import inference, steps
 from jaxlm import mesh as mesh_lib
 from jaxlm import sampling as sampling_lib
+from jaxlm import steps
 from jaxlm.errors import UserError
 from jaxlm.section import Section, check, check_choice, setting
 from jaxlm.train_state import ModelSpec
@@ -336,7 +337,8 @@ class Sampler:
         self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
         self.seq_len = max_prompt_len + max_new_tokens
         self.stop_ids = sampling_lib.stop_tuple(stop_ids)
-        self.batch_shards = inference.batch_shards(mesh, rules)
+        self.batch_shards = math.prod(mesh.shape[a] for a in mesh_lib.axes_of(mesh_lib.logical_to_spec(
+            ("act_batch",), rules)[0]))  # (inference.batch_shards: not imported, config imports this module)
         self._jit = None
 
     @classmethod
@@ -408,7 +410,7 @@ class Sampler:
         group = [p for p in prompts for _ in range(self.group_size)]
         tokens, start, is_padding = sampling_lib.left_pad(group, self.batch_shards, self.pad_id, self.bos_id)
         with jax.set_mesh(self.mesh):
-            whole, put = NamedSharding(self.mesh, P()), inference.put_global
+            whole, put = NamedSharding(self.mesh, P()), _put_global
             settings = sampling_lib.SamplingArrays(*[put(x, whole) for x in sampling_lib.SamplingArrays.of(
                 self.sampling, self.stop_ids, self.pad_id)])
             rows = self._sharding("act_batch")
@@ -418,6 +420,12 @@ class Sampler:
                 self.max_new_tokens)
         return Rollouts(**batch, old_logprobs=old, completions=completions, lengths=lengths, stopped=stopped,
                         rows=len(group))
+
+
+def _put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array every process holds whole onto `sharding` (`inference.put_global`'s)."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def metrics(rollouts: Rollouts, total: np.ndarray, per_reward: dict[str, np.ndarray]) -> dict[str, float]:
