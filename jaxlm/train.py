@@ -510,7 +510,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                         # that holds the compilation, the next one recorded, is not timed.
                         log.untimed_steps.add(pending[0] if pending else step)
                     kernels.add(packed)
-                    state, metrics = setup.train_step(state, batch, packed)
+                    state, metrics = setup.train_step(state, batch, packed, *setup.frozen_args())
                 profile.after(step, metrics)
                 if pending:
                     log.record(*pending)
