@@ -35,6 +35,7 @@ from jaxlm.objectives import ObjectiveConfig
 from jaxlm.objectives import validate as validate_objective
 from jaxlm.objectives.dpo import DPOConfig
 from jaxlm.optim import OptimConfig
+from jaxlm.post_training.distill import DistillConfig
 from jaxlm.post_training.grpo import GRPOConfig
 from jaxlm.run_dir import RunConfig, run_dir_path  # noqa: F401 -- run_dir_path: for callers of config
 
@@ -42,7 +43,8 @@ from jaxlm.run_dir import RunConfig, run_dir_path  # noqa: F401 -- run_dir_path:
 # order of the configuration reference
 SECTIONS = {cls.section: cls for cls in (
     RunConfig, transformer.ModelSection, DataConfig, OptimConfig, LoraConfig, CompressConfig, ObjectiveConfig,
-    DPOConfig, GRPOConfig, CheckpointConfig, MetricsConfig, EnergyConfig, ProfileConfig, MeshConfig, PipelineConfig)}
+    DPOConfig, GRPOConfig, DistillConfig, CheckpointConfig, MetricsConfig, EnergyConfig, ProfileConfig, MeshConfig,
+    PipelineConfig)}
 
 RECIPES_DIR = overrides_lib.RECIPES_DIR  # (configs/ beside the package)
 recipe_names = overrides_lib.recipe_names

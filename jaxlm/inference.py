@@ -179,6 +179,32 @@ def _check_config_matches(run_dir: pathlib.Path, cfg, ckpt_dir: pathlib.Path, st
         return
 
 
+def cast_abstract(abstract_params, param_dtype: str | None):
+    """Abstract parameters as `load_run` reads them with `param_dtype` (floating leaves cast; a QLoRA base's
+    quantized codes and scales, and masks, as saved)."""
+    if not param_dtype:
+        return abstract_params
+    if param_dtype not in transformer.DTYPES:
+        raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
+    cast = transformer.DTYPES[param_dtype]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if quant.is_quantized_leaf(getattr(path[-1], "key", None))
+        or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+        else jax.ShapeDtypeStruct(x.shape, cast, sharding=x.sharding), abstract_params)
+
+
+def abstract_run(run_dir: str | pathlib.Path, mesh: Mesh, rules: mesh_lib.Rules, *, dtype: str | None = None,
+                 param_dtype: str | None = None):
+    """(the run's inference ModelSpec, its parameters as abstract arrays with their shardings on `mesh` by
+    `rules`): what `load_run` with `mesh` and `rules` reads, from the run's config alone (no parameter read),
+    for a step to be jitted, or planned, before the parameters are loaded."""
+    cfg = read_config(pathlib.Path(run_dir))
+    model_cfg = model_config(cfg, mesh.devices.flat[0].platform, dtype)
+    spec = train_state.build_model_spec(model_cfg)
+    abstract = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, spec)[0].params
+    return spec, cast_abstract(abstract, param_dtype)
+
+
 def load_run(
     run_dir: str | pathlib.Path,
     *,
@@ -228,15 +254,7 @@ def load_run(
         mesh, abstract_params = make_inference_mesh(cfg, model_cfg, model_spec, devices, rules)
     else:
         abstract_params = train_state.abstract_state(model_cfg, optax.identity(), mesh, rules, 0, model_spec)[0].params
-    cast = None
-    if param_dtype:
-        if param_dtype not in transformer.DTYPES:
-            raise UserError(f"--param_dtype={param_dtype}: use one of {', '.join(transformer.DTYPES)}")
-        cast = transformer.DTYPES[param_dtype]
-        abstract_params = jax.tree_util.tree_map_with_path(  # quantized codes and scales, masks stay as they are
-            lambda path, x: x if quant.is_quantized_leaf(getattr(path[-1], "key", None))
-            or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-            else jax.ShapeDtypeStruct(x.shape, cast, sharding=x.sharding), abstract_params)
+    abstract_params = cast_abstract(abstract_params, param_dtype)
     params, step = checkpoint.load_params_and_step(ckpt_dir, abstract_params, step=step)
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
     return LoadedRun(run_dir=run_dir, cfg=cfg, step=step, model_cfg=model_cfg, tokenizer=tokenizer,

@@ -26,15 +26,17 @@ import dataclasses
 import functools
 import math
 import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+import optax
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxlm import axes, optim, quant, roofline, steps, train_state
+from jaxlm import axes, inference, optim, quant, roofline, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -491,6 +493,8 @@ def estimate(
         Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
             "AdamW's new values beside the donated state, after the passes", UPDATE),
     ]
+    if cfg.objective.name == "distill":
+        rows += teacher_rows(cfg, derived.mesh_shape, rules, platform, (logits, logits_total))
     stage_bytes = 0.0
     if schedule is not None:  # each iteration hands a stage's output on, forward and (its gradient) backward
         piece = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,
@@ -502,6 +506,31 @@ def estimate(
         attention_segments=m.attention_segments,
         stage_bytes_per_step=stage_bytes,
     )
+
+
+def teacher_rows(cfg: ml_collections.ConfigDict, mesh_shape: Sequence[int], rules, platform: str,
+                 logits: tuple[float, float]) -> list[Row]:
+    """A distillation teacher's memory (`jaxlm.objectives.distill`): its parameters, laid out on the student's
+    mesh by the student's rules as `TrainSetup.load_run` places them (cast to `distill.teacher_param_dtype`),
+    held throughout; and its logits, as many as the student's (`logits`: per device, unsharded; one chunk of
+    positions with `model.loss_chunk_len`), alive through the backward (the KL's gradient reads them). Its
+    forward's other activations are transient and not counted. A teacher not found yet is named, not counted."""
+    teacher = cfg.distill.teacher
+    logits_row = Row("teacher logits", *logits, "the teacher's [B, T, V] logits beside the student's", BACKWARD)
+    if not teacher or not (pathlib.Path(teacher) / "config.json").is_file():
+        return [Row("teacher parameters", 0.0, 0.0, f"not counted: no teacher run at {teacher!r}"), logits_row]
+    teacher_cfg = inference.read_config(pathlib.Path(teacher))
+    m = inference.model_config(teacher_cfg, platform)
+    spec = train_state.build_model_spec(m)
+    shapes = jax.eval_shape(train_state.init_fn(m, spec, optax.identity(), 0))
+    mesh = _abstract_mesh(mesh_shape)
+    shardings = train_state.state_shardings(shapes, spec, optax.identity(), mesh, rules)
+    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes.params,
+                          shardings.params)
+    params = inference.cast_abstract(params, cfg.distill.teacher_param_dtype or None)
+    dtypes = sorted({_dtype_name(x.dtype) for x in jax.tree.leaves(params)})
+    return [Row("teacher parameters", *tree_bytes(params), f"{transformer.param_count(m)['total'] / 1e6:.2f}M, "
+                f"{', '.join(dtypes)}, frozen (no gradient, no optimizer state)"), logits_row]
 
 
 def format_bytes(n: float) -> str:

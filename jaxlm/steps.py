@@ -183,9 +183,12 @@ def data_replicas(model_spec: ModelSpec, rules: Rules) -> int:
 
 
 def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: Batch, keys, k: int, replicas: int,
-                         rules: Rules, z_loss: float, loss_chunk_len: int, aux_shapes: aux.Shapes | None = None):
+                         rules: Rules, z_loss: float, loss_chunk_len: int, aux_shapes: aux.Shapes | None = None,
+                         inputs: tuple = ()):
     """Sum of k micro-batches' (loss sum, tokens, auxiliary outputs, gradients), each `data` replica
-    accumulating its own rows' gradient locally and the replicas reduced once at the end.
+    accumulating its own rows' gradient locally and the replicas reduced once at the end. `inputs`: the
+    objective's frozen inputs (`Objective.frozen_inputs`), the loss's last arguments, the same for every
+    replica (not vmapped: a distillation teacher's parameters, sharded as the student's).
 
     The batch [B, T] becomes [k, R, B/(kR), T]: replica r's rows are the ones it already holds
     (rows are split over the act_batch axes, data first: data x fsdp x expert) and micro-batch i
@@ -209,7 +212,7 @@ def _replica_local_grads(grad_fn, params, frozen, model_spec: ModelSpec, batch: 
     weights, fixed, kernels = _compute_inputs(model_spec, params)
 
     def replica_grad(diff, mb, mkey):
-        return grad_fn(diff, fixed, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len)
+        return grad_fn(diff, fixed, frozen, model_spec, mb, mkey, z_loss, loss_chunk_len, *inputs)
 
     def accumulate(carry, xs):
         mb, mkey = xs
@@ -331,7 +334,7 @@ def make_train_step(
     rules: Rules = (),
     hooks: Sequence[StepHook] = (),
     objective=None,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """The uncompiled train step; `jit_train_step` jits it with shardings and donation.
     `tx` updates the trainable parameters (`model_spec.split`); the frozen ones pass through unchanged.
 
@@ -357,7 +360,10 @@ def make_train_step(
     and sums over examples that add up over micro-batches, and its `aux_shapes`); None, the language
     model's loss (`trainable_loss`). Then `loss` is the objective's mean over its examples, `tokens` their
     count (pairs, for DPO), and each auxiliary entry named `<objective>/<metric>` a metric under that name
-    (a mean over the examples).
+    (a mean over the examples). An objective with frozen inputs (`has_frozen_inputs`: a distillation
+    teacher's parameters) makes a step of four arguments, `(state, batch, packed, inputs)`: `inputs` reaches
+    its `loss` as the last argument, in every micro-batch, never differentiated, donated or kept in the state
+    (`jit_train_step` gives its shardings); without, the step is `(state, batch[, packed])` as before.
 
     A state with a `loss_scale` (float16 compute, `jaxlm.loss_scale`) differentiates the summed loss
     times scale / positions (per micro-batch: relative to the mean loss) and divides the gradients by
@@ -378,11 +384,16 @@ def make_train_step(
     objective_loss = trainable_loss if objective is None else objective.loss
     aux_shapes = dict(model_spec.aux_shapes) if objective is None else objective.aux_shapes(model_spec)
 
-    def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
-        with attention.packed_kernel(packed):
-            return _step(state, batch, packed)
+    if getattr(objective, "has_frozen_inputs", False):
+        def step_fn(state: TrainState, batch: Batch, packed: bool | None, inputs):
+            with attention.packed_kernel(packed):
+                return _step(state, batch, packed, (inputs,))
+    else:
+        def step_fn(state: TrainState, batch: Batch, packed: bool | None = None):
+            with attention.packed_kernel(packed):
+                return _step(state, batch, packed)
 
-    def _step(state: TrainState, batch: Batch, packed: bool | None):
+    def _step(state: TrainState, batch: Batch, packed: bool | None, inputs: tuple = ()):
         scaling = state.loss_scale
         if scaling is None:
             loss_fn = objective_loss
@@ -400,12 +411,12 @@ def make_train_step(
             if micro_batches == 1:
                 positions = batch["inputs"].size
                 (loss_sum, (tokens, aux_sums)), grads = grad_fn(trainable, frozen, model_spec, batch, key, z_loss,
-                                                                loss_chunk_len)
+                                                                loss_chunk_len, *inputs)
             elif (replicas := data_replicas(model_spec, rules)) > 1:
                 positions = batch["inputs"].size // (micro_batches * replicas)
                 loss_sum, tokens, aux_sums, grads = _replica_local_grads(
                     grad_fn, trainable, frozen, compute_kernels(model_spec, rules, replicas), batch, key,
-                    micro_batches, replicas, rules, z_loss, loss_chunk_len, aux_shapes,
+                    micro_batches, replicas, rules, z_loss, loss_chunk_len, aux_shapes, inputs,
                 )
             else:
                 spec = compute_kernels(model_spec, rules, 1)
@@ -423,7 +434,8 @@ def make_train_step(
                     loss_acc, tok_acc, aux_acc, grad_acc = carry
                     mb, mkey = xs
                     diff = jax.tree.map(lambda k, a, w: a if k else w, kernels, grad_acc, weights)
-                    (loss, (tokens, out)), g = grad_fn(diff, fixed, frozen, spec, mb, mkey, z_loss, loss_chunk_len)
+                    (loss, (tokens, out)), g = grad_fn(diff, fixed, frozen, spec, mb, mkey, z_loss, loss_chunk_len,
+                                                       *inputs)
                     return (loss_acc + loss, tok_acc + tokens, aux.add(aux_acc, out),
                             jax.tree.map(jnp.add, grad_acc, g)), None
 
@@ -508,22 +520,26 @@ def make_eval_step(model_spec: ModelSpec, rules: Rules = ()):
     return eval_fn
 
 
-def jit_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSharding):
+def jit_train_step(step_fn, state_shardings: TrainState, batch_sharding: NamedSharding, inputs_shardings=None):
     """jit with explicit shardings; the state is donated so its buffers are reused in place. The third
     argument, `packed` (positional and static: one program per value), is the attention kernel chosen
-    on the host, or None (`attention.packed_kernel`)."""
+    on the host, or None (`attention.packed_kernel`). With `inputs_shardings` (an objective's frozen inputs:
+    `make_train_step`), a fourth argument with those shardings, neither donated nor static."""
     replicated = NamedSharding(batch_sharding.mesh, P())
+    extra = () if inputs_shardings is None else (inputs_shardings,)
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, batch_sharding, *extra),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
         static_argnums=2,
     )
 
 
-def jit_eval_step(eval_fn, params_shardings, batch_sharding: NamedSharding):
+def jit_eval_step(eval_fn, params_shardings, batch_sharding: NamedSharding, inputs_shardings=None):
+    """(params, batch, packed[, inputs]) as `jit_train_step`: `inputs` an objective's frozen inputs."""
     replicated = NamedSharding(batch_sharding.mesh, P())
-    return jax.jit(eval_fn, in_shardings=(params_shardings, batch_sharding), out_shardings=replicated,
+    extra = () if inputs_shardings is None else (inputs_shardings,)
+    return jax.jit(eval_fn, in_shardings=(params_shardings, batch_sharding, *extra), out_shardings=replicated,
                    static_argnums=2)
 

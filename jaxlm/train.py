@@ -520,7 +520,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                         log.untimed_steps.add(pending[0] if pending else step)
                     kernels.add(packed)
                     step_start = time.perf_counter()
-                    state, metrics = setup.train_step(state, batch, packed)
+                    state, metrics = setup.train_step(state, batch, packed, *setup.frozen_args())
                     if on_policy:  # the next rollout waits for this step anyway: time it, read its sums
                         host_metrics.update(setup.objective.step_metrics(metrics))
                         host_metrics["training_s"] = time.perf_counter() - step_start

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlm import config as config_lib
-from jaxlm import init_from, loss_scale, objectives, optim, pruning_masks, steps, train_state
+from jaxlm import inference, init_from, loss_scale, objectives, optim, pruning_masks, steps, train_state
 from jaxlm import memory as memory_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import metrics as metrics_lib
@@ -43,9 +43,24 @@ class TrainSetup:
     schedule: Any
     train_step: Any  # compiled (state, batch[, packed]) -> (state, metrics); donates the state (`attention_choice`)
     eval_step: Any  # compiled (params, batch[, packed]) -> (sum of token losses, tokens)
+    # (both take `*frozen_args()` last: an objective's frozen inputs, `Objective.frozen_inputs`)
     tx: Any = None  # the optimizer (optax), for a state built around given parameters (`train_state.from_params`)
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
     objective: Any = dataclasses.field(default_factory=objectives.LanguageModel)  # what the step minimises
+    frozen_inputs: Any = None  # the objective's frozen inputs (a teacher's params; abstract until `prepare`)
+
+    def load_run(self, run_dir, **kwargs) -> inference.LoadedRun:
+        """Another run's parameters on this setup's mesh by its rules (a distillation teacher, read by its
+        objective's `prepare`): `inference.load_run` with this mesh and these rules."""
+        return inference.load_run(run_dir, mesh=self.mesh, rules=self.rules, **kwargs)
+
+    def abstract_run(self, run_dir, **kwargs):
+        """(its ModelSpec, its abstract parameters) as `load_run` will read them: `inference.abstract_run`."""
+        return inference.abstract_run(run_dir, self.mesh, self.rules, **kwargs)
+
+    def frozen_args(self) -> tuple:
+        """The steps' arguments after `packed`: (the objective's frozen inputs,), or () without any."""
+        return (self.frozen_inputs,) if self.objective.has_frozen_inputs else ()
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of a batch -> one global array per key, sharded over the batch axes
@@ -85,9 +100,10 @@ class TrainSetup:
         whose rows fit (`expected_attention_choice`)."""
         if packed == "expected":
             packed = self.expected_attention_choice()
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        state, extra = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                    (self.state, self.frozen_args()))
         with jax.set_mesh(self.mesh):
-            return self.train_step.lower(state, self.batch_spec(), packed).compile()
+            return self.train_step.lower(state, self.batch_spec(), packed, *extra).compile()
 
 
 def resolve_config(
@@ -138,16 +154,21 @@ def build(
                                                  loss_scale=scale)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     objective = objectives.from_config(cfg)
+    setup = TrainSetup(
+        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
+        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule, tx=tx, train_step=None,
+        eval_step=None, objective=objective,
+    )
+    # the objective's inputs of the step that it never trains (a teacher's parameters): an argument of each step
+    inputs_shardings = None
+    if objective.has_frozen_inputs:
+        setup.frozen_inputs, inputs_shardings = objective.frozen_inputs(setup)
     step_fn = steps.make_train_step(model_spec, tx, schedule, optim=optim.OptimConfig.from_config(cfg.optim),
                                     metrics=metrics_lib.MetricsConfig.from_config(cfg.metrics), rules=rules,
                                     hooks=hooks, objective=objective)
-    setup = TrainSetup(
-        cfg=cfg, derived=derived, model_cfg=model_cfg, mesh=mesh, rules=rules, model_spec=model_spec, state=state,
-        shardings=shardings, batch_sharding=batch_sharding, schedule=schedule, tx=tx,
-        train_step=steps.jit_train_step(step_fn, shardings, batch_sharding),
-        eval_step=steps.jit_eval_step(objective.eval_fn(model_spec, rules), shardings.params, batch_sharding),
-        objective=objective,
-    )
+    setup.train_step = steps.jit_train_step(step_fn, shardings, batch_sharding, inputs_shardings)
+    setup.eval_step = steps.jit_eval_step(objective.eval_fn(model_spec, rules), shardings.params, batch_sharding,
+                                          inputs_shardings)
     if cfg.run.init_from and not abstract:
         setup.state, setup.init_from = init_from.load_state(setup)
     return setup

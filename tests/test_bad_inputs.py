@@ -517,6 +517,15 @@ CASES = [
          unchanged="{copy}"),
     Case("init-from-newest-damaged", "train", FINETUNE(), 0, ("checkpoints/40 could not be restored", "trying step 20"),
          setup=_damage_checkpoints(40), unchanged="{copy}", one_device=True, slow=True),
+    # --- distillation (objective.name=distill): the shared run as the teacher
+    Case("distill-teacher-missing", "train",
+         T("--config.objective.name=distill", "--config.distill.teacher={case}/nope"), 2,
+         ("config.distill.teacher=", "nope")),
+    Case("distill-teacher-other-tokenizer", "train",
+         FINETUNE("--config.objective.name=distill", "--config.distill.teacher={run}", "--config.run.init_from=",
+                  "--config.data.tokenizer_path={case}/bytes.model", "--config.model.vocab_size=300"), 2,
+         ("the teacher's tokenizer is not the student's", "260 tokens", "300 tokens", "bytes.model"),
+         setup=_byte_tokenizer, unchanged="{run}"),
     # --- multi-process flags
     Case("process-id-out-of-range", "train",
          T("--coordinator=localhost:1234", "--num_processes=2", "--process_id=5"), 2, ("the id must be in 0..1",)),

@@ -17,6 +17,7 @@ from jaxlm import mesh as mesh_lib
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError
 from jaxlm.post_training import distill
+from jaxlm.post_training import teacher as teacher_lib
 
 B, T, V = 2, 5, 11
 
@@ -205,9 +206,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(facts_run, othe
     mesh = mesh_lib.make_mesh(axes.shape_of(fsdp=8))
     settings = distill.DistillConfig(teacher=str(facts_run))
     with pytest.raises(UserError, match="the teacher's tokenizer is not the student's"):
-        distill.load_teacher(settings, mesh, rules, student_tok, 300, str(student_path))
+        teacher_lib.load_teacher(settings, mesh, rules, student_tok, 300, str(student_path))
     with pytest.raises(UserError, match=r"logits over 300 ids .* and the student over 512; .*vocab_size=300$"):
-        distill.load_teacher(settings, mesh, rules, teacher_tok, 512)
+        teacher_lib.load_teacher(settings, mesh, rules, teacher_tok, 512)
 
 
 def test_a_teacher_read_from_a_run_onto_the_students_mesh_gives_the_logits_inference_gives(facts_run):
@@ -217,7 +218,7 @@ def test_a_teacher_read_from_a_run_onto_the_students_mesh_gives_the_logits_infer
     rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
     mesh = mesh_lib.make_mesh(axes.shape_of(data=2, fsdp=2, tensor=2))
     tokenizer = Tokenizer.load(facts_run)
-    teacher = distill.load_teacher(distill.DistillConfig(teacher=str(facts_run)), mesh, rules, tokenizer, 300,
+    teacher = teacher_lib.load_teacher(distill.DistillConfig(teacher=str(facts_run)), mesh, rules, tokenizer, 300,
                                    dtype="float32")
     embed = teacher.params["embed"]["embedding"]
     assert embed.sharding.mesh == mesh and embed.sharding.spec == mesh_lib.logical_to_spec(("vocab", "embed"), rules)

@@ -2,9 +2,10 @@
 
 `python -m jaxlm.train` runs every objective: `config.objective.name` picks an entry of `OBJECTIVES`
 (`lm`, the default: next-token cross-entropy with SFT's loss weights; `dpo`: preference optimization,
-`jaxlm.objectives.dpo`; `grpo`: reinforcement learning with verifiable rewards, `jaxlm.objectives.grpo`).
-Post-training methods plug in here rather than as flags of the step, as the
-MLP and attention registries own their arithmetic (`jaxlm.models.mlps.base`). An objective owns:
+`jaxlm.objectives.dpo`; `grpo`: reinforcement learning with verifiable rewards, `jaxlm.objectives.grpo`;
+`distill`: a student trained on a teacher's distribution, `jaxlm.objectives.distill`). Post-training methods plug
+in here rather than as flags of the step, as the MLP and attention registries own their arithmetic
+(`jaxlm.models.mlps.base`). An objective owns:
 
 - **its config**: the typed sections it adds (`sections`, e.g. `dpo`; `config.SECTIONS` lists them) and
   its checks across sections (`validate`, run by `config.validate` when the objective is chosen);
@@ -15,8 +16,12 @@ MLP and attention registries own their arithmetic (`jaxlm.models.mlps.base`). An
   [B, T] too, so that they shard and split into micro-batches as the tokens do;
 - **its frozen inputs**: `prepare(setup, state, data, run_dir, resume_step)` runs once the train state
   exists and before the first step, to compute what the step reads but never trains (DPO: the
-  reference model's log-probs, into the batch; later a teacher's parameters, GRPO's rollouts' old
-  log-probs and advantages);
+  reference model's log-probs, into the batch; later GRPO's rollouts' old log-probs and advantages);
+  an input of the step itself, outside the batch and the train state, is declared by `frozen_inputs(setup)`
+  -> (pytree, shardings) with `has_frozen_inputs` (distillation: the teacher's parameters, one argument of
+  the one compiled step, with their shardings, never donated, never a constant of the program), `prepare`
+  putting its values in `setup.frozen_inputs`; `loss` and the eval function then take it as their last
+  argument;
 - **its loss**, inside the one compiled step: `loss(trainable, frozen, model_spec, batch, dropout_key,
   z_loss, loss_chunk_len) -> (sum, (count, aux))`, the signature of `steps.trainable_loss`. `sum` is a
   sum over the micro-batch's examples (tokens for the LM, pairs for DPO) and `count` how many, so that
@@ -46,6 +51,7 @@ from typing import ClassVar
 import ml_collections
 
 from jaxlm.objectives.base import LanguageModel, Objective, batch_dtypes
+from jaxlm.objectives.distill import Distill
 from jaxlm.objectives.dpo import DPO
 from jaxlm.objectives.grpo import GRPO
 from jaxlm.section import Section, check_choice, setting
@@ -53,20 +59,21 @@ from jaxlm.section import Section, check_choice, setting
 __all__ = ["OBJECTIVES", "Objective", "LanguageModel", "ObjectiveConfig", "batch_dtypes", "from_config",
            "objective_class", "validate"]
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModel, DPO, GRPO)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModel, DPO, GRPO, Distill)}
 OBJECTIVE_NAMES = tuple(OBJECTIVES)
 
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig(Section):
     """What the train step minimises (`jaxlm.objectives`): an entry of OBJECTIVES, which owns its own
-    section (`dpo`) for its settings."""
+    section (`dpo`, `distill`) for its settings."""
 
     section: ClassVar[str] = "objective"
     name: str = setting(
         "lm",
         "lm (next-token cross-entropy; SFT's loss weights from data.format) | dpo (preference pairs: "
-        "config.dpo) | grpo (rewards on sampled completions: config.grpo; docs/post-training.md)")
+        "config.dpo) | grpo (rewards on sampled completions: config.grpo) | distill (a teacher's distribution: "
+        "config.distill); docs/post-training.md")
 
     def validate(self) -> None:
         check_choice(self.key("name"), self.name, OBJECTIVE_NAMES)

@@ -22,6 +22,9 @@ class Objective:
 
     name: ClassVar[str]
     sections: ClassVar[tuple[type[Section], ...]] = ()
+    # whether the step takes frozen inputs (`frozen_inputs`): an argument of the train and eval steps after
+    # `packed`, passed to `loss` (and the eval function) as the last argument
+    has_frozen_inputs: ClassVar[bool] = False
 
     def __init__(self, cfg: ml_collections.ConfigDict | None = None):
         self.cfg = cfg
@@ -70,6 +73,13 @@ class Objective:
     def checkpoint_allowed(self, step: int) -> bool:
         """Whether a checkpoint after `step` resumes exactly (a due save waits for the next such step)."""
         return True
+
+    def frozen_inputs(self, setup) -> tuple[Any, Any] | None:
+        """(a pytree, its shardings): what the steps take as their last argument and never train (a teacher's
+        parameters), or None (`has_frozen_inputs` False). Called by `train_setup.build` once the mesh exists,
+        before the steps are jitted with these shardings; the pytree may be abstract (`jax.ShapeDtypeStruct`s)
+        there, `prepare` then puts the values in `setup.frozen_inputs`."""
+        return None
 
 
 class LanguageModel(Objective):

@@ -23,38 +23,44 @@ made that many positions at a time from their final hidden states and rematerial
 pass, so only one chunk of each is alive.
 
 The teacher is any jaxlm run directory, a trained run or a Hugging Face model imported with `python -m
-jaxlm.hf import` (`load_teacher`): its newest (or `distill.teacher_step`) checkpoint's parameters are read
-onto the STUDENT's mesh by the student's logical-axis rules (`inference.load_run` with `mesh` and
-`rules`), so its forward pass is sharded as the student's is, inside the same program. A teacher with
-another tokenizer (its file's sha256, the identity a run records, or its vocabulary size) is refused in
-one line naming both, as is a model whose logits are not as wide as the student's.
+jaxlm.hf import` (`jaxlm.post_training.teacher.load_teacher`, apart from this module so that the objective
+registry, which the config imports, never imports the run reader, which imports the config): its newest
+(or `distill.teacher_step`) checkpoint's parameters are read onto the STUDENT's mesh by the student's
+logical-axis rules (`inference.load_run` with `mesh` and `rules`), so its forward pass is sharded as the
+student's is, inside the same program. A teacher with another tokenizer (its file's sha256, the identity a
+run records, or its vocabulary size) is refused in one line naming both (`check_teacher`), as is a model
+whose logits are not as wide as the student's.
 
-How it plugs into the objective registry (the seam in `python -m jaxlm.train`):
+How it plugs into `python -m jaxlm.train` (`jaxlm.objectives.distill`, `config.objective.name=distill`):
 
 - config: `DistillConfig`, section `distill` (teacher, teacher_step, temperature, alpha, top_k,
-  teacher_param_dtype); registered in `jaxlm.config.SECTIONS` by the seam.
-- setup: `load_teacher(settings, mesh, rules, tokenizer, vocab_size)` once, after the student's mesh
-  exists; the returned `LoadedRun`'s `params` and `param_shardings` are the step's extra input.
+  teacher_param_dtype), in `jaxlm.config.SECTIONS`.
+- data: the student's, with `check_teacher` (the directory, the tokenizer, the logits' width) as it is read,
+  before any device work.
+- setup: `TrainSetup.abstract_run` when the steps are built (the objective's `frozen_inputs`: the shapes
+  and shardings the step is jitted with), `TrainSetup.load_run` once per start (the objective's `prepare`),
+  on the student's mesh by its rules; the `LoadedRun`'s `params` are the step's frozen input.
 - step: the teacher's params are a FROZEN INPUT of the jitted train step, an argument beside the state
   with their shardings in `in_shardings`, never donated, never closed over (a closure would bake them
   into the program as constants) and never in the `TrainState` (the optimizer never sees them, and a
-  checkpoint does not hold a second model). `make_trainable_loss(teacher_spec, settings)` gives a loss
-  with `steps.trainable_loss`'s arguments plus `teacher_params` last, for `jax.value_and_grad` on the
-  student's trainable parameters (argument 0) and `steps.micro_batch_loss`; in the replica-local scan
-  the teacher's params are vmapped with `in_axes=None`. The teacher's forward runs inside the step,
-  per micro-batch, without dropout, under `jax.lax.stop_gradient`: no gradient reaches it (tested).
-- metrics: the third element of the loss's aux, `{"distill/kl", "distill/ce"}`, are weighted sums;
+  checkpoint does not hold a second model). `make_trainable_loss(teacher_spec, settings)` (and the
+  objective's `loss`) take `steps.trainable_loss`'s arguments plus `teacher_params` last, for
+  `jax.value_and_grad` on the student's trainable parameters (argument 0) and `steps.micro_batch_loss`; in
+  the replica-local scan the teacher's params are the same for every replica (not vmapped). The teacher's
+  forward runs inside the step, per micro-batch, without dropout, under `jax.lax.stop_gradient`: no
+  gradient reaches it (tested).
+- metrics: the third element of `summed_loss`'s aux, `{"distill/kl", "distill/ce"}`, are weighted sums;
   divided by the step's sum of weights they are the mean KL (before T^2 and alpha) and the student's
-  next-token loss, the number to compare with a student trained without a teacher.
-- resume: the teacher is read again from its run directory at every start; the step it was read from
-  (`LoadedRun.step`) and its tokenizer's sha256 belong in the checkpoint's metadata, and a resume should
-  pin `teacher_step` to it, so that a teacher that trained on meanwhile does not change a resumed run.
-- evaluation stays the student's next-token loss (`steps.make_eval_step`): no teacher needed.
+  next-token loss, the number to compare with a student trained without a teacher. Evaluation reports both
+  on the held-out batches (`val_loss`, `val_kl`).
+- resume: the run directory records the teacher's directory, checkpoint step, tokenizer sha256 and a
+  fingerprint of its parameters; a resumed run reads that step again, and a teacher that changed is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from collections.abc import Callable
 from typing import ClassVar
@@ -62,12 +68,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
-from jaxlm import inference, steps
+from jaxlm import checkpoint, steps
 from jaxlm.data.tokenizer import FILE_NAMES, Tokenizer, find_in
 from jaxlm.errors import UserError
-from jaxlm.mesh import Rules
 from jaxlm.models import aux
 from jaxlm.section import Section, check, check_choice, setting
 from jaxlm.train_state import ModelSpec
@@ -227,24 +231,32 @@ def check_same_tokenizer(student: Tokenizer, teacher: Tokenizer, student_where: 
         f"{student.sha256[:16]}); distill from a teacher trained or imported with the student's tokenizer")
 
 
-def load_teacher(settings: DistillConfig, mesh: Mesh, rules: Rules, tokenizer: Tokenizer, vocab_size: int,
-                 tokenizer_where: str = "the student's tokenizer", dtype: str | None = None) -> inference.LoadedRun:
-    """The teacher run `settings.teacher` loaded for the student's step: its tokenizer checked against the
-    student's (`tokenizer`, found at `tokenizer_where`) before any parameter is read, its logits' width
-    against the student's `vocab_size`, and its parameters (checkpoint `teacher_step`, or the newest that
-    loads) placed on the student's `mesh` by the student's `rules`, cast to `teacher_param_dtype` where
-    set. `dtype` overrides the teacher's compute dtype (its run's by default)."""
+def check_teacher(settings: DistillConfig, tokenizer: Tokenizer, vocab_size: int,
+                  tokenizer_where: str = "the student's tokenizer") -> None:
+    """Refuse, one line each, before any parameter is read: a teacher directory that is missing or not a run,
+    a tokenizer that is not the student's (`tokenizer`, found at `tokenizer_where`), logits not as wide as the
+    student's (`vocab_size`), a `teacher_step` the teacher has no checkpoint of. Reads the teacher's
+    config.json and tokenizer alone (the objective runs this with its data, before any device work)."""
     run_dir = pathlib.Path(settings.teacher)
-    inference.read_config(run_dir)  # a missing or foreign directory, in its own line
+    key = f"config.distill.teacher={settings.teacher}"
+    if not run_dir.is_dir():
+        raise UserError(f"{key}: no such directory; give the run directory of a trained teacher (python -m "
+                        f"jaxlm.train, or python -m jaxlm.hf import)")
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        teacher_vocab = int(saved["model"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{key} is not a run directory (no readable config.json with model.vocab_size); give the "
+                        f"directory python -m jaxlm.train or python -m jaxlm.hf import wrote") from None
     tok_path = find_in(run_dir)
     if tok_path is None:
-        raise UserError(f"config.distill.teacher={settings.teacher}: the run has no tokenizer "
-                        f"({' or '.join(FILE_NAMES)}); give a run directory python -m jaxlm.train or jaxlm.hf import wrote")
+        raise UserError(f"{key}: the run has no tokenizer ({' or '.join(FILE_NAMES)}); give a run directory "
+                        f"python -m jaxlm.train or jaxlm.hf import wrote")
     check_same_tokenizer(tokenizer, Tokenizer.load(tok_path), tokenizer_where, str(tok_path))
-    teacher = inference.load_run(run_dir, step=None if settings.teacher_step < 0 else settings.teacher_step,
-                                 dtype=dtype, param_dtype=settings.teacher_param_dtype or None, mesh=mesh, rules=rules)
-    if teacher.model_cfg.vocab_size != vocab_size:
-        raise UserError(f"config.distill.teacher={settings.teacher} has logits over {teacher.model_cfg.vocab_size} ids "
-                        f"(its model.vocab_size) and the student over {vocab_size}; give the student the teacher's "
-                        f"--config.model.vocab_size={teacher.model_cfg.vocab_size}")
-    return teacher
+    if teacher_vocab != vocab_size:
+        raise UserError(f"{key} has logits over {teacher_vocab} ids (its model.vocab_size) and the student over "
+                        f"{vocab_size}; give the student the teacher's --config.model.vocab_size={teacher_vocab}")
+    steps_there = checkpoint.complete_steps(run_dir / "checkpoints")
+    if settings.teacher_step >= 0 and settings.teacher_step not in steps_there:
+        raise UserError(f"config.distill.teacher_step={settings.teacher_step}: {run_dir} has no complete checkpoint "
+                        f"of that step; its checkpoints: {', '.join(map(str, steps_there)) or 'none'}")
