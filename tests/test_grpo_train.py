@@ -93,7 +93,7 @@ def test_the_config_checks(tmp_path):
     config.validate(cfg)
     for key, value, words in [("data.seq_len", "32", "grpo.max_prompt_len + grpo.max_new_tokens = 24"),
                               ("data.global_batch_size", "30", "a multiple of grpo.group_size=4"),
-                              ("grpo.mu", "3", "a multiple of grpo.mu=3"),
+                              ("grpo.mu", "7", "a multiple of grpo.mu=7"),
                               ("grpo.beta", "0.1", "unless LoRA adapters alone train"),
                               ("grpo.rewards", "no_such_module_x:f", "does not import")]:
         bad = small(tmp_path, (key, value))
