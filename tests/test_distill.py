@@ -140,6 +140,7 @@ def test_the_chunked_loss_equals_the_whole_one(top_k):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # ~8 s; tests/test_distill_objective.py runs the teacher in the step
 def test_summed_loss_on_two_models_runs_the_teacher_without_a_gradient():
     """A student and a wider teacher (same vocabulary): the loss equals `loss_sums` of their logits, the
     chunked path equals it, no gradient reaches the teacher's parameters, and a teacher that is the

@@ -405,6 +405,7 @@ def test_one_grpo_update_raises_the_probability_the_reward_prefers(tiny):
     assert np.all(after > before + 0.02), (before, after)
 
 
+@pytest.mark.slow  # ~8 s; the full-training update stays in the default suite
 def test_one_grpo_update_of_lora_adapters_with_a_kl_penalty_to_the_base():
     """LoRA: only the adapters change, the reference is the base (adapters off), and the KL is 0 on the first
     step (the adapters start as the identity: B = 0) and the preferred tokens' probability rises."""

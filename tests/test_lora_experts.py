@@ -134,6 +134,7 @@ def test_only_the_adapters_train_the_experts_base_stays_bit_equal():
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow  # ~11 s: two models built and compared
 def test_qlora_quantizes_the_experts_and_stays_close_to_the_float_model():
     """lora.quantize_base=nf4: the experts' kernels stored as 4-bit codes (a scale per 64 inputs), counted as
     the weights they stand for, computed with dequantized; the logits within the 4-bit error of the float

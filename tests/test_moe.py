@@ -353,7 +353,7 @@ def test_dense_first_layers_are_a_swiglu_then_the_experts(scan):
     floats.close(logits, model.logits(model.final_norm(x)), ulps=64)
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scanned", "unrolled"])
 def test_dense_first_layers_decode_with_the_cache_as_the_whole_sequence(scan):
     """Decoding token by token with the KV cache gives the logits of the whole sequence at once: each stack
     writes its own layers of the cache (the MoE stack's from layer 1 on)."""
@@ -371,7 +371,7 @@ def test_dense_first_layers_decode_with_the_cache_as_the_whole_sequence(scan):
     floats.close(jnp.concatenate(steps, axis=1), whole, ulps=4096)
 
 
-@pytest.mark.parametrize("scan, dense", [(True, 0), (False, 0), (True, 1), (False, 1)],
+@pytest.mark.parametrize("scan, dense", [(True, 0), (False, 0), (True, 1), pytest.param(False, 1, marks=pytest.mark.slow)],
                          ids=["scanned", "unrolled", "scanned-dense-first", "unrolled-dense-first"])
 def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan, dense):
     """DeepSeek-V3's rule: after a step, each layer's bias of expert e moves by the rate times sign(1 -
@@ -441,10 +441,10 @@ def _collectives(text: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("mesh, impl, ep", [
-    ("expert2-fsdp4", "ragged", "auto"),
+    ("expert2-fsdp4", "capacity", "auto"),  # the all-to-all path, a CPU's choice (ragged: E x the FLOPs, slow)
     pytest.param("expert8", "capacity", "auto", marks=pytest.mark.slow),
     pytest.param("expert8", "ragged", "auto", marks=pytest.mark.slow),
-    pytest.param("expert2-fsdp4", "capacity", "auto", marks=pytest.mark.slow),
+    pytest.param("expert2-fsdp4", "ragged", "auto", marks=pytest.mark.slow),
     pytest.param("expert4-fsdp2", "capacity", "gather", marks=pytest.mark.slow),
 ])
 def test_expert_parallelism_trains_as_one_device(mesh, impl, ep):
@@ -570,6 +570,7 @@ def mesh_rules():
     return mesh_lib.rules_from_config(mesh_lib.default_rules())
 
 
+@pytest.mark.slow  # ~12 s: two compiles, one on 8 devices
 def test_dense_first_layers_flops_and_memory_are_the_compiled_steps():
     """Dense first layers (model.moe_dense_layers, moe_dense_dim wider than an expert): the compiled step's dots
     are the model's matmuls counted stack by stack (`transformer.layer_stacks`: the dense layers' SwiGLU, the
@@ -620,6 +621,7 @@ def test_dense_first_layers_are_numbered_as_the_model_s_layers():
     assert layers_of_adapters[True] == layers_of_adapters[False] == [0, 1, 2]
 
 
+@pytest.mark.slow  # ~8 s: GPTQ twice
 def test_gptq_compresses_dense_first_layers_scanned_as_unrolled():
     """GPTQ on a model with a dense first layer: each layer calibrated on the outputs of the ones before
     it (`LayerRunner`, the dense block then the MoE blocks), so the scanned model's codes are the unrolled
