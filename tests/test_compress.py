@@ -193,6 +193,7 @@ def int4_run(facts_run, tmp_path_factory):
     return root / "int4", report
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it (with its int4 run)
 def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(facts_run, int4_run):
     from jaxlm import evaluate
 
@@ -240,6 +241,7 @@ def test_a_quantized_run_directory_evaluates_and_holds_its_kernels_in_4_bits(fac
     assert report["targets"] == ["embed", "w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it
 def test_a_compressed_run_exports_the_weights_it_computes_with(int4_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
@@ -344,6 +346,7 @@ def test_gradual_pruning_reaches_its_sparsity_on_schedule(facts_run, tmp_path):
         assert (~mask).sum() == mask.size // 2 and np.all(kernel[~mask] == 0)
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it; test_bad_inputs.py's compress cases stay
 def test_bad_settings_stop_in_one_line(facts_run, tmp_path):
     cases = [
         ([("compress.quantize", "int5")], "compress.quantize='int5' is not allowed"),
@@ -362,6 +365,7 @@ def test_bad_settings_stop_in_one_line(facts_run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it
 def test_an_imported_run_needs_a_calibration_corpus(facts_run, tmp_path):
     from jaxlm import hf
 

@@ -218,6 +218,7 @@ def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
     assert packed_setup.expected_attention_choice() is True
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it
 def test_the_trainer_passes_each_batchs_kernel_and_leaves_a_recompiling_interval_untimed(tmp_path, monkeypatch):
     """The trainer hands each step the kernel `TrainSetup.attention_choice` picks for its host batch; a
     choice not seen before compiles another program in that step's dispatch, whose interval (logged as

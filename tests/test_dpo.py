@@ -284,6 +284,7 @@ def test_training_raises_the_preference_accuracy_and_a_resumed_run_is_bit_exact(
     assert resumed == full
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget (make test-slow runs it); the sums: the other cases
 def test_the_precomputed_reference_log_probs_are_the_reference_models(tmp_path):
     """`reference_logps` (the setup's sharded batches, before the first step) against the starting model
     scoring each held-out sequence alone, in NumPy."""

@@ -51,6 +51,7 @@ def tiny_fp16(*overrides):
     return cfg, train_setup.build(cfg, jax.devices()[:1])
 
 
+@pytest.mark.slow  # the default suite's 10-minute budget; make test-slow runs it
 def test_an_injected_overflow_skips_one_step_halves_the_scale_and_the_run_continues():
     cfg, setup = tiny_fp16(("optim.loss_scale_period", "1000"))
     assert setup.state.loss_scale is not None and float(setup.state.loss_scale.scale) == 32768.0

@@ -371,7 +371,8 @@ def test_dense_first_layers_decode_with_the_cache_as_the_whole_sequence(scan):
     floats.close(jnp.concatenate(steps, axis=1), whole, ulps=4096)
 
 
-@pytest.mark.parametrize("scan, dense", [(True, 0), (False, 0), (True, 1), pytest.param(False, 1, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("scan, dense", [(True, 0), (False, 0), pytest.param(True, 1, marks=pytest.mark.slow),
+                                         pytest.param(False, 1, marks=pytest.mark.slow)],
                          ids=["scanned", "unrolled", "scanned-dense-first", "unrolled-dense-first"])
 def test_the_sigmoid_routers_bias_moves_towards_balance_each_step(scan, dense):
     """DeepSeek-V3's rule: after a step, each layer's bias of expert e moves by the rate times sign(1 -
@@ -441,7 +442,8 @@ def _collectives(text: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("mesh, impl, ep", [
-    ("expert2-fsdp4", "capacity", "auto"),  # the all-to-all path, a CPU's choice (ragged: E x the FLOPs, slow)
+    # (the default suite's expert-parallel training: tests/test_parallelism.py's expert meshes)
+    pytest.param("expert2-fsdp4", "capacity", "auto", marks=pytest.mark.slow),
     pytest.param("expert8", "capacity", "auto", marks=pytest.mark.slow),
     pytest.param("expert8", "ragged", "auto", marks=pytest.mark.slow),
     pytest.param("expert2-fsdp4", "ragged", "auto", marks=pytest.mark.slow),
