@@ -358,7 +358,7 @@ CASES = [
          ("reward 'no_such_rewards_mod:score'", "does not import", "PYTHONPATH")),
     Case("grpo-reward-raises", "train", GRPO("--config.grpo.rewards={case}/r.py:score"), 2,
          ("reward '", "r.py:score' raised ZeroDivisionError", "on completion #0", "fix the function"),
-         setup=_write("r.py", "def score(prompt, completion, answer):\n    return 1 / 0\n")),
+         setup=_write("r.py", "def score(prompt, completion, answer):\n    return 1 / 0\n"), slow=True),
     Case("grpo-prompt-without-answer", "train", GRPO("--config.data.corpus={case}/p.jsonl"), 2,
          ("p.jsonl:2", "no field 'answer'", '"answer": str'),
          setup=_write("p.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')),

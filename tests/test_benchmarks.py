@@ -380,7 +380,8 @@ def test_moe_kernels_breakdown_sums_a_programs_kernels_by_source_line(tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/moe_kernels.py", "layer", "--hlo", str(saved), "--model_tflop",
                              "1e-6", "--top", "1000", "--kernels", "5", "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "XLA_FLAGS": xla_flags()})
+                            # this checkout's jaxlm, whose files the program's frames name, whatever is installed
+                            env={**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = report["by_source"]

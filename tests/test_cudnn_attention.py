@@ -184,6 +184,7 @@ def test_the_h100_program_with_data_replicas_and_stages_has_packed_cudnn_attenti
         assert kernels == want[name.split()[1]], (name, program)
 
 
+@pytest.mark.slow  # ~17 s; the default suite's 10-minute budget (make test-slow runs it)
 def test_the_step_reports_the_micro_batches_that_fall_back_to_the_mask():
     """`attention_masked`: the fraction of micro-batches with a row of more documents than the packed
     layout's bound (micro-batch i holds rows i, i + k, ...)."""

@@ -332,7 +332,8 @@ def test_on_the_fly_tokenizer_is_pickled_as_its_model(bpe: Tokenizer) -> None:
     assert copy.sha256 == bpe.sha256 and copy.encode(UNICODE_TEXTS) == bpe.encode(UNICODE_TEXTS)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+# grain's worker processes: test_resume_from_iterator_state_is_exact[2] in the default suite, here in the slow one
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_on_the_fly_resume_is_exact_and_counts_epochs(bpe: Tokenizer, corpus: list[str], num_workers: int) -> None:
     docs = text_docs(corpus)
 

@@ -598,6 +598,7 @@ def test_dense_first_layers_flops_and_memory_are_the_compiled_steps():
         report["compiled"]["per_device_bytes"], analytic)
 
 
+@pytest.mark.slow  # ~10 s; the default suite's budget
 def test_dense_first_layers_are_numbered_as_the_model_s_layers():
     """Per-layer gradient norms (`steps.norms_by_group`) and LoRA's adapters (`lora.adapters`, what the PEFT
     export writes) name each layer by its number in the model: a scanned MoE stack's slice i is layer

@@ -381,7 +381,7 @@ def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape,dtype", [(axes.shape_of(tensor=2), jnp.float32),
                                               pytest.param(axes.shape_of(data=2), jnp.float32, marks=pytest.mark.slow),
-                                              (axes.shape_of(tensor=2), jnp.bfloat16)])
+                                              pytest.param(axes.shape_of(tensor=2), jnp.bfloat16, marks=pytest.mark.slow)])
 def test_compute_kernels_make_the_step_without_them(mesh_shape, dtype):
     """With micro-batches, the plain projections' kernels reach the model as `layers.ComputeKernel`s (q, k,
     v and gate, up joined once per step) whose weight gradients come from the matmuls in float32: each
