@@ -117,7 +117,9 @@ def test_a_data_dependent_output_is_the_same_mean_whichever_way_the_layers_run()
 
 
 @pytest.mark.parametrize("overrides", [
-    (("optim.micro_batches", "1"),),
+    # all in the slow suite (the default suite's budget): tests/test_moe.py trains an MoE through the step and
+    # reads its auxiliary metrics; these run `python -m jaxlm.train`'s loop and read the files back
+    pytest.param((("optim.micro_batches", "1"),), marks=pytest.mark.slow),
     # the micro-batch loop (in the slow suite: data-replicas runs a micro-batch loop too, each replica's)
     pytest.param((("optim.micro_batches", "2"),), marks=pytest.mark.slow),
     # each data replica's own loop (slow too: tests/test_train_step.py checks the replicas' step in the default suite)
