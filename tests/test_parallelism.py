@@ -142,7 +142,7 @@ OPTIONS = {
     "expert2-data2-fsdp2-micro2": dict(mesh__data=2, mesh__fsdp=2, mesh__expert=2, optim__micro_batches=2),
     "expert2-data4-zero1": dict(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert"),
 }
-FAST = ("expert2-fsdp4", "expert8", "expert2-data2-fsdp2-micro2")  # the default suite's; the others: make test-slow
+FAST = ("expert2-fsdp4", "expert8")  # the default suite's; the others: make test-slow
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
@@ -216,6 +216,7 @@ def test_sequence_parallel_gathers_and_scatters_instead_of_all_to_all():
     assert total < 1.6 * sum(op["bytes"] for op in tp.values())  # CPU: no reduce-scatter, so not 1x
 
 
+@pytest.mark.slow  # ~10 s; the default suite's 10-minute budget (make test-slow runs it)
 def test_grouped_qkv_in_one_matmul_stays_local_under_tensor_parallelism(monkeypatch):
     """`layers.project_qkv` concatenates q, k and v's kernels per key-value head, so with the heads split over
     `tensor` each device multiplies its own heads: the compiled step communicates no more than three matmuls
