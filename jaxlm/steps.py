@@ -85,6 +85,19 @@ def token_losses(logits: jax.Array, targets: jax.Array, z_loss: float) -> jax.Ar
     return loss
 
 
+def position_chunks(seq_len: int, chunk_len: int) -> Callable[[jax.Array], jax.Array]:
+    """The function that cuts a [B, T, ...] array into [T / chunk_len, B, chunk_len, ...] (a scan over its
+    chunks of positions); `chunk_len` must divide `seq_len`."""
+    if seq_len % chunk_len:
+        raise ValueError(f"the loss chunk length {chunk_len} must divide the sequence length {seq_len}")
+    n = seq_len // chunk_len
+
+    def split(a):
+        return a.reshape(a.shape[0], n, chunk_len, *a.shape[2:]).swapaxes(0, 1)
+
+    return split
+
+
 def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
                      weights: jax.Array, z_loss: float, chunk_len: int) -> jax.Array:
     """Sum of weighted token losses, with logits made `chunk_len` positions at a time.
@@ -94,13 +107,7 @@ def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, ta
     chunk's float32 logits ([B, chunk_len, V]) is ever alive instead of the whole [B, T, V].
     Equal to `token_losses` over the whole sequence (value and gradient), up to summation order.
     """
-    b, t, d = x.shape
-    if t % chunk_len:
-        raise ValueError(f"the loss chunk length {chunk_len} must divide the sequence length {t}")
-    n = t // chunk_len
-
-    def split(a):  # [B, T, ...] -> [n, B, chunk_len, ...]
-        return a.reshape(b, n, chunk_len, *a.shape[2:]).swapaxes(0, 1)
+    split = position_chunks(x.shape[1], chunk_len)
 
     @jax.checkpoint
     def chunk_loss(x_c, t_c, w_c):

@@ -455,7 +455,7 @@ CASES = [
     Case("hf-export-disk-full", "hf", ("export", "--run_dir={run}", "--output={case}/out"), 74,
          ("past the size limit",), file_size_limit=200_000, then="resumes", slow=True),
     Case("hf-import-disk-full", "hf", ("import", "--hf_dir={case}/exported", "--output={case}/out"), 74,
-         # past the run's config.json (5.1 kB with every section: 5,000 stopped it) and below the checkpoint's arrays
+         # past the run's config.json (about 5 kB with every section) and below the checkpoint's arrays
          ("checkpoints/0 failed", "File too large"), setup=_exported, file_size_limit=8_000, then="resumes",
          slow=True),
     # --- what a command may write: only its own kind of directory or file (jaxlm.run_dir's checks)

@@ -282,16 +282,9 @@ def _chunk(model_spec) -> int:
 
 
 @dataclasses.dataclass
-class PairData:
-    """`loader.Data`'s fields for pairs, and the rows themselves (`prepare` sets their reference)."""
+class PairData(loader.Data):
+    """`loader.Data` for pairs, and the rows themselves (`prepare` sets their reference)."""
 
-    train: Any
-    eval_batches: list
-    tokenizer: Any
-    train_tokens: int | None
-    train_documents: int | None = None
-    shards: int = 1
-    sft_report: str | None = None
     train_rows: Any = None
     val_rows: Any = None
 

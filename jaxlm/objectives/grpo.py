@@ -45,8 +45,8 @@ from flax.core import spmd
 
 from jaxlm import sampling as sampling_lib
 from jaxlm.console import console
+from jaxlm.data import loader, sources, tokenizer
 from jaxlm.data import prompts as prompts_lib
-from jaxlm.data import sources, tokenizer
 from jaxlm.errors import UserError
 from jaxlm.objectives.base import Objective
 from jaxlm.objectives.dpo import adapters_off
@@ -228,17 +228,10 @@ class PromptStream:
 
 
 @dataclasses.dataclass
-class PromptData:
-    """`loader.Data`'s fields for GRPO: the training prompts (ids, rows), the held-out ones as the
-    evaluation's batches ((Prompt, ids) pairs), the ids a completion stops at."""
+class PromptData(loader.Data):
+    """`loader.Data` for GRPO (`train` a `PromptStream`): the training prompts (ids, rows), the held-out ones
+    as the evaluation's batches ((Prompt, ids) pairs), the ids a completion stops at."""
 
-    train: PromptStream
-    eval_batches: list
-    tokenizer: Any
-    train_tokens: int | None
-    train_documents: int | None = None
-    shards: int = 1
-    sft_report: str | None = None
     train_prompts: list = dataclasses.field(default_factory=list)
     train_ids: list = dataclasses.field(default_factory=list)
     stop_ids: tuple = ()

@@ -148,13 +148,7 @@ def chunked_loss_sums(project: Callable[[jax.Array], jax.Array], x: jax.Array,
     `teacher_project` map a chunk of them to logits [B, chunk_len, V]). Each chunk is rematerialized in the
     backward pass, so one chunk of each model's float32 logits is alive instead of the whole [B, T, V];
     equal to `loss_sums` (value and gradient) up to summation order."""
-    b, t = x.shape[:2]
-    if t % chunk_len:
-        raise ValueError(f"the loss chunk length {chunk_len} must divide the sequence length {t}")
-    n = t // chunk_len
-
-    def split(a):  # [B, T, ...] -> [n, B, chunk_len, ...]
-        return a.reshape(b, n, chunk_len, *a.shape[2:]).swapaxes(0, 1)
+    split = steps.position_chunks(x.shape[1], chunk_len)
 
     @jax.checkpoint
     def chunk_sums(x_c, tx_c, t_c, w_c):

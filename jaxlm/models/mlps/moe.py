@@ -677,9 +677,8 @@ def _capacity_all_to_all(x, gates, experts, weights, spec, einsum_op, axis: str)
     return y, kept.reshape(b, k, t).transpose(0, 2, 1).astype(jnp.float32)
 
 
-# tokamax: gate and up as one grouped GEMM (the compiled 8-H100 moe_1b step 1.9 ms shorter); not jax's
-# ragged_dot, a masked dense dot on a CPU, slower joined there (the tiny MoE step: tokamax's fallback to it
-# 815 ms joined against ragged's 550 apart, one run; benchmarks/BENCHMARKS.md)
+# tokamax: gate and up as one grouped GEMM (the rows read once, one kernel: a shorter H100 step); not jax's
+# ragged_dot, a masked dense dot on a CPU that runs slower joined (measured: benchmarks/BENCHMARKS.md)
 DISPATCH = {"ragged": _ragged, "tokamax": functools.partial(_ragged, grouped=tokamax_grouped_matmul, joint=True),
             "dense": _dense, "capacity": _capacity}
 EXPERT_AXIS = "expert"  # the mesh axis the rules split the experts over (rules.experts)
