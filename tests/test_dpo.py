@@ -78,15 +78,19 @@ def numpy_loss_and_dlogits(logits, batch, cfg):
         loss = -np.log(sig(x))
         dx = -sig(-x)
         dpi = np.stack([dx * cfg.beta / n[:, 0], -dx * cfg.beta / n[:, 1]], 1)
+    if cfg.sft_weight:  # RPO: + alpha * (-pi_c / n_c)
+        loss = loss - cfg.sft_weight * pi[:, 0] / n[:, 0]
+        dpi[:, 0] -= cfg.sft_weight / n[:, 0]
     # d pi_s / d logits[t] = w_t [seg_t == s] (onehot(target_t) - softmax_t)
     coef = sum(dpi[:, s - 1][:, None] * (seg == s) for s in (1, 2)) * batch["weights"]
     onehot = np.eye(logits.shape[-1])[batch["targets"]]
     return loss.sum(), coef[..., None] * (onehot - softmax)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
-def test_the_loss_and_its_gradient_equal_a_numpy_computation(loss):
-    cfg = dpo_lib.DPOConfig(beta=0.3, loss=loss, simpo_gamma=0.4)
+@pytest.mark.parametrize("loss,sft_weight", [("sigmoid", 0.0), ("ipo", 0.0), ("simpo", 0.0), ("sigmoid", 0.7),
+                                              ("simpo", 0.7)])
+def test_the_loss_and_its_gradient_equal_a_numpy_computation(loss, sft_weight):
+    cfg = dpo_lib.DPOConfig(beta=0.3, loss=loss, simpo_gamma=0.4, sft_weight=sft_weight)
     batch, _ = pairs_batch()
     logits = np.random.default_rng(1).normal(0, 2, (*batch["inputs"].shape, VOCAB)).astype(np.float32)
 

@@ -10,6 +10,9 @@ h = (pi_c - ref_c) - (pi_r - ref_r), the loss of a pair is (`preference_losses`)
   ipo     (Azar et al. 2023):          (h' - 1 / (2 beta))^2, h' of the log-probs averaged per token, as
                                        TRL computes it
   simpo   (Meng et al. 2024):          -log sigmoid(beta (pi_c / n_c - pi_r / n_r) - gamma): no reference
+plus, with `dpo.sft_weight` = alpha > 0, alpha (-pi_c / n_c): the chosen completion's next-token loss per
+token (RPO, Pang et al. 2024; TRL's `rpo_alpha`), which keeps DPO from lowering the chosen completions'
+likelihood along with the rejected ones'.
 The implicit rewards are beta (pi - ref) (per token for ipo; beta pi / n for simpo); the metrics are
 their means (`dpo/reward_chosen`, `dpo/reward_rejected`), the mean margin between them (`dpo/margin`)
 and the fraction of pairs whose chosen reward is the larger (`dpo/accuracy`); evaluation reports the
@@ -68,6 +71,9 @@ class DPOConfig(Section):
     loss: str = setting("sigmoid", "sigmoid (DPO) | ipo (squared, log-probs per token) | simpo (no reference, "
                                    "log-probs per token, margin dpo.simpo_gamma)")
     simpo_gamma: float = setting(0.5, "dpo.loss=simpo: the target margin gamma between the rewards")
+    sft_weight: float = setting(
+        0.0, "adds this times the chosen completion's next-token loss per token to each pair's loss (RPO; TRL's "
+             "rpo_alpha); 0 = off")
     reference: str = setting(
         "precomputed",
         "the reference's log-probs: precomputed (once before training, kept in data.cache_dir) | live (in every "
@@ -77,6 +83,7 @@ class DPOConfig(Section):
         check(self.beta > 0, self.key("beta"), self.beta, "a positive number")
         check_choice(self.key("loss"), self.loss, LOSSES)
         check(self.simpo_gamma >= 0, self.key("simpo_gamma"), self.simpo_gamma, "0 or more")
+        check(self.sft_weight >= 0, self.key("sft_weight"), self.sft_weight, "0 (off) or more")
         check_choice(self.key("reference"), self.reference, REFERENCES)
 
 
@@ -142,6 +149,13 @@ def preference_losses(policy: jax.Array, reference: jax.Array | None, counts: ja
     """(each pair's loss [B], the implicit rewards of its chosen and rejected completion [B, 2]) from the
     policy's and the reference's summed log-probs [B, 2] and the scored tokens' counts [B, 2] (the
     module's docstring has the formulas; `reference` is None for simpo)."""
+    losses, rewards = _preference_terms(policy, reference, counts, dpo)
+    if dpo.sft_weight > 0:
+        losses = losses - dpo.sft_weight * policy[:, 0] / jnp.maximum(counts[:, 0], 1.0)
+    return losses, rewards
+
+
+def _preference_terms(policy, reference, counts, dpo: DPOConfig):
     beta = dpo.beta
     if dpo.loss == "simpo":
         rewards = beta * policy / jnp.maximum(counts, 1.0)
