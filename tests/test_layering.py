@@ -15,7 +15,7 @@ LAYERS = {
     # training and planning; config assembles the typed sections their owners define (`jaxlm.section`)
     3: {"config", "train_setup", "steps", "optim", "pruning_masks", "train_state", "checkpoint", "init_from",
         "lora", "metrics", "run_dir", "run_lock", "energy", "inference", "memory", "roofline", "hlo",
-        "post_training", "objectives", "sampling"},
+        "post_training", "objectives", "sampling", "scoring"},
     2: {"models", "data", "quant", "loss_scale", "precision"},  # models and data
     1: {"section", "axes", "mesh", "errors", "console", "table", "distributed", "xla_flags", "cli", "paths",
         "overrides"},  # basics
