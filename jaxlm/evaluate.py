@@ -13,7 +13,8 @@ Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
 `{"context": str, "choices": [str, ...], "answer": int}`; each choice is scored by the summed
 log-likelihood of its tokens after the context (split from it as the harness splits a request:
 `jaxlm.scoring`). `acc` counts examples whose best-scoring choice is the answer; `acc_norm` divides each
-score by the choice's length in UTF-8 bytes first.
+score by the choice's length in UTF-8 bytes first. `--lm_eval_tasks=hellaswag,...` runs lm-evaluation-harness's
+own tasks on the run (`jaxlm.lm_eval`; the optional extra `eval`).
 
 Everything runs sharded over the devices here (batch over data x fsdp x expert, parameters by the run's
 rules). Results are printed as a table and written as JSON (default `<run_dir>/eval-<step>.json`).
@@ -335,12 +336,36 @@ def format_table(results: dict[str, Any]) -> str:
         lines += ["| task | examples | acc | acc_norm |", "|---|---|---|---|"]
         lines += [f"| {name} | {r['examples']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |"
                   for name, r in results["tasks"].items()]
+    if results.get("lm_eval"):
+        if lines:
+            lines.append("")
+        lines += ["| lm_eval task | metric | value | stderr |", "|---|---|---|---|"]
+        for task, metrics in results["lm_eval"]["results"].items():
+            for key, value in metrics.items():  # "acc,none", "acc_stderr,none": a metric and its filter
+                metric, _, filter_name = key.partition(",")
+                if not filter_name or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                    continue
+                stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+                stderr = f"{stderr:.4f}" if isinstance(stderr, (int, float)) else "n/a"
+                name = metric if filter_name == "none" else f"{metric} ({filter_name})"
+                lines.append(f"| {task} | {name} | {value:.4f} | {stderr} |")
     return "\n".join(lines)
 
 
 def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     task_files = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     examples = {pathlib.Path(t).stem: read_examples(t) for t in task_files}  # bad files fail before loading
+    harness_tasks, manager = [t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()], None
+    if harness_tasks:  # the harness and every task name checked before the checkpoint loads
+        from jaxlm import lm_eval  # local import: the harness (an optional extra) loads only for --lm_eval_tasks
+
+        manager = lm_eval.task_manager(harness_tasks, args.lm_eval_include_path)
+    else:
+        given = [f"--{k}" for k in ("lm_eval_include_path", "lm_eval_num_fewshot", "lm_eval_limit")
+                 if getattr(args, k) is not None]
+        if given:
+            raise UserError(f"{given[0]} is a setting of --lm_eval_tasks; give the harness's tasks too "
+                            f"(--lm_eval_tasks=hellaswag,...)")
     run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype)
     scorer = scoring.make_scorer(run)
     results: dict[str, Any] = {"run_dir": str(run.run_dir), "step": run.step,
@@ -355,6 +380,9 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     results["tasks"] = {}
     for name, task_examples in examples.items():
         results["tasks"][name] = multiple_choice(run, task_examples, batch_size=args.batch_size, scorer=scorer)
+    if harness_tasks:
+        results["lm_eval"] = lm_eval.run_tasks(run, harness_tasks, manager, num_fewshot=args.lm_eval_num_fewshot,
+                                               limit=args.lm_eval_limit, batch_size=args.batch_size, scorer=scorer)
     return results
 
 
