@@ -48,6 +48,15 @@ def evaluate_parser() -> cli.Parser:
     parser.add_number("--max_tokens", kind=int, minimum=0, allowed="0 (all) or more", default=1_000_000,
                       help="evaluate on about this many tokens; 0 = all")
     parser.add_argument("--tasks", default="", help="multiple-choice JSONL files, comma-separated")
+    parser.add_argument("--lm_eval_tasks", default="",
+                        help="lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy); needs the harness: "
+                             "pip install 'jaxlm[eval]'")
+    parser.add_path("--lm_eval_include_path", kind="dir", io="in", default=None,
+                    help="a directory of your own harness task YAML files (adds to the harness's)")
+    parser.add_number("--lm_eval_num_fewshot", kind=int, minimum=0, default=None,
+                      help="examples before each question (default: each task's own)")
+    parser.add_number("--lm_eval_limit", kind=int, minimum=1, default=None,
+                      help="at most this many examples of each harness task (default: all)")
     parser.add_number("--seq_len", kind=int, minimum=2, default=None,
                       help="tokens per row (default: the run's data.seq_len)")
     parser.add_number("--batch_size", kind=int, minimum=1, default=None, help="rows per batch (default: the run's)")

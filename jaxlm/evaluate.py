@@ -11,8 +11,10 @@ tokens, as its training's val_loss (`jaxlm.data.sft`).
 
 Multiple choice, in the style of lm-eval-harness: each line of a JSONL file is
 `{"context": str, "choices": [str, ...], "answer": int}`; each choice is scored by the summed
-log-likelihood of its tokens after the context. `acc` counts examples whose best-scoring choice is
-the answer; `acc_norm` divides each score by the choice's length in UTF-8 bytes first.
+log-likelihood of its tokens after the context (split from it as the harness splits a request:
+`jaxlm.scoring`). `acc` counts examples whose best-scoring choice is the answer; `acc_norm` divides each
+score by the choice's length in UTF-8 bytes first. `--lm_eval_tasks=hellaswag,...` runs lm-evaluation-harness's
+own tasks on the run (`jaxlm.lm_eval`; the optional extra `eval`).
 
 Everything runs sharded over the devices here (batch over data x fsdp x expert, parameters by the run's
 rules). Results are printed as a table and written as JSON (default `<run_dir>/eval-<step>.json`).
@@ -33,52 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax.core import spmd
 
-from jaxlm import commands, inference, steps
+from jaxlm import commands, inference, scoring
 from jaxlm import run_dir as run_dir_lib
 from jaxlm.data import loader, pipeline, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
 
 log = logging.getLogger(__name__)
-
-LENGTH_BUCKET = 32  # multiple-choice rows are padded to a multiple of this: few shapes, few compilations
-Batch = dict[str, np.ndarray]
-
-
-# ----------------------------------------------------------------------------- the compiled scorer
-
-
-def make_scorer(run: inference.LoadedRun):
-    """(params, batch) -> per-row (sum of weighted token losses [B], sum of weights [B]), float32.
-
-    A batch holds int32 `inputs`, `targets`, `segment_ids` (0 = padding), `positions` and float32
-    `weights` [B, T] (which targets count); the loss of a target is -log p(target | earlier tokens).
-    """
-    graphdef, rules = run.model_spec.graphdef, run.rules
-
-    def score(params, batch):
-        with spmd.logical_axis_rules(rules):
-            model = nnx.merge(graphdef, params)
-            logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-            losses = steps.token_losses(logits, batch["targets"], 0.0) * batch["weights"]
-            return jnp.sum(losses, axis=1), jnp.sum(batch["weights"], axis=1)
-
-    rows = run.sharding(("act_batch", None))
-    batch_sharding = {k: rows for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
-    out = run.sharding(())  # [B] sums, replicated: every process can read them
-    return jax.jit(score, in_shardings=(run.param_shardings, batch_sharding), out_shardings=(out, out))
-
-
-def _put(run: inference.LoadedRun, batch: Batch) -> dict[str, jax.Array]:
-    return {k: run.put(v, ("act_batch", None)) for k, v in batch.items()}
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
 
 # ----------------------------------------------------------------------------- perplexity
 
@@ -89,21 +53,21 @@ def perplexity(run: inference.LoadedRun, doc_tokens: Sequence[np.ndarray], *, se
     seq_len = seq_len or run.cfg.data.seq_len
     if seq_len > run.model_cfg.max_seq_len:
         raise UserError(f"--seq_len={seq_len} is longer than the model's context ({run.model_cfg.max_seq_len})")
-    batch_size = _round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
+    batch_size = scoring.round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
     batches = pipeline.make_eval_batches(doc_tokens, seq_len=seq_len, batch_size=batch_size, max_batches=2**62)
     if not batches:
         raise UserError("the corpus has no tokens to predict (every document is shorter than 2 tokens)")
-    scorer = scorer or make_scorer(run)
+    scorer = scorer or scoring.make_scorer(run)
     byte_lengths = run.tokenizer.byte_lengths()
     total_loss, tokens, total_bytes = 0.0, 0, 0
     with jax.set_mesh(run.mesh):
         pending = []
         for batch in batches:
             real = batch["weights"] > 0
-            pending.append(scorer(run.params, _put(run, batch)))  # dispatched; read below
+            pending.append(scorer(run.params, scoring.put_batch(run, batch)))  # dispatched; read below
             tokens += int(real.sum())
             total_bytes += int(byte_lengths[batch["targets"]][real].sum())
-        for loss_sums, _ in pending:
+        for loss_sums, *_ in pending:
             total_loss += float(np.sum(np.asarray(jax.device_get(loss_sums), np.float64)))
     loss = total_loss / tokens
     return {
@@ -331,57 +295,22 @@ def read_examples(path: str | pathlib.Path) -> list[Example]:
 
 
 def choice_requests(tok, example: Example, max_len: int) -> list[tuple[np.ndarray, int]]:
-    """(tokens, number of choice tokens at the end) per choice: BOS, the context, the choice.
-
-    As lm-eval-harness does, trailing whitespace of the context moves to the front of the choice and
-    context and choice are encoded separately; a sequence longer than the model's context keeps its end.
-    """
-    context, choices = example.context, list(example.choices)
-    stripped = context.rstrip()
-    if stripped != context:
-        choices = [context[len(stripped):] + c for c in choices]
-        context = stripped
-    context_ids = tok.encode([context], add_bos=True, add_eos=False)[0]
-    requests = []
-    for ids in tok.encode(choices, add_bos=False, add_eos=False):
-        if len(ids) >= max_len:
-            raise UserError(f"a choice is {len(ids)} tokens, longer than the model's context ({max_len}); "
-                            f"shorten it ({choices[len(requests)][:40]!r}...)")
-        seq = np.asarray(context_ids + ids, np.int32)[-(max_len + 1):]  # max_len + 1 tokens: max_len targets
-        requests.append((seq, len(ids)))
-    return requests
+    """(tokens, number of choice tokens at the end) per choice, split from the context as lm-evaluation-harness
+    splits a request (`scoring.encode_pair`: the context's trailing whitespace moves to the choice, the
+    whole text is encoded), BOS first where the tokenizer's convention puts it (`Tokenizer.adds_bos`); a
+    sequence longer than the model's context keeps its end."""
+    return [scoring.continuation_request(*scoring.encode_pair(tok, example.context, choice, tok.adds_bos), max_len)
+            for choice in example.choices]
 
 
 def multiple_choice(run: inference.LoadedRun, examples: Sequence[Example], *, batch_size: int | None = None,
                     scorer=None) -> dict[str, Any]:
     """acc and acc_norm over `examples`, with each choice's log-likelihood [examples][choices]."""
     max_len = run.model_cfg.max_seq_len
-    requests = []  # (example, choice, tokens, choice tokens)
-    for e, example in enumerate(examples):
-        for c, (seq, n) in enumerate(choice_requests(run.tokenizer, example, max_len)):
-            requests.append((e, c, seq, n))
-    requests.sort(key=lambda r: len(r[2]))  # similar lengths share a batch: less padding
-    batch_size = _round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
-    scorer = scorer or make_scorer(run)
-    loglik = [[0.0] * len(ex.choices) for ex in examples]
-    pending = []
-    with jax.set_mesh(run.mesh):
-        for i in range(0, len(requests), batch_size):
-            group = requests[i : i + batch_size]
-            length = min(_round_up(max(len(seq) - 1 for _, _, seq, _ in group), LENGTH_BUCKET), max_len)
-            batch = {k: np.zeros((batch_size, length), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
-            batch["weights"] = np.zeros((batch_size, length), np.float32)
-            for row, (_, _, seq, n) in enumerate(group):
-                t = len(seq) - 1
-                batch["inputs"][row, :t], batch["targets"][row, :t] = seq[:-1], seq[1:]
-                batch["segment_ids"][row, :t] = 1
-                batch["positions"][row, :t] = np.arange(t)
-                batch["weights"][row, t - n : t] = 1.0  # the choice's tokens only
-            pending.append((group, scorer(run.params, _put(run, batch))[0]))
-        for group, loss_sums in pending:
-            values = np.asarray(jax.device_get(loss_sums), np.float64)
-            for row, (e, c, _, _) in enumerate(group):
-                loglik[e][c] = -float(values[row])
+    requests = [choice_requests(run.tokenizer, example, max_len) for example in examples]
+    scored = iter(scoring.score_continuations(run, [r for rs in requests for r in rs], batch_size=batch_size,
+                                              scorer=scorer))
+    loglik = [[next(scored)[0] for _ in example.choices] for example in examples]
     correct = correct_norm = 0
     for example, scores in zip(examples, loglik):
         norm = [s / len(choice.encode("utf-8")) for s, choice in zip(scores, example.choices)]
@@ -407,14 +336,38 @@ def format_table(results: dict[str, Any]) -> str:
         lines += ["| task | examples | acc | acc_norm |", "|---|---|---|---|"]
         lines += [f"| {name} | {r['examples']} | {r['acc']:.4f} | {r['acc_norm']:.4f} |"
                   for name, r in results["tasks"].items()]
+    if results.get("lm_eval"):
+        if lines:
+            lines.append("")
+        lines += ["| lm_eval task | metric | value | stderr |", "|---|---|---|---|"]
+        for task, metrics in results["lm_eval"]["results"].items():
+            for key, value in metrics.items():  # "acc,none", "acc_stderr,none": a metric and its filter
+                metric, _, filter_name = key.partition(",")
+                if not filter_name or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                    continue
+                stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+                stderr = f"{stderr:.4f}" if isinstance(stderr, (int, float)) else "n/a"
+                name = metric if filter_name == "none" else f"{metric} ({filter_name})"
+                lines.append(f"| {task} | {name} | {value:.4f} | {stderr} |")
     return "\n".join(lines)
 
 
 def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     task_files = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     examples = {pathlib.Path(t).stem: read_examples(t) for t in task_files}  # bad files fail before loading
+    harness_tasks, manager = [t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()], None
+    if harness_tasks:  # the harness and every task name checked before the checkpoint loads
+        from jaxlm import lm_eval  # local import: the harness (an optional extra) loads only for --lm_eval_tasks
+
+        manager = lm_eval.task_manager(harness_tasks, args.lm_eval_include_path)
+    else:
+        given = [f"--{k}" for k in ("lm_eval_include_path", "lm_eval_num_fewshot", "lm_eval_limit")
+                 if getattr(args, k) is not None]
+        if given:
+            raise UserError(f"{given[0]} is a setting of --lm_eval_tasks; give the harness's tasks too "
+                            f"(--lm_eval_tasks=hellaswag,...)")
     run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype)
-    scorer = make_scorer(run)
+    scorer = scoring.make_scorer(run)
     results: dict[str, Any] = {"run_dir": str(run.run_dir), "step": run.step,
                                "devices": f"{len(run.mesh.devices.flat)}x {run.mesh.devices.flat[0].device_kind}",
                                "dtype": jnp.dtype(run.model_cfg.dtype).name}
@@ -427,6 +380,9 @@ def run_evaluation(args: argparse.Namespace) -> dict[str, Any]:
     results["tasks"] = {}
     for name, task_examples in examples.items():
         results["tasks"][name] = multiple_choice(run, task_examples, batch_size=args.batch_size, scorer=scorer)
+    if harness_tasks:
+        results["lm_eval"] = lm_eval.run_tasks(run, harness_tasks, manager, num_fewshot=args.lm_eval_num_fewshot,
+                                               limit=args.lm_eval_limit, batch_size=args.batch_size, scorer=scorer)
     return results
 
 

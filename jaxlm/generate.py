@@ -25,7 +25,7 @@ import json
 import logging
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -236,10 +236,13 @@ class Generator:
         sampling: Sampling = GREEDY,
         seed: int = 0,
         eos_id: StopIds | Literal["tokenizer"] = "tokenizer",
+        finished: Callable[[np.ndarray], bool] | None = None,
     ) -> list[Completion]:
         """New tokens for each prompt (token ids, normally starting with BOS). A row stops at `eos_id`
         (one id or several: EOS and a chat template's end-of-turn marker): by default the tokenizer's
-        (`self.eos_id`); None never stops early."""
+        (`self.eos_id`); None never stops early. `finished(tokens)`, given the new tokens so far [prompts,
+        n] (pad after a row's stop id) every DONE_CHECK_EVERY steps, ends generation early where it says
+        every row is done (a row's stop string found in its text: lm-evaluation-harness's `until`)."""
         eos_id = stop_tuple(self.eos_id if isinstance(eos_id, str) else eos_id)
         tokens, start, is_padding, cache_len, max_new = self.prepare(prompts, max_new_tokens)
         prefill, decode = self.compiled()
@@ -249,17 +252,23 @@ class Generator:
             settings = SamplingArrays(*[put(x, whole) for x in SamplingArrays.of(sampling, eos_id, self.pad_id)])
             cache, state = prefill(self.params, put(tokens, self._sharding("act_batch", None)), put(start, rows),
                                    put(is_padding, rows), key, settings, cache_len, max_new)
-            cache, state, _ = self.decode_until_done(cache, state, max_new)
+            def tokens_finished(state: DecodeState) -> bool:  # `finished` on the real rows' tokens so far
+                return finished(np.asarray(jax.device_get(state.tokens))[: len(prompts), : int(state.count)])
+
+            cache, state, _ = self.decode_until_done(cache, state, max_new, tokens_finished if finished else None)
             new = np.asarray(jax.device_get(state.tokens))
         return [completion(prompt, new[row], eos_id) for row, prompt in enumerate(prompts)]
 
-    def decode_until_done(self, cache, state: DecodeState, max_new: int) -> tuple[attention.KVCache, DecodeState, int]:
-        """Decode steps after a prefill until every row has stopped (looked at every DONE_CHECK_EVERY
-        steps) or `max_new` tokens are out; also the number of steps run (tokens fed to the cache)."""
+    def decode_until_done(self, cache, state: DecodeState, max_new: int,
+                          finished: Callable[[DecodeState], bool] | None = None,
+                          ) -> tuple[attention.KVCache, DecodeState, int]:
+        """Decode steps after a prefill until every row has stopped, or `finished(state)` says the caller has
+        what it needs (each looked at every DONE_CHECK_EVERY steps), or `max_new` tokens are out; also the
+        number of steps run (tokens fed to the cache)."""
         _, decode = self.compiled()
         steps = 0
         for n in range(1, max_new):
-            if n % DONE_CHECK_EVERY == 0 and bool(np.all(jax.device_get(state.done))):
+            if n % DONE_CHECK_EVERY == 0 and (bool(np.all(jax.device_get(state.done))) or (finished and finished(state))):
                 break
             cache, state = decode(self.params, cache, state)
             steps += 1

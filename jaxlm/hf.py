@@ -407,7 +407,7 @@ def _write_model(directory: pathlib.Path, run: inference.LoadedRun, params: dict
         _write_json(directory / "tokenizer_config.json", {
             **{f"{kind}_token": tok.token_text(getattr(tok, f"{kind}_id")) or None
                for kind in ("bos", "eos", "unk")},
-            "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.bos_id >= 0,
+            "pad_token": None if pad_id is None else tok.token_text(pad_id), "add_bos_token": tok.adds_bos,
             "add_eos_token": False, "model_max_length": model_cfg.max_seq_len})
 
 

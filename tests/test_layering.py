@@ -11,11 +11,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxlm"
 # The top-level modules and packages of jaxlm, by layer (higher imports lower)
 LAYERS = {
     4: {"train", "evaluate", "generate", "hf", "compress", "plan", "doctor", "experiment", "explore", "commands",
-        "config_reference"},  # commands
+        "config_reference", "lm_eval"},  # commands
     # training and planning; config assembles the typed sections their owners define (`jaxlm.section`)
     3: {"config", "train_setup", "steps", "optim", "pruning_masks", "train_state", "checkpoint", "init_from",
         "lora", "metrics", "run_dir", "run_lock", "energy", "inference", "memory", "roofline", "hlo",
-        "post_training", "objectives", "sampling"},
+        "post_training", "objectives", "sampling", "scoring"},
     2: {"models", "data", "quant", "loss_scale", "precision"},  # models and data
     1: {"section", "axes", "mesh", "errors", "console", "table", "distributed", "xla_flags", "cli", "paths",
         "overrides"},  # basics

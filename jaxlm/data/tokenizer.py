@@ -135,6 +135,13 @@ class Tokenizer(abc.ABC):
         return (HFTokenizer if _is_json(path) else SentencePieceTokenizer).load(path)
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether a text begins with BOS by this tokenizer's own convention: what transformers'
+        `tokenizer(text)` does with the Hugging Face copy of it (`jaxlm.hf export` writes a SentencePiece
+        model's as `add_bos_token`). A SentencePiece model: BOS wherever it has one, as training adds it."""
+        return self.bos_id >= 0
+
+    @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
 
@@ -537,6 +544,10 @@ class HFTokenizer(Tokenizer):
         path = pathlib.Path(path)
         write_bytes_atomically(path.parent / HF_CONFIG_FILE, self._config_json)
         write_bytes_atomically(path, self._json)
+
+    @property
+    def adds_bos(self) -> bool:
+        return self.hf_add_bos
 
     @property
     def vocab_size(self) -> int:
