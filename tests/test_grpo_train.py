@@ -4,8 +4,8 @@ the sampler's and the rewards'; in full training the KL's reference is the model
 from (0 KL on the first step, its log-probs those of that checkpoint's model computed apart, the same
 reference read again on resume, a changed or missing one refused in one line, its bytes in the memory
 plan); GRPO steps raise a learnable reward; a resumed run is bit-exact (the rollouts' prompts and key are
-functions of the step); checkpoints fall on rollout boundaries only; the config's checks; the prompt
-reader."""
+functions of the step); checkpoints fall on rollout boundaries only, and a run stopped inside a rollout
+says which checkpoint it resumes from; the config's checks; the prompt reader."""
 
 import json
 import pathlib
@@ -319,3 +319,33 @@ def test_a_resumed_run_whose_reference_changed_or_is_gone_is_refused_in_one_line
     assert "\n" not in str(e.value) and f"{source.resolve()} no longer holds checkpoint 0" in str(e.value)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
+
+@pytest.mark.slow
+def test_a_run_stopped_inside_a_rollout_names_the_checkpoint_it_resumes_from(tmp_path):
+    """optim.on_nonfinite=stop with mu=2: a run saves at step 2 (a reward of 0 while a file says so: no
+    gradient, the parameters unchanged), then resumed without it at an absurd learning rate: step 3's update
+    makes step 4 non-finite, which the loop reads after step 5 began, inside a rollout, where no checkpoint
+    resumes exactly. The stop names the last checkpoint, step 2, and the steps a re-run does again, 3-5."""
+    (tmp_path / "r.py").write_text(ALNUM + textwrap.dedent(f"""
+        import pathlib
+        def quiet_then_alnum(prompt, completion, answer):
+            return 0.0 if pathlib.Path({str(tmp_path / "quiet")!r}).exists() else alnum(prompt, completion, answer)
+    """))
+    (tmp_path / "quiet").touch()
+
+    def cfg(steps, every):
+        return small(tmp_path, ("grpo.mu", "2"), ("run.steps", str(steps)), ("checkpoint.every_steps", str(every)),
+                     ("grpo.rewards", f"{tmp_path}/r.py:quiet_then_alnum"), ("optim.peak_lr", "1e30"),
+                     ("optim.warmup_steps", "0"), ("run.name", "nonfinite"), ("run.eval_at_start", "off"),
+                     ("run.eval_every", "0"), ("run.compile_cache_dir", ""))
+
+    train.run(cfg(2, 2))
+    (tmp_path / "quiet").unlink()
+    with pytest.raises(train.NonFiniteError) as e:
+        train.run(cfg(8, 8))  # (checkpoint.every_steps may change on resume)
+    checkpoints = tmp_path / "nonfinite" / "checkpoints"
+    assert e.value.step == 4 and e.value.checkpoint_dir == checkpoints / "2"
+    assert e.value.kept == (f"no checkpoint saved at step 5, inside a rollout (checkpoints fall on rollout "
+                            f"boundaries); the last is {checkpoints / '2'}: a re-run resumes from it and does steps "
+                            f"3-5 again")
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2"]
