@@ -214,13 +214,33 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
                         f"config with jaxlm.init_from.resolve_config(cfg, overrides) first (the commands and "
                         f"explore.make_config do)")
     step = cfg.run.init_step if cfg.run.init_step >= 0 else None
+    try:
+        params, step = read_params(setup, source, step)
+    except UserError as e:
+        raise UserError(f"{flag}: {e}; restore its checkpoints from a copy, or give another run.init_from (or "
+                        f"run.init_step)") from None
+    scale = None if setup.state.loss_scale is None else cfg.optim.loss_scale_init
+    state = train_state.from_params(params, setup.model_spec, setup.tx, setup.shardings, setup.mesh, cfg.run.seed,
+                                    loss_scale=scale or 0.0)
+    return state, {"run_dir": str(source.resolve()), "step": int(step)}
+
+
+def read_params(setup, source: pathlib.Path, step: int | None) -> tuple[Any, int]:
+    """(the parameters a new run of `setup` starts with from the run `source`, the step read): its checkpoint
+    `step` (None: the newest that loads and matches its manifest) on the run's mesh by its rules, in its
+    `model.param_dtype`, quantized or given pruning masks as the run's model has them, fresh LoRA adapters
+    added (`run.seed`'s). `load_state` builds the first train state on them; a GRPO run with a KL penalty in
+    full training reads them again on resume as its reference (`TrainSetup.read_start`). A checkpoint that
+    does not load raises its `UserError`."""
+    cfg = setup.cfg
     # LoRA: the base weights alone are read (the source has no adapters: lora.check_source); the adapters
     # are initialised as a new run's would be. QLoRA: the source's float kernels are read onto the same
     # model unquantized (same mesh and rules), then quantized once, shard by shard, into the 4-bit base.
     # A compressed source (python -m jaxlm.compress) holds its integer codes and masks: read as they are.
     # A pruning run from a dense source reads the kernels, its masks start all True.
-    saved = compressed_structure(_read_config(source, flag))
-    target = lora.base_params(setup.state.params)
+    saved = compressed_structure(_read_config(source, f"config.run.init_from={source}"))
+    target = lora.base_params(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                           setup.state.params))
     quantized = setup.model_cfg.stored_quant is not None and not saved.get("quantize")
     unmasked = setup.model_cfg.pruned is not None and not float(saved.get("sparsity", 0) or 0) > 0
     if quantized or unmasked:
@@ -228,11 +248,8 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
                                        pruned=None if unmasked else setup.model_cfg.pruned)
         abstract, *_ = train_state.abstract_state(read_cfg, optax.identity(), setup.mesh, setup.rules)
         target = lora.base_params(abstract.params)
-    try:  # onto the abstract params: the new run's shardings and param_dtype
-        params, step = checkpoint.load_params_and_step(source / "checkpoints", target, step=step)
-    except UserError as e:
-        raise UserError(f"{flag}: {e}; restore its checkpoints from a copy, or give another run.init_from (or "
-                        f"run.init_step)") from None
+    # onto the abstract params: the new run's shardings and param_dtype
+    params, step = checkpoint.load_params_and_step(source / "checkpoints", target, step=step)
     if quantized:
         params = quantize_base(params, setup.model_cfg, lora.base_params(setup.shardings.params), setup.mesh)
     if unmasked:
@@ -240,10 +257,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     if setup.model_cfg.lora is not None:
         fresh = lora.init_adapters(setup.model_cfg, setup.shardings.params, setup.mesh, cfg.run.seed)
         params = lora.fill_missing(params, fresh)
-    scale = None if setup.state.loss_scale is None else cfg.optim.loss_scale_init
-    state = train_state.from_params(params, setup.model_spec, setup.tx, setup.shardings, setup.mesh, cfg.run.seed,
-                                    loss_scale=scale or 0.0)
-    return state, {"run_dir": str(source.resolve()), "step": int(step)}
+    return params, int(step)
 
 
 def quantize_base(params: dict, cfg, shardings: dict, mesh) -> dict:

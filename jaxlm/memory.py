@@ -43,6 +43,7 @@ from jaxlm.errors import UserError
 from jaxlm.models import attention, layers, pipeline_parallel, transformer
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
+from jaxlm.objectives import grpo as grpo_objective
 
 GIB = 2**30
 F32 = 4
@@ -495,6 +496,11 @@ def estimate(
     ]
     if cfg.objective.name == "distill":
         rows += teacher_rows(cfg, derived.mesh_shape, rules, platform, (logits, logits_total))
+    if cfg.objective.name == "grpo" and cfg.grpo.beta > 0 and not grpo_objective.adapters_alone(cfg):
+        # the KL's reference in full training: a copy of the parameters laid out as the state's
+        rows.append(Row("reference parameters", *param_bytes,
+                        "grpo.beta > 0 in full training: the parameters run.init_from started from, held beside the "
+                        "state (no gradient, no optimizer state); its forward runs before the step, not in it"))
     stage_bytes = 0.0
     if schedule is not None:  # each iteration hands a stage's output on, forward and (its gradient) backward
         piece = activation_sizes(m, derived.micro_batch_size // schedule.microbatches, cfg.data.seq_len, rules,

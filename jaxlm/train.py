@@ -71,6 +71,8 @@ class NonFiniteError(Exception):
             f"Lower config.optim.peak_lr, raise warmup_steps or clip_norm, or set config.optim.on_nonfinite=skip"
         )
         self.step = step
+        self.checkpoint_dir: pathlib.Path | None = None  # the last good state's checkpoint, once the loop kept one
+        self.kept = ""  # the line that says which checkpoint a re-run resumes from (set by the loop)
 
 
 class StepLog:
@@ -572,10 +574,19 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                     save(step, force=True, val_loss=evaluated)
             ckpt.wait()
     except NonFiniteError as e:
-        if setup.objective.checkpoint_allowed(step):  # (else the last checkpoint, at a rollout boundary, stands)
+        boundary = setup.objective.checkpoint_allowed(step)
+        if boundary:
             save(step, force=True)  # the state never took the non-finite update: it is the last good one
         ckpt.wait()
-        e.checkpoint_dir = ckpt.directory / str(step)
+        last = ckpt.latest_step()
+        e.checkpoint_dir = None if last is None else ckpt.directory / str(last)
+        if boundary:
+            e.kept = f"last good state saved in {e.checkpoint_dir}"
+        else:  # inside a rollout (GRPO, mu > 1): no checkpoint resumes exactly here; the last one stands
+            e.kept = (f"no checkpoint saved at step {step}, inside a rollout (checkpoints fall on rollout boundaries); "
+                      + (f"the last is {e.checkpoint_dir}: a re-run resumes from it and does steps {last + 1}-{step} "
+                         f"again" if last is not None else f"none was saved before: a re-run starts again from step 0"
+                         f" and does steps 1-{step} again"))
         raise
     finally:
         profile.stop()
@@ -715,7 +726,7 @@ def _main(argv: list[str]) -> int:
         enable_compilation_cache(cfg.run.compile_cache_dir)
         run(cfg)
     except NonFiniteError as e:
-        print(f"jaxlm: stopped: {e}; last good state saved in {e.checkpoint_dir}", file=sys.stderr)
+        print(f"jaxlm: stopped: {e}; {e.kept}", file=sys.stderr)
         return EXIT_NONFINITE
     except Preempted as e:
         print(f"jaxlm: preempted: {e}; run the same command to resume", file=sys.stderr)

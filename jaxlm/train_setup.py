@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,12 @@ class TrainSetup:
         """Another run's parameters on this setup's mesh by its rules (a distillation teacher, read by its
         objective's `prepare`): `inference.load_run` with this mesh and these rules."""
         return inference.load_run(run_dir, mesh=self.mesh, rules=self.rules, **kwargs)
+
+    def read_start(self, run_dir, step: int) -> tuple[Any, int]:
+        """(the parameters a new run of this setup starts with from run `run_dir`'s checkpoint `step`, the step):
+        `init_from.read_params`, the read `run.init_from` does (a GRPO run's KL reference reads them again on
+        resume, in its objective's `prepare`)."""
+        return init_from.read_params(self, pathlib.Path(run_dir), step)
 
     def abstract_run(self, run_dir, **kwargs):
         """(its ModelSpec, its abstract parameters) as `load_run` will read them: `inference.abstract_run`."""

@@ -8,8 +8,8 @@ them in the one training loop. GRPO is on-policy: its batches are made from the 
    a function of the rollout's index), each sampled `group_size` times with the current parameters,
    where they are (`grpo.Sampler`, one compiled program; the key `Sampler.key(run.seed, rollout)`);
 2. the completions decoded on the host and scored by the rewards (`rewards.score`), the advantages
-   relative to each group (`group_advantages`), and with `grpo.beta` > 0 the reference's log-probs
-   (LoRA's base with the adapters off, in one more compiled forward);
+   relative to each group (`group_advantages`), and with `grpo.beta` > 0 the reference's log-probs, in one
+   more compiled forward over the rollout's rows (`prepare`'s `_ref`; its parameters are not donated);
 3. `mu` optimizer steps on that batch, each a call of the one compiled train step (`steps.make_train_step`
    with this objective's `loss`, `grpo.summed_loss`).
 
@@ -18,6 +18,15 @@ Checkpoints are saved at rollout boundaries only (after steps that are multiples
 steps): a rollout's batch is a function of the parameters at its start, which a checkpoint saved inside
 it would no longer hold, while at a boundary the parameters, the rollout's index (the step) and
 `run.seed` are all a resumed run needs to sample the same rollouts. Nothing of the data stream is saved.
+
+The KL's reference (`grpo.beta` > 0): with LoRA adapters alone trained (lora.rank > 0, optim.trainable
+empty), the base with the adapters off, no second copy of the weights. Otherwise (full training, or more
+than the adapters) the model the run started from, `run.init_from`'s checkpoint, which must be given: a copy
+of the first state's parameters held on the devices beside the train state (not in it: no optimizer state,
+not in a checkpoint), as many bytes as the parameters (the memory planner's "reference parameters"). The
+run directory records it (`grpo_reference.json`: the source run's directory, the checkpoint's step, a
+fingerprint of the parameters); a resumed run reads that checkpoint again as the run started from it
+(`TrainSetup.read_start`) and refuses, in one line, one that is gone or whose parameters changed.
 
 Metrics per step: `reward` (the rollout's mean), `reward/<name>` per function, `completion_length`,
 `stopped_fraction` (repeated over the rollout's `mu` steps), `clipped_fraction`, `kl` (with beta > 0),
@@ -33,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 import time
 from typing import Any
@@ -43,15 +53,25 @@ import ml_collections
 import numpy as np
 from flax.core import spmd
 
+from jaxlm import checkpoint
 from jaxlm import sampling as sampling_lib
 from jaxlm.console import console
 from jaxlm.data import loader, sources, tokenizer
 from jaxlm.data import prompts as prompts_lib
+from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.objectives.base import Objective
-from jaxlm.objectives.dpo import adapters_off
+from jaxlm.objectives.dpo import adapters_off, fingerprint
 from jaxlm.post_training import grpo, rewards
 from jaxlm.section import check
+
+RECORD = "grpo_reference.json"  # in the run directory: the KL reference of a full-training run (grpo.beta > 0)
+
+
+def adapters_alone(cfg: ml_collections.ConfigDict) -> bool:
+    """Whether LoRA's adapters alone train (lora.rank > 0, optim.trainable empty): the base, the KL's reference
+    with the adapters off, never changes."""
+    return cfg.lora.rank > 0 and not cfg.optim.trainable
 
 
 class GRPO(Objective):
@@ -80,10 +100,11 @@ class GRPO(Objective):
               f"a multiple of grpo.mu={g.mu} (a run ends, and checkpoints are saved, at rollout boundaries)")
         check(cfg.checkpoint.every_steps % g.mu == 0, "checkpoint.every_steps", cfg.checkpoint.every_steps,
               f"a multiple of grpo.mu={g.mu} (checkpoints are saved at rollout boundaries)")
-        if g.beta > 0:
-            check(cfg.lora.rank > 0 and not cfg.optim.trainable, "grpo.beta", g.beta,
-                  "0 unless LoRA adapters alone train (lora.rank > 0, optim.trainable empty): the KL's reference is "
-                  "the base with the adapters off, with no second copy of the weights")
+        if g.beta > 0 and not adapters_alone(cfg):
+            check(bool(cfg.run.init_from), "grpo.beta", g.beta,
+                  "0 in full training without run.init_from: give run.init_from (the KL's reference is the model the "
+                  "run starts from), or train LoRA adapters alone (lora.rank > 0, optim.trainable empty: the "
+                  "reference is the base with the adapters off)")
         check(d.corpus not in ("builtin", sources.BUILTIN_CHAT), "data.corpus", d.corpus,
               f"prompts with answers with objective.name=grpo: {prompts_lib.BUILTIN} or JSONL files of {{prompt, answer}}")
         check(d.format == "auto", "data.format", d.format,
@@ -133,8 +154,10 @@ class GRPO(Objective):
         self.order = prompts_lib.PromptOrder(len(data.train_ids), cfg.data.global_batch_size // g.group_size,
                                              cfg.data.seed)
         self._rollout = None
-        self._ref = None
+        self._ref = self.reference = None
         if g.beta > 0:
+            if not adapters_alone(cfg):  # a copy of the parameters the run started from
+                self.reference = self.reference_params(setup, state, pathlib.Path(run_dir), resume_step)
             graphdef, rules, temperature = setup.model_spec.graphdef, setup.rules, g.temperature
 
             def ref(params, batch):
@@ -144,6 +167,45 @@ class GRPO(Objective):
 
             self._ref = jax.jit(ref, in_shardings=(setup.shardings.params, setup.batch_sharding),
                                 out_shardings=setup.batch_sharding)
+
+    def reference_params(self, setup, state, run_dir: pathlib.Path, resume_step: int):
+        """The KL's reference in full training: a fresh run's first parameters (those `run.init_from` read,
+        copied: the train state is donated), recorded in the run directory; a resumed run's, the recorded
+        checkpoint read again as the run read it (`TrainSetup.read_start`), refused in one line when it is
+        gone or its fingerprint changed."""
+        record = run_dir / RECORD
+        fresh = "start again with config.run.fresh=true"
+        if not resume_step:
+            if setup.init_from is None:  # (validate refuses it: a setup built another way)
+                raise UserError("grpo.beta > 0 in full training: the reference is the model the run starts from, "
+                                "and this state was not read from run.init_from; give run.init_from, or use LoRA")
+            params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=setup.shardings.params)(state.params)
+            identity = {"init_from": setup.init_from["run_dir"], "step": int(setup.init_from["step"]),
+                        "fingerprint": fingerprint(params)}
+            if jax.process_index() == 0:
+                write_bytes_atomically(record, (json.dumps(identity, indent=2) + "\n").encode())
+        else:
+            if not record.exists():
+                raise UserError(f"{run_dir} holds no {RECORD}: the KL reference this GRPO run (grpo.beta > 0, full "
+                                f"training) started with is unknown; {fresh}")
+            identity = json.loads(record.read_text())
+            source, step = pathlib.Path(identity["init_from"]), int(identity["step"])
+            if step not in checkpoint.complete_steps(source / "checkpoints"):
+                raise UserError(f"{source} no longer holds checkpoint {step}, the KL reference this GRPO run started "
+                                f"from ({record}); restore it, or {fresh}")
+            try:
+                params, _ = setup.read_start(source, step)
+            except UserError as e:
+                raise UserError(f"the KL reference ({record}): {source} checkpoint {step} does not load ({e}); "
+                                f"restore it, or {fresh}") from None
+            if fingerprint(params) != identity["fingerprint"]:
+                raise UserError(f"the KL reference changed since this GRPO run started: {source} checkpoint {step} "
+                                f"now holds other parameters than {record} records; restore the ones it started "
+                                f"from, or {fresh}")
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+        console(f"jaxlm: KL reference (grpo.beta={self.grpo.beta}): {identity['init_from']} checkpoint "
+                f"{identity['step']}, {count / 1e6:.2f}M parameters held beside the train state")
+        return params
 
     def next_batch(self, setup, state, data, step: int) -> tuple[dict[str, jax.Array], dict[str, float]]:
         """The batch of 1-based `step` (on the devices) and the host's metrics of its rollout: a new rollout
@@ -164,8 +226,8 @@ class GRPO(Objective):
         rows, width = batch["inputs"].shape
         batch["advantages"] = jax.device_put(grpo.expand_advantages(advantages, rows, width), setup.batch_sharding)
         batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
-        if self._ref is not None:
-            batch["ref_logprobs"] = self._ref(state.params, batch)
+        if self._ref is not None:  # the reference: the start's parameters, or these with LoRA's adapters off
+            batch["ref_logprobs"] = self._ref(state.params if self.reference is None else self.reference, batch)
         metrics = grpo.metrics(rollouts, total, per)
         data.train.epoch = epoch
         data.train.tokens_seen += int(np.sum(jax.device_get(rollouts.lengths)))

@@ -41,7 +41,8 @@ the train step compiles once.
 - batch fields, each [rows, seq_len]: the five above plus `old_logprobs` (`Rollouts.old_logprobs`),
   `advantages` (`expand_advantages` of `group_advantages` of the rewards: the row's advantage on every
   token) and, with `beta` > 0, `ref_logprobs` (`reference_logprobs`: under LoRA the same parameters with
-  the adapters off, `without_adapters`, so no second copy is held; in full training a frozen copy);
+  the adapters off, `without_adapters`, so no second copy is held; in full training a frozen copy of the
+  parameters the run started from, `run.init_from`'s: `jaxlm.objectives.grpo`);
 - the loss inside the one compiled step: `summed_loss(params, model_spec, batch, dropout_key, settings)`
   returns (sum, (count, metric sums)) like `steps.summed_loss(..., with_aux=True)`: the step divides both
   by the count summed over micro-batches;
@@ -104,7 +105,9 @@ class GRPOConfig(Section):
     scale_rewards: bool = setting(True, "divide by the group's std (GRPO); false: r - mean only (Dr.GRPO)")
     epsilon: float = setting(0.2, "the ratio's clip below: 1 - epsilon")
     epsilon_high: float = setting(0.0, "the ratio's clip above: 1 + epsilon_high (DAPO); 0 = epsilon")
-    beta: float = setting(0.0, "the KL penalty's weight (k3 estimator, to the reference); 0 = none, no reference")
+    beta: float = setting(
+        0.0, "the KL penalty's weight (k3 estimator) to the reference: LoRA's base with the adapters off, else "
+             "run.init_from's model (held beside the state); 0 = none, no reference")
     mu: int = setting(1, "optimizer steps on each batch of rollouts")
     loss_aggregation: str = setting("token", "token (DAPO) | sequence (GRPO) | constant (Dr.GRPO)")
 
