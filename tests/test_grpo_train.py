@@ -38,11 +38,11 @@ ALNUM = textwrap.dedent("""
 
 
 def small(tmp_path, *overrides):
-    """The recipe's tiny GRPO on 8 prompts x 4 completions, from a random model unless `overrides` give
-    run.init_from (whose architecture and tokenizer it then takes, as the commands do)."""
+    """The recipe's tiny GRPO on 8 prompts x 4 completions, one optimizer step per rollout, from a random model
+    unless `overrides` give run.init_from (whose architecture and tokenizer it then takes, as the commands do)."""
     cfg = config.load_recipe("grpo_tiny")
     pairs = [("run.init_from", ""), ("data.cache_dir", str(tmp_path / "cache")), ("run.output_dir", str(tmp_path)),
-             ("grpo.group_size", "4"), ("data.global_batch_size", "32"), *overrides]
+             ("grpo.group_size", "4"), ("grpo.mu", "1"), ("data.global_batch_size", "32"), *overrides]
     config.apply_overrides(cfg, pairs)
     if cfg.run.init_from:
         init_from.resolve_config(cfg, pairs)
@@ -221,7 +221,8 @@ def test_the_prompt_reader(tmp_path):
 def grpo_args(tmp_path, name, *extra, steps=8, init=""):
     return ["--config=configs/grpo_tiny.py", f"--config.run.init_from={init}", f"--config.run.output_dir={tmp_path}",
             f"--config.run.name={name}", f"--config.run.steps={steps}", "--config.run.log_every=1",
-            "--config.run.eval_every=0", "--config.grpo.group_size=4", "--config.data.global_batch_size=32",
+            "--config.run.eval_every=0", "--config.grpo.group_size=4", "--config.grpo.mu=1",
+            "--config.data.global_batch_size=32",
             f"--config.data.cache_dir={tmp_path / 'cache'}", *extra]
 
 
