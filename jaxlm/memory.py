@@ -119,7 +119,7 @@ def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
     """ModelSpec, optimizer and the state's abstract shapes: they depend on the model and optimizer only."""
     optim_cfg = ml_collections.ConfigDict(dict(optim_items))
     model_spec = train_state.build_model_spec(model_cfg, optim_cfg.trainable)
-    tx, _ = optim.make_optimizer(optim_cfg, steps, model_spec.decay_mask)
+    tx, _ = optim.make_optimizer(optim_cfg, steps, model_spec.decay_mask, matrices=model_spec.matrices)
     shapes = jax.eval_shape(train_state.init_fn(model_cfg, model_spec, tx, 0))
     return model_spec, tx, shapes
 
@@ -475,7 +475,7 @@ def estimate(
         *([Row("gradients", *accumulator, f"float32, summed over {cfg.optim.micro_batches} micro-batches"
                + trainable_note)] if accumulate else
           [Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note)]),
-        Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
+        Row("optimizer state", *opt_bytes, optim.OPTIMIZERS[cfg.optim.name].state),
         Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
         *([Row("micro-batch gradients", *micro_grads, "one micro-batch's, before they join the sum (the plain "
                "projections' kernels add theirs in the GEMMs)", BACKWARD)] if accumulate else []),
