@@ -230,10 +230,10 @@ def test_muon_takes_the_projections_kernels_as_matrices_and_leaves_the_rest_to_a
     assert flat["blocks/0/mlp/router"] is None
 
 
-@pytest.mark.parametrize("layout", ["gather", "sharded"])
+@pytest.mark.parametrize("layout", optim.muon_lib.LAYOUTS)
 def test_muon_orthogonalizes_each_whole_matrix_whatever_splits_it(layout):
     """The update of matrices split over fsdp and tensor (and a stack's layers over data) is the one
-    device's: the iteration acts on each whole matrix in both layouts."""
+    device's: the iteration acts on each whole matrix in every layout."""
     o = _settings("muon", clip_norm=0.0, muon_layout=layout)
     tx, _ = optim.make_optimizer(o, 10, DECAY, matrices=MATRICES)
     params, grads = _params(), _grads(_params(), 0)
@@ -292,13 +292,14 @@ def _losses(devices: int, steps: int = 3, **overrides) -> list[float]:
 
 MESHES = {"data8": dict(mesh__data=8, mesh__fsdp=1), "fsdp8": dict(mesh__fsdp=8),
           "data2-fsdp2-tensor2": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2),
-          "data2-fsdp2-tensor2-sharded": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, optim__muon_layout="sharded")}
+          **{f"data2-fsdp2-tensor2-{layout}": dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2, optim__muon_layout=layout)
+             for layout in ("gather", "sharded")}}
 
 
 @pytest.mark.slow  # ~8 s each (a train step compiled twice): the default suite's budget; Muon's update on a
 @pytest.mark.parametrize("name", MESHES)  # split matrix is test_muon_orthogonalizes_each_whole_matrix_...
 def test_muon_trains_alike_on_every_mesh(name):
-    """The same losses in float32 on (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2), in both layouts, as on
+    """The same losses in float32 on (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2), in every layout, as on
     one device: the Newton-Schulz iteration acts on each whole matrix however the mesh splits it."""
     want = _one_device_losses()
     assert _losses(8, **MESHES[name]) == pytest.approx(want, rel=1e-5)

@@ -66,7 +66,8 @@ class OptimConfig(Section):
         1.0, "Muon: the AdamW learning rate of the parameters it does not orthogonalize, as a fraction of the "
              "schedule's")
     muon_layout: str = setting(
-        "gather", "Muon under sharding: each matrix gathered whole on its devices (gather) | split matmuls (sharded)")
+        "distributed", "Muon under sharding: whole matrices spread over the devices, each iterating on its own "
+                       "(distributed) | each matrix gathered on every device (gather) | split matmuls (sharded)")
     adafactor_decay_rate: float = setting(0.8, "Adafactor: its second moment's decay is 1 - (step + 1)^-this")
     clip_norm: float = setting(1.0, "global-norm clipping; 0 = off")
     trainable: str = setting(
