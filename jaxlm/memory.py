@@ -50,7 +50,7 @@ TOLERANCE = 0.15  # |compiled / analytic - 1| stated (GPU programs, small CPU st
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
-UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
+UPDATE_COPIES = 1.0  # the optimizer's new values are computed beside the donated state before they replace it
 CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, what each cuDNN attention forward call of a real GPU program asks for
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
@@ -491,7 +491,7 @@ def estimate(
         *([Row("cuDNN workspace", workspace, workspace_total, f"the packed layout's backward, sized for "
                f"{m.attention_segments} documents in every row", BACKWARD)] if workspace else []),
         Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
-            "AdamW's new values beside the donated state, after the passes", UPDATE),
+            "the optimizer's new values beside the donated state, after the passes", UPDATE),
     ]
     if cfg.objective.name == "distill":
         rows += teacher_rows(cfg, derived.mesh_shape, rules, platform, (logits, logits_total))

@@ -304,3 +304,20 @@ def test_muon_trains_alike_on_every_mesh(name):
     want = _one_device_losses()
     assert _losses(8, **MESHES[name]) == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]
+
+
+@pytest.mark.slow
+def test_schedule_free_evaluates_its_averaged_parameters():
+    """A schedule-free run's parameters to evaluate (`TrainSetup.eval_params`: the validation loss's) are its x,
+    (y - (1 - b1) z) / b1, not the y the gradient is taken at."""
+    setup = train_setup.build(config.recipe("tiny", **{**SMALL, "optim__name": "schedule_free_adamw",
+                                                       "optim__schedule": "constant", "model__n_layers": 1}),
+                              jax.devices()[:1])
+    state = setup.state
+    with jax.set_mesh(setup.mesh):
+        for i in range(2):  # after one, x = y = z (the average of one iterate)
+            state, _ = setup.train_step(state, setup.put_batch(random_batch(16, 32, 128, seed=i)))
+    x = jax.device_get(setup.eval_params(state))
+    sf = optim.schedule_free.find_state(state.opt_state)
+    floats.close(x, optax.contrib.schedule_free_eval_params(sf, jax.device_get(state.params)))
+    assert not np.allclose(x["unembed"]["kernel"], jax.device_get(state.params)["unembed"]["kernel"])
