@@ -51,7 +51,7 @@ TOLERANCE = 0.15  # |compiled / analytic - 1| stated (GPU programs, small CPU st
 # Fitted to the buffer assignment of the compiled train step (benchmarks/BENCHMARKS.md):
 WORKING_SET_NO_REMAT = 1.0  # one layer's backward: its activations' gradients, about its forward once more
 WEIGHTS_IN_REMAT_BACKWARD = 0.5  # the share of a layer's full-size weights live at a recomputed layer's peak
-UPDATE_COPIES = 1.0  # AdamW's new values are computed beside the donated state before they replace it
+UPDATE_COPIES = 1.0  # the optimizer's new values are computed beside the donated state before they replace it
 CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, what each cuDNN attention forward call of a real GPU program asks for
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
@@ -120,7 +120,7 @@ def _model_and_shapes(model_cfg, optim_items: tuple, steps: int):
     """ModelSpec, optimizer and the state's abstract shapes: they depend on the model and optimizer only."""
     optim_cfg = ml_collections.ConfigDict(dict(optim_items))
     model_spec = train_state.build_model_spec(model_cfg, optim_cfg.trainable)
-    tx, _ = optim.make_optimizer(optim_cfg, steps, model_spec.decay_mask)
+    tx, _ = optim.make_optimizer(optim_cfg, steps, model_spec.decay_mask, matrices=model_spec.matrices)
     shapes = jax.eval_shape(train_state.init_fn(model_cfg, model_spec, tx, 0))
     return model_spec, tx, shapes
 
@@ -476,7 +476,7 @@ def estimate(
         *([Row("gradients", *accumulator, f"float32, summed over {cfg.optim.micro_batches} micro-batches"
                + trainable_note)] if accumulate else
           [Row("gradients", *trainable_bytes, _dtype_name(m.param_dtype) + trainable_note)]),
-        Row("optimizer state", *opt_bytes, "AdamW mu and nu (float32), step counts"),
+        Row("optimizer state", *opt_bytes, optim.OPTIMIZERS[cfg.optim.name].state),
         Row("step, rng, batch", scalars[0] + batch[0], scalars[1] + batch[1]),
         *([Row("micro-batch gradients", *micro_grads, "one micro-batch's, before they join the sum (the plain "
                "projections' kernels add theirs in the GEMMs)", BACKWARD)] if accumulate else []),
@@ -492,7 +492,7 @@ def estimate(
         *([Row("cuDNN workspace", workspace, workspace_total, f"the packed layout's backward, sized for "
                f"{m.attention_segments} documents in every row", BACKWARD)] if workspace else []),
         Row("update temporaries", UPDATE_COPIES * trainable_bytes[0], UPDATE_COPIES * trainable_bytes[1],
-            "AdamW's new values beside the donated state, after the passes", UPDATE),
+            "the optimizer's new values beside the donated state, after the passes", UPDATE),
     ]
     if cfg.objective.name == "distill":
         rows += teacher_rows(cfg, derived.mesh_shape, rules, platform, (logits, logits_total))

@@ -497,7 +497,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
     try:
         with jax.set_mesh(setup.mesh), StopSignals() as signals:
             if not resume_step and eval_at_start(cfg.run):  # the baseline: the held-out loss before any step
-                val = evaluate(setup, state.params, data.eval_batches, eval_target_bytes)
+                val = evaluate(setup, setup.eval_params(state), data.eval_batches, eval_target_bytes)
                 log.pause()
                 if val:
                     initial_val_loss = val["val_loss"]
@@ -556,7 +556,7 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
                 if step == total_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
                     log.record(*pending)
                     pending = None
-                    val = evaluate(setup, state.params, data.eval_batches, eval_target_bytes)
+                    val = evaluate(setup, setup.eval_params(state), data.eval_batches, eval_target_bytes)
                     log.pause()
                     if val:
                         val_loss = val["val_loss"]

@@ -49,6 +49,7 @@ class TrainSetup:
     init_from: dict[str, Any] | None = None  # {"run_dir", "step"} the state's parameters were read from (run.init_from)
     objective: Any = dataclasses.field(default_factory=objectives.LanguageModel)  # what the step minimises
     frozen_inputs: Any = None  # the objective's frozen inputs (a teacher's params; abstract until `prepare`)
+    _eval_params: Any = None  # `eval_params`'s compiled function, when the optimizer has its own
 
     def load_run(self, run_dir, **kwargs) -> inference.LoadedRun:
         """Another run's parameters on this setup's mesh by its rules (a distillation teacher, read by its
@@ -64,6 +65,21 @@ class TrainSetup:
     def abstract_run(self, run_dir, **kwargs):
         """(its ModelSpec, its abstract parameters) as `load_run` will read them: `inference.abstract_run`."""
         return inference.abstract_run(run_dir, self.mesh, self.rules, **kwargs)
+
+    def eval_params(self, state: train_state.TrainState):
+        """The parameters to evaluate in a train state: its own, or where the optimizer trains at other points
+        than the ones to keep (schedule-free AdamW), the optimizer's (`optim.eval_params`), computed on the
+        devices in the parameters' shardings."""
+        if not optim.OPTIMIZERS[self.cfg.optim.name].own_eval_params:
+            return state.params
+        if self._eval_params is None:
+            def params_of(state):
+                trainable, frozen = self.model_spec.split(state.params)
+                return self.model_spec.merge(optim.eval_params(self.cfg.optim, state.opt_state, trainable), frozen)
+
+            self._eval_params = jax.jit(params_of, out_shardings=self.shardings.params)
+        with jax.set_mesh(self.mesh):
+            return self._eval_params(state)
 
     def frozen_args(self) -> tuple:
         """The steps' arguments after `packed`: (the objective's frozen inputs,), or () without any."""
@@ -151,7 +167,8 @@ def build(
     # the model's transforms' and components' parts of the step
     hooks = [*pruning_masks.step_hooks(model_cfg, cfg.compress), *moe_lib.step_hooks(model_cfg)]
     tx, schedule = optim.make_optimizer(cfg.optim, cfg.run.steps, model_spec.decay_mask,
-                                        extra=[t for hook in hooks for t in hook.optimizer_transforms()])
+                                        extra=[t for hook in hooks for t in hook.optimizer_transforms()],
+                                        matrices=model_spec.matrices)
     scale = cfg.optim.loss_scale_init if loss_scale.enabled(cfg.optim.loss_scale, model_cfg.dtype) else 0.0
     if abstract or cfg.run.init_from:
         state, shardings, _, _ = train_state.abstract_state(model_cfg, tx, mesh, rules, cfg.run.seed, model_spec,

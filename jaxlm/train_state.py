@@ -30,6 +30,7 @@ from jaxlm.mesh import Rules, axes_of, extend_sharding, logical_to_spec
 from jaxlm.models import layers
 from jaxlm.models.layers import Frozen
 from jaxlm.models.transformer import ModelConfig, Transformer
+from jaxlm.optim import Matrix
 
 
 @flax.struct.dataclass
@@ -50,6 +51,9 @@ class ModelSpec:
     logical_names: Any  # dict tree of tuples of logical axis names, like params
     trainable: Any  # dict tree of bools, like params: what the optimizer updates
     decay_mask: Any  # dict tree of bools, like the trainable part of params: what weight decay applies to
+    # dict tree like the trainable part of params: how each projection's kernel (not the output head's) is a
+    # matrix, or a stack of them (`optim.Matrix`: what Muon orthogonalizes), None for the other parameters
+    matrices: Any = None
     # dict tree like params: the compute dtype a leaf's forward use casts it to and nothing else (the
     # projections' kernels, the embedding: `layers.cast_leaves`), None for the others
     cast_dtypes: Any = None
@@ -225,7 +229,31 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     model_spec = ModelSpec(graphdef=graphdef, logical_names=names, trainable=trains, decay_mask=decay, cast_dtypes=casts,
                            grad_kernels=frozenset(kernels), joints=joints,
                            aux_shapes=tuple(model.aux_shapes.items()), cfg=cfg)
-    return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0])
+    return dataclasses.replace(model_spec, decay_mask=model_spec.split(decay)[0],
+                               matrices=model_spec.split(_matrices(model, names))[0])
+
+
+def _matrices(model: Transformer, names: dict) -> dict:
+    """A tree like `names` (every parameter's logical names): each projection's stored kernel as the matrix
+    its contraction uses (`optim.Matrix`: its input dimensions the rows, its outputs the columns; a scanned
+    stack's layers and an MoE's experts index matrices), None for every other parameter: the output head
+    (a projection to the vocabulary), the embedding, norms, biases, routers, adapters."""
+    out = jax.tree.map(lambda _: None, names, is_leaf=lambda x: isinstance(x, tuple))
+    for path, projection in layers.projections(model):
+        kernel_path = (*path, "kernel")
+        try:
+            stored = _get_path(names, kernel_path)  # a quantized base (kernel_q) has none: it never trains
+        except (KeyError, TypeError):
+            continue
+        if not isinstance(stored, tuple) or "vocab" in projection.kernel_names:
+            continue
+        lead = len(stored) - len(projection.kernel_shape)  # a scanned stack's layers axis
+        batch = (*range(lead), *(lead + i for i in projection.batch_axes))
+        rows = tuple(lead + i for i in projection.in_axes)
+        cols = tuple(lead + i for i in range(len(projection.kernel_shape))
+                     if i not in projection.in_axes and i not in projection.batch_axes)
+        _set_path(out, kernel_path, Matrix(batch, rows, cols, tuple(stored[i] for i in batch)))
+    return out
 
 
 def _get_path(tree: dict, path: tuple) -> Any:
@@ -289,16 +317,53 @@ def from_params(params, model_spec: ModelSpec, tx: optax.GradientTransformation,
 
 
 def state_shardings(abstract: TrainState, model_spec: ModelSpec, tx, mesh: Mesh, rules: Rules) -> TrainState:
-    """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer
-    moments like their (trainable) params and further over the `opt_state` rule's axes (ZeRO-1:
+    """The sharding of every leaf of the (abstract) train state: params by the rules, optimizer state like
+    its (trainable) params (`opt_state_shardings`) and further over the `opt_state` rule's axes (ZeRO-1:
     "data"), scalars replicated."""
+    del tx  # the state's own paths say which parameter each leaf belongs to
     params = param_shardings(model_spec, mesh, rules)
     replicated = NamedSharding(mesh, P())
-    extra = dict(rules).get("opt_state")
-    opt = optax.tree_map_params(tx, lambda leaf, s: extend_sharding(s, leaf.shape, extra), abstract.opt_state,
-                                model_spec.split(params)[0], transform_non_params=lambda _: replicated)
+    opt = opt_state_shardings(abstract.opt_state, model_spec.split(abstract.params)[0], model_spec.split(params)[0],
+                              replicated, dict(rules).get("opt_state"))
     scale = None if abstract.loss_scale is None else jax.tree.map(lambda _: replicated, abstract.loss_scale)
     return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated, loss_scale=scale)
+
+
+def opt_state_shardings(opt_state, params, shardings, replicated: NamedSharding, extra) -> Any:
+    """Each leaf of an (abstract) optimizer state sharded like the parameter it belongs to, further over the
+    mesh axes `extra` (`extend_sharding`); the others (step counts, coefficients) `replicated`. A leaf belongs to
+    the parameter whose path ends its own (optax keeps each per-parameter tree under its state's fields: mu,
+    nu, z, an Adafactor's v_row...). A leaf of its parameter's shape takes its sharding; one with one dimension
+    fewer (an Adafactor's row or column means) takes it without that dimension's; any other shape (a
+    placeholder) is replicated."""
+    by_path = {_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings), strict=True)}
+
+    def one(path, leaf):
+        keys = _keys(path)
+        found = next((by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path), None)
+        if found is None:
+            return replicated
+        shape, sharding = found
+        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+        if tuple(leaf.shape) != tuple(shape):
+            drop = next((i for i in range(len(shape)) if shape[:i] + shape[i + 1:] == tuple(leaf.shape)), None)
+            if drop is None:
+                return replicated
+            sharding = NamedSharding(sharding.mesh, P(*(spec[:drop] + spec[drop + 1:])))
+        return extend_sharding(sharding, leaf.shape, extra)
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def _keys(path) -> tuple:
+    """A tree path's trailing run of dict keys (the part that is a params path)."""
+    keys = []
+    for entry in reversed(path):
+        if not isinstance(entry, jax.tree_util.DictKey):
+            break
+        keys.append(entry.key)
+    return tuple(reversed(keys))
 
 
 def check_divisible(model_spec: ModelSpec, shapes, mesh: Mesh, rules: Rules) -> None:

@@ -253,6 +253,8 @@ CASES = [
     Case("zero-lr", "train", T("--config.optim.peak_lr=0"), 2, ("config.optim.peak_lr=0.0 is not allowed",
                                                               "a positive number")),
     Case("negative-lr", "train", T("--config.optim.peak_lr=-3e-4"), 2, ("config.optim.peak_lr=-0.0003",), slow=True),
+    Case("unknown-optimizer", "train", T("--config.optim.name=sgd"), 2,
+         ("config.optim.name='sgd' is not allowed", "one of 'adamw', 'muon', 'lion'"), slow=True),
     # any float key, any section: finite (`Section.check_values`); tests/test_sections.py tries every key
     Case("nan-float", "train", T("--config.optim.peak_lr=nan"), 2, ("config.optim.peak_lr=nan is not allowed",
                                                                    "a finite number")),

@@ -226,3 +226,20 @@ def test_tokenized_on_the_fly_with_workers_a_resumed_run_equals_the_uninterrupte
     floats.identical(losses(tmp_path / "parts"), losses(tmp_path / "whole"), why=floats.SAME_PROGRAM)
     code, _, err = run(args(tmp_path, "parts", steps=14))  # switching to prepared data changes the stream
     assert code == 2 and "data.tokenize_on_the_fly: True -> False" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_muon_run_killed_and_resumed_equals_the_uninterrupted_one(tmp_path):
+    """optim.name=muon: SIGKILL at step 8 (after the step-5 save), resumed: every step's loss bit-identical to
+    the uninterrupted run's (Muon's momentum and AdamW's moments restored exactly, in their partition)."""
+    code, _, err = run(args(tmp_path, "full", "--config.optim.name=muon", steps=12))
+    assert code == 0, err[-3000:]
+    argv = args(tmp_path, "killed", "--config.optim.name=muon", steps=12)
+    code, _, _ = run_until(argv, "step      8/", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    code, out, err = run(argv)
+    assert code == 0, err[-3000:]
+    assert "resuming from step 5" in out
+    expected = losses(tmp_path / "full")
+    assert [s for s, _ in expected] == list(range(1, 13))
+    floats.identical(losses(tmp_path / "killed"), expected, why=floats.SAME_PROGRAM)
