@@ -20,7 +20,9 @@ Every run is one `python -m jaxlm.train` process (the CLI, unchanged) with its o
 checkpoint, so a sweep survives being killed. At the end (and with `--collect` alone) every run's
 metrics.jsonl is read into `results.csv` (one row per run: final and best train loss, validation
 loss and bits per byte), `results.md` (per variant, mean ± standard deviation over seeds),
-`curves.csv` (every run's loss per step) and `loss.png` (the curves of all variants). `columns` adds
+`curves.csv` (every run's loss, tokens and seconds of training per step), `loss.png` (the curves of all
+variants) and `loss_vs_time.png` (the same against seconds of training: compare it only between runs
+that had the machine to the same degree, e.g. `--parallel 1` on a quiet one). `columns` adds
 columns to results.csv and results.md, each a key of the runs' summary.json (`params`,
 `active_params`, `compile_s`, ...) or a training metric they logged (`grad_norm`, `aux/<name>`, ...),
 that one as its mean over the last tenth of the logged steps (one step is noisy).
@@ -575,16 +577,23 @@ def column_value(key: str, summary: dict[str, Any], train: Sequence[dict[str, An
     return statistics.fmean(values[-max(1, int(len(values) * FINAL_SHARE)):])
 
 
+CURVE_X = {"step": "step", "tokens_seen": "tokens", "wall_s": "seconds of training (wall clock)"}  # x -> axis label
+
+
 def curve_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """Every logged step of every run: run, variant, seed, step, loss and (where evaluated) val_loss."""
+    """Every logged step of every run: run, variant, seed, step, loss and (where evaluated) val_loss, and
+    the tokens trained on and the seconds of training to that step (`tokens_seen`, `wall_s`: the training
+    loop's own clock, compilation included, evaluations not) where the step's training record has them."""
     out = []
     for run in runs:
         train, evals = read_metrics(run.run_dir)
         val = {r["step"]: r["val_loss"] for r in evals}
         steps = sorted({r["step"] for r in train} | set(val))
-        loss = {r["step"]: r["loss"] for r in train}
-        out += [{"run": run.name, "variant": run.variant, "seed": run.seed, "step": s, "loss": loss.get(s),
-                 "val_loss": val.get(s)} for s in steps]
+        by_step = {r["step"]: r for r in train}
+        out += [{"run": run.name, "variant": run.variant, "seed": run.seed, "step": s,
+                 "loss": by_step.get(s, {}).get("loss"), "val_loss": val.get(s),
+                 "tokens_seen": by_step.get(s, {}).get("tokens_seen"), "wall_s": by_step.get(s, {}).get("wall_s")}
+                for s in steps]
     return out
 
 
@@ -721,18 +730,20 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def mean_curves(
-    curves: Sequence[dict[str, Any]], key: str
-) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
-    """variant -> (steps, mean, min, max) of `key` over the variant's runs that logged each step."""
-    by_variant: dict[str, dict[int, list[float]]] = {}
+    curves: Sequence[dict[str, Any]], key: str, x: str = "step"
+) -> dict[str, tuple[list[float], list[float], list[float], list[float]]]:
+    """variant -> (x, mean, min, max) of `key` over the variant's runs that logged each step; x is the step,
+    or the mean over those runs of `x` (`tokens_seen`, `wall_s`) at that step."""
+    by_variant: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for r in curves:
-        if r[key] is not None:
-            by_variant.setdefault(r["variant"], {}).setdefault(r["step"], []).append(r[key])
+        if r[key] is not None and r.get(x) is not None:
+            by_variant.setdefault(r["variant"], {}).setdefault(r["step"], []).append((r[x], r[key]))
     out = {}
     for variant, points in by_variant.items():
         steps = sorted(points)
-        out[variant] = (steps, [statistics.fmean(points[s]) for s in steps], [min(points[s]) for s in steps],
-                        [max(points[s]) for s in steps])
+        values = [[v for _, v in points[s]] for s in steps]
+        out[variant] = ([statistics.fmean(a for a, _ in points[s]) for s in steps], [statistics.fmean(v) for v in values],
+                        [min(v) for v in values], [max(v) for v in values])
     return out
 
 
@@ -745,15 +756,18 @@ def _ema(values: Sequence[float], weight: float) -> list[float]:
 
 
 def plot_curves(curves: Sequence[dict[str, Any]], path: str | os.PathLike | None = None, title: str = "",
-                order: Sequence[str] | None = None):
+                order: Sequence[str] | None = None, x: str = "step"):
     """Training loss (left: the mean over seeds, faint, and its moving average) and validation loss
-    (right: the mean over seeds, with the seeds' range shaded) of every variant; saved to `path`
-    when given. Returns the matplotlib Figure (shown inline in a notebook)."""
+    (right: the mean over seeds, with the seeds' range shaded) of every variant against `x`: the step,
+    the tokens trained on (`tokens_seen`) or the seconds of training (`wall_s`, the mean over seeds);
+    saved to `path` when given. Returns the matplotlib Figure (shown inline in a notebook)."""
+    if x not in CURVE_X:
+        raise UserError(f"plot x={x!r}: use one of {', '.join(CURVE_X)}")
     try:
         from matplotlib.figure import Figure  # local import: optional dependency (pip install jaxlm[notebooks])
     except ImportError:
         raise UserError("plotting needs matplotlib: pip install matplotlib") from None
-    train, val = mean_curves(curves, "loss"), mean_curves(curves, "val_loss")
+    train, val = mean_curves(curves, "loss", x), mean_curves(curves, "val_loss", x)
     variants = [v for v in (order or []) if v in train or v in val]
     variants += [v for v in dict.fromkeys(r["variant"] for r in curves) if v not in variants]
     fig = Figure(figsize=(12, 4.5), layout="constrained")
@@ -773,11 +787,11 @@ def plot_curves(curves: Sequence[dict[str, Any]], path: str | os.PathLike | None
                        gid=f"val:{variant}")
             if any(h > lo for h, lo in zip(high, low)):
                 right.fill_between(steps, low, high, color=color, alpha=0.15)
-    left.set(xlabel="step", ylabel="training loss (nats/token)",
+    left.set(xlabel=CURVE_X[x], ylabel="training loss (nats/token)",
              title="training loss (mean over seeds; bold: moving average)")
     if tops and max(tops) > min(lows):  # the first tenth of training (ln(vocab) and falling) is off the top
         left.set_ylim(min(lows) - 0.05 * (max(tops) - min(lows)), max(tops))
-    right.set(xlabel="step", ylabel="validation loss (nats/token)",
+    right.set(xlabel=CURVE_X[x], ylabel="validation loss (nats/token)",
               title="validation loss (mean over seeds; shaded: their range)")
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -801,8 +815,8 @@ class Results:
     def table(self):
         return variant_table(self.rows, self.metric, self.columns)
 
-    def plot(self, path=None, title: str = ""):
-        return plot_curves(self.curves, path, title, order=list(dict.fromkeys(r["variant"] for r in self.rows)))
+    def plot(self, path=None, title: str = "", x: str = "step"):
+        return plot_curves(self.curves, path, title, order=list(dict.fromkeys(r["variant"] for r in self.rows)), x=x)
 
 
 def collect(runs: Sequence[Run], metric: str, columns: Sequence[str] = ()) -> Results:
@@ -812,7 +826,8 @@ def collect(runs: Sequence[Run], metric: str, columns: Sequence[str] = ()) -> Re
 
 def write_results(results: Results, directory: pathlib.Path, title: str, description: str = "",
                   setup: str = "", echo: Callable[[str], None] = print) -> list[pathlib.Path]:
-    """results.csv, curves.csv, results.md and loss.png (when matplotlib is installed) in `directory`."""
+    """results.csv, curves.csv, results.md, loss.png and loss_vs_time.png (the same against seconds of
+    training; both when matplotlib is installed) in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     write_csv(directory / "results.csv", results.rows)
     write_csv(directory / "curves.csv", results.curves)
@@ -820,11 +835,14 @@ def write_results(results: Results, directory: pathlib.Path, title: str, descrip
                            markdown_report(title, description, results.rows, results.metric, setup,
                                            results.columns).encode("utf-8"))
     written = [directory / n for n in ("results.md", "results.csv", "curves.csv")]
-    try:
-        results.plot(directory / "loss.png", title)
-        written.append(directory / "loss.png")
-    except UserError as e:
-        echo(f"jaxlm.experiment: loss.png not drawn: {e}")
+    timed = any(c.get("wall_s") is not None for c in results.curves)
+    for name, x in (("loss.png", "step"), *((("loss_vs_time.png", "wall_s"),) if timed else ())):
+        try:
+            results.plot(directory / name, title, x=x)
+            written.append(directory / name)
+        except UserError as e:
+            echo(f"jaxlm.experiment: {name} not drawn: {e}")
+            break
     results.directory = directory
     return written
 

@@ -189,6 +189,8 @@ def assert_reports_hold_each_runs_own_metrics(sweep: pathlib.Path, variants, see
         curve = [c for c in results.curves if c["run"] == row["run"]]
         floats.identical([(c["step"], c["loss"]) for c in curve], [(r["step"], r["loss"]) for r in train],
                          why=floats.MOVED)
+        assert [(c["step"], c["tokens_seen"], c["wall_s"]) for c in curve] == [
+            (r["step"], r["tokens_seen"], r["wall_s"]) for r in train]
         floats.identical([(c["step"], c["val_loss"]) for c in curve if c["val_loss"] is not None],
                          [(r["step"], r["val_loss"]) for r in evals], why=floats.MOVED)
     markdown = (sweep / "results.md").read_text()
@@ -209,9 +211,20 @@ def assert_reports_hold_each_runs_own_metrics(sweep: pathlib.Path, variants, see
         assert list(lines[f"train:{variant}"].get_ydata()) == pytest.approx(mean_loss, rel=1e-12)
         assert list(lines[f"val:{variant}"].get_xdata()) == eval_steps
         assert list(lines[f"val:{variant}"].get_ydata()) == pytest.approx(mean_val, rel=1e-12)
+    # against seconds of training: each step at the mean over seeds of the runs' own clocks
+    timed = {line.get_gid(): line for ax in results.plot(x="wall_s").axes for line in ax.get_lines()}
+    for variant in variants:
+        runs = [metrics_of(sweep / f"{variant}-s{seed}") for seed in seeds]
+        seconds = {r["step"]: [] for r in runs[0][0]}
+        for train, _ in runs:
+            for r in train:
+                seconds[r["step"]].append(r["wall_s"])
+        assert list(timed[f"val:{variant}"].get_xdata()) == pytest.approx([np.mean(seconds[s]) for s in eval_steps],
+                                                                         rel=1e-12)
     best = min(variants, key=final_val.__getitem__)
     assert f"| **{best}** |" in markdown and markdown.count("| **") == 1
-    assert (sweep / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("loss.png", "loss_vs_time.png"):
+        assert (sweep / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
