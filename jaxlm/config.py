@@ -23,6 +23,7 @@ from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.data.loader import DataConfig
+from jaxlm.data.mixture import parse_sources, parse_stages
 from jaxlm.energy import EnergyConfig
 from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.lora import LoraConfig
@@ -217,6 +218,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                                             compress=cfg.compress)
     _check(not cfg.checkpoint.keep_best or d.val_tokens > 0, "checkpoint.keep_best", cfg.checkpoint.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
+    if d.sources:
+        objective = cfg.objective.name if "objective" in cfg else "lm"
+        _check(objective in ("lm", "distill"), "data.sources", d.sources,
+               f"a corpus (data.corpus) with objective.name={objective}: mixtures feed the lm and distill objectives")
+        last = max((step for step, _ in parse_stages(d.stages, [s.name for s in parse_sources(d.sources)])), default=0)
+        _check(last <= cfg.run.steps, "data.stages", d.stages,
+               f"stages that start within the run: step {last} is beyond run.steps={cfg.run.steps}")
     validate_objective(cfg)  # the chosen objective's checks across sections (`jaxlm.objectives`)
     if o.loss_scale == "dynamic" and m.dtype == "float32":
         raise UserError("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed: float32 "

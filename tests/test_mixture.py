@@ -1,0 +1,229 @@
+"""Data mixtures (`jaxlm.data.mixture`): weighted sources, stages, exact resume, per-source metrics."""
+
+import json
+import math
+
+import floats
+import numpy as np
+import pytest
+
+from jaxlm.data import loader, mixture, pipeline
+from jaxlm.errors import UserError
+
+SEQ_LEN = 32
+
+
+def token_docs(base: int, num_docs: int, seed: int) -> list[np.ndarray]:
+    """Documents whose tokens tell their source: base + [0, n) (n from 2 to 59)."""
+    lengths = np.random.default_rng(seed).integers(2, 60, size=num_docs)
+    return [(base + np.arange(n)).astype(np.int32) for n in lengths]
+
+
+DOCS = {"a": token_docs(10_000, 300, 0), "b": token_docs(20_000, 120, 1), "c": token_docs(30_000, 50, 2)}
+
+
+def stream(sources: str, stages: str = "", rows: int = 8, shard: int = 0, shards: int = 1) -> mixture.MixtureIterator:
+    schedule = mixture.Schedule.parse(sources, stages)
+    return mixture.open_shard({n: DOCS[n] for n in schedule.names}, schedule, seq_len=SEQ_LEN, rows=rows, seed=0,
+                              shard=shard, shards=shards)
+
+
+def take(it, n: int) -> list[dict[str, np.ndarray]]:
+    return [next(it) for _ in range(n)]
+
+
+def origin(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Each row's source by its tokens (a: 1, b: 2, c: 3 from the token ids; -1 for an empty row)."""
+    first = batch["inputs"][:, 0]
+    return np.where(batch["segment_ids"][:, 0] > 0, first // 10_000, -1)
+
+
+# --- parsing ---
+
+
+def test_sources_and_stages_parse_and_bad_ones_stop_in_one_line():
+    parsed = mixture.parse_sources("web=data/a/*.jsonl|data/b.txt:0.7, code=builtin:0.3,hq=x:y/z")
+    assert parsed == [mixture.Source("web", "data/a/*.jsonl,data/b.txt", 0.7), mixture.Source("code", "builtin", 0.3),
+                      mixture.Source("hq", "x:y/z", 1.0)]  # a path may hold ':' (no weight: 1)
+    schedule = mixture.Schedule.parse("a=x:3,b=y:1", "10:b=1;20:a=1,b=1")
+    np.testing.assert_allclose(schedule.weights(9), [0.75, 0.25])
+    np.testing.assert_allclose(schedule.weights(10), [0.0, 1.0])  # from step 10 on; a unnamed: 0
+    np.testing.assert_allclose(schedule.weights(25), [0.5, 0.5])
+    np.testing.assert_allclose(schedule.shares(1, 30), [9 * 0.75 + 11 * 0.5, 9 * 0.25 + 10 + 11 * 0.5])
+    bad = {
+        ("a=x:0,b=y:0", ""): "the weights sum to 0",
+        ("a=x:-1,b=y:2", ""): "not a finite number of at least 0",
+        ("a=x:1,a=y:1", ""): "two sources are named 'a'",
+        ("a=x:1,x.jsonl", ""): "'x.jsonl' is not name=paths[:weight]",
+        ("a b=x", ""): "the source name 'a b'",
+        ("a=x,b=y", "5:c=1"): "stage 5 names the source 'c', which data.sources does not (a, b)",
+        ("a=x,b=y", "5:a=0"): "the weights of the stage at step 5 sum to 0",
+        ("a=x,b=y", "9:a=1;5:b=1"): "the stage at step 5 does not come after the one at step 9",
+        ("a=x,b=y", "zero:a=1"): "is not step:name=weight",
+    }
+    for (sources, stages), words in bad.items():
+        with pytest.raises(UserError) as e:
+            mixture.Schedule.parse(sources, stages)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_resumed_run_may_change_the_weights_not_the_sources():
+    from jaxlm import config
+    from jaxlm.run_dir import config_differences
+
+    def cfg(sources, stages=""):
+        return config.recipe("tiny", data__sources=sources, data__stages=stages)
+
+    saved = json.loads(cfg("a=x:1,b=y:1").to_json())
+    assert config_differences(saved, cfg("a=x:0.2,b=y:0.8", "5:a=1"), config.base_config()) == []
+    assert config_differences(saved, cfg("a=x:1,b=z:1"), config.base_config()) == [
+        "data.sources: 'a=x:1,b=y:1' -> 'a=x:1,b=z:1'"]
+    with pytest.raises(UserError, match="step 400 is beyond run.steps=300"):
+        cfg("a=x,b=y", "400:a=1")
+
+
+# --- sampling ---
+
+
+def test_rows_are_drawn_by_the_weights_each_from_one_source():
+    """3000 draws of weights 0.6/0.3/0.1: each source's share of the rows (and of the real tokens) within
+    four binomial standard deviations; every row holds one source's tokens, the one `source_ids` names."""
+    it = stream("a=x:6,b=y:3,c=z:1")
+    rows = np.zeros(3)
+    tokens = np.zeros(3)
+    for batch in take(it, 375):
+        assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "source_ids", "weights"}
+        ids = batch["source_ids"][:, 0]
+        assert (batch["source_ids"] == ids[:, None]).all()
+        real = batch["segment_ids"] > 0
+        assert ((batch["inputs"] // 10_000 == ids[:, None] + 1) | ~real).all()  # the row's tokens are its source's
+        rows += np.bincount(ids, minlength=3)
+        tokens += np.bincount(ids, weights=real.sum(axis=1), minlength=3)
+    n, p = rows.sum(), np.array([0.6, 0.3, 0.1])
+    assert n == 3000
+    assert (np.abs(rows - n * p) <= 4 * np.sqrt(n * p * (1 - p))).all(), rows / n
+    assert (np.abs(tokens / tokens.sum() - p) <= 4 * np.sqrt(p * (1 - p) / n) + 0.01).all(), tokens / tokens.sum()
+    assert min(it.epochs.values()) > 0 and it.epoch == max(it.epochs.values())  # each source's own passes
+
+
+def test_a_stage_changes_the_proportions_from_its_step_on():
+    it = stream("a=x:1,b=y:1,c=z:0", "41:c=1;81:a=0.2,b=0.8")
+    counts = {stage: np.zeros(3) for stage in range(3)}
+    for step, batch in enumerate(take(it, 160), 1):
+        counts[(step >= 41) + (step >= 81)] += np.bincount(batch["source_ids"][:, 0], minlength=3)
+    assert counts[0][2] == 0 and abs(counts[0][0] - 160) <= 4 * math.sqrt(320 * 0.25)  # c weighs 0 at first
+    assert counts[1].tolist() == [0, 0, 320]  # steps 41-80: c alone
+    assert counts[2][2] == 0 and abs(counts[2][0] - 0.2 * 640) <= 4 * math.sqrt(640 * 0.16)
+
+
+def test_shards_draw_apart_and_cover_the_rows():
+    """Data shard j of 2 draws its own rows; together the two shards give the global batch's rows."""
+    one, two = stream("a=x,b=y", rows=4, shard=0, shards=2), stream("a=x,b=y", rows=4, shard=1, shards=2)
+    a, b = next(one), next(two)
+    assert a["inputs"].shape == b["inputs"].shape == (4, SEQ_LEN)
+    assert not np.array_equal(a["source_ids"], b["source_ids"]) or not np.array_equal(a["inputs"], b["inputs"])
+
+
+# --- resume ---
+
+
+def test_resume_from_the_saved_state_is_exact():
+    """The state after 30 batches, through JSON as a checkpoint holds it, gives the next 20 batches of the
+    uninterrupted stream, bit for bit."""
+    full = take(stream("a=x:5,b=y:3,c=z:2", "35:c=1"), 50)
+    first = stream("a=x:5,b=y:3,c=z:2", "35:c=1")
+    take(first, 30)
+    state = json.loads(json.dumps(first.get_state()))
+    resumed = stream("a=x:5,b=y:3,c=z:2", "35:c=1")
+    resumed.set_state(state)
+    floats.identical(take(resumed, 20), full[30:], why=floats.SAME_PROGRAM)
+
+
+def test_weights_changed_on_resume_act_from_the_resume_step_and_replay_nothing():
+    """Resumed after 30 batches with other weights: batch 31 on draws by the new ones, and each source goes on
+    from the row it had reached: its rows over the two runs are its own stream's, none repeated or skipped."""
+    first = stream("a=x:1,b=y:1")
+    before = take(first, 30)
+    resumed = stream("a=x:1,b=y:9")
+    resumed.set_state(json.loads(json.dumps(first.get_state())))
+    after = take(resumed, 30)
+    new = np.concatenate([b["source_ids"][:, 0] for b in after])
+    assert abs(new.mean() - 0.9) <= 4 * math.sqrt(0.09 / len(new))  # b's share is the new weight's
+    # a step's draw depends on the step and its weights alone: those of a run with the new weights throughout
+    throughout = np.concatenate([b["source_ids"][:, 0] for b in take(stream("a=x:1,b=y:9"), 60)[30:]])
+    assert np.array_equal(new, throughout)
+    for index, name in enumerate(("a", "b")):
+        rows = [{k: b[k][i] for k in ("inputs", "segment_ids")} for b in before + after
+                for i in range(8) if b["source_ids"][i, 0] == index]
+        alone = iter(pipeline.make_row_stream(DOCS[name], seq_len=SEQ_LEN, bins=8,
+                                              seed=mixture.source_seed(0, name)))
+        own = [{k: row[k] for k in ("inputs", "segment_ids")} for row in take(alone, len(rows))]
+        floats.identical(rows, own, why=floats.SAME_PROGRAM)
+
+
+def test_the_sources_of_a_resumed_mixture_must_be_the_checkpoints():
+    first = stream("a=x,b=y")
+    next(first)
+    other = stream("a=x,c=z")
+    with pytest.raises(UserError, match="has the sources a, b but data.sources names a, c"):
+        other.set_state(first.get_state())
+
+
+# --- the data section ---
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two small corpora on disk, JSONL and text, and a cache to prepare them into."""
+    directory = tmp_path_factory.mktemp("mixture")
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(directory / "words.jsonl", "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 60)))}) + "\n")
+    (directory / "digits.txt").write_text("\n\n".join("".join(rng.choice(list("0123456789+="), rng.integers(5, 90)))
+                                                      for _ in range(200)))
+    return directory
+
+
+def data_config(directory, **fields) -> loader.DataConfig:
+    defaults = dict(separator="\\n\\n", cache_dir=str(directory / "cache"), tokenizer_vocab_size=300, seq_len=SEQ_LEN,
+                    global_batch_size=8, val_tokens=1000, val_fraction=0.05)
+    return loader.DataConfig(**{**defaults, **fields})
+
+
+def test_one_source_is_the_corpus_bit_for_bit(corpora):
+    """data.sources with one source reads what data.corpus reads: the same tokenizer, batches and held-out set."""
+    path = str(corpora / "words.jsonl")
+    tok = str(corpora / "tok.model")
+    corpus = loader.load_data(data_config(corpora, corpus=path))
+    corpus.tokenizer.save(tok)
+    single = loader.load_data(data_config(corpora, sources=f"words={path}:0.5"))
+    assert single.mixture is None and single.tokenizer.sha256 == corpus.tokenizer.sha256
+    floats.identical([next(single.train) for _ in range(5)], [next(corpus.train) for _ in range(5)],
+                     why=floats.SAME_PROGRAM)
+    floats.identical(single.eval_batches, corpus.eval_batches, why=floats.SAME_PROGRAM)
+
+
+def test_a_mixture_of_files_reads_each_source_and_holds_out_each(corpora):
+    d = data_config(corpora, sources=f"words={corpora / 'words.jsonl'}:3,digits={corpora / 'digits.txt'}:1",
+                    stages="20:digits=1")
+    d.validate()
+    data = loader.load_data(d)
+    facts = {f.name: f for f in data.mixture.sources}
+    assert facts["words"].documents + facts["digits"].documents == data.train_documents
+    assert facts["words"].tokens + facts["digits"].tokens == data.train_tokens
+    batches = [next(data.train) for _ in range(30)]
+    ids = np.stack([b["source_ids"][:, 0] for b in batches])
+    assert (ids[19:] == 1).all() and 0 < ids[:19].mean() < 1  # digits alone from step 20
+    held = [b["source_ids"].flat[0] for b in data.eval_batches]
+    assert sorted(set(held)) == [0, 1] and all((b["source_ids"] == b["source_ids"].flat[0]).all()
+                                               for b in data.eval_batches)
+    report = data.mixture.report(1, 100, 8 * SEQ_LEN)
+    drawn = {"words": 19 * 0.75 * 256, "digits": (19 * 0.25 + 81) * 256}
+    for name, f in facts.items():
+        line = next(line for line in report.splitlines() if line.startswith(name))
+        assert f"{f.documents:,}" in line and f"{f.tokens:,}" in line and f"{round(drawn[name]):,}" in line
+        assert f"{drawn[name] / f.tokens:.3g}" in line  # its effective epochs
+    with pytest.raises(UserError, match=r"data.sources: source 'gone': no input files match '.*missing\*.txt'"):
+        loader.load_data(data_config(corpora, sources=f"words={corpora / 'words.jsonl'},gone={corpora}/missing*.txt"))
