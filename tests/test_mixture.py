@@ -227,3 +227,74 @@ def test_a_mixture_of_files_reads_each_source_and_holds_out_each(corpora):
         assert f"{drawn[name] / f.tokens:.3g}" in line  # its effective epochs
     with pytest.raises(UserError, match=r"data.sources: source 'gone': no input files match '.*missing\*.txt'"):
         loader.load_data(data_config(corpora, sources=f"words={corpora / 'words.jsonl'},gone={corpora}/missing*.txt"))
+
+
+# --- per-source metrics ---
+
+
+@pytest.mark.parametrize("loss_chunk_len", [0, 8])
+def test_the_loss_by_source_is_each_sources_tokens_loss_from_the_same_forward(loss_chunk_len):
+    """`summed_loss` with sources: the sums by source equal the loss of each source's tokens alone (the batch
+    with the other rows' weights zeroed), the whole logits or made 8 positions at a time."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from helpers import random_batch, small_config
+    from jaxlm import steps, train_state
+    from jaxlm.models.transformer import Transformer
+
+    cfg = small_config(loss_chunk_len=loss_chunk_len)
+    model = Transformer(cfg, rngs=nnx.Rngs(params=0))
+    spec, params = train_state.build_model_spec(cfg), nnx.to_pure_dict(nnx.state(model))
+    batch = random_batch(6, cfg.max_seq_len, cfg.vocab_size)
+    batch["source_ids"] = np.repeat(np.array([2, 0, 2, 1, 0, 2], np.int32)[:, None], cfg.max_seq_len, axis=1)
+
+    @jax.jit
+    def sums(b):
+        total, (tokens, out) = steps.summed_loss(params, spec, b, None, 1e-3, loss_chunk_len, with_aux=True, sources=3)
+        return total, tokens, out[steps.SOURCE_LOSS], out[steps.SOURCE_TOKENS]
+
+    total, tokens, by_source, tokens_by_source = jax.device_get(sums({k: jnp.asarray(v) for k, v in batch.items()}))
+    for source in range(3):
+        alone = {**batch, "weights": batch["weights"] * (batch["source_ids"] == source)}
+        own_total, own_tokens = jax.device_get(sums({k: jnp.asarray(v) for k, v in alone.items()}))[:2]
+        floats.close(np.float32(by_source[source]), np.float32(own_total))
+        assert tokens_by_source[source] == own_tokens == alone["weights"].sum()
+    floats.close(np.float32(by_source.sum()), np.float32(total))
+    assert tokens_by_source.sum() == tokens
+
+
+def test_a_mixture_run_logs_each_sources_loss_tokens_and_held_out_loss(corpora, tmp_path, capsys):
+    """The tiny recipe on two sources in 2 micro-batches: every step's loss/<source> and tokens/<source> in
+    metrics.jsonl and TensorBoard (the tokens add up to the step's; the losses, weighted by them, to its loss),
+    none of a source from the stage that gives it weight 0; val_loss/<source>; the start-of-run report."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from helpers import train_tiny
+
+    sources = f"words={corpora / 'words.jsonl'}:3,digits={corpora / 'digits.txt'}:1"
+    summary = train_tiny(tmp_path, "mix", ("data.sources", sources), ("data.stages", "4:digits=1"),
+                         ("data.separator", r"\n\n"), ("model.vocab_size", "300"), ("optim.micro_batches", "2"),
+                         ("run.steps", "5"), ("run.log_every", "1"), ("run.eval_every", "0"), ("model.n_layers", "1"),
+                         ("data.val_tokens", "2048"))
+    out = capsys.readouterr().out
+    assert "data mixture of 2 sources, steps 1-5 (weights: words 0.75, digits 0.25; from step 4: words 0, digits 1)" in out
+    records = [json.loads(line) for line in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps_] == [1, 2, 3, 4, 5]
+    for r in steps_:
+        assert r["tokens/words"] + r["tokens/digits"] == r["tokens"]
+        mean = sum(r[f"loss/{n}"] * r[f"tokens/{n}"] for n in ("words", "digits") if f"loss/{n}" in r) / r["tokens"]
+        assert mean == pytest.approx(r["loss"], rel=1e-5)
+    assert all("loss/words" in r and r["tokens/words"] > 0 for r in steps_[:3])  # 16 rows at 0.75: not all digits
+    assert all("loss/words" not in r and r["tokens/words"] == 0 for r in steps_[3:])
+    held = next(r for r in records if "val_loss" in r)
+    assert held["val_loss/words"] > 0 and held["val_loss/digits"] > 0
+    assert min(held["val_loss/words"], held["val_loss/digits"]) < held["val_loss"] < max(held["val_loss/words"],
+                                                                                          held["val_loss/digits"])
+    assert summary["val_loss"] == held["val_loss"]
+    events = EventAccumulator(str(tmp_path / "mix" / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    for tag in ("loss/digits", "tokens/digits", "loss/words", "val_loss/words"):
+        logged = [(r["step"], r[tag]) for r in records if tag in r]
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, pytest.approx(v)) for s, v in logged], tag
