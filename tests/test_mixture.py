@@ -298,3 +298,66 @@ def test_a_mixture_run_logs_each_sources_loss_tokens_and_held_out_loss(corpora, 
     for tag in ("loss/digits", "tokens/digits", "loss/words", "val_loss/words"):
         logged = [(r["step"], r[tag]) for r in records if tag in r]
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, pytest.approx(v)) for s, v in logged], tag
+
+
+# --- a killed and resumed mixture (slow: whole runs of python -m jaxlm.train) ---
+
+
+def mixture_args(corpora, tmp_path, name, sources="words={words}:3,digits={digits}:1", stages="9:digits=1", steps=12):
+    sources = sources.format(words=corpora / "words.jsonl", digits=corpora / "digits.txt")
+    return ["--config=configs/tiny.py", f"--config.run.output_dir={tmp_path}", f"--config.run.name={name}",
+            f"--config.run.steps={steps}", "--config.run.log_every=1", "--config.run.eval_every=0",
+            "--config.checkpoint.every_steps=5", "--config.model.vocab_size=300", "--config.model.n_layers=2",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", r"--config.data.separator=\n\n",
+            f"--config.data.sources={sources}", f"--config.data.stages={stages}"]
+
+
+def by_step(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+@pytest.mark.slow
+def test_a_mixture_killed_mid_run_resumes_to_the_uninterrupted_runs_batches(corpora, tmp_path):
+    """SIGKILL at step 7 (after the step-5 checkpoint, before the stage at step 9): resumed from step 5, every
+    step's loss and its loss and tokens by source equal the uninterrupted run's, bit for bit."""
+    import signal
+
+    from test_resume import run, run_until
+
+    code, _, err = run(mixture_args(corpora, tmp_path, "full"))
+    assert code == 0, err[-3000:]
+    killed = mixture_args(corpora, tmp_path, "killed")
+    code, _, _ = run_until(killed, "step      7/", signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    code, out, err = run(killed)
+    assert code == 0 and "resuming from step 5" in out, err[-3000:]
+    assert "data mixture of 2 sources, steps 6-12" in out
+    keys = ("loss", "tokens", "loss/words", "tokens/words", "loss/digits", "tokens/digits")
+    full, resumed = by_step(tmp_path / "full"), by_step(tmp_path / "killed")
+    assert sorted(resumed) == list(range(1, 13))
+    def table(records):  # nan: a source without tokens in the step (no loss/<source>)
+        return np.array([[records[s].get(k, np.nan) for k in keys] for s in range(1, 13)])
+
+    floats.identical(table(resumed), table(full), why=floats.SAME_PROGRAM)
+    assert all(full[s]["tokens/words"] == 0 for s in range(9, 13)) and full[1]["tokens/words"] > 0
+
+
+@pytest.mark.slow
+def test_weights_changed_on_resume_take_effect_from_the_resume_step(corpora, tmp_path):
+    """A run of 6 steps resumed to 12 with digits alone (other weights, no stage): steps 1-6 as they were, 7-12
+    digits only; the report says so from step 7."""
+    from test_resume import run
+
+    code, _, err = run(mixture_args(corpora, tmp_path, "run", stages="", steps=6))
+    assert code == 0, err[-3000:]
+    before = by_step(tmp_path / "run")
+    code, out, err = run(mixture_args(corpora, tmp_path, "run", sources="words={words}:0,digits={digits}:1",
+                                      stages="", steps=12))
+    assert code == 0 and "resuming from step 6" in out, err[-3000:]
+    assert "steps 7-12 (weights: words 0, digits 1)" in out
+    after = by_step(tmp_path / "run")
+    assert [after[s] for s in range(1, 7)] == [before[s] for s in range(1, 7)]
+    assert all(after[s]["tokens/words"] > 0 for s in range(1, 7))  # 16 rows a step, words at 3/4
+    assert all(after[s]["tokens/words"] == 0 and after[s]["tokens/digits"] == after[s]["tokens"] for s in range(7, 13))
+    code, _, err = run(mixture_args(corpora, tmp_path, "run", sources="words={digits},digits={words}", steps=12))
+    assert code == 2 and "data.sources:" in err and "another config" in err
