@@ -189,7 +189,8 @@ def inputs_key(data: DataConfig) -> str:
     if source.paths == "builtin":
         files = [sys.version, sysconfig.get_paths()["stdlib"]]
     else:
-        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(source)]
+        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                 for given in sources.resolve_files(source) for f in sources.input_files(given)]
     identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": data.val_fraction,
                 "seed": data.seed}
     spec = sft_spec(data)
