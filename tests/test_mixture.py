@@ -22,10 +22,11 @@ def token_docs(base: int, num_docs: int, seed: int) -> list[np.ndarray]:
 DOCS = {"a": token_docs(10_000, 300, 0), "b": token_docs(20_000, 120, 1), "c": token_docs(30_000, 50, 2)}
 
 
-def stream(sources: str, stages: str = "", rows: int = 8, shard: int = 0, shards: int = 1) -> mixture.MixtureIterator:
+def stream(sources: str, stages: str = "", rows: int = 8, shard: int = 0, shards: int = 1,
+           num_workers: int = 0) -> mixture.MixtureIterator:
     schedule = mixture.Schedule.parse(sources, stages)
     return mixture.open_shard({n: DOCS[n] for n in schedule.names}, schedule, seq_len=SEQ_LEN, rows=rows, seed=0,
-                              shard=shard, shards=shards)
+                              shard=shard, shards=shards, num_workers=num_workers)
 
 
 def take(it, n: int) -> list[dict[str, np.ndarray]]:
@@ -127,16 +128,22 @@ def test_shards_draw_apart_and_cover_the_rows():
 # --- resume ---
 
 
-def test_resume_from_the_saved_state_is_exact():
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_resume_from_the_saved_state_is_exact(num_workers):
     """The state after 30 batches, through JSON as a checkpoint holds it, gives the next 20 batches of the
-    uninterrupted stream, bit for bit."""
-    full = take(stream("a=x:5,b=y:3,c=z:2", "35:c=1"), 50)
-    first = stream("a=x:5,b=y:3,c=z:2", "35:c=1")
-    take(first, 30)
-    state = json.loads(json.dumps(first.get_state()))
-    resumed = stream("a=x:5,b=y:3,c=z:2", "35:c=1")
-    resumed.set_state(state)
-    floats.identical(take(resumed, 20), full[30:], why=floats.SAME_PROGRAM)
+    uninterrupted stream, bit for bit; with each source read by 2 worker processes too."""
+    def opened():
+        return stream("a=x:5,b=y:3,c=z:2", "35:c=1", num_workers=num_workers)
+
+    its = [opened() for _ in range(3)]
+    try:
+        full = take(its[0], 50)
+        take(its[1], 30)
+        its[2].set_state(json.loads(json.dumps(its[1].get_state())))
+        floats.identical(take(its[2], 20), full[30:], why=floats.SAME_PROGRAM)
+    finally:
+        for it in its:
+            it.close()
 
 
 def test_weights_changed_on_resume_act_from_the_resume_step_and_replay_nothing():
