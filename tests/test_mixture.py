@@ -305,6 +305,25 @@ def test_a_mixture_run_logs_each_sources_loss_tokens_and_held_out_loss(corpora, 
     for tag in ("loss/digits", "tokens/digits", "loss/words", "val_loss/words"):
         logged = [(r["step"], r[tag]) for r in records if tag in r]
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, pytest.approx(v)) for s, v in logged], tag
+    # `jaxlm.evaluate --corpus=val` (and compression's calibration) read each source's splits, not data.corpus
+    from jaxlm import evaluate, inference
+    from jaxlm.data import prepare
+
+    run = inference.load_run(tmp_path / "mix")
+    docs, where = evaluate.corpus_documents(run, "val")
+    d = loader.DataConfig.from_config(run.cfg.data)
+    dirs = {s.name: loader.cached_prepared_dir(loader.source_config(d, s), run.tokenizer.sha256)
+            for s in mixture.parse_sources(d.sources)}
+    assert where.startswith("validation split of words: ") and ", digits: " in where
+    held_out = [np.asarray(x, np.int32) for name in ("words", "digits") for x in prepare.open_prepared(dirs[name], "val")]
+    floats.identical([np.asarray(x) for x in docs], held_out, why=floats.MOVED)
+    calibration = evaluate.training_documents(run, 200)  # 100 target tokens of each source's training split
+    lengths = np.cumsum([len(x) - 1 for x in calibration])
+    first_digits = int(np.searchsorted(lengths, 100, side="right"))
+    assert lengths[-1] == 200 and lengths[first_digits - 1] == 100
+    for doc, name in ((calibration[0], "words"), (calibration[first_digits], "digits")):
+        floats.identical(np.asarray(doc), np.asarray(prepare.open_prepared(dirs[name], "train")[0][:len(doc)], np.int32),
+                         why=floats.MOVED)
 
 
 # --- a killed and resumed mixture (slow: whole runs of python -m jaxlm.train) ---
