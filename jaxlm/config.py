@@ -257,12 +257,16 @@ class Derived:
 
 def inert_settings(cfg: ml_collections.ConfigDict, derived: Derived) -> list[str]:
     """Lines for settings that change nothing in this run (set, but what they act on is absent)."""
+    lines = []
     default = base_config().pipeline
     changed = [f"pipeline.{key}={cfg.pipeline[key]}" for key in default if cfg.pipeline[key] != default[key]]
     if changed and sizes_of(derived.mesh_shape)["stage"] == 1:
-        return [f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with one pipeline "
-                f"stage (mesh.stage={cfg.mesh.stage}): set mesh.stage to the number of stages to pipeline"]
-    return []
+        lines.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with one pipeline "
+                     f"stage (mesh.stage={cfg.mesh.stage}): set mesh.stage to the number of stages to pipeline")
+    if cfg.data.sources and cfg.data.corpus != DataConfig.defaults()["corpus"]:
+        lines.append(f"data.corpus={cfg.data.corpus!r} is not read: data.sources names the corpora this run "
+                     f"trains on (give the corpus as one of its sources)")
+    return lines
 
 
 def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> MeshShape:

@@ -236,6 +236,33 @@ def test_a_mixture_of_files_reads_each_source_and_holds_out_each(corpora):
         loader.load_data(data_config(corpora, sources=f"words={corpora / 'words.jsonl'},gone={corpora}/missing*.txt"))
 
 
+def test_a_mixture_tokenized_on_the_fly_draws_as_the_prepared_one(corpora):
+    """data.tokenize_on_the_fly: each source's texts tokenized in the pipeline (documents shuffled, not chunks:
+    other rows than its prepared shards give); each step draws the same sources for the same rows, and each
+    row holds its source's text. Its tokens are unknown to the report."""
+    from jaxlm import config
+
+    sources = f"words={corpora / 'words.jsonl'}:3,digits={corpora / 'digits.txt'}:1"
+    prepared = loader.load_data(data_config(corpora, sources=sources))
+    tok = corpora / "mix.model"
+    prepared.tokenizer.save(tok)
+    fly = loader.load_data(data_config(corpora, sources=sources, tokenize_on_the_fly=True, tokenizer_path=str(tok)))
+    batches = [next(fly.train) for _ in range(10)]
+    assert np.array_equal(np.stack([b["source_ids"] for b in batches]),
+                          np.stack([next(prepared.train)["source_ids"] for _ in range(10)]))
+    for batch in batches:
+        for row, source in zip(batch["inputs"], batch["source_ids"][:, 0]):
+            text = fly.tokenizer.decode([int(t) for t in row if t > 3])  # (0-3: padding, unk, BOS, EOS)
+            alphabet = set("0123456789+=\n") if source == 1 else set("abcdefghijklmnopqrstuvwxyz \n")
+            assert set(text) <= alphabet and text.strip(), (source, text)
+    assert [f.tokens for f in fly.mixture.sources] == [None, None] and fly.train_tokens is None
+    assert "n/a (on the fly)" in fly.mixture.report(1, 10, 8 * SEQ_LEN)
+    cfg = config.recipe("tiny", data__sources=sources, data__corpus="x.txt")
+    assert config.inert_settings(cfg, config.derive(cfg, 8)) == [
+        "data.corpus='x.txt' is not read: data.sources names the corpora this run trains on (give the corpus as one "
+        "of its sources)"]
+
+
 # --- per-source metrics ---
 
 
