@@ -23,6 +23,7 @@ from jaxlm import section as section_lib
 from jaxlm.axes import MeshShape, sizes_of
 from jaxlm.checkpoint import CheckpointConfig
 from jaxlm.data.loader import DataConfig
+from jaxlm.data.mixture import parse_sources, parse_stages
 from jaxlm.energy import EnergyConfig
 from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.lora import LoraConfig
@@ -217,6 +218,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                                             compress=cfg.compress)
     _check(not cfg.checkpoint.keep_best or d.val_tokens > 0, "checkpoint.keep_best", cfg.checkpoint.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
+    if d.sources:
+        objective = cfg.objective.name if "objective" in cfg else "lm"
+        _check(objective in ("lm", "distill"), "data.sources", d.sources,
+               f"a corpus (data.corpus) with objective.name={objective}: mixtures feed the lm and distill objectives")
+        last = max((step for step, _ in parse_stages(d.stages, [s.name for s in parse_sources(d.sources)])), default=0)
+        _check(last <= cfg.run.steps, "data.stages", d.stages,
+               f"stages that start within the run: step {last} is beyond run.steps={cfg.run.steps}")
     validate_objective(cfg)  # the chosen objective's checks across sections (`jaxlm.objectives`)
     if o.loss_scale == "dynamic" and m.dtype == "float32":
         raise UserError("config.optim.loss_scale='dynamic' with config.model.dtype='float32' is not allowed: float32 "
@@ -249,12 +257,16 @@ class Derived:
 
 def inert_settings(cfg: ml_collections.ConfigDict, derived: Derived) -> list[str]:
     """Lines for settings that change nothing in this run (set, but what they act on is absent)."""
+    lines = []
     default = base_config().pipeline
     changed = [f"pipeline.{key}={cfg.pipeline[key]}" for key in default if cfg.pipeline[key] != default[key]]
     if changed and sizes_of(derived.mesh_shape)["stage"] == 1:
-        return [f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with one pipeline "
-                f"stage (mesh.stage={cfg.mesh.stage}): set mesh.stage to the number of stages to pipeline"]
-    return []
+        lines.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect with one pipeline "
+                     f"stage (mesh.stage={cfg.mesh.stage}): set mesh.stage to the number of stages to pipeline")
+    if cfg.data.sources and cfg.data.corpus != DataConfig.defaults()["corpus"]:
+        lines.append(f"data.corpus={cfg.data.corpus!r} is not read: data.sources names the corpora this run "
+                     f"trains on (give the corpus as one of its sources)")
+    return lines
 
 
 def mesh_shape(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> MeshShape:

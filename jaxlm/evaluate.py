@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxlm import commands, inference, scoring
 from jaxlm import run_dir as run_dir_lib
-from jaxlm.data import loader, pipeline, prepare, sft, sources
+from jaxlm.data import loader, mixture, pipeline, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
 
@@ -99,17 +99,25 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
     if spec:
         return _sft_documents(run, spec, corpus, split, max_tokens)
     if corpus == "val":
-        d = run.cfg.data
-        directory = _prepared_val_dir(run)
-        if directory is not None:
-            return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
-        source = loader.source_spec(_data_section(run))
-        texts = (doc for doc in sources.iter_documents(source) if sources.is_validation(doc, d.val_fraction, d.seed))
-        docs = _tokenize_up_to(tok, texts, max_tokens)
-        if not docs:
-            raise UserError(f"the run's validation split is empty (data.corpus={d.corpus!r}, data.val_fraction="
-                            f"{d.val_fraction}); give --corpus=<files or prepared directory>")
-        return docs, f"validation split of {d.corpus}"
+        parts = _corpora(run)
+        docs, where = [], []
+        for name, section in parts:  # a mixture's sources: an equal share of max_tokens each
+            share = -(-max_tokens // len(parts))
+            directory = _prepared_val_dir(run, section)
+            if directory is not None:
+                docs += _take_prepared(directory, "val", share)
+                where.append(f"{name + ': ' if name else ''}{directory}")
+                continue
+            texts = (doc for doc in sources.iter_documents(loader.source_spec(section))
+                     if sources.is_validation(doc, section.val_fraction, section.seed))
+            own = _tokenize_up_to(tok, texts, share)
+            if not own:
+                what = f"source {name!r} of data.sources, {section.corpus!r}" if name else f"data.corpus={section.corpus!r}"
+                raise UserError(f"the run's validation split is empty ({what}, data.val_fraction={section.val_fraction}); "
+                                f"give --corpus=<files or prepared directory>")
+            docs += own
+            where.append(f"{name + ': ' if name else ''}{section.corpus}")
+        return docs, f"validation split of {', '.join(where)}"
     directory = pathlib.Path(corpus)
     if prepare.is_prepared(directory):
         _check_same_tokenizer(run, directory)
@@ -124,13 +132,18 @@ def corpus_documents(run: inference.LoadedRun, corpus: str, *, split: str = "val
 def training_documents(run: inference.LoadedRun, max_tokens: int) -> Sequence[np.ndarray]:
     """About `max_tokens` tokens of the run's own training split (its prepared corpus's train split, or
     the documents of data.corpus that are not validation ones), tokenized: calibration data."""
-    directory = _prepared_val_dir(run)
-    if directory is not None:
-        return _take_prepared(directory, "train", max_tokens)
-    d = run.cfg.data
-    texts = (doc for doc in sources.iter_documents(loader.source_spec(_data_section(run)))
-             if not sources.is_validation(doc, d.val_fraction, d.seed))
-    return _tokenize_up_to(run.tokenizer, texts, max_tokens)
+    parts = _corpora(run)
+    docs = []
+    for _, section in parts:  # a mixture's sources: an equal share of max_tokens each
+        share = -(-max_tokens // len(parts))
+        directory = _prepared_val_dir(run, section)
+        if directory is not None:
+            docs += _take_prepared(directory, "train", share)
+            continue
+        texts = (doc for doc in sources.iter_documents(loader.source_spec(section))
+                 if not sources.is_validation(doc, section.val_fraction, section.seed))
+        docs += _tokenize_up_to(run.tokenizer, texts, share)
+    return docs
 
 
 def _data_section(run: inference.LoadedRun) -> loader.DataConfig:
@@ -138,12 +151,22 @@ def _data_section(run: inference.LoadedRun) -> loader.DataConfig:
     return loader.DataConfig.from_config(run.cfg.data)
 
 
+def _corpora(run: inference.LoadedRun) -> list[tuple[str, loader.DataConfig]]:
+    """(name, data section) of each corpus the run trained on: its data.corpus ("", the section), or each
+    source of its data mixture (the section with data.corpus that source's paths)."""
+    d = _data_section(run)
+    mix = mixture.parse_sources(d.sources)
+    if len(mix) < 2:
+        return [("", loader.source_config(d, mix[0]) if mix else d)]
+    return [(s.name, loader.source_config(d, s)) for s in mix]
+
+
 def _sft_documents(run: inference.LoadedRun, spec: sft.Spec, corpus: str, split: str,
                    max_tokens: int) -> tuple[pipeline.FlatDocuments, str]:
     """SFT examples with their weights: the run's validation split, a prepared directory's `split`, or
     every row of JSONL / Parquet files."""
     if corpus == "val":
-        directory = _prepared_val_dir(run)
+        directory = _prepared_val_dir(run, _data_section(run))
         if directory is not None:
             return _take_prepared(directory, "val", max_tokens), f"validation split of {directory}"
         _, docs = loader.sft_documents(_data_section(run), run.tokenizer, spec, train=False)
@@ -176,9 +199,10 @@ def _first_tokens(docs: pipeline.FlatDocuments, max_tokens: int) -> pipeline.Fla
     return pipeline.FlatDocuments.from_arrays(ids, weights)
 
 
-def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
-    """The prepared corpus the run trained from, when it is on disk here (its val split is tokenized)."""
-    d = run.cfg.data
+def _prepared_val_dir(run: inference.LoadedRun, section: loader.DataConfig) -> pathlib.Path | None:
+    """The prepared corpus the run trained from (`section`'s: its data section, or a mixture's source's), when it
+    is on disk here (its val split is tokenized)."""
+    d = section
     given = pathlib.Path(d.corpus)
     if prepare.is_prepared(given):
         _check_same_tokenizer(run, given)
@@ -186,7 +210,7 @@ def _prepared_val_dir(run: inference.LoadedRun) -> pathlib.Path | None:
     if d.tokenize_on_the_fly:
         return None
     try:
-        cached = loader.cached_prepared_dir(_data_section(run), run.tokenizer.sha256)
+        cached = loader.cached_prepared_dir(section, run.tokenizer.sha256)
     except (UserError, OSError):  # the corpus is not here: reading it raises the clear error later
         return None
     return cached if prepare.is_prepared(cached, complete=True) else None

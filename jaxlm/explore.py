@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import checkpoint, generate, inference, init_from, steps, train_setup, xla_flags
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
-from jaxlm import metrics as metrics_lib
 from jaxlm.axes import MESH_AXES
 from jaxlm.axes import describe as describe_mesh
 from jaxlm.data import loader, sft
@@ -355,7 +354,7 @@ def train_steps(setup: train_setup.TrainSetup, data: loader.Data, steps: int) ->
             batch = next(data.train)
             packed = setup.attention_choice(batch)  # cuDNN's kernel for the batch, as the trainer chooses it
             setup.state, metrics = setup.train_step(setup.state, setup.put_batch(batch), packed)
-            values = metrics_lib.scalars(metrics)
+            values = setup.objective.scalars(metrics)  # (a data mixture's loss and tokens by source by name)
             values["step"] = int(jax.device_get(setup.state.step))
             values["epoch"] = data.train.epoch
             yield values

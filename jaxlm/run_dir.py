@@ -22,6 +22,7 @@ import ml_collections
 
 from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
+from jaxlm.data.mixture import same_sources
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
 from jaxlm.paths import is_run
@@ -223,6 +224,7 @@ RESUMABLE_CHANGES = (
     "optim.on_nonfinite", "optim.micro_batches", "metrics.", "profile.", "energy.", "run.compile_cache_dir", "run.xla_flags",
     "data.shards",  # the data stream's count is checked against the checkpoint's when its position is restored
     "data.tokenizer_path",  # the tokenizer itself (its sha256) is checked on resume, wherever its file now is
+    "data.stages",  # a mixture's weights from a step on: a resumed run draws by its own from its first step
 )
 
 
@@ -248,6 +250,8 @@ def config_differences(saved: dict, cfg: ml_collections.ConfigDict, defaults: ml
         if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_CHANGES)
         # model.dtype=auto resumes a run in the dtype it was trained in (jaxlm.train._compute_dtype)
         and not (key == "model.dtype" and "auto" in (old.get(key), new.get(key)))
+        # a mixture's weights may change (its sources may not): they act from the resumed run's first step
+        and not (key == "data.sources" and same_sources(old.get(key, ""), new.get(key, "")))
     ]
 
 

@@ -99,15 +99,32 @@ def position_chunks(seq_len: int, chunk_len: int) -> Callable[[jax.Array], jax.A
 
 
 def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
-                     weights: jax.Array, z_loss: float, chunk_len: int) -> jax.Array:
+                     weights: jax.Array, z_loss: float, chunk_len: int,
+                     groups: tuple[jax.Array, int] | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Sum of weighted token losses, with logits made `chunk_len` positions at a time.
 
     `x` [B, T, D] are the final hidden states and `project` maps a chunk of them to logits
     [B, chunk_len, V]. Each chunk's logits are rematerialized in the backward pass, so only one
     chunk's float32 logits ([B, chunk_len, V]) is ever alive instead of the whole [B, T, V].
     Equal to `token_losses` over the whole sequence (value and gradient), up to summation order.
+    `groups`: (each token's group [B, T], the number of groups); then (the sum, the sums by group
+    [groups], not differentiated: `group_sums`).
     """
     split = position_chunks(x.shape[1], chunk_len)
+    if groups is not None:
+        ids, count = groups
+
+        @jax.checkpoint
+        def chunk_sums(x_c, t_c, w_c, g_c):
+            losses = token_losses(project(x_c), t_c, z_loss) * w_c
+            return jnp.sum(losses), jax.lax.stop_gradient(group_sums(losses, g_c, count))
+
+        def grouped(carry, chunk):
+            total, by_group = chunk_sums(*chunk)
+            return (carry[0] + total, carry[1] + by_group), None
+
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((count,), jnp.float32))
+        return jax.lax.scan(grouped, init, (split(x), split(targets), split(weights), split(ids)))[0]
 
     @jax.checkpoint
     def chunk_loss(x_c, t_c, w_c):
@@ -119,37 +136,60 @@ def chunked_loss_sum(project: Callable[[jax.Array], jax.Array], x: jax.Array, ta
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x), split(targets), split(weights)))[0]
 
 
+def group_sums(values: jax.Array, ids: jax.Array, count: int) -> jax.Array:
+    """Sums of `values` [B, T] by each position's group `ids` [B, T] (0 .. count - 1) -> [count], float32: a
+    data mixture's loss and tokens by source (`ids`: the batch's `source_ids`)."""
+    member = ids[..., None] == jnp.arange(count, dtype=ids.dtype)  # [B, T, count]
+    return jnp.sum(jnp.where(member, values[..., None].astype(jnp.float32), 0.0), axis=(0, 1))
+
+
+SOURCE_LOSS, SOURCE_TOKENS = "mixture/loss_sum", "mixture/tokens"  # a data mixture's sums by source
+
+
 def summed_loss(params, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float, loss_chunk_len: int = 0,
-                with_aux: bool = False):
+                with_aux: bool = False, sources: int = 0):
     """(weighted sum of token losses, sum of weights) over a batch; with `loss_chunk_len`, the
     logits are made that many positions at a time (`chunked_loss_sum`).
 
     `with_aux` (training): the blocks' auxiliary outputs (`jaxlm.models.aux`) too, each times the sum
     of weights, so that they add up over micro-batches as the loss does: (the sum plus the auxiliary loss
-    terms times the sum of weights, (sum of weights, the auxiliary outputs times it))."""
+    terms times the sum of weights, (sum of weights, the auxiliary outputs times it)). With `sources` (a data
+    mixture's count; the batch's `source_ids` say each token's), also `SOURCE_LOSS` and `SOURCE_TOKENS`: the
+    weighted token losses (z-loss included, the blocks' auxiliary terms not) and the weights summed by source
+    [sources], from the same forward pass."""
     model = nnx.merge(model_spec.graphdef, params)
     weights = batch["weights"]
     args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    by_source = with_aux and sources > 0
     if loss_chunk_len and loss_chunk_len < batch["inputs"].shape[1]:
         x, out = model(*args, dropout_key=dropout_key, hidden=True, with_aux=True)
-        total = chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len)
+        groups = (batch["source_ids"], sources) if by_source else None
+        total = chunked_loss_sum(model.logits, x, batch["targets"], weights, z_loss, loss_chunk_len, groups)
+        if by_source:
+            total, source_loss = total
     else:
         logits, out = model(*args, dropout_key=dropout_key, with_aux=True)
-        total = jnp.sum(token_losses(logits, batch["targets"], z_loss) * weights)
+        losses = token_losses(logits, batch["targets"], z_loss) * weights
+        total = jnp.sum(losses)
+        if by_source:
+            source_loss = jax.lax.stop_gradient(group_sums(losses, batch["source_ids"], sources))
     tokens = jnp.sum(weights)
     if not with_aux:
         return total, tokens
     for term in aux.loss_terms(out):
         total = total + term * tokens
-    return total, (tokens, aux.scale(out, tokens))
+    out = aux.scale(out, tokens)
+    if by_source:
+        out = {**out, SOURCE_LOSS: source_loss, SOURCE_TOKENS: group_sums(weights, batch["source_ids"], sources)}
+    return total, (tokens, out)
 
 
 def trainable_loss(trainable, frozen, model_spec: ModelSpec, batch: Batch, dropout_key, z_loss: float,
-                   loss_chunk_len: int = 0):
+                   loss_chunk_len: int = 0, *, sources: int = 0):
     """`summed_loss` with the auxiliary outputs, as a function of the trainable parameters, the frozen
-    ones held fixed."""
+    ones held fixed (and with `sources`, a data mixture's sums by source)."""
     return summed_loss(model_spec.merge(trainable, frozen), model_spec, batch, dropout_key, z_loss, loss_chunk_len,
-                       with_aux=True)
+                       with_aux=True, sources=sources)
 
 
 def _split_micro(batch: Batch, k: int) -> Batch:

@@ -88,6 +88,7 @@ class StepLog:
         cfg = setup.cfg
         self.meter = meter  # the run's energy, read at the logging steps (every process: a collective)
         self.sinks, self.tokens_per_step = sinks, setup.derived.tokens_per_step
+        self.objective = setup.objective  # names the step's metrics (a data mixture's by source)
         self.total_steps, self.log_every, self.on_nonfinite = cfg.run.steps, cfg.run.log_every, cfg.optim.on_nonfinite
         self.flops_per_token = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len)
         self.devices = list(setup.mesh.devices.flat)
@@ -122,7 +123,7 @@ class StepLog:
         """`data_progress`: the data iterator's epoch and this host's real tokens after this step's
         batch, and the seconds the loop took for that batch (`data_time_s`); `histograms`:
         `param_histograms` of the state after this step, when due."""
-        values = metrics_lib.scalars(metrics) | data_progress
+        values = self.objective.scalars(metrics) | data_progress
         now = time.time()
         step_s, self.last = now - self.last, now
         first = self.compile_s is None
@@ -386,6 +387,9 @@ def _train(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, data: Data
     size = (f"{data.train_tokens:,} training tokens" if data.train_tokens is not None
             else f"{data.train_documents:,} training documents, tokenized on the fly")
     console(f"jaxlm: data ready in {time.time() - t0:.1f}s ({size})")
+    if data.mixture is not None and resume_step < cfg.run.steps:
+        tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+        console(f"jaxlm: {data.mixture.report(resume_step + 1, cfg.run.steps, tokens_per_step)}")
     if saved and saved.get("tokenizer_sha256") != data.tokenizer.sha256:
         raise UserError(
             f"{run_dir} was trained with another tokenizer (sha256 {saved.get('tokenizer_sha256', '?')[:16]}, now "

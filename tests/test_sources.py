@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import pathlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,6 +68,32 @@ def test_a_local_hugging_face_dataset(tmp_path, monkeypatch):
         load_documents(SourceSpec(str(tmp_path / "dict"), format="hf"))
     with pytest.raises(UserError, match="not a dataset saved with save_to_disk"):
         load_documents(SourceSpec(str(tmp_path), format="hf"))
+
+
+def test_a_save_to_disk_folder_and_its_arrow_files_are_told_without_a_format(tmp_path, monkeypatch):
+    """Format auto: a `save_to_disk` folder (given, or met walking a directory) is one input read as a dataset,
+    and its Arrow file read alone gives the same documents; the trainer prepares the folder (its files are the
+    cache key and the manifest's sources) and mixes it with a JSONL file."""
+    import datasets  # in the dev extra (optional for users): run, never skipped
+
+    from jaxlm.data import loader
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "corpus" / "hf"
+    datasets.Dataset.from_dict({"text": DOCS * 20, "n": list(range(60))}).save_to_disk(str(folder))
+    write_jsonl(tmp_path / "corpus" / "more.jsonl", [{"text": d} for d in reversed(DOCS)])
+    assert load_documents(SourceSpec(str(folder))) == DOCS * 20
+    assert resolve_files(SourceSpec(str(tmp_path / "corpus"))) == [str(folder), str(tmp_path / "corpus" / "more.jsonl")]
+    arrow = resolve_files(SourceSpec(str(folder / "*.arrow")))
+    assert len(arrow) == 1 and load_documents(SourceSpec(arrow[0])) == DOCS * 20
+    (tmp_path / "cut.arrow").write_bytes((folder / pathlib.Path(arrow[0]).name).read_bytes()[:200])
+    with pytest.raises(UserError, match=r"cut.arrow: .*truncated or corrupt"):
+        load_documents(SourceSpec(str(tmp_path / "cut.arrow")))
+    d = loader.DataConfig(sources=f"hf={folder}:1,lines={tmp_path / 'corpus' / 'more.jsonl'}:1", tokenizer_type="byte",
+                          tokenizer_vocab_size=260, val_fraction=0.0, seq_len=16, global_batch_size=4,
+                          cache_dir=str(tmp_path / "cache"))
+    data = loader.load_data(d)
+    assert [(f.name, f.documents) for f in data.mixture.sources] == [("hf", 60), ("lines", 3)]
 
 
 def test_builtin_corpus_is_a_source():

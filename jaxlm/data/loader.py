@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlm.console import console
-from jaxlm.data import pipeline, prepare, sft, sources, tokenizer
+from jaxlm.data import mixture, pipeline, prepare, sft, sources, tokenizer
 from jaxlm.errors import UserError
 from jaxlm.section import Section, check, setting
 
@@ -48,6 +48,17 @@ class DataConfig(Section):
         "'builtin_chat' (600 short conversations shipped in the package, for SFT: "
         "jaxlm/data/builtin_chat.py), or files, directories and globs, comma-separated: .txt/.md (text), "
         ".jsonl[.gz], .parquet.")
+    sources: str = setting(
+        "",
+        "a data mixture, in place of data.corpus: named sources with weights, comma-separated name=paths:weight "
+        "(paths as data.corpus takes them, several joined by '|'; weight 1 when left out), e.g. "
+        "'web=data/web/*.jsonl:0.7,code=builtin:0.3'. Each row of a batch is drawn from a source by the weights; "
+        "loss/<name> and tokens/<name> are logged per source. One source is data.corpus. docs/data.md")
+    stages: str = setting(
+        "",
+        "data.sources: other weights from a step on, e.g. '8000:web=0.3,hq=0.7' (a source a stage does not name "
+        "weighs 0 there); several joined by ';'. A resumed run may change these and the weights: they act from "
+        "its first step")
     format: str = setting(
         "auto",
         'auto (by extension; chat for builtin_chat) | text | jsonl | parquet | hf, or supervised fine-tuning '
@@ -122,6 +133,16 @@ class DataConfig(Section):
         check(self.on_damaged_shard in ("stop", "skip"), key("on_damaged_shard"), self.on_damaged_shard,
               "'stop' or 'skip'")
         check(self.val_tokens >= 0, key("val_tokens"), self.val_tokens, "0 (no evaluation) or more")
+        if self.sources or self.stages:
+            mix = mixture.parse_sources(self.sources)
+            check(bool(mix), key("stages"), self.stages, "'' without data.sources (stages change the sources' weights)")
+            mixture.parse_stages(self.stages, [s.name for s in mix])
+            check(self.format in sources.FORMATS, key("format"), self.format,
+                  f"a text format with data.sources ({', '.join(sources.FORMATS)}): mixtures of fine-tuning rows are "
+                  f"not supported")
+            for s in mix:
+                check(s.paths not in sources.BUILTIN_FILES, key("sources"), self.sources,
+                      f"text sources: {s.paths} (source {s.name!r}) holds fine-tuning rows, which mixtures do not mix")
 
 
 @dataclasses.dataclass
@@ -133,6 +154,7 @@ class Data:
     train_documents: int | None = None
     shards: int = 1  # the streams the global batch is read as (data.shards, resolved)
     sft_report: str | None = None  # SFT data: the start-of-run line (examples, tokens, trained on, truncated)
+    mixture: mixture.Mixture | None = None  # data.sources of two or more: the sources and their weights' schedule
 
     @property
     def eval_target_bytes(self) -> int:
@@ -167,7 +189,8 @@ def inputs_key(data: DataConfig) -> str:
     if source.paths == "builtin":
         files = [sys.version, sysconfig.get_paths()["stdlib"]]
     else:
-        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in sources.resolve_files(source)]
+        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                 for given in sources.resolve_files(source) for f in sources.input_files(given)]
     identity = {"spec": dataclasses.asdict(source), "files": files, "val_fraction": data.val_fraction,
                 "seed": data.seed}
     spec = sft_spec(data)
@@ -200,7 +223,10 @@ def load_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
         return _cached_tokenizer(data, key)
 
 
-def _cached_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
+def _cached_tokenizer(data: DataConfig, key: str, mix: list[mixture.Source] | None = None) -> tokenizer.Tokenizer:
+    """The tokenizer cached for inputs `key`, else trained on the corpus's training documents (the first
+    data.tokenizer_train_bytes of them); for a mixture `mix`, on an equal share of those bytes from each
+    source, whatever their weights (which a resumed run may change, and its tokenizer may not)."""
     d = data
     path = pathlib.Path(d.cache_dir) / f"tokenizer-{key}-{d.tokenizer_type}-{d.tokenizer_vocab_size}.model"
     if path.exists():
@@ -208,8 +234,24 @@ def _cached_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
             return tokenizer.Tokenizer.load(path)
         except UserError as e:  # cut by a killed process or a lost disk: trained again, the same (a resume checks)
             console(f"jaxlm: warning: {e} (data.cache_dir); training it again")
-    console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {d.corpus}")
-    docs, total = [], 0
+    what = ", ".join(s.name for s in mix) if mix else d.corpus
+    console(f"jaxlm: training a {d.tokenizer_type} tokenizer ({d.tokenizer_vocab_size} tokens) on {what}")
+    docs = []
+    if not mix:
+        docs = _tokenizer_texts(data, d.tokenizer_train_bytes)
+    for s in mix or ():
+        with source_errors(s):
+            docs += _tokenizer_texts(source_config(data, s), d.tokenizer_train_bytes // len(mix))
+    if not docs:
+        raise UserError(f"the corpus {what!r} holds no training documents; give non-empty text")
+    tok = tokenizer.SentencePieceTokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
+    tok.save(path)
+    return tok
+
+
+def _tokenizer_texts(data: DataConfig, max_bytes: int) -> list[str]:
+    """The corpus's first training documents (SFT rows as rendered) up to `max_bytes` UTF-8 bytes."""
+    d = data
     spec = sft_spec(data)
     if spec:  # the training examples as rendered (the template must be named: a new tokenizer has none)
         encoder = sft.Encoder.make(spec, None)
@@ -219,21 +261,19 @@ def _cached_tokenizer(data: DataConfig, key: str) -> tokenizer.Tokenizer:
     else:
         texts = (doc for doc in sources.iter_documents(source_spec(data))
                  if not sources.is_validation(doc, d.val_fraction, d.seed))
+    docs, total = [], 0
     for doc in texts:
         docs.append(doc)
         total += len(doc.encode("utf-8"))
-        if total >= d.tokenizer_train_bytes:
+        if total >= max_bytes:
             break
-    if not docs:
-        raise UserError(f"the corpus {d.corpus!r} holds no training documents; give non-empty text")
-    tok = tokenizer.SentencePieceTokenizer.train(docs, d.tokenizer_vocab_size, d.tokenizer_type)
-    tok.save(path)
-    return tok
+    return docs
 
 
-def prepared_dir(data: DataConfig) -> pathlib.Path:
+def prepared_dir(data: DataConfig, tok: tokenizer.Tokenizer | None = None) -> pathlib.Path:
     """The corpus as prepared shards: a prepared directory given as the corpus, or the cached one
-    for these inputs and tokenizer, built on first use (resumably) with every core."""
+    for these inputs and tokenizer, built on first use (resumably) with every core. `tok`: the tokenizer
+    to prepare with (a mixture's); by default data.tokenizer_path's, or one trained on the corpus."""
     d = data
     given = pathlib.Path(d.corpus)
     if prepare.is_prepared(given):
@@ -243,7 +283,8 @@ def prepared_dir(data: DataConfig) -> pathlib.Path:
         return given
     key = inputs_key(data)
     with _cache_lock(data):
-        tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(data, key)
+        if tok is None:
+            tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else _cached_tokenizer(data, key)
         out = cached_prepared_dir(data, tok.sha256, key)
         damage = prepare.damage(out)  # a file cut by a killed process or a lost disk: the cache mends itself
         if damage:
@@ -280,8 +321,13 @@ def load_data(data: DataConfig, shards: int | None = None, rows: slice | None = 
     held-out batches. `shards`: the resumed run's stream count (data.shards=0 keeps it). `rows`: the
     rows of each global batch this process's devices hold (`rows_held` of the run's batch sharding);
     None, every row, which only one process may ask for."""
-    d = data
     rows = all_rows(data, rows)
+    mix = mixture.parse_sources(data.sources)
+    if len(mix) > 1:
+        return _load_mixture(data, mix, shards, rows)
+    if mix:  # one source: the corpus, read as data.corpus reads it (the same batches, bit for bit)
+        data = source_config(data, mix[0])
+    d = data
     if d.tokenize_on_the_fly:
         return _load_on_the_fly(data, shards, rows)
     directory = prepared_dir(data)
@@ -335,6 +381,19 @@ def _load_on_the_fly(data: DataConfig, shards: int | None, rows: slice) -> Data:
             raise UserError(f"all {len(val_docs)} rows of {d.corpus} fell in the validation split; lower "
                             f"data.val_fraction={d.val_fraction}")
         return _data(data, tok, train_docs, val_docs, d.corpus, shards, spec, rows)
+    train_texts, val_docs = _texts_and_held_out(data, tok)
+    count = resolve_shards(data, rows, shards)
+    train = ShardedStream(
+        lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(data, j, count))),
+        count, rows, d.global_batch_size)
+    return Data(train=train, eval_batches=_eval_batches(data, val_docs, d.corpus, rows), tokenizer=tok,
+                train_tokens=None, train_documents=len(train_texts), shards=count)
+
+
+def _texts_and_held_out(data: DataConfig, tok: tokenizer.Tokenizer) -> tuple[list[str], list[np.ndarray]]:
+    """(the corpus's training documents as text, its held-out set tokenized: the first data.val_tokens tokens
+    of the validation documents)."""
+    d = data
     train_texts, val_texts = [], []
     for doc in sources.iter_documents(source_spec(data)):
         (val_texts if sources.is_validation(doc, d.val_fraction, d.seed) else train_texts).append(doc)
@@ -344,12 +403,97 @@ def _load_on_the_fly(data: DataConfig, shards: int | None, rows: slice) -> Data:
             break
         val_docs.extend(pipeline.tokenize_documents(tok, [doc]))
         val_tokens += len(val_docs[-1])
+    return train_texts, val_docs
+
+
+def source_config(data: DataConfig, source: mixture.Source) -> DataConfig:
+    """One source of a mixture as a corpus of its own: data.corpus its paths, every other setting the mixture's."""
+    return dataclasses.replace(data, corpus=source.paths, sources="", stages="")
+
+
+@contextlib.contextmanager
+def source_errors(source: mixture.Source):
+    """A bad input of one source of a mixture: its line says which source."""
+    try:
+        yield
+    except UserError as e:
+        raise UserError(f"data.sources: source {source.name!r}: {e}") from None
+
+
+def _mixture_tokenizer(data: DataConfig, mix: list[mixture.Source]) -> tokenizer.Tokenizer:
+    """The tokenizer every source of a mixture is read with: data.tokenizer_path's, else that of the
+    sources given prepared (all one), else one trained on the sources (cached, keyed by their inputs)."""
+    d = data
+    tok = tokenizer.Tokenizer.load(d.tokenizer_path) if d.tokenizer_path else None
+    first = "data.tokenizer_path" if tok else ""
+    for s in mix:
+        if prepare.is_prepared(s.paths):
+            with source_errors(s):
+                own = tokenizer.Tokenizer.load(prepare.tokenizer_file(pathlib.Path(s.paths)))
+            if tok is None:
+                tok, first = own, f"source {s.name!r}"
+            elif own.sha256 != tok.sha256:
+                raise UserError(f"data.sources: source {s.name!r} ({s.paths}) was prepared with another tokenizer than "
+                                f"{first}; prepare every source of a mixture with one tokenizer")
+    if tok is not None:
+        return tok
+    keys = []  # the inputs, not the weights (which may change)
+    for s in mix:
+        with source_errors(s):
+            keys.append(inputs_key(source_config(data, s)))
+    key = hashlib.sha256(json.dumps(["mixture", keys]).encode()).hexdigest()[:16]
+    with _cache_lock(data):
+        return _cached_tokenizer(data, key, mix)
+
+
+def _load_mixture(data: DataConfig, mix: list[mixture.Source], shards: int | None, rows: slice) -> Data:
+    """A mixture (`jaxlm.data.mixture`): each source read, prepared (cached) or held as text to tokenize on
+    the fly, as a corpus of its own with the mixture's tokenizer; one stream drawing each row of a batch
+    from a source by the step's weights; each source's held-out set (an equal share of data.val_tokens),
+    its batches marked with the source (`source_ids`), for a validation loss per source."""
+    d = data
+    tok = _mixture_tokenizer(data, mix)
+    _check_vocab(data, tok, "data.tokenizer_path" if d.tokenizer_path else "the mixture")
+    share = -(-d.val_tokens // len(mix))  # ceil: each source's held-out tokens
+    train: dict[str, Any] = {}
+    facts, eval_batches = [], []
+    for index, s in enumerate(mix):
+        part = dataclasses.replace(source_config(data, s), val_tokens=share)
+        with source_errors(s):
+            if d.tokenize_on_the_fly:
+                if prepare.is_prepared(s.paths):
+                    raise UserError(f"{s.paths} is a prepared (tokenized) corpus; set "
+                                    f"config.data.tokenize_on_the_fly=false")
+                train[s.name], val = _texts_and_held_out(part, tok)
+            else:
+                directory = prepared_dir(part, tok)
+                skip = d.on_damaged_shard == "skip"
+                train[s.name] = prepare.open_prepared(directory, "train", verify=d.verify_shards, skip_damaged=skip)
+                val = prepare.open_prepared(directory, "val", verify=d.verify_shards, skip_damaged=skip)
+            if not len(train[s.name]):
+                raise UserError(f"{s.paths} holds no training documents; give non-empty text (or lower "
+                                f"data.val_fraction={d.val_fraction})")
+            held = _eval_batches(part, val, f"source {s.name!r} ({s.paths})", rows)
+        tokens = None if d.tokenize_on_the_fly else train[s.name].num_tokens
+        facts.append(mixture.SourceFacts(s.name, s.paths, len(train[s.name]), tokens))
+        for batch in held:
+            ids = np.full_like(batch["inputs"], index)
+            eval_batches.append({**{k: v for k, v in batch.items() if k != "weights"}, "source_ids": ids,
+                                 "weights": batch["weights"]})
     count = resolve_shards(data, rows, shards)
-    train = ShardedStream(
-        lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(data, j, count))),
-        count, rows, d.global_batch_size)
-    return Data(train=train, eval_batches=_eval_batches(data, val_docs, d.corpus, rows), tokenizer=tok,
-                train_tokens=None, train_documents=len(train_texts), shards=count)
+    schedule = mixture.Schedule.parse(d.sources, d.stages)
+    workers = -(-d.num_workers // len(mix))  # ceil: each source reads with its own processes
+
+    def open_shard(j: int) -> mixture.MixtureIterator:
+        return mixture.open_shard(train, schedule, seq_len=d.seq_len, rows=d.global_batch_size // count, seed=d.seed,
+                                  shard=j, shards=count, num_workers=workers,
+                                  tok=tok if d.tokenize_on_the_fly else None)
+
+    documents = sum(f.documents for f in facts)
+    tokens = None if d.tokenize_on_the_fly else sum(f.tokens for f in facts)
+    return Data(train=ShardedStream(open_shard, count, rows, d.global_batch_size), eval_batches=eval_batches,
+                tokenizer=tok, train_tokens=tokens, train_documents=documents, shards=count,
+                mixture=mixture.Mixture(tuple(facts), schedule))
 
 
 def sft_documents(data: DataConfig, tok: tokenizer.Tokenizer, spec: sft.Spec,

@@ -8,7 +8,7 @@ Every batch is a dict of numpy arrays of shape [batch_size, seq_len]:
   weights      float32, each target's weight in the loss: 1 for text, 0 on padding; for weighted
                documents (SFT examples) the weight of the target token itself, 0 on padding
 A model masks attention across segments; the loss is the weighted mean over targets. The weights
-are added last (`_with_weights`), outside the stages whose state a checkpoint holds.
+are added last (`add_loss_weights`), outside the stages whose state a checkpoint holds.
 
 Documents come as a list of token arrays or as `FlatDocuments` (memory-mapped prepared shards from
 `jaxlm.data.prepare.open_prepared`); the two give the same batches. `FlatDocuments` may also hold a
@@ -208,7 +208,7 @@ def _to_batch_row(packed: Batch) -> Batch:
     return row
 
 
-def _with_weights(batch: Batch) -> Batch:
+def add_loss_weights(batch: Batch) -> Batch:
     """The batch with its loss weights: packing padding (segment 0) weighs 0, every real target 1,
     or, for weighted documents, its own weight. Always last in the batch's keys."""
     real = (batch["segment_ids"] > 0).astype(np.float32)
@@ -242,7 +242,7 @@ class TrainIterator(grain.DatasetIterator):
         batch = next(self._parent)
         self.epoch = max(self.epoch, int(batch.pop("epoch").max()))  # grain workers may straddle a boundary
         self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
-        return _with_weights(batch)
+        return add_loss_weights(batch)
 
     def get_state(self) -> dict:
         return {"parent": self._parent.get_state(), "epoch": self.epoch, "tokens_seen": self.tokens_seen}
@@ -278,6 +278,13 @@ def make_train_dataset(
     packs its own slice), so a saved state only resumes with the same `num_workers`; close an
     iterator with workers after use.
     """
+    chunks, has_weights = _chunk_stream(doc_tokens, seq_len, seed, shard_index, shard_count, num_epochs)
+    return _packed_stream(chunks, seq_len, batch_size, num_workers, has_weights)
+
+
+def _chunk_stream(doc_tokens: Sequence[np.ndarray], seq_len: int, seed: int, shard_index: int, shard_count: int,
+                  num_epochs: int | None) -> tuple[grain.IterDataset, bool]:
+    """(the shuffled, repeated, epoch-tagged chunks of this slice of the documents, whether they carry weights)."""
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
     chunks = _Chunks(doc_tokens, seq_len)
@@ -285,7 +292,7 @@ def make_train_dataset(
         raise UserError("no training examples: every document has fewer than 2 tokens; give more text")
     ds = grain.MapDataset.source(chunks).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_epoch, len(chunks)))[shard_index::shard_count]
-    return _packed_stream(ds.to_iter_dataset(READ_OPTIONS), seq_len, batch_size, num_workers, chunks.has_weights)
+    return ds.to_iter_dataset(READ_OPTIONS), chunks.has_weights
 
 
 class _TokenizeAndChunk(grain.experimental.FlatMapTransform):
@@ -324,25 +331,66 @@ def make_text_train_dataset(
     corpus gives, in order, then packed. Resumption is exact: a restored iterator tokenizes the
     current document again and continues at its next chunk.
     """
+    chunks = _text_chunk_stream(texts, tok, seq_len, seed, shard_index, shard_count, num_epochs)
+    return _packed_stream(chunks, seq_len, batch_size, num_workers)
+
+
+def _text_chunk_stream(texts: Sequence[str], tok: Tokenizer, seq_len: int, seed: int, shard_index: int,
+                       shard_count: int, num_epochs: int | None) -> grain.IterDataset:
+    """The epoch-tagged chunks of this slice of the shuffled, repeated texts, tokenized as they are read."""
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
     if not len(texts):
         raise UserError("no training documents: the corpus is empty; give non-empty text")
     ds = grain.MapDataset.source(list(texts)).seed(seed).shuffle().repeat(num_epochs)
     ds = ds.map_with_index(functools.partial(_with_text_epoch, len(texts)))[shard_index::shard_count]
-    chunks = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(READ_OPTIONS), _TokenizeAndChunk(tok, seq_len))
-    return _packed_stream(chunks, seq_len, batch_size, num_workers)
+    return grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(READ_OPTIONS), _TokenizeAndChunk(tok, seq_len))
+
+
+def make_row_stream(
+    docs: Sequence[np.ndarray] | Sequence[str],
+    *,
+    seq_len: int,
+    bins: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_workers: int = 0,
+    tok: Tokenizer | None = None,
+) -> grain.IterDataset:
+    """One source of a data mixture (`jaxlm.data.mixture`): its packed rows one at a time, each with the
+    five row keys but `weights` (`_to_batch_row`) and its `epoch`. The documents are token arrays (or
+    `FlatDocuments`), or raw texts tokenized on the fly with `tok`; shuffled, repeated, sliced and cut
+    into chunks as a single corpus's (`make_train_dataset`, `make_text_train_dataset`), packed first-fit
+    into `bins` rows at a time, read ahead by `num_workers` processes. Exact resumption through grain's
+    iterator state."""
+    if tok is not None:
+        chunks = _text_chunk_stream(docs, tok, seq_len, seed, shard_index, shard_count, None)
+    else:
+        chunks, has_weights = _chunk_stream(docs, seq_len, seed, shard_index, shard_count, None)
+        if has_weights:
+            raise ValueError("a mixture's sources are text: weighted (SFT) documents are not mixed")
+    features = ("inputs", "targets", "epoch")
+    ds = grain.experimental.FirstFitPackIterDataset(
+        chunks, length_struct={k: seq_len for k in features}, num_packing_bins=bins, shuffle_bins=False
+    ).map(_to_batch_row)
+    return _prefetched(ds, num_workers)
 
 
 def _packed_stream(chunks: grain.IterDataset, seq_len: int, batch_size: int, num_workers: int,
                    with_weights: bool = False) -> grain.IterDataset:
     """Epoch-tagged chunks -> packed batches, prefetched by `num_workers` processes -> `TrainIterator`s."""
     ds = _pack_and_batch(chunks, seq_len, batch_size, drop_remainder=True, with_epoch=True, with_weights=with_weights)
+    return _TrainDataset(_prefetched(ds, num_workers))
+
+
+def _prefetched(ds: grain.IterDataset, num_workers: int) -> grain.IterDataset:
+    """`ds` read ahead by `num_workers` processes (0: read in this one)."""
     if num_workers > 0:
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags, which raise when unparsed
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return _TrainDataset(ds)
+    return ds
 
 
 def make_eval_batches(
@@ -361,5 +409,5 @@ def make_eval_batches(
         if len(batches) == max_batches:
             break
         short = batch_size - len(batch["inputs"])
-        batches.append(_with_weights({k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()}))
+        batches.append(add_loss_weights({k: np.pad(v, ((0, short), (0, 0))) for k, v in batch.items()}))
     return batches

@@ -174,7 +174,7 @@ def _describe_sources(source: sources.SourceSpec) -> list[dict[str, Any]]:
             size += len(data)
         return [{"path": "builtin", "bytes": size, "sha256": h.hexdigest()}]
     described = []
-    for path in sources.resolve_files(source):
+    for path in (f for given in sources.resolve_files(source) for f in sources.input_files(given)):
         try:
             with open(path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()

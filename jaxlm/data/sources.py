@@ -19,11 +19,12 @@ from collections.abc import Iterator, Sequence
 
 from jaxlm.errors import UserError
 
-FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
+FORMATS = ("auto", "text", "jsonl", "parquet", "hf", "arrow")
 _EXTENSIONS = {
     ".txt": "text", ".md": "text", ".text": "text", ".py": "text",
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
     ".parquet": "parquet",
+    ".arrow": "arrow",  # an Arrow IPC file, as a Hugging Face `save_to_disk` folder holds its data
 }
 BUILTIN_CHAT = "builtin_chat"  # data.corpus: the chat set shipped in the package (jaxlm/data/builtin_chat.py)
 BUILTIN_CHAT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_chat.jsonl")
@@ -60,13 +61,10 @@ def resolve_files(source: SourceSpec) -> list[str]:
         if not pattern:
             continue
         expanded = BUILTIN_FILES.get(pattern) or os.path.expanduser(pattern)
-        if source.format == "hf":  # a Hugging Face dataset saved with save_to_disk: the folder is the input
-            matches = [expanded] if os.path.isdir(expanded) else []
+        if source.format == "hf" or (source.format == "auto" and is_hf_dataset(expanded)):
+            matches = [expanded] if os.path.isdir(expanded) else []  # save_to_disk's folder is the input
         elif os.path.isdir(expanded):
-            matches = sorted(
-                os.path.join(root, name) for root, _, names in os.walk(expanded) for name in names
-                if source.format != "auto" or _format_of(name, strict=False)
-            )
+            matches = sorted(_walk(expanded, source.format))
         else:
             matches = sorted(m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
         if not matches:
@@ -77,7 +75,34 @@ def resolve_files(source: SourceSpec) -> list[str]:
     return files
 
 
+def is_hf_dataset(path: str) -> bool:
+    """Whether `path` is a folder Hugging Face's `save_to_disk` wrote (a Dataset's, or a DatasetDict's)."""
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json")) or all(
+        os.path.isfile(os.path.join(path, name)) for name in ("dataset_info.json", "state.json")))
+
+
+def _walk(directory: str, fmt: str) -> Iterator[str]:
+    """The inputs under a directory: its files (of a known extension, for format auto) and, for format auto,
+    the `save_to_disk` folders in it, each one input (not walked into)."""
+    for root, dirnames, names in os.walk(directory):
+        if fmt == "auto":
+            folders = [d for d in dirnames if is_hf_dataset(os.path.join(root, d))]
+            dirnames[:] = [d for d in dirnames if d not in folders]
+            yield from (os.path.join(root, d) for d in folders)
+        yield from (os.path.join(root, name) for name in names if fmt != "auto" or _format_of(name, strict=False))
+
+
+def input_files(path: str) -> list[str]:
+    """The files an input stands for: itself, or every file of a `save_to_disk` folder, sorted (what a
+    cache key and a manifest identify it by)."""
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+
+
 def _format_of(path: str, strict: bool = True) -> str | None:
+    if is_hf_dataset(path):
+        return "hf"
     name = path[:-3] if path.endswith(".gz") else path
     fmt = _EXTENSIONS.get(os.path.splitext(name)[1].lower())
     if fmt is None and strict:
@@ -106,6 +131,8 @@ def read_file_documents(path: str, source: SourceSpec) -> Iterator[str]:
             yield from _read_parquet(path, source.text_field)
         elif fmt == "hf":
             yield from _read_hf(path, source.text_field)
+        elif fmt == "arrow":
+            yield from _read_arrow(path, source.text_field)
         else:
             raise UserError(f"data format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     except FileNotFoundError:
@@ -203,6 +230,32 @@ def _read_parquet(path: str, field: str) -> Iterator[str]:
         for text in batch.column(0).to_pylist():
             if text is not None and text.strip():
                 yield text
+
+
+def _read_arrow(path: str, field: str) -> Iterator[str]:
+    """An Arrow IPC file: the streaming format (a `save_to_disk` folder's `data-*.arrow`) or the file format."""
+    import pyarrow as pa  # local import: heavy (pyarrow), only for Arrow inputs
+
+    with pa.memory_map(path) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            try:
+                reader = pa.ipc.open_file(source)
+            except pa.ArrowInvalid as e:
+                raise UserError(f"{path}: not an Arrow IPC file ({e}); the file may be truncated or corrupt") from None
+        names = reader.schema.names
+        if field not in names:
+            raise UserError(f"{path}: no column {field!r} (found: {', '.join(names)}); {_fix_for(names)}")
+        batches = reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else (
+            reader.get_batch(i) for i in range(reader.num_record_batches))
+        try:
+            for batch in batches:
+                for text in batch.column(names.index(field)).to_pylist():
+                    if text is not None and text.strip():
+                        yield text
+        except pa.ArrowInvalid as e:
+            raise UserError(f"{path}: cannot be read ({e}); the file may be truncated or corrupt") from None
 
 
 def _read_hf(path: str, field: str) -> Iterator[str]:

@@ -11,7 +11,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxlm import metrics as metrics_lib
 from jaxlm import steps
+from jaxlm.data import mixture
 from jaxlm.data.loader import DataConfig, load_data
 from jaxlm.section import Section
 
@@ -70,6 +72,10 @@ class Objective:
         """Host values from a finished step's metrics (the loop waits for the step when on-policy)."""
         return {}
 
+    def scalars(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """A finished step's metrics as the named floats the run logs (`metrics.scalars`)."""
+        return metrics_lib.scalars(metrics)
+
     def checkpoint_allowed(self, step: int) -> bool:
         """Whether a checkpoint after `step` resumes exactly (a due save waits for the next such step)."""
         return True
@@ -83,12 +89,46 @@ class Objective:
 
 
 class LanguageModel(Objective):
-    """Next-token cross-entropy, weighted per target (`weights`: SFT trains on the answers alone)."""
+    """Next-token cross-entropy, weighted per target (`weights`: SFT trains on the answers alone).
+
+    With a data mixture (`data.sources` of two or more, `jaxlm.data.mixture`), the batch's `source_ids` say
+    each token's source; the step sums the loss and the tokens by source (`steps.summed_loss`), logged as
+    `loss/<source>` (its tokens' mean loss in the step, absent in a step without its tokens) and
+    `tokens/<source>` (its tokens in the step), and the evaluation gives `val_loss/<source>`."""
 
     name = "lm"
 
+    def __init__(self, cfg: ml_collections.ConfigDict | None = None):
+        super().__init__(cfg)
+        mix = mixture.parse_sources(cfg.data.sources) if cfg is not None and "sources" in cfg.data else []
+        self.sources: tuple[str, ...] = tuple(s.name for s in mix) if len(mix) > 1 else ()
+
+    def batch_fields(self) -> dict[str, Any]:
+        return {"source_ids": np.int32} if self.sources else {}
+
     def loss(self, trainable, frozen, model_spec, batch, dropout_key, z_loss: float, loss_chunk_len: int = 0):
-        return steps.trainable_loss(trainable, frozen, model_spec, batch, dropout_key, z_loss, loss_chunk_len)
+        return steps.trainable_loss(trainable, frozen, model_spec, batch, dropout_key, z_loss, loss_chunk_len,
+                                    sources=len(self.sources))
+
+    def aux_shapes(self, model_spec) -> dict[str, tuple[int, ...]]:
+        shapes = dict(model_spec.aux_shapes)
+        if self.sources:
+            shapes |= {steps.SOURCE_LOSS: (len(self.sources),), steps.SOURCE_TOKENS: (len(self.sources),)}
+        return shapes
+
+    def scalars(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """The step reports the sums by source over its tokens (means over the step's tokens, as every auxiliary
+        output): as `loss/<source>` and `tokens/<source>`."""
+        metrics = dict(metrics)
+        loss_sums, shares = metrics.pop(steps.SOURCE_LOSS, None), metrics.pop(steps.SOURCE_TOKENS, None)
+        values = super().scalars(metrics)
+        if shares is not None:
+            loss_sums, shares = (np.asarray(jax.device_get(a), np.float64) for a in (loss_sums, shares))
+            for name, loss_sum, share in zip(self.sources, loss_sums, shares, strict=True):
+                values[f"tokens/{name}"] = float(round(share * values["tokens"]))
+                if share > 0:
+                    values[f"loss/{name}"] = loss_sum / share
+        return values
 
     def eval_fn(self, model_spec, rules):
         return steps.make_eval_step(model_spec, rules)
@@ -109,11 +149,18 @@ class LanguageModel(Objective):
         out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_tokens": tokens}
         if target_bytes:
             out["val_bits_per_byte"] = total / math.log(2) / target_bytes
+        if self.sources and "source_ids" in batches[0]:  # a mixture's: each batch is one source's held-out rows
+            for index, name in enumerate(self.sources):
+                own = [(float(a), float(b)) for (a, b), batch in zip(sums, batches) if batch["source_ids"].flat[0] == index]
+                if sum(b for _, b in own):
+                    out[f"val_loss/{name}"] = sum(a for a, _ in own) / sum(b for _, b in own)
         return out
 
     def describe_eval(self, val: dict[str, float]) -> str:
         bpb = f" | bits/byte {val['val_bits_per_byte']:.4f}" if "val_bits_per_byte" in val else ""
-        return f"val loss {val['val_loss']:.4f} | perplexity {val['val_perplexity']:.2f}{bpb}"
+        by_source = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in val.items() if k.startswith("val_loss/"))
+        return (f"val loss {val['val_loss']:.4f} | perplexity {val['val_perplexity']:.2f}{bpb}"
+                + (f" | by source: {by_source}" if by_source else ""))
 
     def load_data(self, cfg: ml_collections.ConfigDict, shards: int | None, rows: slice | None):
         return load_data(DataConfig.from_config(cfg.data), shards, rows)
