@@ -773,17 +773,19 @@ def plot_curves(curves: Sequence[dict[str, Any]], path: str | os.PathLike | None
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     left, right = fig.subplots(1, 2)
     colors = [f"C{i % 10}" for i in range(len(variants))]
+    styles = [("-", "--", ":", "-.")[i // 10 % 4] for i in range(len(variants))]  # past 10 variants, colours repeat
     tops, lows = [], []
-    for variant, color in zip(variants, colors):
+    for variant, color, style in zip(variants, colors, styles):
         if variant in train:
             steps, mean, _, _ = train[variant]
             left.plot(steps, mean, color=color, alpha=0.25, linewidth=0.8, gid=f"train:{variant}")
-            left.plot(steps, _ema(mean, 0.9), color=color, linewidth=1.6, label=variant, gid=f"train_ema:{variant}")
+            left.plot(steps, _ema(mean, 0.9), color=color, linestyle=style, linewidth=1.6, label=variant,
+                      gid=f"train_ema:{variant}")
             tops.append(_ema(mean, 0.9)[len(mean) // 10])
             lows.append(min(mean))
         if variant in val:
             steps, mean, low, high = val[variant]
-            right.plot(steps, mean, color=color, marker="o", markersize=3, linewidth=1.6, label=variant,
+            right.plot(steps, mean, color=color, linestyle=style, marker="o", markersize=3, linewidth=1.6, label=variant,
                        gid=f"val:{variant}")
             if any(h > lo for h, lo in zip(high, low)):
                 right.fill_between(steps, low, high, color=color, alpha=0.15)
