@@ -16,8 +16,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import small_config
-from jaxlm import axes, checkpoint, config, optim, train_state
+from jaxlm import axes, checkpoint, config, optim, pruning_masks, train_state
 from jaxlm import mesh as mesh_lib
+from jaxlm.errors import UserError
 
 SF = "schedule_free_adamw"
 LINE = "evaluation point x = (y - (1 - b1) z) / b1"
@@ -96,6 +97,25 @@ def test_a_schedule_free_checkpoint_reads_as_x_and_an_adamw_one_as_y(tmp_path, c
     got = checkpoint.load_params(tmp_path / "adamw", _target())
     assert LINE not in capfd.readouterr().err
     floats.identical(jax.device_get(got), adamw.params, why=floats.MOVED)
+
+
+def test_schedule_free_with_pruning_masks_is_refused_in_one_line():
+    """A pruned model's updates are masked after the optimizer (`pruning_masks.keep_pruned`), so y stays zero
+    at pruned weights but z does not: x would not be. Checked on the optimizer itself first."""
+    o = config.recipe("tiny", optim__name=SF, optim__schedule="constant", optim__warmup_steps=0).optim
+    params = {"w": jnp.where(jnp.arange(8) % 2 == 0, 1.0, 0.0).reshape(2, 4)}
+    masks = {"w": params["w"] != 0}
+    tx, _ = optim.make_optimizer(o, 10, {"w": True}, extra=[pruning_masks.keep_pruned()])
+    state = tx.init(params)
+    for i in range(3):
+        updates, state = tx.update({"w": jnp.full((2, 4), 0.5 + i)}, state, params, masks=masks, finite=jnp.array(True))
+        params = optax.apply_updates(params, updates)
+    x = np.asarray(optim.eval_params(o, state, params)["w"])
+    pruned = ~np.asarray(masks["w"])
+    assert not np.any(np.asarray(params["w"])[pruned]) and np.all(np.abs(x[pruned]) > 1e-4)  # y zero there, x not
+    with pytest.raises(UserError, match=r"optim.name='schedule_free_adamw'.*compress.sparsity"):
+        config.recipe("tiny", optim__name=SF, optim__schedule="constant", compress__sparsity=0.5,
+                      compress__prune_end=10)
 
 
 # ----------------------------------------------------------------------------- a real schedule-free run (slow)
