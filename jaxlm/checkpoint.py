@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -594,6 +595,10 @@ def load_params(directory, target_params, *, step: int | None = None, dtype=None
     any mesh), cast to `dtype` if given: for evaluation, sampling and fine-tuning.
 
     The cast happens as each shard is read, so no float32 copy of the model is ever on the devices.
+    A schedule-free AdamW checkpoint (its optimizer state holds a `ScheduleFreeState`) gives its evaluation
+    point x = (y - (1 - b1) z) / b1, not the y it trains at (`_schedule_free_eval_params`): y and z are read
+    in float32 (two float32 copies of the trainable parameters on the devices while x is computed), not the
+    rest of the optimizer state.
     """
     return load_params_and_step(directory, target_params, step=step, dtype=dtype)[0]
 
@@ -613,10 +618,110 @@ def load_params_and_step(directory, target_params, *, step: int | None = None, d
             saved_layout = meta.get("param_layout", 1)
             layout.check(saved_layout, f"checkpoint {directory / str(s)}")
             target = layout.to_layout({"params": target_params}, saved_layout)
-            args = ocp.args.Composite(state=_pytree_restore(target, partial=True))
-            return layout.from_layout(manager.restore(s, args=args)["state"]["params"], saved_layout)
+            handler = ocp.PyTreeCheckpointHandler()
+            try:  # the stored tree's structure (no array read): is it a schedule-free AdamW state's?
+                stored = handler.metadata(directory / str(s) / "state").tree
+            finally:
+                handler.close()
+            path = _schedule_free_path(stored.get("opt_state"))
+            if path is None:
+                args = ocp.args.Composite(state=_pytree_restore(target, partial=True))
+                return layout.from_layout(manager.restore(s, args=args)["state"]["params"], saved_layout)
+            params = _schedule_free_eval_params(manager, s, target["params"], stored, path)
+            return layout.from_layout(params, saved_layout)
 
         return newest_loadable(directory, steps, step, load)
+
+
+_SCHEDULE_FREE_FIELDS = frozenset({"b1", "z", "weight_sum", "base_optimizer_state"})  # optax's ScheduleFreeState
+
+
+def _schedule_free_path(opt_state) -> tuple | None:
+    """Where a stored optimizer state (Orbax's metadata tree: dicts and lists) holds schedule-free AdamW's
+    state (`optax.contrib.ScheduleFreeState`, saved as a dict of its fields), or None: not schedule-free."""
+    found = []
+
+    def walk(tree, path):
+        if isinstance(tree, dict) and _SCHEDULE_FREE_FIELDS <= set(tree):
+            found.append(path)
+        elif isinstance(tree, dict):
+            for key, value in tree.items():
+                walk(value, (*path, key))
+        elif isinstance(tree, (list, tuple)):
+            for i, value in enumerate(tree):
+                walk(value, (*path, i))
+
+    walk(opt_state, ())
+    if len(found) > 1:
+        raise ValueError(f"expected at most one schedule-free state in the optimizer's state, found {len(found)}")
+    return found[0] if found else None
+
+
+def _along(stored, path: tuple, leaf) -> Any:
+    """A partial-restore target for the subtree at `path` of the stored tree `stored` alone: dicts keep the
+    one key, lists hold None at every other index."""
+    if not path:
+        return leaf
+    key, rest = path[0], path[1:]
+    if isinstance(stored, dict):
+        return {key: _along(stored[key], rest, leaf)}
+    return [_along(stored[i], rest, leaf) if i == key else None for i in range(len(stored))]
+
+
+def _shared(z, target):
+    """The leaves of the stored z (metadata) that `target` (abstract params, the saved layout) asks for too:
+    abstract arrays in the target's shape and sharding, z's stored dtype; None if none."""
+    if isinstance(z, dict):
+        if not isinstance(target, dict):
+            return None
+        out = {key: _shared(value, target[key]) for key, value in z.items() if key in target}
+        return {key: value for key, value in out.items() if value is not None} or None
+    if isinstance(target, dict) or target is None or tuple(z.shape) != tuple(target.shape):
+        return None
+    return jax.ShapeDtypeStruct(target.shape, z.dtype, sharding=target.sharding)
+
+
+def _schedule_free_eval_params(manager, step: int, target: dict, stored: dict, path: tuple) -> dict:
+    """Schedule-free AdamW's evaluation point x = (y - (1 - b1) z) / b1 (optax's `schedule_free_eval_params`)
+    from checkpoint `step`: the parameters y (`target`: abstract, in the saved layout) and, of the optimizer
+    state, z's leaves that `target` has and b1 alone (a partial restore: not its second moments). y and z are
+    read in their stored dtype (float32) and x is cast to the target's dtype; parameters outside z (frozen
+    ones: pruning masks, a LoRA base) are y's."""
+    sf = stored["opt_state"]
+    for key in path:
+        sf = sf[key]
+    z_target = _shared(sf["z"], target)
+    if z_target is None:
+        raise ValueError("the schedule-free state's z shares no parameter with the ones asked for")
+    stored_y = stored["params"]
+
+    def y_target(t, z, y):  # mixed leaves in y's stored dtype, the rest as asked
+        if isinstance(t, dict):
+            return {k: y_target(v, (z or {}).get(k), y.get(k) if isinstance(y, dict) else None) for k, v in t.items()}
+        return t if z is None else jax.ShapeDtypeStruct(t.shape, y.dtype, sharding=t.sharding)
+
+    b1 = jax.ShapeDtypeStruct(tuple(sf["b1"].shape), sf["b1"].dtype,
+                              sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    restore = {"params": y_target(target, z_target, stored_y),
+               "opt_state": _along(stored["opt_state"], path, {"z": z_target, "b1": b1})}
+    got = manager.restore(step, args=ocp.args.Composite(state=_pytree_restore(restore, partial=True)))["state"]
+    sf = got["opt_state"]
+    for key in path:
+        sf = sf[key]
+    b1_value = np.asarray(jax.device_get(sf["b1"]))[()]  # a float32 scalar, as optax's arithmetic has it
+
+    def mix(t, y, z):
+        if isinstance(t, dict):
+            return {k: mix(v, y[k], (z or {}).get(k)) for k, v in t.items()}
+        if z is None:
+            return y
+        return ((y - (1.0 - b1_value) * z) / b1_value).astype(t.dtype)  # optax's arithmetic, in y's dtype
+
+    params = mix(target, got["params"], sf["z"])
+    if jax.process_index() == 0:
+        print(f"jaxlm: schedule-free AdamW checkpoint {step}: read its evaluation point x = (y - (1 - b1) z) / b1 "
+              f"(b1={b1_value:g}), not the training point y", file=sys.stderr, flush=True)
+    return params
 
 
 def _stored(state):

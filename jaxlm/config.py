@@ -216,6 +216,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         # targets and groups against the projections (an abstract build)
         transformer.ModelConfig.from_config(m, "cpu", attention="xla", log_choice=False, lora=cfg.lora,
                                             compress=cfg.compress)
+    # A pruned model's updates are masked after the optimizer's (`pruning_masks.keep_pruned`): y stays zero at pruned
+    # weights but schedule-free's z does not, so its evaluation point x = (y - (1 - b1) z) / b1 would not be.
+    _check(o.name != "schedule_free_adamw" or not cfg.compress.sparsity > 0, "optim.name", o.name,
+           f"another optimizer with config.compress.sparsity={cfg.compress.sparsity:g} (pruning masks): schedule-free "
+           f"AdamW's averaged parameters would not stay zero at pruned weights")
     _check(not cfg.checkpoint.keep_best or d.val_tokens > 0, "checkpoint.keep_best", cfg.checkpoint.keep_best,
            "0 when data.val_tokens=0 (no validation loss to rank checkpoints by)")
     if d.sources:

@@ -6,8 +6,9 @@ learning rate, every state taking `finite`.
 
 The train state's parameters are y; the optimizer's state holds z, so x = (y - (1 - b1) z) / b1
 (`ScheduleFreeAdamW.eval_params`). Evaluation during training (`val_loss`, and so `checkpoint.keep_best`)
-uses x. Checkpoints hold y and z: the commands that read parameters alone from a checkpoint (evaluate,
-generate, the Hugging Face export, `run.init_from`) read y, the training point, not x.
+uses x. Checkpoints hold y and z; the commands that read parameters alone from a checkpoint (evaluate,
+generate, the Hugging Face export, explore, compress, `run.init_from`) read x: `checkpoint.load_params`
+restores y and z alone and computes it. Pruning masks are refused with it (`config.validate`).
 """
 
 from __future__ import annotations
