@@ -1,6 +1,7 @@
 """Parallelism chosen in the config's rules, no model change: ZeRO-1 (optimizer state over `data`),
 sequence parallelism (activations' sequence over `tensor` between the tensor-parallel regions), hybrid
-sharding (fsdp within a host, data across hosts) and the `expert` axis, data parallelism for a dense model.
+sharding (fsdp within a host, data across hosts), the `expert` axis, data parallelism for a dense model,
+and the `context` axis (context parallelism: the sequence split, attention across it).
 Each trains exactly like one device.
 """
 
@@ -141,8 +142,17 @@ OPTIONS = {
     # with micro-batches: the data replicas accumulate locally, the expert and fsdp rows reduce in each
     "expert2-data2-fsdp2-micro2": dict(mesh__data=2, mesh__fsdp=2, mesh__expert=2, optim__micro_batches=2),
     "expert2-data4-zero1": dict(mesh__data=4, mesh__fsdp=1, mesh__expert=2, mesh__rules__opt_state="data,expert"),
+    # context parallelism: the sequence (32 tokens, documents of 19 and 11 and 2 of padding) split into
+    # contiguous chunks, a document crossing the chunks' boundaries, attention by all-gathered keys and values
+    "context2-data4": dict(mesh__data=4, mesh__fsdp=1, mesh__context=2),
+    "context4-fsdp2": dict(mesh__fsdp=2, mesh__context=4),
+    "context8": dict(mesh__fsdp=1, mesh__context=8),
+    "context2-fsdp2-tensor2": dict(mesh__fsdp=2, mesh__context=2, mesh__tensor=2),
+    "context2-fsdp2-tensor2-sp": dict(mesh__fsdp=2, mesh__context=2, mesh__tensor=2,
+                                      mesh__rules__act_seq="context,tensor"),
+    "context2-data2-fsdp2-micro2": dict(mesh__data=2, mesh__fsdp=2, mesh__context=2, optim__micro_batches=2),
 }
-FAST = ("expert2-fsdp4", "expert8")  # the default suite's; the others: make test-slow
+FAST = ("expert2-fsdp4", "expert8", "context2-data4")  # the default suite's; the others: make test-slow
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
@@ -232,3 +242,41 @@ def test_grouped_qkv_in_one_matmul_stays_local_under_tensor_parallelism(monkeypa
     assert joint.keys() == three.keys() and all(joint[k]["bytes"] <= three[k]["bytes"] for k in joint), (joint, three)
     assert joint["all-to-all"]["bytes"] == three["all-to-all"]["bytes"] == 0
     assert joint["all-reduce"]["bytes"] > 0  # tensor parallelism's sums of partial products, as in the three
+
+
+def test_context_parallelism_gathers_keys_and_values_and_splits_no_parameter():
+    """mesh.context=8: each device's activations hold 32/8 positions, its attention all-gathers the keys and
+    values of the whole sequence ([16, 32, 4, 16] float32 per layer), the parameters are laid out as on
+    data 8 (none over context) and their gradients all-reduced across the axis as over data."""
+    from jaxlm import train_setup
+
+    ctx = train_setup.build(config.recipe("tiny", **SMALL, mesh__fsdp=1, mesh__context=8), abstract=True)
+    data = train_setup.build(config.recipe("tiny", **SMALL, mesh__fsdp=1, mesh__data=8), abstract=True)
+    specs = jax.tree.map(lambda x: x.sharding.spec, ctx.state.params)
+    assert specs == jax.tree.map(lambda x: x.sharding.spec, data.state.params)
+    assert not any("context" in mesh_lib.axes_of(e) for spec in jax.tree.leaves(specs) for e in spec)
+    rules = mesh_lib.rules_from_config(ctx.cfg.mesh.rules)
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(("data", "fsdp", "expert"), "context", None)
+    with jax.set_mesh(ctx.mesh):
+        hlo = ctx.compile_train_step().as_text()
+    assert "f32[16,32,4,16]" in " ".join(line for line in hlo.splitlines() if "all-gather(" in line)
+    ops, param_bytes = _compiled_collectives(mesh__fsdp=1, mesh__context=8)
+    assert ops["all-gather"]["bytes"] > 0 and ops["all-to-all"]["bytes"] == 0
+    assert ops["all-reduce"]["bytes"] >= 2 * 7 / 8 * param_bytes  # the gradient, reduced across context
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(mesh__fsdp=1, mesh__context=8, data__seq_len=36), r"data.seq_len=36 does not split into mesh.context=8"),
+    (dict(mesh__fsdp=1, mesh__context=2, mesh__tensor=4, mesh__rules__act_seq="context,tensor", data__seq_len=36),
+     r"seq_len=36 does not split into mesh.context=2 x mesh.tensor=4"),
+    (dict(mesh__fsdp=1, mesh__context=8, mesh__rules__act_seq="tensor"), r"mesh.rules.act_seq='tensor' should list context"),
+    (dict(mesh__fsdp=2, mesh__context=2, mesh__stage=2), r"mesh.context=2 with mesh.stage=2: context parallelism is not built"),
+])
+def test_context_parallelism_refuses_what_it_cannot_do(overrides, message):
+    with pytest.raises(UserError, match=message):
+        config.derive(config.recipe("tiny", **{**SMALL, **overrides}), 8)
+
+
+def test_the_ring_strategy_is_named_and_refused_until_built():
+    with pytest.raises(UserError, match=r"model.context_attention='ring'.*ring is not built yet"):
+        config.recipe("tiny", model__context_attention="ring")
