@@ -4,8 +4,8 @@ Model code names axes logically ("embed", "act_batch"); which mesh axes they lan
 here, per recipe, from `config.mesh.rules`. Changing the parallelism never touches model code:
 
   ZeRO-1             rules.opt_state="data": Adam's moments also sharded over `data`
-  sequence parallel  rules.act_seq="tensor": activations' sequence axis over `tensor` wherever no
-                     other dimension uses it (between the tensor-parallel regions)
+  sequence parallel  rules.act_seq="context,tensor" (or "tensor"): activations' sequence axis over
+                     `tensor` wherever no other dimension uses it (between the tensor-parallel regions)
   hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
   expert parallelism mesh.expert: MoE layers' experts split over `expert` (rule experts);
                      everywhere else `expert` is one more batch axis (act_batch), as `data` is
