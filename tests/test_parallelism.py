@@ -349,3 +349,14 @@ def test_context_parallelism_trains_like_one_device_for_ten_steps_at_512_tokens(
     """Issue 52's bar: the tiny recipe at 512 tokens with context 2, 4 and 8 (alone, with data, with fsdp, with
     tensor), packed documents of uneven lengths, the losses of one device to 1e-5 over 10 steps."""
     assert _long_losses(10, 512, **CONTEXT_MESHES[name]) == pytest.approx(_long_one_device(10, 512), rel=1e-5)
+
+
+@pytest.mark.slow  # ~10 s
+def test_moe_layers_under_context_parallelism_train_like_one_device():
+    """An MoE layer's dispatch takes whole rows (its shard_map splits the batch only: XLA gathers the sequence
+    at its entry), so the capacity dispatch keeps one device's drops: context 2 x fsdp 4 and context 2 x
+    expert 2 x fsdp 2 give one device's losses."""
+    moe = dict(model__mlp="moe", model__moe_experts=4, model__moe_impl="capacity")
+    want = _losses(devices=1, mesh__fsdp=1, **moe)
+    assert _losses(mesh__fsdp=4, mesh__context=2, **moe) == pytest.approx(want, rel=1e-5)
+    assert _losses(mesh__fsdp=2, mesh__context=2, mesh__expert=2, **moe) == pytest.approx(want, rel=1e-5)
