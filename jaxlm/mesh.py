@@ -112,6 +112,9 @@ def default_rules() -> dict[str, str]:
         # the sequence: over `context` (context parallelism, everywhere); "context,tensor" adds sequence
         # parallelism between the tensor-parallel regions
         "act_seq": "context",
+        # the sequence at a tensor-parallel region's entry (attention, MLP, unembedding: `layers.tensor_parallel_entry`),
+        # whole over tensor (Megatron's all-gather under sequence parallelism) and still split over context
+        "act_seq_region": "context",
         "act_embed": "",  # the residual stream's width
         "act_heads": "tensor",  # query heads (attention runs per head)
         "act_kv_heads": "tensor",  # key and value heads
