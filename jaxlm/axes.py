@@ -1,8 +1,8 @@
 """The device mesh's axes, named once.
 
 Every mesh, mesh shape, `config.mesh` key and description of a mesh follows `MESH_AXES`: a new
-axis is added by naming it here, and its size defaults to 1 (as `stage`, pipeline parallelism's, and
-`expert`, expert parallelism's, were).
+axis is added by naming it here, and its size defaults to 1 (as `stage`, pipeline parallelism's,
+`expert`, expert parallelism's, and `context`, context parallelism's, were).
 No JAX import, so that the config can read it before JAX starts; `jaxlm.mesh` re-exports it.
 """
 
@@ -16,8 +16,11 @@ from collections.abc import Sequence
 # between fsdp and tensor: its collectives (tokens to their experts' devices and the outputs back, in
 # every MoE layer, both passes) wait on the router and cannot be prefetched as fsdp's weight gathers
 # can, while tensor's all-reduces, in every attention and MLP, need the nearest links. Its place also orders the batch's
-# rows (`act_batch`: data, fsdp, expert, as the mesh), so that each process holds one block of rows.
-MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "expert", "tensor")
+# rows (`act_batch`: data, fsdp, expert, as the mesh), so that each process holds one block of rows. context
+# (context parallelism: every activation's sequence split over it, `act_seq`) sits between fsdp and expert:
+# its all-gathers of keys and values in every attention, both passes, wait on the projections before them,
+# as expert's exchanges wait on the router. It holds no rows of its own (a batch's rows are whole across it).
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 MeshShape = tuple[int, ...]  # one size per axis of MESH_AXES, in its order
 
@@ -38,5 +41,5 @@ def sizes_of(shape: Sequence[int]) -> dict[str, int]:
 
 
 def describe(shape: Sequence[int], sep: str = " ") -> str:
-    """'data=2 stage=1 fsdp=4 expert=1 tensor=1'."""
+    """'data=2 stage=1 fsdp=4 context=1 expert=1 tensor=1'."""
     return sep.join(f"{axis}={size}" for axis, size in sizes_of(shape).items())

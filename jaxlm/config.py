@@ -27,7 +27,7 @@ from jaxlm.data.mixture import parse_sources, parse_stages
 from jaxlm.energy import EnergyConfig
 from jaxlm.errors import UserError, in_user_file, run_user_file
 from jaxlm.lora import LoraConfig
-from jaxlm.mesh import MeshConfig
+from jaxlm.mesh import MeshConfig, parse_rule
 from jaxlm.metrics import MetricsConfig, ProfileConfig
 from jaxlm.models import transformer
 from jaxlm.models.pipeline_parallel import PipelineConfig
@@ -286,6 +286,29 @@ def pipeline_microbatch_choices(rows: int, stages: int) -> list[int]:
     return [n for n in range(stages, 4 * stages + 1) if rows % n == 0]
 
 
+def check_context(cfg: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+    """Context parallelism (mesh.context > 1): what it needs and what it is not built for, one line each."""
+    context = sizes.get("context", 1)
+    if context == 1:
+        return
+    seq_axes = parse_rule(cfg.mesh.rules.get("act_seq", ""))
+    if "context" not in seq_axes:
+        raise UserError(f"config.mesh.context={context} needs the activations' sequence split over it: "
+                        f"mesh.rules.act_seq={cfg.mesh.rules.get('act_seq', '')!r} should list context "
+                        f"(\"context\", or \"context,tensor\" with sequence parallelism)")
+    if "context" in parse_rule(cfg.mesh.rules.get("act_batch", "")):
+        raise UserError("config.mesh.rules.act_batch lists context: the context axis splits the sequence, "
+                        "not the rows; remove it from act_batch")
+    split = context * (sizes["tensor"] if "tensor" in seq_axes else 1)
+    if cfg.data.seq_len % split:
+        raise UserError(f"config.data.seq_len={cfg.data.seq_len} does not split into mesh.context={context}"
+                        + (f" x mesh.tensor={sizes['tensor']}" if split != context else "")
+                        + f" chunks; use a sequence length that is a multiple of {split}")
+    if sizes["stage"] > 1:
+        raise UserError(f"config.mesh.context={context} with mesh.stage={sizes['stage']}: context parallelism "
+                        "is not built for pipeline stages yet; use one of the two")
+
+
 def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> Derived:
     """Resolve the mesh and the batch split for `num_devices` (and, with mesh.hybrid, `groups`
     hosts or processes); UserError when they do not fit."""
@@ -299,6 +322,7 @@ def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None 
             f"config.model.n_heads={m.n_heads} / n_kv_heads={kv} must be divisible by the tensor axis "
             f"mesh.tensor={tensor}; choose a tensor size that divides {math.gcd(m.n_heads, kv)}"
         )
+    check_context(cfg, sizes)
     experts = sizes.get("expert", 1)
     if experts > 1 and m.mlp == "moe" and m.moe_experts % experts:
         raise UserError(f"config.mesh.expert={experts} does not divide config.model.moe_experts={m.moe_experts}: "

@@ -378,6 +378,10 @@ def estimate(
     # XLA:CPU recomputes nothing in an unrolled program: remat there keeps what no remat keeps (tiny at 512
     # tokens: 313.5 MiB under none, dots or full alike; benchmarks/BENCHMARKS.md)
     cpu_unrolled = platform == "cpu" and not m.scan_layers and m.remat != "none"
+    if axes.sizes_of(derived.mesh_shape)["context"] > 1 and m.attention == "blocked":
+        # a sequence split over context attends by XLA's attention with a mask (`attention.context_attention`),
+        # its [B, N, T/context, T] scores kept (act_seq over context divides them)
+        m = dataclasses.replace(m, attention="xla")
     if cpu_unrolled:
         m = dataclasses.replace(m, remat="none")
     schedule = None

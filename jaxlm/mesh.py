@@ -4,11 +4,14 @@ Model code names axes logically ("embed", "act_batch"); which mesh axes they lan
 here, per recipe, from `config.mesh.rules`. Changing the parallelism never touches model code:
 
   ZeRO-1             rules.opt_state="data": Adam's moments also sharded over `data`
-  sequence parallel  rules.act_seq="tensor": activations' sequence axis over `tensor` wherever no
-                     other dimension uses it (between the tensor-parallel regions)
+  sequence parallel  rules.act_seq="context,tensor" (or "tensor"): activations' sequence axis over
+                     `tensor` wherever no other dimension uses it (between the tensor-parallel regions)
   hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
   expert parallelism mesh.expert: MoE layers' experts split over `expert` (rule experts);
                      everywhere else `expert` is one more batch axis (act_batch), as `data` is
+  context parallel   mesh.context: every activation's sequence split over `context` (rule act_seq,
+                     attention included: `jaxlm.models.attention.context_attention`); parameters
+                     are not split over it, their gradients reduced across it as across `data`
 """
 
 from __future__ import annotations
@@ -106,7 +109,12 @@ def default_rules() -> dict[str, str]:
         # optimizer state: mesh axes Adam's moments are split over beyond their parameter's ("data" = ZeRO-1)
         "opt_state": "",
         # activations
-        "act_seq": "",  # "tensor" = sequence parallelism between the tensor-parallel regions
+        # the sequence: over `context` (context parallelism, everywhere); "context,tensor" adds sequence
+        # parallelism between the tensor-parallel regions
+        "act_seq": "context",
+        # the sequence at a tensor-parallel region's entry (attention, MLP, unembedding: `layers.tensor_parallel_entry`),
+        # whole over tensor (Megatron's all-gather under sequence parallelism) and still split over context
+        "act_seq_region": "context",
         "act_embed": "",  # the residual stream's width
         "act_heads": "tensor",  # query heads (attention runs per head)
         "act_kv_heads": "tensor",  # key and value heads
@@ -209,8 +217,8 @@ def rules_from_config(rules_cfg) -> Rules:
 
 
 # Names that take their mesh axes only where no other dimension of the same array uses them:
-# with act_seq -> tensor (sequence parallelism) the sequence is split between the tensor-parallel
-# regions, and whole inside them, where heads or the MLP width hold the tensor axis.
+# with act_seq -> context,tensor (sequence parallelism) the sequence is split over tensor between the
+# tensor-parallel regions, and over context alone inside them, where heads or the MLP width hold tensor.
 YIELDING = ("act_seq",)
 
 

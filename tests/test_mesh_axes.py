@@ -1,6 +1,6 @@
-"""The mesh's axes are data (`jaxlm.axes.MESH_AXES`: data, stage, fsdp, expert, tensor): naming one more axis
+"""The mesh's axes are data (`jaxlm.axes.MESH_AXES`: data, stage, fsdp, context, expert, tensor): naming one more axis
 there is all it takes to get a mesh with one more dimension whose new axis defaults to size 1, through the
-config, the planner and the train setup (as `stage` and `expert` came in: tests/test_pipeline.py,
+config, the planner and the train setup (as `stage`, `expert` and `context` came in: tests/test_pipeline.py,
 tests/test_parallelism.py)."""
 
 import os
@@ -28,7 +28,7 @@ assert config.derive(cfg, 8).mesh_shape == shape
 assert mesh.make_mesh(shape).axis_names == jaxlm.axes.MESH_AXES
 assert memory.estimate(cfg, 8).mesh_shape == shape
 setup = train_setup.build(cfg, jax.devices()[:8], abstract=True)
-assert dict(setup.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2, "probe": 1}
+assert dict(setup.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2, "probe": 1}
 setup.compile_train_step()
 print("ok")
 """
@@ -37,7 +37,7 @@ print("ok")
 def test_the_axes_helpers_follow_the_tuple():
     assert axes.shape_of(fsdp=8) == tuple(8 if a == "fsdp" else 1 for a in axes.MESH_AXES)
     assert axes.sizes_of(axes.shape_of(data=2, tensor=4)) == {a: {"data": 2, "tensor": 4}.get(a, 1) for a in axes.MESH_AXES}
-    assert axes.describe(axes.shape_of(data=2, fsdp=4)) == "data=2 stage=1 fsdp=4 expert=1 tensor=1"
+    assert axes.describe(axes.shape_of(data=2, fsdp=4)) == "data=2 stage=1 fsdp=4 context=1 expert=1 tensor=1"
     assert set(config.base_config().mesh) >= set(axes.MESH_AXES)
 
 

@@ -65,6 +65,50 @@ def test_packed_documents_do_not_see_each_other(kw):
     assert not np.allclose(model(packed, positions)[:, 10:], model(doc_b), atol=1e-3)
 
 
+def _uneven_documents(lengths_per_row, seq: int):
+    """Rows of packed random documents of the given lengths, padding (segment 0) after them: (tokens,
+    positions, segment ids), each [rows, seq], and each row's documents' (start, tokens [1, n])."""
+    tokens, positions, segments, docs = [], [], [], []
+    for r, lengths in enumerate(lengths_per_row):
+        row_docs = [jax.random.randint(jax.random.key(10 * r + i), (1, n), 4, 96) for i, n in enumerate(lengths)]
+        pad = seq - sum(lengths)
+        tokens.append(jnp.concatenate([*row_docs, jnp.zeros((1, pad), jnp.int32)], axis=1))
+        positions.append(jnp.array([sum((list(range(n)) for n in lengths), []) + [0] * pad]))
+        segments.append(jnp.array([sum(([i + 1] * n for i, n in enumerate(lengths)), []) + [0] * pad]))
+        starts = np.cumsum([0, *lengths[:-1]])
+        docs.append(list(zip(starts.tolist(), row_docs)))
+    return jnp.concatenate(tokens), jnp.concatenate(positions), jnp.concatenate(segments), docs
+
+
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_context(context):
+    """Context parallelism (the sequence in `context` contiguous chunks, keys and values all-gathered): each
+    document of uneven length, crossing the chunks' boundaries (at multiples of 32 / context), gives the
+    logits it gives alone on one device, RoPE at the positions the batch carries (split with the sequence).
+    Any kernel takes the same path under context (`attention.context_attention`)."""
+    from jaxlm import axes
+    from jaxlm import mesh as mesh_lib
+
+    model = build_model(small_config(attention="blocked"))
+    tokens, positions, segments, docs = _uneven_documents([[7, 13, 9], [3, 21, 5, 1]], 32)
+    mesh = mesh_lib.make_mesh(axes.shape_of(context=context), devices=jax.devices()[:context])
+    rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        graphdef, state = nnx.split(model)
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+        @jax.jit
+        def forward(state, tokens, positions, segments):
+            return nnx.merge(graphdef, state)(tokens, positions, segments)
+
+        out = forward(state, tokens, positions, segments)
+        hlo = forward.lower(state, tokens, positions, segments).compile().as_text()
+    assert "all-gather(" in hlo  # the keys and values, over context
+    for row, row_docs in enumerate(docs):
+        for start, doc in row_docs:
+            np.testing.assert_allclose(out[row:row + 1, start:start + doc.shape[1]], model(doc), atol=1e-5)
+
+
 def test_scanned_and_unrolled_layers_compute_the_same_function():
     scanned = build_model(small_config(n_kv_heads=4))
     unrolled = build_model(small_config(n_kv_heads=4, scan_layers=False))

@@ -87,7 +87,8 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
 def test_activation_rules_skip_axes_already_used():
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
     batch = ("data", "fsdp", "expert")
-    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, None, None)
+    # the sequence over context (context parallelism, size 1 unless asked for)
+    assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, "context", None)
     # A table that maps both dims to fsdp yields fsdp once instead of a duplicate-axis error.
     assert mesh_lib.logical_to_spec(("embed", "embed"), rules) == P("fsdp", None)
 

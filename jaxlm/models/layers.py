@@ -490,9 +490,11 @@ def tensor_parallel_entry(x: jax.Array) -> jax.Array:
     (`rules.act_seq=tensor`), it is Megatron's all-gather of the normed activations at the region's
     entry; the region's output, constrained back to `act_seq`, becomes the reduce-scatter. Without
     it, GSPMD keeps the sequence split into the projections and reshards q, k and v to heads with
-    all-to-alls (measured: 2-2.5x the bytes, benchmarks/BENCHMARKS.md).
+    all-to-alls (measured: 2-2.5x the bytes, benchmarks/BENCHMARKS.md). Under context parallelism
+    the sequence stays split over `context` (rule act_seq_region): only attention gathers it, its keys
+    and values (`attention.context_attention`).
     """
-    return constrain(x, ("act_batch", None, "act_embed"))
+    return constrain(x, ("act_batch", "act_seq_region", "act_embed"))
 
 
 def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, keys) -> tuple[jax.Array, ...]:

@@ -24,7 +24,9 @@ from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
 from jaxlm.models import aux, layers, pipeline_parallel, transforms
 from jaxlm.models.attention import (
+    BUILT_CONTEXT_STRATEGIES,
     CACHE_AXES,
+    CONTEXT_STRATEGIES,
     IMPLEMENTATIONS,
     KVCache,
     cache_dtype,
@@ -149,6 +151,11 @@ class ModelSection(Section):
         "auto",
         "auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the "
         "diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)")
+    context_attention: str = setting(
+        "allgather",
+        "Attention across a sequence split over mesh.context > 1 (context parallelism): allgather (each device "
+        "keeps its queries and all-gathers the keys and values of the whole sequence: "
+        "jaxlm.models.attention.context_attention) | ring (keys and values passed around the axis: not built yet)")
     attention_segments: int = setting(
         16,
         "cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed "
@@ -238,6 +245,10 @@ class ModelSection(Section):
         check_choice(key("remat"), self.remat, ("none", *REMAT_POLICIES))
         check_choice(key("attention"), self.attention, ("auto", *IMPLEMENTATIONS))
         check_choice(key("matmul"), self.matmul, MATMUL_IMPLS)
+        check_choice(key("context_attention"), self.context_attention, CONTEXT_STRATEGIES)
+        check(self.context_attention in BUILT_CONTEXT_STRATEGIES, key("context_attention"), self.context_attention,
+              f"{' or '.join(BUILT_CONTEXT_STRATEGIES)}: "
+              f"{', '.join(sorted(set(CONTEXT_STRATEGIES) - set(BUILT_CONTEXT_STRATEGIES)))} is not built yet")
         check(self.attention_segments >= 0, key("attention_segments"), self.attention_segments,
               "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
         check(self.scan_unroll >= 0, key("scan_unroll"), self.scan_unroll, "0 (auto) or a positive number of layers")
@@ -307,6 +318,8 @@ class ModelConfig:
     # accumulate, float32 accumulation made explicit, on a CPU with bfloat16 compute): xla | accumulate | fp8
     matmul: str = "xla"
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
+    # How attention spans a sequence split over mesh.context (config.model.context_attention)
+    context_attention: str = "allgather"
     # cuDNN's packed layout for packed documents, at most this many per row (0: the document mask instead);
     # config.model.attention_segments where the kernel is cuDNN on a GPU that takes it, else 0 (`from_config`)
     attention_segments: int = 0
@@ -390,6 +403,7 @@ class ModelConfig:
             scan_layers=m["scan_layers"],
             remat=m["remat"],
             loss_chunk_len=m.get("loss_chunk_len", 0),
+            context_attention=m.get("context_attention", "allgather"),
         )
         platform = platform or jax.default_backend()
         fields["moe"] = MoESpec.from_model(m, platform)
