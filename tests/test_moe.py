@@ -488,8 +488,7 @@ def _dispatch_on(mesh_shape: dict[str, int], x, gates, experts, weights, spec, g
 
     from jaxlm import mesh as mesh_lib
 
-    sizes = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh_shape}
-    mesh = mesh_lib.make_mesh(tuple(sizes.values()), jax.devices()[:8])
+    mesh = mesh_lib.make_mesh(tuple(mesh_shape.get(a, 1) for a in mesh_lib.MESH_AXES), jax.devices()[:8])
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
 
     def f(x, weights):
