@@ -366,3 +366,36 @@ def test_moe_layers_under_context_parallelism_train_like_one_device():
     want = _losses(devices=1, mesh__fsdp=1, **moe)
     assert _losses(mesh__fsdp=4, mesh__context=2, **moe) == pytest.approx(want, rel=1e-5)
     assert _losses(mesh__fsdp=2, mesh__context=2, mesh__expert=2, **moe) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow  # about 40 s: a run trained on context 2 x fsdp 4, evaluated and sampled on two meshes
+def test_a_run_trained_with_context_parallelism_evaluates_and_generates(tmp_path):
+    """The facts run trained on mesh.context=2 x fsdp=4 (8 devices): `jaxlm.evaluate` on those 8 devices (the
+    run's mesh, so the attention across the split sequence) and on one device gives the same validation loss,
+    and `jaxlm.generate` samples from it on both."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_run import ONE_DEVICE, ROOT, train_args
+
+    env8 = dict(ONE_DEVICE, XLA_FLAGS=ONE_DEVICE["XLA_FLAGS"].replace("device_count=1", "device_count=8"))
+    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(tmp_path, 20), "--config.mesh.context=2",
+                             "--config.mesh.fsdp=4"], cwd=ROOT, env=env8, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "context=2" in result.stdout + result.stderr, result.stderr[-3000:]
+    run = tmp_path / "facts"
+    losses = {}
+    for name, env in (("eight", env8), ("one", ONE_DEVICE)):
+        out = tmp_path / f"eval-{name}.json"
+        result = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run}", "--dtype=float32",
+                                 f"--output={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results = json.loads(out.read_text())
+        assert results["devices"].startswith("8x" if name == "eight" else "1x")
+        losses[name] = results["corpus"]["loss"]
+        result = subprocess.run([sys.executable, "-m", "jaxlm.generate", f"--run_dir={run}", "--prompt=alice likes",
+                                 "--max_new_tokens=8", "--temperature=0"], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+    assert losses["eight"] == pytest.approx(losses["one"], rel=1e-5)
+    assert 1.0 < losses["one"] < 6.0  # (trained: below the uniform loss, log 300 = 5.7)
