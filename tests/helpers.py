@@ -58,6 +58,22 @@ def train_tiny(directory, name: str, *overrides: tuple[str, str]) -> dict:
     return train.run(cfg)
 
 
+def step_losses(overrides: dict, steps: int = 3, devices: int = 8) -> list[float]:
+    """The tiny recipe with `overrides` (`a__b=value`) built on the first `devices` devices: the losses of
+    `steps` train steps on the random batches `random_batch(16, 32, 128, seed=step)`."""
+    import jax
+
+    from jaxlm import config, train_setup
+
+    setup = train_setup.build(config.recipe("tiny", **overrides), jax.devices()[:devices])
+    state, losses = setup.state, []
+    with jax.set_mesh(setup.mesh):
+        for i in range(steps):
+            state, metrics = setup.train_step(state, setup.put_batch(random_batch(16, 32, 128, seed=i)))
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
 def random_batch(batch: int, seq: int, vocab: int, seed: int = 0, packed: bool = True) -> dict[str, np.ndarray]:
     """Random tokens; with `packed`, each row holds two documents and a little padding."""
     rng = np.random.default_rng(seed)

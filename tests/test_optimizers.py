@@ -18,7 +18,7 @@ from flax.core import spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import random_batch, small_config
+from helpers import random_batch, small_config, step_losses
 from jaxlm import axes, config, memory, optim, train_setup, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -281,13 +281,7 @@ def _one_device_losses() -> list[float]:
 
 
 def _losses(devices: int, steps: int = 3, **overrides) -> list[float]:
-    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}), jax.devices()[:devices])
-    state, losses = setup.state, []
-    with jax.set_mesh(setup.mesh):
-        for i in range(steps):
-            state, metrics = setup.train_step(state, setup.put_batch(random_batch(16, 32, 128, seed=i)))
-            losses.append(float(metrics["loss"]))
-    return losses
+    return step_losses({**SMALL, **overrides}, steps, devices)
 
 
 MESHES = {"data8": dict(mesh__data=8, mesh__fsdp=1), "fsdp8": dict(mesh__fsdp=8),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import load_benchmark, random_batch
+from helpers import load_benchmark, step_losses
 from jaxlm import axes, config
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
@@ -114,15 +114,7 @@ def test_hybrid_takes_data_from_the_hosts_and_fsdp_within_each():
 
 
 def _losses(steps=3, devices=8, **overrides):
-    from jaxlm import train_setup
-
-    setup = train_setup.build(config.recipe("tiny", **{**SMALL, **overrides}), jax.devices()[:devices])
-    state, losses = setup.state, []
-    with jax.set_mesh(setup.mesh):
-        for i in range(steps):
-            state, metrics = setup.train_step(state, setup.put_batch(random_batch(16, 32, 128, seed=i)))
-            losses.append(float(metrics["loss"]))
-    return losses
+    return step_losses({**SMALL, **overrides}, steps, devices)
 
 
 @functools.cache
