@@ -304,6 +304,10 @@ def check_context(cfg: ml_collections.ConfigDict, sizes: dict[str, int]) -> None
         raise UserError(f"config.data.seq_len={cfg.data.seq_len} does not split into mesh.context={context}"
                         + (f" x mesh.tensor={sizes['tensor']}" if split != context else "")
                         + f" chunks; use a sequence length that is a multiple of {split}")
+    if cfg.model.get("context_layout", "balanced") == "balanced" and cfg.data.seq_len % (2 * context):
+        raise UserError(f"config.data.seq_len={cfg.data.seq_len} does not split into the 2 x mesh.context={context} "
+                        f"chunks of model.context_layout='balanced'; use a multiple of {2 * context}, or "
+                        "model.context_layout='contiguous'")
     if sizes["stage"] > 1:
         raise UserError(f"config.mesh.context={context} with mesh.stage={sizes['stage']}: context parallelism "
                         "is not built for pipeline stages yet; use one of the two")

@@ -48,8 +48,8 @@ from jaxlm.run_dir import run_dir_path
 # architecture, which a run started from another's parameters (run.init_from) takes from that run;
 # a new model key is architecture unless it is listed here. max_seq_len is architecture only with
 # learned positions (a [max_seq_len, d_model] table); scan_layers is (it stacks the layers' parameters).
-COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "context_attention", "matmul",
-                      "loss_chunk_len", "init_std", "max_seq_len", "scan_unroll")
+COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "context_attention", "context_layout",
+                      "matmul", "loss_chunk_len", "init_std", "max_seq_len", "scan_unroll")
 
 
 def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:

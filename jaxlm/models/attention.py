@@ -9,8 +9,8 @@ documents reach it in its packed layout, `cudnn_packed_attention`, elsewhere the
 dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
 themselves (GPUs; interpreted elsewhere: correct and slow, for tests). `benchmarks/attention.py`
 checks and times them against each other.
-A sequence split over the `context` mesh axis (context parallelism, `context_attention`) keeps its queries
-local and all-gathers the keys and values of the whole sequence.
+A sequence split over the `context` mesh axis (context parallelism) attends across its devices by all-gather or
+ring (`jaxlm.models.context_parallel`).
 Decoding goes through `attend_cached` instead: keys and values of earlier tokens come from a
 `KVCache`, always with XLA's attention.
 """
@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import spmd
-from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import constrain, logical_to_spec, mesh_axes_of
+from jaxlm.mesh import constrain, logical_to_spec
 from jaxlm.models import cudnn_batching
+from jaxlm.models.context_parallel import context_attention, context_size
 
 log = logging.getLogger(__name__)
 
@@ -207,14 +207,17 @@ def attend(
     segment_ids: jax.Array | None = None,  # [B, T]
     implementation: str = "xla",
     max_segments: int = 0,
+    context_strategy: str = "allgather",
+    context_layout: str = "contiguous",
 ) -> jax.Array:  # [B, T, N, H]
     """Causal softmax attention; with segment ids, no attention across documents.
 
     `max_segments` > 0 (cuDNN only, GPUs of compute capability 9.0+): packed documents go to cuDNN in its
     packed layout, at most that many segments per row (`cudnn_packed_attention`), instead of as a mask.
-    Under a mesh whose `context` axis splits the sequence, `context_attention` instead."""
+    Under a mesh whose `context` axis splits the sequence, `context_parallel.context_attention` instead, by
+    `context_strategy` on q, k and v in `context_layout`'s order."""
     if context_size() > 1:
-        return context_attention(q, k, v, segment_ids, implementation)
+        return context_attention(q, k, v, segment_ids, implementation, context_strategy, context_layout)
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
     if implementation == "blocked":
@@ -232,69 +235,6 @@ def attend(
                                            mask=mask, is_causal=True, implementation=implementation)
         return out.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-
-
-# ------------------------------------------------------------------------------------ context parallelism
-CONTEXT_AXIS = "context"  # the mesh axis that splits every activation's sequence (rule act_seq)
-CONTEXT_STRATEGIES = ("allgather", "ring")  # config.model.context_attention
-BUILT_CONTEXT_STRATEGIES = ("allgather",)
-
-
-def context_size() -> int:
-    """How many devices split the sequence (the `context` mesh axis, when the rules in force map
-    `act_seq` onto it); 1 outside a mesh."""
-    if CONTEXT_AXIS not in mesh_axes_of("act_seq"):
-        return 1
-    return jax.sharding.get_abstract_mesh().shape.get(CONTEXT_AXIS, 1)
-
-
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-                      implementation: str) -> jax.Array:
-    """Causal attention over a sequence split into `context` contiguous chunks (strategy allgather):
-    inside a shard_map each device keeps its chunk's queries [B, T/c, N, H], all-gathers the keys and
-    values (and the segment ids) of the whole sequence over the axis, and attends its queries to them
-    with the causal mask taken at the global positions (its chunk starts at context index x T/c) and
-    the document mask from the gathered segment ids. The all-gathers' transposes (reduce-scatters) bring
-    each device's key and value gradients back to their chunks. Memory: every device holds the whole
-    sequence's keys and values, and [B, N, T/c, T] scores (XLA's attention with the mask; the causal
-    blocks' skipping and the flash kernels need a static query offset: not built). Communication: per
-    layer, (c - 1)/c of the sequence's keys and values in the forward pass, as much reduce-scattered
-    in the backward. Batch and heads split as the activations are."""
-    if implementation == "pallas":
-        raise UserError("config.model.attention='pallas' with mesh.context > 1: not built (the Pallas kernel "
-                        "takes whole sequences); use 'xla' or 'blocked'")
-    rules = spmd.get_logical_axis_rules()
-
-    def spec(heads):  # [B, T, heads, H]: the sequence over context alone
-        s = list(logical_to_spec(("act_batch", None, heads, None), rules))
-        s[1] = CONTEXT_AXIS
-        return P(*s)
-
-    q_spec, kv_spec = spec("act_heads"), spec("act_kv_heads")
-    rows_spec = P(q_spec[0], CONTEXT_AXIS)
-    kernel = "cudnn" if implementation == "cudnn" else "xla"
-
-    def local(q, k, v, segment_ids):
-        t = q.shape[1]
-        k = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T, K, H]: the whole sequence
-        v = jax.lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
-        q_pos = jax.lax.axis_index(CONTEXT_AXIS) * t + jnp.arange(t)  # this chunk's global positions
-        allowed = q_pos[:, None] >= jnp.arange(k.shape[1])[None, :]  # [t, T]
-        if segment_ids is None:
-            mask = allowed[None, None]
-        else:
-            keys = jax.lax.all_gather(segment_ids, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T]
-            mask = (allowed[None] & (segment_ids[:, :, None] == keys[:, None, :]))[:, None]  # [B, 1, t, T]
-        dtype = q.dtype
-        if dtype == jnp.float16 and jax.default_backend() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
-            q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=kernel).astype(dtype)
-
-    if segment_ids is None:
-        return jax.shard_map(lambda q, k, v: local(q, k, v, None), in_specs=(q_spec, kv_spec, kv_spec),
-                             out_specs=q_spec, check_vma=False)(q, k, v)
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, rows_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, segment_ids)
 
 
 _WHOLE_BATCH_SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("whole_batch_segments",

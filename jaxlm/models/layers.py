@@ -491,8 +491,8 @@ def tensor_parallel_entry(x: jax.Array) -> jax.Array:
     entry; the region's output, constrained back to `act_seq`, becomes the reduce-scatter. Without
     it, GSPMD keeps the sequence split into the projections and reshards q, k and v to heads with
     all-to-alls (measured: 2-2.5x the bytes, benchmarks/BENCHMARKS.md). Under context parallelism
-    the sequence stays split over `context` (rule act_seq_region): only attention gathers it, its keys
-    and values (`attention.context_attention`).
+    the sequence stays split over `context` (rule act_seq_region): only attention reaches across it, for its
+    keys and values (`context_parallel.context_attention`).
     """
     return constrain(x, ("act_batch", "act_seq_region", "act_embed"))
 
@@ -612,7 +612,8 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(t, ATTENTION_INPUTS) for t in (q, k, v))
         if cache is None:
             out = attend(q, k, v, segment_ids=segment_ids, implementation=cfg.attention,  # [B, T, N, H]
-                             max_segments=cfg.attention_segments)
+                         max_segments=cfg.attention_segments, context_strategy=cfg.context_attention,
+                         context_layout=cfg.context_layout)
         else:
             out, cache = attend_cached(q, k, v, cache)
         # Heads stay split into the output projection, and (the constraint's transpose) its

@@ -22,11 +22,9 @@ from jaxlm import precision
 from jaxlm import quant as quant_lib
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain
-from jaxlm.models import aux, layers, pipeline_parallel, transforms
+from jaxlm.models import aux, context_parallel, layers, pipeline_parallel, transforms
 from jaxlm.models.attention import (
-    BUILT_CONTEXT_STRATEGIES,
     CACHE_AXES,
-    CONTEXT_STRATEGIES,
     IMPLEMENTATIONS,
     KVCache,
     cache_dtype,
@@ -153,9 +151,15 @@ class ModelSection(Section):
         "diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)")
     context_attention: str = setting(
         "allgather",
-        "Attention across a sequence split over mesh.context > 1 (context parallelism): allgather (each device "
-        "keeps its queries and all-gathers the keys and values of the whole sequence: "
-        "jaxlm.models.attention.context_attention) | ring (keys and values passed around the axis: not built yet)")
+        "Attention across a sequence split over mesh.context > 1 (context parallelism, "
+        "jaxlm.models.context_parallel): allgather (each device keeps its queries and all-gathers the keys and "
+        "values of the whole sequence) | ring (keys and values passed around the axis, one chunk a step, an "
+        "online softmax across the steps: a chunk's keys and values in memory instead of the sequence's)")
+    context_layout: str = setting(
+        "balanced",
+        "Which positions each device holds under mesh.context > 1: balanced (the zig-zag assignment: chunks i "
+        "and 2c-1-i of 2c, equal causal attention work on every device; data.seq_len a multiple of 2 x "
+        "mesh.context) | contiguous (device i the i-th of c chunks: the last device does the most work)")
     attention_segments: int = setting(
         16,
         "cuDNN attention on Hopper GPUs (compute capability 9.0+) takes packed documents in its packed "
@@ -245,10 +249,8 @@ class ModelSection(Section):
         check_choice(key("remat"), self.remat, ("none", *REMAT_POLICIES))
         check_choice(key("attention"), self.attention, ("auto", *IMPLEMENTATIONS))
         check_choice(key("matmul"), self.matmul, MATMUL_IMPLS)
-        check_choice(key("context_attention"), self.context_attention, CONTEXT_STRATEGIES)
-        check(self.context_attention in BUILT_CONTEXT_STRATEGIES, key("context_attention"), self.context_attention,
-              f"{' or '.join(BUILT_CONTEXT_STRATEGIES)}: "
-              f"{', '.join(sorted(set(CONTEXT_STRATEGIES) - set(BUILT_CONTEXT_STRATEGIES)))} is not built yet")
+        check_choice(key("context_attention"), self.context_attention, context_parallel.STRATEGIES)
+        check_choice(key("context_layout"), self.context_layout, context_parallel.LAYOUTS)
         check(self.attention_segments >= 0, key("attention_segments"), self.attention_segments,
               "0 (the document mask) or the most documents per row cuDNN's packed layout is compiled for")
         check(self.scan_unroll >= 0, key("scan_unroll"), self.scan_unroll, "0 (auto) or a positive number of layers")
@@ -318,8 +320,10 @@ class ModelConfig:
     # accumulate, float32 accumulation made explicit, on a CPU with bfloat16 compute): xla | accumulate | fp8
     matmul: str = "xla"
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
-    # How attention spans a sequence split over mesh.context (config.model.context_attention)
+    # How attention spans a sequence split over mesh.context, and which positions each device holds
+    # (config.model.context_attention, context_layout: `jaxlm.models.context_parallel`)
     context_attention: str = "allgather"
+    context_layout: str = "balanced"
     # cuDNN's packed layout for packed documents, at most this many per row (0: the document mask instead);
     # config.model.attention_segments where the kernel is cuDNN on a GPU that takes it, else 0 (`from_config`)
     attention_segments: int = 0
@@ -404,6 +408,7 @@ class ModelConfig:
             remat=m["remat"],
             loss_chunk_len=m.get("loss_chunk_len", 0),
             context_attention=m.get("context_attention", "allgather"),
+            context_layout=m.get("context_layout", "balanced"),
         )
         platform = platform or jax.default_backend()
         fields["moe"] = MoESpec.from_model(m, platform)
@@ -779,6 +784,10 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        # Under context parallelism the blocks see the sequence in the layout's order, each token with its own
+        # position and document; the final hidden states come back in the sequence's order (below)
+        layout = cfg.context_layout if cache is None else "contiguous"
+        tokens, positions, segment_ids = (context_parallel.to_layout(a, layout) for a in (tokens, positions, segment_ids))
         x = self.embed_tokens(tokens, positions)
         keys = None
         if dropout_key is not None and (cfg.dropout > 0 or (cfg.lora is not None and cfg.lora.dropout > 0)):
@@ -808,6 +817,7 @@ class Transformer(nnx.Module):
                 outs.append(layer_out)
             outs = outs[layer_stacks(cfg)[-1].first:]  # the layers of the model's MLP (not an MoE's dense first ones)
             out = aux.over_layers({name: jnp.stack([o[name] for o in outs]) for name in self.aux_shapes})
+        x = context_parallel.from_layout(x, layout)
         if last_only:
             x = x[:, -1:]
         x = self.final_norm(x)
