@@ -6,7 +6,10 @@ checkpoints/<step>/. For a NEW run (no checkpoint of its own yet):
 - `resolve_config` (run by the commands' `config_from_cli` and by `explore.make_config`, so `jaxlm.plan`
   plans the model that will train) takes the architecture from the source's config.json: every model key but
   `COMPUTE_MODEL_KEYS` (and max_seq_len with learned positions), replacing the recipe's; a
-  command-line value that contradicts the source is refused in one line. The source's tokenizer
+  command-line value that contradicts the source is refused in one line. The RoPE settings
+  (`POSITION_MODEL_KEYS`) are the source's unless the recipe or the command line sets them, and the
+  model's context (max_seq_len) the source's unless the command line gives it or the recipe sets it
+  apart from data.seq_len: a context extension (configs/long_tiny.py, docs/parallelism.md). The source's tokenizer
   file becomes `data.tokenizer_path`, unless one is given, which must then have the source's
   vocabulary size.
 - `load_state` reads the parameters of checkpoint `run.init_step` (default: the newest that loads
@@ -50,6 +53,11 @@ from jaxlm.run_dir import run_dir_path
 # learned positions (a [max_seq_len, d_model] table); scan_layers is (it stacks the layers' parameters).
 COMPUTE_MODEL_KEYS = ("dtype", "param_dtype", "dropout", "remat", "attention", "context_attention", "context_layout",
                       "matmul", "loss_chunk_len", "init_std", "max_seq_len", "scan_unroll")
+# The RoPE scaling settings: architecture (the source's) unless the new run sets them, since they shape no
+# parameter. A key the recipe sets to other than its default, or the command line gives, is the new run's own: a
+# context extension rescales the source's RoPE (configs/long_tiny.py); a fine-tune that names none keeps the
+# source's (Llama 3.1's scaling).
+POSITION_MODEL_KEYS = transformer.ROPE_SCALING_KEYS
 
 
 def _get(cfg: ml_collections.ConfigDict, key: str) -> Any:
@@ -124,10 +132,14 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
                             f"step; its checkpoints: {', '.join(map(str, steps))} (or -1 for the newest)")
         origin = flag
     given = [(key, text, _get(cfg, key)) for key, text in overrides]
+    given_keys = {key for key, _, _ in given}
     explicit_tokenizer = cfg.data.tokenizer_path
     for key, value in compressed_structure(saved).items():  # a compressed source's quantized or pruned projections
         cfg.compress[key] = value
     for key, value in architecture(saved["model"], defaults).items():
+        if (not resumed and key in POSITION_MODEL_KEYS
+                and (f"model.{key}" in given_keys or cfg.model[key] != defaults[key])):
+            continue  # the new run's own RoPE settings (POSITION_MODEL_KEYS)
         try:
             if key == "max_seq_len":  # a table of learned positions: the source's, as every position's length
                 _keep_context(cfg, value)
@@ -136,7 +148,8 @@ def resolve_config(cfg: ml_collections.ConfigDict, overrides: Sequence[tuple[str
         except TypeError:
             raise UserError(f"{origin}: its model.{key}={value!r} does not fit this jaxlm's model.{key} "
                             f"(a {type(cfg.model[key]).__name__}); give a run directory this jaxlm wrote") from None
-    if "model.max_seq_len" not in {key for key, _, _ in given}:
+    own_context = cfg.model.get_ref("max_seq_len") is not cfg.data.get_ref("seq_len")  # the recipe's, apart
+    if "model.max_seq_len" not in given_keys and not (own_context and not resumed):
         _keep_context(cfg, saved["model"].get("max_seq_len", defaults["max_seq_len"]))
     for key, text, value in given:
         if _get(cfg, key) != value:
@@ -165,8 +178,9 @@ def _keep_context(cfg: ml_collections.ConfigDict, max_seq_len: int) -> None:
     """The model's context is the source's (`model.max_seq_len`), whatever the training rows' length
     (`data.seq_len`, at most it): a fine-tune on short rows keeps the base's positions, so it generates
     and exports with them. The recipe links the two keys (one FieldReference); the model's gets a field
-    of its own. A `--config.model.max_seq_len` given on the command line (a RoPE context extension)
-    wins: the caller does not call this then."""
+    of its own. A `--config.model.max_seq_len` given on the command line, or a recipe's model.max_seq_len
+    set apart from data.seq_len (a RoPE context extension: configs/long_tiny.py), wins: the caller does
+    not call this then."""
     if cfg.model.max_seq_len != max_seq_len or cfg.model.get_ref("max_seq_len") is cfg.data.get_ref("seq_len"):
         with cfg.unlocked():
             del cfg.model["max_seq_len"]
@@ -208,7 +222,7 @@ def load_state(setup) -> tuple[Any, dict[str, Any]]:
     flag = f"config.run.init_from={cfg.run.init_from}"
     differences = [f"model.{key}: {value!r} there, {cfg.model[key]!r} here"
                    for key, value in architecture(_read_config(source, flag)["model"], cfg.model).items()
-                   if cfg.model[key] != value]
+                   if cfg.model[key] != value and key not in POSITION_MODEL_KEYS]
     if differences:  # a config put together without config.parse_cli / recipe / explore.make_config
         raise UserError(f"{flag}: the config's architecture is not that run's ({'; '.join(differences)}); resolve the "
                         f"config with jaxlm.init_from.resolve_config(cfg, overrides) first (the commands and "

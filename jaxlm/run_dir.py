@@ -58,7 +58,8 @@ class RunConfig(Section):
         "",
         'Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run '
         'starts from (step 0, fresh optimizer and data; a resumed run ignores it). Its architecture (every '
-        'model key but init_from.COMPUTE_MODEL_KEYS) and tokenizer replace the recipe\'s. "" = random init')
+        'model key but init_from.COMPUTE_MODEL_KEYS, and the RoPE scaling keys the recipe or command line sets) and '
+        'tokenizer replace the recipe\'s. "" = random init')
     init_step: int = setting(-1, "run.init_from's checkpoint to read; -1 = the newest that loads (verified)")
     recipe: str = setting("", "the recipe's name, set when it is loaded (the run directory's default name)")
 

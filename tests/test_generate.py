@@ -1,6 +1,7 @@
 """Sampling with a KV cache: cached greedy decoding equals repeated full forward passes (on a real
 trained run and on other model variants and meshes), seeds, top-k/top-p, EOS, the CLI and its errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -117,6 +118,26 @@ def test_cached_greedy_equals_full_passes_with_qwen3s_query_and_key_norms():
     prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
     completions = gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)
     assert [c.ids for c in completions] == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
+
+
+def test_cached_greedy_equals_full_passes_with_yarn():
+    """YaRN's scaled rotation (`layers.rope_attention_factor` times cos and sin) is applied to each chunk's
+    keys before the cache holds them and to each new query, as in a full pass; it changes what is generated."""
+    model_cfg = small_config(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=8, n_kv_heads=2, head_dim=16)
+    mesh = mesh_lib.make_mesh(axes.shape_of(data=2, fsdp=2, tensor=2))
+    rules = mesh_lib.rules_from_config(config.base_config().mesh.rules)
+    model_spec = train_state.build_model_spec(model_cfg)
+    shardings = train_state.param_shardings(model_spec, mesh, rules)
+    params = random_params(model_cfg, seed=3)
+    for name in ("wq", "wk"):  # peaked attention, which the rotation's scale and frequencies move
+        params["blocks"]["attn"][name]["kernel"] = params["blocks"]["attn"][name]["kernel"] * 8
+    params = jax.device_put(params, shardings)
+    gen = Generator(model_cfg, params, mesh, rules, shardings, graphdef=model_spec.graphdef)
+    prompts = [[2, 17, 33, 40, 41, 5], [2, 60], [2, 7, 7, 7, 90, 91, 92, 93, 94, 95, 11]]
+    completions = [c.ids for c in gen.generate_ids(prompts, max_new_tokens=8, eos_id=None)]
+    assert completions == full_forward_greedy(model_cfg, model_spec.graphdef, params, prompts, 8)
+    plain = dataclasses.replace(model_cfg, rope_scaling="none")
+    assert completions != full_forward_greedy(plain, train_state.build_model_spec(plain).graphdef, params, prompts, 8)
 
 
 def test_sampling_is_reproducible_for_a_seed_and_differs_across_seeds(generator, prompts):

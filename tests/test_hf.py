@@ -33,7 +33,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 320
-ARCHS = ("llama", "llama3_scaled", "mistral", "qwen2", "qwen3", "qwen3_biased", "gpt2")
+ARCHS = ("llama", "llama3_scaled", "yarn_scaled", "mistral", "qwen2", "qwen3", "qwen3_biased", "gpt2")
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 8.0, "beta_slow": 0.5}
 VARIANT = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_biased": "qwen3", "gpt2": "gpt2"}  # the rest: llama
 
 
@@ -56,6 +58,9 @@ def make_model(arch: str):
             **llama_like, rope_theta=500000.0, rope_scaling={
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16}))
+    elif arch == "yarn_scaled":  # YaRN (Qwen's long-context scaling), its betas not the defaults, a ramp over
+        # 16-wide heads' frequencies: the first kept, two blended, five interpolated; cos and sin scaled
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like, head_dim=16, rope_parameters=YARN))
     elif arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
     elif arch == "mistral":
@@ -123,7 +128,7 @@ def close(got: np.ndarray, want: np.ndarray, tol: float = 1e-4) -> float:
 
 
 @pytest.mark.parametrize("arch", [  # Llama's near relatives in the slow suite (the default suite's time)
-    pytest.param(a, marks=pytest.mark.slow) if a in ("llama3_scaled", "mistral") else a for a in ARCHS])
+    pytest.param(a, marks=pytest.mark.slow) if a in ("llama3_scaled", "yarn_scaled", "mistral") else a for a in ARCHS])
 def test_imported_model_gives_transformers_logits_and_exports_back(models, arch, tmp_path):
     model, hf_dir = models[arch]
     if arch.startswith("qwen3"):  # through the command line, `python -m jaxlm.hf import` (in this process)
@@ -149,6 +154,47 @@ def test_imported_model_gives_transformers_logits_and_exports_back(models, arch,
     # Re-imported from the sharded export: bit-identical parameters.
     again = inference.load_run(hf.import_checkpoint(out, tmp_path / "again"), dtype="float32")
     floats.identical(again.params, run.params, why=floats.MOVED)
+
+
+@pytest.mark.parametrize("factor, head_dim, theta, original", [
+    (4.0, 64, 1e4, 128), (8.0, 128, 5e5, 8192), (4.0, 128, 1e6, 32768), (2.0, 16, 1e4, 16), (1.5, 32, 1e4, 64)])
+def test_yarn_frequencies_and_attention_factor_are_transformers(factor, head_dim, theta, original):
+    """`layers.rope_frequencies(scaling="yarn")` and `rope_attention_factor` against transformers'
+    `_compute_yarn_parameters` (Llama 3-, Qwen- and small-head shapes; factors from 1.5 to 8)."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from jaxlm.models.layers import rope_attention_factor, rope_frequencies
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+        max_position_embeddings=int(original * factor), rope_parameters={
+            "rope_type": "yarn", "rope_theta": theta, "factor": factor, "original_max_position_embeddings": original})
+    inv_freq, attention_factor = _compute_yarn_parameters(hf_cfg)
+    ours = np.asarray(rope_frequencies(head_dim, theta, "yarn", factor, original_max_len=original))
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=3e-7)  # theta^x and 1 / theta^-x: an ulp apart
+    plain = np.asarray(rope_frequencies(head_dim, theta))
+    assert np.any(ours == plain) and np.any(np.isclose(ours, plain / factor, rtol=1e-6))  # kept, interpolated
+    assert rope_attention_factor("yarn", factor) == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_a_yarn_config_comes_back_from_the_export():
+    """A YaRN config.json (its betas, factor and original length) as model keys, and written back by the export:
+    the same rope_parameters; an absent factor is transformers' max_position_embeddings / the original length."""
+    original = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 160,
+                "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "max_position_embeddings": 128, "rope_parameters": YARN}
+    _, keys = hf_map.model_keys(original)
+    assert {k: keys[k] for k in ("rope_scaling", "rope_factor", "rope_original_max_len", "rope_beta_fast",
+                                 "rope_beta_slow")} == {"rope_scaling": "yarn", "rope_factor": 4.0,
+                                                        "rope_original_max_len": 32, "rope_beta_fast": 8.0,
+                                                        "rope_beta_slow": 0.5}
+    model_cfg = inference.model_config(hf._run_config(keys, "llama", "float32", pathlib.Path("unused")), "cpu",
+                                       "float32")
+    written = hf_map.hf_config(model_cfg, "llama", bos_id=-1, eos_id=-1, pad_id=None, dtype="float32")
+    assert written["rope_parameters"] == YARN and written["rope_scaling"] == YARN
+    old_layout = {**original, "rope_parameters": None, "rope_theta": 1e4,
+                  "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32}}
+    assert hf_map.model_keys(old_layout)[1]["rope_factor"] == 4.0
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_biased"])
@@ -315,8 +361,14 @@ def test_broken_checkpoints_are_one_line_each(models, tmp_path, capsys):
 
 @pytest.mark.parametrize("arch, changes, words", [
     ("llama", {"model_type": "mamba"}, 'model_type="mamba": jaxlm imports llama, mistral, qwen2, qwen3, gpt2'),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     'rope_parameters.rope_type="longrope"'),
+    ("llama", {"rope_parameters": {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
+     "rope_parameters.mscale_all_dim=0.707: jaxlm's YaRN has the default attention factor"),
+    ("llama", {"rope_parameters": {**YARN, "attention_factor": 1.0}}, "rope_parameters.attention_factor=1.0"),
+    ("llama", {"rope_parameters": {**YARN, "truncate": False}}, "rope_parameters.truncate=false"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     'rope_parameters.rope_type="yarn"'),
+     "rope_parameters.original_max_position_embeddings=null: YaRN needs the context length"),
     ("llama", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      'rope_scaling.rope_type="dynamic"'),
     ("mistral", {"sliding_window": 64}, "sliding_window=64: jaxlm has no sliding-window attention (a window shorter "

@@ -222,6 +222,41 @@ def test_a_fine_tune_on_short_rows_keeps_the_sources_context(source, tmp_path):
         config.validate(init_from.config_from_cli([*finetune_args(tmp_path, long, "rows"), "--config.data.seq_len=1024"]))
 
 
+def test_a_context_extension_continues_the_source_at_4x_its_length_with_yarn(source, tmp_path):
+    """configs/long_tiny.py from the facts run (rows of 64 tokens): its parameters at step 0 are the source's,
+    its RoPE settings and context (256) its own, not the source's, and a few steps at 256 tokens lower the
+    held-out loss at that length from where the source, YaRN-rescaled, started."""
+    long = 4 * tiny_run.SEQ_LEN
+    values = {
+        "run.init_from": source, "run.output_dir": tmp_path, "run.name": "long", "run.steps": 12, "run.log_every": 4,
+        "run.eval_every": 0, "run.compile_cache_dir": "", "model.rope_original_max_len": tiny_run.SEQ_LEN,
+        "model.max_seq_len": long, "data.seq_len": long, "data.corpus": source.parent / "facts.txt",
+        "data.separator": "\n\n", "data.tokenize_on_the_fly": "true", "data.cache_dir": tmp_path / "cache",
+        "data.global_batch_size": 8, "data.val_fraction": 0.2, "data.val_tokens": 4096, "optim.peak_lr": 1e-3,
+        "optim.warmup_steps": 2,
+    }
+    argv = [f"--config={ROOT / 'configs' / 'long_tiny.py'}", *(f"--config.{k}={v}" for k, v in values.items())]
+    cfg = init_from.config_from_cli([*argv, *EIGHT])
+    config.validate(cfg)
+    assert {key: cfg.model[key] for key in SOURCE_MODEL} == SOURCE_MODEL  # the source's architecture
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_len) == ("yarn", 4.0, 64)
+    assert (cfg.model.max_seq_len, cfg.data.seq_len) == (long, long)
+    assert json.loads((source / "config.json").read_text())["model"]["rope_scaling"] == "none"
+    setup = train_setup.build(cfg)
+    assert setup.model_cfg.rope_scaling == "yarn" and int(setup.state.step) == 0
+    floats.identical(flat(jax.device_get(setup.state.params)), flat(jax.device_get(inference.load_run(source).params)),
+                     why=floats.MOVED)
+
+    train(argv)
+    run_dir = tmp_path / "long"
+    saved = json.loads((run_dir / "config.json").read_text())["model"]
+    assert (saved["rope_scaling"], saved["rope_factor"], saved["rope_original_max_len"], saved["max_seq_len"]) == (
+        "yarn", 4.0, 64, long)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_loss"] < summary["initial_val_loss"], summary
+    assert inference.load_run(run_dir).model_cfg.rope_scaling == "yarn"  # what evaluation and generation build
+
+
 @pytest.mark.slow  # ~10 s of CLI training; resuming itself is covered by tests/test_resume.py
 def test_resuming_a_finetuned_run_ignores_init_from_and_continues_exactly(source, finetuned, tmp_path):
     """Stopped at step 4 and resumed to 8 with its source moved away: the same losses, bit for bit,

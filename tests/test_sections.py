@@ -69,6 +69,23 @@ def test_a_bad_value_is_one_line_from_the_section(key, value, words):
         config.recipe("tiny", **{key.replace(".", "__"): value})
 
 
+@pytest.mark.parametrize("changes, words", [
+    (dict(rope_original_max_len=0), "config.model.rope_original_max_len=0 is not allowed: the context length the "
+                                    "model was trained with, a positive integer (rope_scaling=yarn needs it)"),
+    (dict(rope_beta_fast=1.0), "config.model.rope_beta_fast=1.0 is not allowed: a number above "
+                               "model.rope_beta_slow=1.0 > 0"),
+    (dict(rope_beta_slow=0.0), "config.model.rope_beta_fast=32.0 is not allowed: a number above model.rope_beta_slow=0.0"),
+    (dict(rope_factor=0.0), "config.model.rope_factor=0.0 is not allowed: a positive number"),
+])
+def test_yarn_without_what_it_needs_is_one_line(changes, words):
+    yarn = dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=128)
+    bad = dataclasses.replace(config.SECTIONS["model"](), **{**yarn, **changes})
+    with pytest.raises(UserError, match=re.escape(words)) as raised:
+        bad.validate()
+    assert "\n" not in str(raised.value)
+    config.SECTIONS["model"](**yarn).validate()
+
+
 def test_the_config_json_of_a_run_of_commit_a89b6fe_still_loads(tmp_path):
     """A run directory's config.json as that commit wrote it (the config stored in its checkpoint's
     metadata, before most of today's keys existed) reads over today's defaults into every section."""

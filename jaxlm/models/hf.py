@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
+from jaxlm.models.layers import rope_attention_factor
 from jaxlm.models.mlps import MLPS
 
 MAX_JSON_BYTES = 10_000_000  # config.json, generation_config.json, the index: far below this
@@ -102,7 +103,34 @@ def _rope_keys(hf: dict) -> dict:
                 "rope_low_freq_factor": float(params["low_freq_factor"]),
                 "rope_high_freq_factor": float(params["high_freq_factor"]),
                 "rope_original_max_len": int(params["original_max_position_embeddings"])}
-    raise _refuse(f"{field}.rope_type", kind, "jaxlm has RoPE scaling 'default', 'linear' and 'llama3' only")
+    if kind == "yarn":
+        return {**keys, **_yarn_keys(hf, params, field)}
+    raise _refuse(f"{field}.rope_type", kind, "jaxlm has RoPE scaling 'default', 'linear', 'llama3' and 'yarn' only")
+
+
+def _yarn_keys(hf: dict, params: dict, field: str) -> dict:
+    """YaRN's settings as transformers reads them (`modeling_rope_utils._compute_yarn_parameters`), those
+    Llama- and Qwen-style configs use; an attention factor of its own (given, or DeepSeek's mscale and
+    mscale_all_dim) and an untruncated ramp (truncate=false) are refused."""
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise _refuse(f"{field}.original_max_position_embeddings", original,
+                      "YaRN needs the context length the model was trained with, a positive integer")
+    factor = params.get("factor") or _get(hf, "max_position_embeddings") / original  # transformers' default
+    keys = {"rope_scaling": "yarn", "rope_factor": float(factor), "rope_original_max_len": original,
+            "rope_beta_fast": float(params.get("beta_fast") or 32), "rope_beta_slow": float(params.get("beta_slow") or 1)}
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        raise _refuse(f"{field}.mscale_all_dim", params["mscale_all_dim"],
+                      "jaxlm's YaRN has the default attention factor 0.1 ln(factor) + 1 only (DeepSeek's mscale is not)")
+    attention_factor = params.get("attention_factor")
+    default = rope_attention_factor("yarn", float(factor))
+    if attention_factor is not None and not math.isclose(attention_factor, default, rel_tol=1e-6):
+        raise _refuse(f"{field}.attention_factor", attention_factor,
+                      f"jaxlm's YaRN has the default attention factor 0.1 ln(factor) + 1 = {default:.6g} only")
+    if params.get("truncate", True) is not True:
+        raise _refuse(f"{field}.truncate", params["truncate"], "jaxlm's YaRN rounds its ramp's ends outwards "
+                      "(transformers' default, truncate=true) only")
+    return keys
 
 
 # The config.json field each jaxlm key of an import comes from (`model_keys`), by architecture: what an
@@ -319,6 +347,9 @@ def hf_config(cfg, arch: str, *, bos_id: int, eos_id: int, pad_id: int | None, d
         rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_len)
+    elif cfg.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=cfg.rope_factor, original_max_position_embeddings=cfg.rope_original_max_len,
+                    beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
     out = {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.n_layers,
            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",

@@ -437,18 +437,22 @@ class LayerNorm(nnx.Module):
         return norm(x, self.scale[...], None if self.bias is None else self.bias[...])
 
 
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
                      low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                     original_max_len: int = 0) -> jax.Array:
+                     original_max_len: int = 0, beta_fast: float = 32.0, beta_slow: float = 1.0) -> jax.Array:
     """The rotary embedding's inverse frequencies [head_dim / 2], float32, with context-extension scaling:
 
     none    theta^(-2i / head_dim)
     linear  all of them divided by `factor` (position interpolation)
     llama3  Llama 3.1's: wavelengths longer than original_max_len / low_freq_factor divided by
             `factor`, shorter than original_max_len / high_freq_factor kept, a smooth blend between
+    yarn    YaRN's NTK-by-parts (arXiv:2309.00071, as transformers computes it): frequencies that turn
+            more than `beta_fast` times over original_max_len kept, fewer than `beta_slow` times divided
+            by `factor`, a linear ramp over the (whole) dimensions between; its attention factor is
+            `rope_attention_factor`'s
     """
     half = head_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -461,16 +465,39 @@ def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor:
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, scaled)
+    if scaling == "yarn":
+        # The dimension index at which a frequency turns `rotations` times over original_max_len, rounded
+        # outwards (transformers' `truncate=True`, the default every Llama- and Qwen-style config uses)
+        def dimension(rotations: float) -> float:
+            return head_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(dimension(beta_fast)), 0)
+        high = min(math.ceil(dimension(beta_slow)), head_dim - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        interpolated = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        return inv_freq / factor * interpolated + inv_freq * (1 - interpolated)
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array | float) -> jax.Array:
+def rope_attention_factor(scaling: str, factor: float) -> float:
+    """What `apply_rope` multiplies cos and sin by, so q.k by its square: YaRN's 0.1 ln(factor) + 1
+    (1 for a factor up to 1); 1 for the other scalings."""
+    if scaling != "yarn" or factor <= 1:
+        return 1.0
+    return 0.1 * math.log(factor) + 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array | float,
+               attention_factor: float = 1.0) -> jax.Array:
     """Rotary embedding (half-split convention, Hugging Face's `rotate_half`) of x [B, T, N, H] at
-    integer positions [B, T], with inverse frequencies [H/2] (`rope_frequencies`; a number is theta)."""
+    integer positions [B, T], with inverse frequencies [H/2] (`rope_frequencies`; a number is theta),
+    cos and sin times `attention_factor` (`rope_attention_factor`)."""
     if not hasattr(inv_freq, "shape"):
         inv_freq = rope_frequencies(x.shape[-1], inv_freq)
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if attention_factor != 1.0:
+        sin, cos = sin * attention_factor, cos * attention_factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -603,9 +630,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.position == "rope":
             inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor,
-                                        cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+                                        cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len,
+                                        cfg.rope_beta_fast, cfg.rope_beta_slow)
+            # The same rotation for training, evaluation and each decoding step (the cache holds rotated keys)
+            factor = rope_attention_factor(cfg.rope_scaling, cfg.rope_factor)
+            q = apply_rope(q, positions, inv_freq, factor)
+            k = apply_rope(k, positions, inv_freq, factor)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))

@@ -78,7 +78,7 @@ REMAT_POLICIES = {
                            jax.checkpoint_policies.save_only_these_names(layers.ATTENTION_INPUTS)),
 }
 ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_original_max_len")
+                     "rope_original_max_len", "rope_beta_fast", "rope_beta_slow")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # model.scan_unroll=0 unrolls every layer only up to this many (the deepest open models have 126 or fewer);
 # a deeper stack is a loop, whose compile time does not grow with its depth.
@@ -121,13 +121,20 @@ class ModelSection(Section):
     rope_scaling: str = setting(
         "none",
         "Context extension of RoPE: none | linear (frequencies / rope_factor) | llama3 (Llama 3.1's: long "
-        "wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len)")
+        "wavelengths / rope_factor, short ones kept, blended between, around rope_original_max_len) | yarn "
+        "(YaRN's NTK-by-parts, as transformers computes it: frequencies turning more than rope_beta_fast times over "
+        "rope_original_max_len kept, fewer than rope_beta_slow times / rope_factor, a ramp between; cos and sin "
+        "times 0.1 ln(rope_factor) + 1)")
     rope_factor: float = setting(1.0, "rope_scaling's stretch of the context")
     rope_low_freq_factor: float = setting(
         1.0,
         "llama3: wavelengths above original_max_len / this are divided by rope_factor")
     rope_high_freq_factor: float = setting(4.0, "llama3: wavelengths below original_max_len / this are kept")
-    rope_original_max_len: int = setting(0, "llama3: the context length the model was trained with")
+    rope_original_max_len: int = setting(0, "llama3, yarn: the context length the model was trained with")
+    rope_beta_fast: float = setting(
+        32.0, "yarn: frequencies turning more than this many times over rope_original_max_len are kept")
+    rope_beta_slow: float = setting(
+        1.0, "yarn: frequencies turning fewer than this many times over rope_original_max_len are / rope_factor")
     init_std: float = setting(
         0.02,
         "the weights' initial standard deviation (residual projections: scaled down with depth)")
@@ -228,11 +235,16 @@ class ModelSection(Section):
         check_choice(key("rope_scaling"), self.rope_scaling, layers.ROPE_SCALINGS)
         if self.rope_scaling != "none":
             check(self.rope_factor > 0, key("rope_factor"), self.rope_factor, "a positive number")
-        if self.rope_scaling == "llama3":
+        if self.rope_scaling in ("llama3", "yarn"):
             check(self.rope_original_max_len > 0, key("rope_original_max_len"), self.rope_original_max_len,
-                  "the context length the model was trained with, a positive integer (rope_scaling=llama3 needs it)")
+                  f"the context length the model was trained with, a positive integer (rope_scaling={self.rope_scaling} "
+                  f"needs it)")
+        if self.rope_scaling == "llama3":
             check(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, key("rope_high_freq_factor"),
                   self.rope_high_freq_factor, f"a number above model.rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+        if self.rope_scaling == "yarn":
+            check(self.rope_beta_fast > self.rope_beta_slow > 0, key("rope_beta_fast"), self.rope_beta_fast,
+                  f"a number above model.rope_beta_slow={self.rope_beta_slow} > 0 (YaRN's defaults: 32 and 1)")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             check(getattr(self, name) > 0, key(name), getattr(self, name), "a positive integer")
         for name in ("n_kv_heads", "head_dim", "mlp_dim"):
@@ -298,11 +310,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | linear | llama3 (layers.rope_frequencies)
+    rope_scaling: str = "none"  # none | linear | llama3 | yarn (layers.rope_frequencies)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
     init_std: float = 0.02
     dropout: float = 0.0
     dtype: Any = jnp.bfloat16
