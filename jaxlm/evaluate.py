@@ -53,6 +53,9 @@ def perplexity(run: inference.LoadedRun, doc_tokens: Sequence[np.ndarray], *, se
     seq_len = seq_len or run.cfg.data.seq_len
     if seq_len > run.model_cfg.max_seq_len:
         raise UserError(f"--seq_len={seq_len} is longer than the model's context ({run.model_cfg.max_seq_len})")
+    if seq_len % run.sequence_multiple:
+        raise UserError(f"--seq_len={seq_len} does not split over this mesh's sequence axes (mesh.context, and "
+                        f"twice it under model.context_layout='balanced'); use a multiple of {run.sequence_multiple}")
     batch_size = scoring.round_up(batch_size or run.cfg.data.global_batch_size, run.batch_shards)
     batches = pipeline.make_eval_batches(doc_tokens, seq_len=seq_len, batch_size=batch_size, max_batches=2**62)
     if not batches:

@@ -49,6 +49,11 @@ class LoadedRun:
         """Devices a batch is split over (the mesh axes of `act_batch`): batches are a multiple of this."""
         return batch_shards(self.mesh, self.rules)
 
+    @property
+    def sequence_multiple(self) -> int:
+        """What a row's length must be a multiple of on this mesh (`sequence_multiple`)."""
+        return sequence_multiple(self.mesh, self.rules, self.model_cfg.context_layout)
+
     def sharding(self, names: Sequence[str | None]) -> NamedSharding:
         return NamedSharding(self.mesh, mesh_lib.logical_to_spec(names, self.rules))
 
@@ -84,6 +89,15 @@ def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 def batch_shards(mesh: Mesh, rules: mesh_lib.Rules) -> int:
     return math.prod(mesh.shape[a] for a in mesh_lib.axes_of(mesh_lib.logical_to_spec(("act_batch",), rules)[0]))
+
+
+def sequence_multiple(mesh: Mesh, rules: mesh_lib.Rules, context_layout: str) -> int:
+    """The devices a row's sequence is split over (rule act_seq: mesh.context, x tensor under sequence
+    parallelism), twice the context size under the balanced layout (`context_parallel`): rows padded to a
+    multiple of it run on the mesh."""
+    split = math.prod(mesh.shape[a] for a in mesh_lib.axes_of(dict(rules).get("act_seq")))
+    context = mesh.shape.get("context", 1)
+    return math.lcm(split, 2 * context) if context > 1 and context_layout == "balanced" else split
 
 
 def read_config(run_dir: pathlib.Path) -> ml_collections.ConfigDict:

@@ -59,11 +59,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def bucket_length(n: int, max_len: int) -> int:
+def bucket_length(n: int, max_len: int, multiple: int = 1) -> int:
     """`n` rounded up to a multiple of LENGTH_BUCKET or, if larger, of an eighth of the power of two at or above
-    it (multiples of 32 up to 256, then four lengths per doubling: under 25% padding), at most `max_len`."""
+    it (multiples of 32 up to 256, then four lengths per doubling: under 25% padding), at most `max_len`; then
+    up to a `multiple` (the mesh's: `LoadedRun.sequence_multiple`; the padding past `max_len` is never scored)."""
     step = max(LENGTH_BUCKET, 1 << max(0, (n - 1).bit_length() - 3))
-    return min(round_up(n, step), max_len)
+    return round_up(min(round_up(n, step), max_len), multiple)
 
 
 # ----------------------------------------------------------------------------- tokens of a request
@@ -142,7 +143,7 @@ def score_continuations(run: inference.LoadedRun, requests: Sequence[tuple[np.nd
     with jax.set_mesh(run.mesh):
         for start in range(0, len(order), batch_size):
             group = order[start : start + batch_size]
-            length = bucket_length(max(len(requests[i][0]) - 1 for i in group), max_len)
+            length = bucket_length(max(len(requests[i][0]) - 1 for i in group), max_len, run.sequence_multiple)
             batch = {k: np.zeros((batch_size, length), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
             batch["weights"] = np.zeros((batch_size, length), np.float32)
             for row, i in enumerate(group):

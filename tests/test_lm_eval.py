@@ -53,6 +53,27 @@ def test_requests_are_padded_to_a_few_lengths():
                        1792, 2048]
     assert all(n <= bucket_length(n, 2048) < 1.25 * n + 32 for n in range(1, 2049))
     assert bucket_length(100, 64) == 64
+    # on a mesh whose sequence splits 64 ways (context 32, balanced): a multiple of 64 past the context's end
+    assert bucket_length(100, 2048, 64) == 128 and bucket_length(100, 96, 64) == 128
+
+
+def test_rows_on_a_context_mesh_are_a_multiple_of_its_split():
+    """`LoadedRun.sequence_multiple`: the devices a row's sequence splits over (context, x tensor under sequence
+    parallelism), twice the context under the balanced layout; 1 without a context axis."""
+    from jaxlm import axes
+    from jaxlm import mesh as mesh_lib
+    from jaxlm.inference import sequence_multiple
+
+    def multiple(layout="balanced", act_seq="context", **sizes):
+        rules = mesh_lib.rules_from_config({**mesh_lib.default_rules(), "act_seq": act_seq})
+        return sequence_multiple(mesh_lib.make_mesh(axes.shape_of(**sizes)), rules, layout)
+
+    assert multiple(fsdp=8) == 1
+    assert multiple(fsdp=1, context=8) == 16
+    assert multiple("contiguous", fsdp=1, context=8) == 8
+    assert multiple(fsdp=2, context=2, tensor=2, act_seq="context,tensor") == 4
+    assert multiple("contiguous", fsdp=2, context=2, tensor=2, act_seq="context,tensor") == 4
+    assert multiple(fsdp=1, context=2, tensor=4, act_seq="context,tensor") == 8
 
 
 def test_the_adapters_loglikelihoods_are_jaxlms_own_scorers(run, harness_lm):

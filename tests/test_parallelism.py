@@ -375,12 +375,17 @@ def test_context_parallelism_trains_like_one_device_for_ten_steps_at_512_tokens(
 @pytest.mark.slow  # ~10 s
 def test_moe_layers_under_context_parallelism_train_like_one_device():
     """An MoE layer's dispatch takes whole rows (its shard_map splits the batch only: XLA gathers the sequence
-    at its entry), so the capacity dispatch keeps one device's drops: context 2 x fsdp 4 and context 2 x
-    expert 2 x fsdp 2 give one device's losses."""
-    moe = dict(model__mlp="moe", model__moe_experts=4, model__moe_impl="capacity")
+    at its entry), so under the contiguous layout the capacity dispatch keeps one device's drops: context 2 x
+    fsdp 4 and context 2 x expert 2 x fsdp 2 give one device's losses. Under the balanced layout it sees the
+    tokens in that layout's order (which overflow an expert can differ), so there the dropless dispatch is
+    checked."""
+    moe = dict(model__mlp="moe", model__moe_experts=4, model__moe_impl="capacity", model__context_layout="contiguous")
     want = _losses(devices=1, mesh__fsdp=1, **moe)
     assert _losses(mesh__fsdp=4, mesh__context=2, **moe) == pytest.approx(want, rel=1e-5)
     assert _losses(mesh__fsdp=2, mesh__context=2, mesh__expert=2, **moe) == pytest.approx(want, rel=1e-5)
+    dropless = dict(model__mlp="moe", model__moe_experts=4, model__moe_impl="ragged")
+    want = _losses(devices=1, mesh__fsdp=1, **dropless)
+    assert _losses(mesh__fsdp=2, mesh__context=2, mesh__expert=2, **dropless) == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.slow  # about 40 s: a run trained on context 2 x fsdp 4, evaluated and sampled on two meshes
@@ -414,3 +419,7 @@ def test_a_run_trained_with_context_parallelism_evaluates_and_generates(tmp_path
         assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
     assert losses["eight"] == pytest.approx(losses["one"], rel=1e-5)
     assert 1.0 < losses["one"] < 6.0  # (trained: below the uniform loss, log 300 = 5.7)
+    # rows that the balanced layout cannot split over context 2 (a multiple of 4 tokens): one line
+    result = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run}", "--seq_len=30"], cwd=ROOT,
+                            env=env8, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "--seq_len=30 does not split" in result.stderr and "multiple of 4" in result.stderr
