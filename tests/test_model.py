@@ -80,16 +80,20 @@ def _uneven_documents(lengths_per_row, seq: int):
     return jnp.concatenate(tokens), jnp.concatenate(positions), jnp.concatenate(segments), docs
 
 
+@pytest.mark.parametrize("strategy, layout", [("allgather", "balanced"), ("ring", "balanced"),
+                                              pytest.param("allgather", "contiguous", marks=pytest.mark.slow),
+                                              pytest.param("ring", "contiguous", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
-def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_context(context):
-    """Context parallelism (the sequence in `context` contiguous chunks, keys and values all-gathered): each
-    document of uneven length, crossing the chunks' boundaries (at multiples of 32 / context), gives the
-    logits it gives alone on one device, RoPE at the positions the batch carries (split with the sequence).
-    Any kernel takes the same path under context (`attention.context_attention`)."""
+def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_context(context, strategy, layout):
+    """Context parallelism (the sequence in the layout's chunks; keys and values all-gathered or passed round
+    the ring): each document of uneven length, crossing the chunks' boundaries (at multiples of 32 / context,
+    or 16 / context under the balanced layout), gives the logits it gives alone on one device, RoPE at the
+    positions the batch carries (carried with their tokens). Any kernel takes the same path under context
+    (`context_parallel.context_attention`)."""
     from jaxlm import axes
     from jaxlm import mesh as mesh_lib
 
-    model = build_model(small_config(attention="blocked"))
+    model = build_model(small_config(attention="blocked", context_attention=strategy, context_layout=layout))
     tokens, positions, segments, docs = _uneven_documents([[7, 13, 9], [3, 21, 5, 1]], 32)
     mesh = mesh_lib.make_mesh(axes.shape_of(context=context), devices=jax.devices()[:context])
     rules = mesh_lib.rules_from_config(mesh_lib.default_rules())
@@ -103,7 +107,7 @@ def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_con
 
         out = forward(state, tokens, positions, segments)
         hlo = forward.lower(state, tokens, positions, segments).compile().as_text()
-    assert "all-gather(" in hlo  # the keys and values, over context
+    assert ("all-gather(" if strategy == "allgather" else "collective-permute(") in hlo  # keys and values, over context
     for row, row_docs in enumerate(docs):
         for start, doc in row_docs:
             np.testing.assert_allclose(out[row:row + 1, start:start + doc.shape[1]], model(doc), atol=1e-5)
