@@ -308,9 +308,7 @@ def check_context(cfg: ml_collections.ConfigDict, sizes: dict[str, int]) -> None
         raise UserError(f"config.data.seq_len={cfg.data.seq_len} does not split into the 2 x mesh.context={context} "
                         f"chunks of model.context_layout='balanced'; use a multiple of {2 * context}, or "
                         "model.context_layout='contiguous'")
-    if sizes["stage"] > 1:
-        raise UserError(f"config.mesh.context={context} with mesh.stage={sizes['stage']}: context parallelism "
-                        "is not built for pipeline stages yet; use one of the two")
+
 
 
 def derive(cfg: ml_collections.ConfigDict, num_devices: int, groups: int | None = None) -> Derived:
