@@ -259,8 +259,8 @@ def test_context_parallelism_splits_no_parameter():
     assert mesh_lib.logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == P(batch, "context", None)
 
 
-@pytest.mark.parametrize("strategy, layout", [("allgather", "contiguous"), ("allgather", "balanced"),
-                                              ("ring", "balanced")])
+@pytest.mark.parametrize("strategy, layout", [pytest.param("allgather", "contiguous", marks=pytest.mark.slow),
+                                              ("allgather", "balanced"), ("ring", "balanced")])
 def test_context_parallelism_moves_only_keys_and_values_across_the_axis(strategy, layout):
     """mesh.context=8, 2 layers, 16 rows of 32 tokens, keys and values [16, 32, 64] float32 per layer: what the
     compiled step sends across the context axis, counted from its HLO (communication.py), is each strategy's
