@@ -271,6 +271,11 @@ def _ring_fwd(q, k, v, segment_ids, context: int, layout: str):
             top, total = _put(top, m_new, qs, 3), _put(total, l_old * fade + jnp.sum(p, axis=-1), qs, 3)
         if step < context - 1:
             held = _pass_on(held, context)
+            # One step at a time: the next step's blocks wait for this step's sums (the pass itself still overlaps
+            # this step's blocks). Without the barrier XLA computes every step's scores at once, as the passes
+            # bring the chunks: the 1b recipe at 32,768 tokens on context 8 peaked with 14 [t/2, t/2] blocks of
+            # float32 scores alive (15 GB for 2 rows) on H100s.
+            held, acc, top, total = jax.lax.optimization_barrier((held, acc, top, total))
     out = (acc / total.transpose(0, 3, 1, 2)[..., None]).astype(q.dtype)  # every query sees itself: total > 0
     lse = top + jnp.log(total)  # [B, K, G, t]
     return out, (q, k, v, segment_ids, out, lse)
@@ -311,6 +316,7 @@ def _ring_bwd(context: int, layout: str, residuals, d_out):
         grads = _pass_on((dk, dv), context, -1)
         if step < context - 1:
             held = _pass_on(held, context, -1)
+            held, grads, dq = jax.lax.optimization_barrier((held, grads, dq))  # one step at a time, as forward
     dk, dv = grads
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
