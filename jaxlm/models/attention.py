@@ -53,6 +53,8 @@ class Kernel:
     # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
     keeps_scores: bool
     takes_mask: bool = True  # whether it reads the [T, T] mask the model builds (cuDNN takes segment ids)
+    # whether XLA:GPU keeps what `kept_in_one_program` counts (XLA:CPU's figure): the ring's blocks it does not
+    ahead_on_gpus: bool = True
 
     def forward_bytes(self, s, a: int) -> float:
         """What it keeps for its backward pass: the float32 softmax and the probabilities, or only the
@@ -186,7 +188,10 @@ class RingKernel(Kernel):
         (the diagonal's [t, t] and c - 1 steps of two [t/2, t/2] under the balanced layout, counted so for
         either layout) in float32 and in the values' dtype, every layer's alive at the backward's start. Read
         from XLA:CPU's buffer live ranges at the peak (the tiny recipe at 2,048 tokens on context 8: 144 MiB of
-        them in float32 and 72 MiB in bfloat16 for its 4 layers), as for the causal blocks (`BlockedKernel`)."""
+        them in float32 and 72 MiB in bfloat16 for its 4 layers), as for the causal blocks (`BlockedKernel`).
+        Not on GPUs (`ahead_on_gpus`): XLA:GPU keeps less of them and its rematerialization recomputes the rest
+        down to its memory limit (the 1b recipe at 32,768 tokens on context 8, unrolled, 2 rows per micro-batch:
+        133 GB before its rematerialization, 68.5 GiB compiled, 44.6 planned without them; 48.2 in a layer loop)."""
         c, itemsize = s.context, np.dtype(dtype).itemsize
         return (F32 + itemsize) * s.scores / c * (1 + (c - 1) / 2)
 
@@ -194,7 +199,8 @@ class RingKernel(Kernel):
 # context parallelism's strategies (config.model.context_attention) by the kernel XLA runs their blocks with
 CONTEXT_KERNELS = {("allgather", "xla"): AllGatherKernel("allgather (XLA)", keeps_scores=True, takes_mask=False),
                    ("allgather", "cudnn"): AllGatherKernel("allgather (cuDNN)", keeps_scores=False, takes_mask=False),
-                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False)}
+                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False,
+                                               ahead_on_gpus=False)}
 
 
 def context_kernel(strategy: str, implementation: str) -> Kernel:
