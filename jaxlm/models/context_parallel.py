@@ -24,8 +24,11 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
   ring        keys, values and segment ids passed around the axis in c - 1 steps (collective permutes),
               each step's block of scores folded into the output by an online softmax; a custom backward
               passes them around again with their gradients (FlashAttention-2's recomputation from the
-              saved log-sum-exp). Memory: two chunks' keys and values and [t, t/2] scores at a time; the same
-              traffic as allgather, in c - 1 pieces that XLA can overlap with the blocks' matmuls. Under the
+              saved log-sum-exp). Memory: two chunks' keys and values and one step's scores at a time (the
+              steps run one after another); about four times allgather's traffic (the chunks pass again in
+              the backward, their gradient sums in float32), in pieces that XLA overlaps with the blocks'
+              matmuls (the 1b recipe at 32,768 tokens on context 8: 21.7 GB per device per step against
+              5.2 GB all-gathered and 5.2 GB reduce-scattered, benchmarks/BENCHMARKS.md). Under the
               balanced layout each step computes only the half of the block the causal mask keeps (two
               [t/2, t/2] sub-blocks; the diagonal step the whole [t, t] block), the same on every device.
 
