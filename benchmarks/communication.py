@@ -41,6 +41,13 @@ OPTIONS = {  # name -> overrides, per device count (None: the option is not dist
     "fsdp x tensor + sp": lambda n: {"mesh.fsdp": -1, "mesh.tensor": min(8, n // 2), "mesh.rules.act_seq": "tensor"},
     # mesh.hybrid=host on hosts of 8 devices: data = hosts, fsdp = 8 (the same program as this mesh)
     "hybrid (8 per host)": lambda n: {"mesh.data": n // 8, "mesh.fsdp": 8} if n > 8 else None,
+    # context parallelism over 8 devices (data over the rest): the keys and values all-gathered (and their
+    # gradients reduce-scattered), or passed round the ring by collective permutes; the balanced layout's
+    # reorders are collective permutes too
+    "context 8 (allgather)": lambda n: {"mesh.data": n // 8, "mesh.fsdp": 1, "mesh.context": 8,
+                                        "model.context_attention": "allgather"},
+    "context 8 (ring)": lambda n: {"mesh.data": n // 8, "mesh.fsdp": 1, "mesh.context": 8,
+                                   "model.context_attention": "ring"},
 }
 
 def collectives(hlo_text: str, num_devices: int, per_host: int = 8) -> dict[str, dict[str, float]]:

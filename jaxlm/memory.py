@@ -16,7 +16,10 @@ the activations (`ActivationSizes`). XLA attention keeps [B, N, T, T] scores, wh
 sequences; cuDNN flash attention never materializes them, and the CPU's causal blocks (`blocked`) are
 counted as it is, except that without remat in one program (layers unrolled, the CPU's default) XLA
 keeps what the blocks' backward recomputes, computed ahead. Each kernel's own terms are its entry's
-in `attention.KERNELS` (`attention.Kernel`); this module asks them. The measurements
+in `attention.KERNELS` (`attention.Kernel`); this module asks them. Under context parallelism (a sequence
+split over `mesh.context`) they are its strategy's (`attention.context_kernel`: allgather keeps the gathered
+keys and values beside its kernel's own, ring a flash kernel's residuals and one step's blocks in its
+backward), checked against the compiled step on CPUs and H100s. The measurements
 behind all of this are in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
 
@@ -162,6 +165,17 @@ class ActivationSizes:
     # the batch over it (expert parallelism, `moe.dispatch`: rows gathered, or capacity buffers sent by
     # all-to-all, as `MoEMLP.gathers_rows` says), else 1
     gather: int = 1
+    # the context axis's size where the rules split the sequence over it (context parallelism: the attention
+    # kernel is its strategy's, `attention.context_kernel`), else 1; every other count here is already split
+    context: int = 1
+
+
+def kernel_of(m, s: ActivationSizes) -> attention.Kernel:
+    """The attention kernel whose terms count: `m.attention`'s, or under a sequence split over the context
+    axis its strategy's (`model.context_attention`, `attention.context_kernel`)."""
+    if s.context > 1:
+        return attention.context_kernel(m.context_attention, m.attention)
+    return attention.KERNELS[m.attention]
 
 
 def _ways(names: Sequence[str | None], rules, mesh_sizes: dict[str, int]) -> int:
@@ -188,6 +202,7 @@ def activation_sizes(m, rows: int, seq_len: int, rules, mesh_sizes: dict[str, in
         head_stats=per_device(m.n_heads, (b, t, "act_heads")),
         tokens=per_device(1, (b, t)),
         gather=expert_gather(rules, mesh_sizes),
+        context=mesh_sizes.get("context", 1) if "context" in mesh_lib.axes_of(dict(rules).get(t)) else 1,
     )
 
 
@@ -222,7 +237,7 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
     hidden = mlp.saved_hidden * mlp.hidden_copies(m, s.gather) * a * s.mlp  # SwiGLU: gate, up, product; GELU: in, out
     per_x, per_token = mlp.extra_saved(m, a, s.gather)  # an MoE's dispatched rows and routing
     hidden += per_x * s.x + per_token * s.tokens
-    return norms + qkv + rope + attention.KERNELS[m.attention].forward_bytes(s, a) + attention_out + hidden
+    return norms + qkv + rope + kernel_of(m, s).forward_bytes(s, a) + attention_out + hidden
 
 
 def one_program(m) -> bool:
@@ -240,21 +255,24 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     a = act_bytes
     # The backward of a recomputed norm or activation holds its float32 intermediates again, briefly.
     forward = layer_forward_bytes(m, s, a, recomputed=False)
-    if policy == "none":  # the gradients of its activations (about its forward once more), or its weights
-        return max(WORKING_SET_NO_REMAT * forward, full_weights)
+    kernel = kernel_of(m, s)
+    if policy == "none":  # the gradients of its activations (about its forward once more), or its weights; and
+        # what the attention's backward holds beyond them (context parallelism: `Kernel.working_bytes`)
+        return max(WORKING_SET_NO_REMAT * forward + kernel.working_bytes(s, a), full_weights)
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
     # scores and their gradients, the rest of the layer its recomputed activations; the weights'
     # gather and gradient overlap both.
-    kernel = attention.KERNELS[m.attention]
     rest = layer_forward_bytes(m, s, a, recomputed=False) - kernel.forward_bytes(s, a)
     return max(rest, kernel.backward_bytes(s, a)) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
-def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> float:
-    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
-    a, kernel = act_bytes, attention.KERNELS[m.attention]
+def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, platform: str = "cpu") -> float:
+    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device); `platform`:
+    on a GPU, what a kernel computes ahead in one program only where XLA:GPU keeps it (`Kernel.ahead_on_gpus`)."""
+    a, kernel = act_bytes, kernel_of(m, s)
     if policy == "none":
-        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
+        ahead = one_program(m) and (platform == "cpu" or kernel.ahead_on_gpus)
+        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if ahead else 0.0)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
@@ -378,10 +396,9 @@ def estimate(
     # XLA:CPU recomputes nothing in an unrolled program: remat there keeps what no remat keeps (tiny at 512
     # tokens: 313.5 MiB under none, dots or full alike; benchmarks/BENCHMARKS.md)
     cpu_unrolled = platform == "cpu" and not m.scan_layers and m.remat != "none"
-    if axes.sizes_of(derived.mesh_shape)["context"] > 1 and m.attention == "blocked":
-        # a sequence split over context attends by XLA's attention with a mask (`attention.context_attention`),
-        # its [B, N, T/context, T] scores kept (act_seq over context divides them)
-        m = dataclasses.replace(m, attention="xla")
+    if axes.sizes_of(derived.mesh_shape)["context"] > 1:
+        # a sequence split over context attends by its strategy (`kernel_of`), never in cuDNN's packed layout
+        m = dataclasses.replace(m, attention_segments=0)
     if cpu_unrolled:
         m = dataclasses.replace(m, remat="none")
     schedule = None
@@ -439,14 +456,15 @@ def estimate(
         # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
         saved = sum(passes * count / m.n_layers * layer_saved_bytes(
             stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
-            a, m.remat) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
+            a, m.remat, platform) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes
             saved += operand_bytes * block_weights[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
-        if attention.KERNELS[m.attention].takes_mask:
+        if kernel_of(m, s).takes_mask:
             saved += s.scores  # the attention mask, one for all layers
+        saved += kernel_of(m, s).shared_bytes(s, a)  # what the kernel keeps once for all layers (its own mask)
         whole = s  # the loss runs outside the pipelined stack, on the whole micro-batch
         if schedule is not None:  # the stream of micro-batches (whole on every stage) and the stages' buffer
             saved += 2 * a * s.x * (1 + 1 / schedule.microbatches)
@@ -512,7 +530,9 @@ def estimate(
         stage_bytes = 2 * schedule.iterations * piece * cfg.optim.micro_batches
     return Estimate(
         rows=rows, param_count=transformer.param_count(m)["total"], mesh_shape=derived.mesh_shape,
-        per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention, pipeline=schedule,
+        per_device_batch=derived.per_device_batch, act_bytes=a, attention=m.attention if sizes["context"] == 1 else
+        f"{attention.context_kernel(m.context_attention, m.attention).name}, {m.context_layout} layout over "
+        f"context {sizes['context']}", pipeline=schedule,
         attention_segments=m.attention_segments,
         stage_bytes_per_step=stage_bytes,
     )

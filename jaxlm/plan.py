@@ -368,6 +368,8 @@ def plan(
         same = memory.estimate(cfg, num_devices, platform=compiled["platform"],
                                act_bytes=memory.cpu_act_bytes() if cpu else None)
         compiled["analytic_same_program_bytes"] = same.per_device_bytes
+        if axes.sizes_of(same.mesh_shape)["context"] > 1:  # the kernel the sequence's split attends with
+            compiled["attention"] = same.attention
         compiled["ratio"] = compiled["per_device_bytes"] / same.per_device_bytes
         compiled["within_tolerance"] = abs(compiled["ratio"] - 1) <= memory.TOLERANCE
         report["compiled"] = compiled

@@ -197,6 +197,45 @@ def test_an_all_to_all_counts_what_it_sends_and_states_its_share():
     assert line in roofline.format_summary(summary)
 
 
+RING = "\n".join([
+    "HloModule ring, is_scheduled=true", "",
+    "ENTRY %main (k: bf16[2,4096,4,64], ids: s32[2,4096]) -> bf16[2,4096,4,64] {",
+    "  %k = bf16[2,4096,4,64]{3,2,1,0} parameter(0)", "  %ids = s32[2,4096]{1,0} parameter(1)",
+    # a ring pass: each device's keys to the next device; then the keys and segment ids passed on together
+    "  %cp = (bf16[2,4096,4,64]{3,2,1,0}, bf16[2,4096,4,64]{3,2,1,0}, u32[], u32[]) collective-permute-start(%k), "
+    "channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}, "
+    'backend_config={"collective_backend_config":{"is_sync":false}}',
+    "  %y = bf16[2,4096,4,64]{3,2,1,0} copy(%k)",
+    "  %passed = bf16[2,4096,4,64]{3,2,1,0} collective-permute-done(%cp)",
+    "  %both = ((bf16[2,4096,4,64]{3,2,1,0}, s32[2,4096]{1,0}), (bf16[2,4096,4,64]{3,2,1,0}, s32[2,4096]{1,0}), "
+    "u32[], u32[]) collective-permute-start(%passed, %ids), channel_id=2, "
+    "source_target_pairs={{0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, "
+    'backend_config={"collective_backend_config":{"is_sync":false}}',
+    "  %back = (bf16[2,4096,4,64]{3,2,1,0}, s32[2,4096]{1,0}) collective-permute-done(%both)",
+    "  ROOT %out = bf16[2,4096,4,64]{3,2,1,0} get-tuple-element(%back), index=0", "}",
+])
+
+
+def test_the_rings_collective_permutes_count_what_they_send():
+    """Context parallelism's ring passes and the balanced layout's reorders are collective permutes: each
+    counts its result (what one device sends to its neighbour), not its start's tuple of operands and
+    results, over NVLink, the part the kernels between start and done leave exposed; a pass of the keys with
+    their segment ids together counts both."""
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(RING), roofline.H100, 8)}
+    keys, ids = 2 * 4096 * 4 * 64 * 2, 2 * 4096 * 4
+    one, both, copy = kernels["cp"], kernels["both"], kernels["y"]
+    assert one.kind == both.kind == "collective-permute"
+    assert one.comm_bytes == keys and both.comm_bytes == keys + ids
+    assert one.seconds == keys / roofline.H100.link_bytes_per_s
+    assert one.exposed_seconds == pytest.approx(one.seconds - copy.seconds)
+    assert both.exposed_seconds == both.seconds  # nothing scheduled between its start and done
+    summary = roofline.summarize(list(kernels.values()), roofline.H100, model_flops_per_device=1e9)
+    assert summary["by_kind"]["collective-permute"]["exposed_seconds"] == pytest.approx(
+        one.exposed_seconds + both.exposed_seconds)
+    assert "collective-permute " in roofline.format_summary(summary)
+    assert hlo.Module(RING).collectives(8)["collective-permute"]["bytes"] == 2 * keys + ids
+
+
 def _tokamax_call(name: str, result: str, operands: str, lhs: str, rhs: str, dims: str, op: str) -> str:
     """A tokamax grouped-matmul custom call as XLA writes it: its op and arguments as JSON in op_name."""
     meta = (f'{{"op":{{"__type":"tokamax._src.ops.ragged_dot.{op}","config":{{"block_m":64}}}},"arguments":{{'

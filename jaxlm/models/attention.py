@@ -53,6 +53,8 @@ class Kernel:
     # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
     keeps_scores: bool
     takes_mask: bool = True  # whether it reads the [T, T] mask the model builds (cuDNN takes segment ids)
+    # whether XLA:GPU keeps what `kept_in_one_program` counts (XLA:CPU's figure): the ring's blocks it does not
+    ahead_on_gpus: bool = True
 
     def forward_bytes(self, s, a: int) -> float:
         """What it keeps for its backward pass: the float32 softmax and the probabilities, or only the
@@ -75,6 +77,15 @@ class Kernel:
     def kept_in_one_program(self, s, dtype) -> float:
         """What XLA keeps beyond `forward_bytes` without remat when the layers are one program
         (`memory.one_program`)."""
+        return 0.0
+
+    def working_bytes(self, s, a: int) -> float:
+        """What a layer's backward without remat holds beyond its activations' gradients (`memory`'s
+        `WORKING_SET_NO_REMAT` x its forward): none for a kernel on one device's whole sequence."""
+        return 0.0
+
+    def shared_bytes(self, s, a: int) -> float:
+        """What it keeps once for every layer, beyond the model's mask (`takes_mask`): none."""
         return 0.0
 
 
@@ -114,6 +125,88 @@ class CudnnKernel(Kernel):
         """Its fused forward, saved with the dots whatever the policy (`transformer._fused_attention_saveable`):
         the output and the softmax statistics."""
         return a * s.q + F32 * s.head_stats
+
+
+class AllGatherKernel(Kernel):
+    """Context parallelism's `allgather` (`context_parallel._allgather_local`): a device's queries [B, t, N, H]
+    against the whole sequence's keys and values [B, T, K, H], all-gathered, by XLA's attention (`keeps_scores`:
+    its [B, N, t, T] softmax and probabilities) or cuDNN's, with a [B, 1, t, T] mask. `s`: the context axis's
+    `s.context` = c splits the sequence, T = c t. The mask is the same in every layer (the same positions and
+    segment ids), one buffer that XLA makes once (`shared_bytes`; the 1b recipe on context 8 on H100s: at 32,768
+    tokens 31.5 GiB compiled, 32.5 planned, 43.5 with a mask per layer; at 131,072 tokens 50.4 and 48.8)."""
+
+    def _gathered(self, s, a: int) -> float:
+        return 2 * a * s.kv * s.context  # the whole sequence's keys and values, in the compute dtype
+
+    def forward_bytes(self, s, a: int) -> float:
+        """The kernel's own and the gathered keys and values (the backward's matmuls read them)."""
+        return super().forward_bytes(s, a) + self._gathered(s, a)
+
+    def shared_bytes(self, s, a: int) -> float:
+        """The [B, 1, t, T] mask: one byte per element for XLA's attention, the additive bias cuDNN is given
+        in the compute dtype."""
+        return (1 if self.keeps_scores else a) * s.tokens * _seq_len(s)
+
+    def backward_bytes(self, s, a: int) -> float:
+        """The kernel's own, and the gathered keys and values with their float32 gradients before the
+        reduce-scatter takes them home."""
+        return super().backward_bytes(s, a) + self._gathered(s, a) * (1 + F32 / a)
+
+    def working_bytes(self, s, a: int) -> float:
+        """The gathered keys' and values' float32 gradients, whole until the reduce-scatter."""
+        return self._gathered(s, a) * F32 / a
+
+    def kept_in_one_program(self, s, dtype) -> float:
+        """XLA's attention, its backward's probabilities in the compute dtype computed ahead in the forward
+        (the tiny recipe at 2,048 tokens on context 8, layers unrolled on XLA:CPU: 962 MiB compiled, 956
+        planned; 828 without this term, which a layer loop compiles to within 2%)."""
+        return np.dtype(dtype).itemsize * s.scores if self.keeps_scores else 0.0
+
+
+class RingKernel(Kernel):
+    """Context parallelism's `ring` (`context_parallel._ring`): a flash kernel made of XLA einsums, one block
+    of a device's queries against one device's chunk of keys and values at a time, keeping for the backward
+    only what a flash kernel keeps (q, k, v and the output, counted with the layer, and the log-sum-exp); its
+    backward holds one step's working set (the steps run one at a time: `context_parallel._ring_fwd`). `s.context`
+    = c splits the sequence, t = T / c. The 1b recipe at 32,768 tokens on context 8, its layers in a loop, 2 rows
+    per micro-batch, on H100s: 48.2 GiB compiled, 46.4 planned."""
+
+    def working_bytes(self, s, a: int) -> float:
+        """One backward step: the largest block (the diagonal's [B, N, t, t]) of float32 scores, probabilities
+        and their gradients and the probabilities in the compute dtype; two chunks of keys and values (the one
+        attended, the one arriving) and two of their float32 gradient sums; the queries' float32 gradient sum
+        and the softmax statistics (the log-sum-exp and the output's dot with its gradient)."""
+        block = s.scores / s.context  # [B, N, t, t]
+        return (3 * F32 + a) * block + 2 * 2 * (a + F32) * s.kv + F32 * s.q + 2 * F32 * s.head_stats
+
+    def backward_bytes(self, s, a: int) -> float:
+        """A flash kernel's, and one step's working set."""
+        return super().backward_bytes(s, a) + self.working_bytes(s, a)
+
+    def kept_in_one_program(self, s, dtype) -> float:
+        """The backward's blocks computed ahead, as they need nothing from the loss: every step's probabilities
+        (the diagonal's [t, t] and c - 1 steps of two [t/2, t/2] under the balanced layout, counted so for
+        either layout) in float32 and in the values' dtype, every layer's alive at the backward's start. Read
+        from XLA:CPU's buffer live ranges at the peak (the tiny recipe at 2,048 tokens on context 8: 144 MiB of
+        them in float32 and 72 MiB in bfloat16 for its 4 layers), as for the causal blocks (`BlockedKernel`).
+        Not on GPUs (`ahead_on_gpus`): XLA:GPU keeps less of them and its rematerialization recomputes the rest
+        down to its memory limit (the 1b recipe at 32,768 tokens on context 8, unrolled, 2 rows per micro-batch:
+        133 GB before its rematerialization, 68.5 GiB compiled, 44.6 planned without them; 48.2 in a layer loop)."""
+        c, itemsize = s.context, np.dtype(dtype).itemsize
+        return (F32 + itemsize) * s.scores / c * (1 + (c - 1) / 2)
+
+
+# context parallelism's strategies (config.model.context_attention) by the kernel XLA runs their blocks with
+CONTEXT_KERNELS = {("allgather", "xla"): AllGatherKernel("allgather (XLA)", keeps_scores=True, takes_mask=False),
+                   ("allgather", "cudnn"): AllGatherKernel("allgather (cuDNN)", keeps_scores=False, takes_mask=False),
+                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False,
+                                               ahead_on_gpus=False)}
+
+
+def context_kernel(strategy: str, implementation: str) -> Kernel:
+    """The kernel a sequence split over `context` attends with (`context_parallel.context_attention`): allgather
+    with cuDNN when `implementation` is cuDNN, else with XLA's attention; ring with XLA's einsums always."""
+    return CONTEXT_KERNELS[(strategy, "cudnn" if strategy == "allgather" and implementation == "cudnn" else "xla")]
 
 
 KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), BlockedKernel("blocked", keeps_scores=False),

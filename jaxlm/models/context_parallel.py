@@ -24,8 +24,11 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
   ring        keys, values and segment ids passed around the axis in c - 1 steps (collective permutes),
               each step's block of scores folded into the output by an online softmax; a custom backward
               passes them around again with their gradients (FlashAttention-2's recomputation from the
-              saved log-sum-exp). Memory: two chunks' keys and values and [t, t/2] scores at a time; the same
-              traffic as allgather, in c - 1 pieces that XLA can overlap with the blocks' matmuls. Under the
+              saved log-sum-exp). Memory: two chunks' keys and values and one step's scores at a time (the
+              steps run one after another); about four times allgather's traffic (the chunks pass again in
+              the backward, their gradient sums in float32), in pieces that XLA overlaps with the blocks'
+              matmuls (the 1b recipe at 32,768 tokens on context 8: 21.7 GB per device per step against
+              5.2 GB all-gathered and 5.2 GB reduce-scattered, benchmarks/BENCHMARKS.md). Under the
               balanced layout each step computes only the half of the block the causal mask keeps (two
               [t/2, t/2] sub-blocks; the diagonal step the whole [t, t] block), the same on every device.
 
@@ -271,6 +274,11 @@ def _ring_fwd(q, k, v, segment_ids, context: int, layout: str):
             top, total = _put(top, m_new, qs, 3), _put(total, l_old * fade + jnp.sum(p, axis=-1), qs, 3)
         if step < context - 1:
             held = _pass_on(held, context)
+            # One step at a time: the next step's blocks wait for this step's sums (the pass itself still overlaps
+            # this step's blocks). Without the barrier XLA computes every step's scores at once, as the passes
+            # bring the chunks: the 1b recipe at 32,768 tokens on context 8 peaked with 14 [t/2, t/2] blocks of
+            # float32 scores alive (15 GB for 2 rows) on H100s.
+            held, acc, top, total = jax.lax.optimization_barrier((held, acc, top, total))
     out = (acc / total.transpose(0, 3, 1, 2)[..., None]).astype(q.dtype)  # every query sees itself: total > 0
     lse = top + jnp.log(total)  # [B, K, G, t]
     return out, (q, k, v, segment_ids, out, lse)
@@ -311,6 +319,7 @@ def _ring_bwd(context: int, layout: str, residuals, d_out):
         grads = _pass_on((dk, dv), context, -1)
         if step < context - 1:
             held = _pass_on(held, context, -1)
+            held, grads, dq = jax.lax.optimization_barrier((held, grads, dq))  # one step at a time, as forward
     dk, dv = grads
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
