@@ -85,14 +85,18 @@ def _loss_and_grads(fn, q, k, v, seg, d_out):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-@pytest.mark.parametrize("strategy", context_parallel.STRATEGIES)
+@pytest.mark.parametrize("strategy", [*context_parallel.STRATEGIES, "ring-tiles-of-2"])
 @pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
 @pytest.mark.parametrize("name", [n if n == "context8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
-def test_attention_across_the_split_sequence_equals_the_reference(strategy, layout, name):
+def test_attention_across_the_split_sequence_equals_the_reference(strategy, layout, name, monkeypatch):
     """Each strategy under each layout: the output and the gradients of q, k and v (grouped-query heads, packed
     documents crossing the chunks' boundaries, padding) equal plain attention over the whole sequence to
     float32's rounding. The inputs go in and come out in the sequence's order, reordered around the call as
-    the model does."""
+    the model does. `ring-tiles-of-2`: the ring's blocks of scores 2 x 2 (several per step, those above the
+    diagonal skipped), where the others' are each step's whole square."""
+    if strategy == "ring-tiles-of-2":
+        monkeypatch.setattr(context_parallel, "RING_TILE", 2)
+        strategy = "ring"
     q, k, v, seg, d_out = _inputs()
     want = _loss_and_grads(lambda q, k, v, s: attention.reference_attention(q, k, v, segment_ids=s), q, k, v, seg, d_out)
 

@@ -225,11 +225,11 @@ def test_a_recipe_at_2048_tokens_compiles_within_the_tolerance_of_its_cpu_plan()
                                             pytest.param("ring", False, marks=pytest.mark.slow)])
 def test_context_parallel_attention_is_planned_within_the_tolerance_of_the_compiled_step(strategy, loop):
     """The tiny recipe, 8 rows of 2,048 tokens on mesh.context=8, where attention dominates: allgather keeps XLA's
-    [B, N, t, T] scores and the gathered keys and values; ring a flash kernel's residuals and holds one step's
-    blocks in its backward. Compiled within the tolerance of the plan, in a layer loop (845.6 MiB against 811.6
-    planned for allgather, 148.6 against 156.8 for ring) and with the layers unrolled, where XLA computes the
-    backward's probabilities ahead (allgather's in bfloat16, the ring's every block in float32 and bfloat16:
-    962.2 and 345.1 MiB compiled, 939.6 and 372.8 planned)."""
+    [B, N, t, T] scores and the gathered keys and values; ring a flash kernel's residuals and holds one
+    [tile, tile] block's working set in its backward. Compiled within the tolerance of the plan, in a layer loop
+    (845.6 MiB against 811.6 planned for allgather, 118.4 against 132.8 for ring) and with the layers unrolled,
+    where XLA computes allgather's backward probabilities ahead in bfloat16 (962.2 MiB against 939.6; ring 145.7
+    against 132.8: its blocks run in scans, which nothing is computed ahead of)."""
     devices = jax.devices()[:8]
     layers = dict(model__scan_layers=True, model__scan_unroll=1) if loop else {}
     cfg = recipe("tiny", data__seq_len=2048, data__global_batch_size=8, model__max_seq_len=2048, mesh__fsdp=1,

@@ -33,7 +33,7 @@ from flax.linen import spmd
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec
 from jaxlm.models import cudnn_batching
-from jaxlm.models.context_parallel import context_attention, context_size
+from jaxlm.models.context_parallel import context_attention, context_size, ring_tile
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Kernel:
     # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
     keeps_scores: bool
     takes_mask: bool = True  # whether it reads the [T, T] mask the model builds (cuDNN takes segment ids)
-    # whether XLA:GPU keeps what `kept_in_one_program` counts (XLA:CPU's figure): the ring's blocks it does not
+    # whether XLA:GPU keeps what `kept_in_one_program` counts (XLA:CPU's figure)
     ahead_on_gpus: bool = True
 
     def forward_bytes(self, s, a: int) -> float:
@@ -164,43 +164,32 @@ class AllGatherKernel(Kernel):
 
 
 class RingKernel(Kernel):
-    """Context parallelism's `ring` (`context_parallel._ring`): a flash kernel made of XLA einsums, one block
-    of a device's queries against one device's chunk of keys and values at a time, keeping for the backward
-    only what a flash kernel keeps (q, k, v and the output, counted with the layer, and the log-sum-exp); its
-    backward holds one step's working set (the steps run one at a time: `context_parallel._ring_fwd`). `s.context`
-    = c splits the sequence, t = T / c. The 1b recipe at 32,768 tokens on context 8, its layers in a loop, 2 rows
-    per micro-batch, on H100s: 48.2 GiB compiled, 46.4 planned."""
+    """Context parallelism's `ring` (`context_parallel._ring`): a flash kernel made of XLA einsums, one [tile,
+    tile] block of a device's queries against one device's chunk of keys and values at a time (a scan over a
+    step's blocks), keeping for the backward only what a flash kernel keeps (q, k, v and the output, counted with
+    the layer, and the log-sum-exp); its backward holds one block's working set (the steps run one at a time:
+    `context_parallel._ring_fwd`). `s.context` = c splits the sequence, t = T / c."""
 
     def working_bytes(self, s, a: int) -> float:
-        """One backward step: the largest block (the diagonal's [B, N, t, t]) of float32 scores, probabilities
-        and their gradients and the probabilities in the compute dtype; two chunks of keys and values (the one
-        attended, the one arriving) and two of their float32 gradient sums; the queries' float32 gradient sum
-        and the softmax statistics (the log-sum-exp and the output's dot with its gradient)."""
-        block = s.scores / s.context  # [B, N, t, t]
+        """One backward block: [B, N, tile, tile] float32 scores, probabilities and their gradients and the
+        probabilities in the compute dtype (`context_parallel.ring_tile`: at most RING_TILE, a divisor of t/2);
+        two chunks of keys and values (the one attended, the one arriving) and two of their float32 gradient
+        sums; the queries' float32 gradient sum and the softmax statistics (the log-sum-exp and the output's dot
+        with its gradient)."""
+        t = s.scores / s.context / s.head_stats  # [B, N, t, t] / [B, N, t]
+        tile = ring_tile(round(t))
+        block = s.head_stats * tile * tile / t  # [B, N, tile, tile]
         return (3 * F32 + a) * block + 2 * 2 * (a + F32) * s.kv + F32 * s.q + 2 * F32 * s.head_stats
 
     def backward_bytes(self, s, a: int) -> float:
-        """A flash kernel's, and one step's working set."""
+        """A flash kernel's, and one block's working set."""
         return super().backward_bytes(s, a) + self.working_bytes(s, a)
-
-    def kept_in_one_program(self, s, dtype) -> float:
-        """The backward's blocks computed ahead, as they need nothing from the loss: every step's probabilities
-        (the diagonal's [t, t] and c - 1 steps of two [t/2, t/2] under the balanced layout, counted so for
-        either layout) in float32 and in the values' dtype, every layer's alive at the backward's start. Read
-        from XLA:CPU's buffer live ranges at the peak (the tiny recipe at 2,048 tokens on context 8: 144 MiB of
-        them in float32 and 72 MiB in bfloat16 for its 4 layers), as for the causal blocks (`BlockedKernel`).
-        Not on GPUs (`ahead_on_gpus`): XLA:GPU keeps less of them and its rematerialization recomputes the rest
-        down to its memory limit (the 1b recipe at 32,768 tokens on context 8, unrolled, 2 rows per micro-batch:
-        133 GB before its rematerialization, 68.5 GiB compiled, 44.6 planned without them; 48.2 in a layer loop)."""
-        c, itemsize = s.context, np.dtype(dtype).itemsize
-        return (F32 + itemsize) * s.scores / c * (1 + (c - 1) / 2)
 
 
 # context parallelism's strategies (config.model.context_attention) by the kernel XLA runs their blocks with
 CONTEXT_KERNELS = {("allgather", "xla"): AllGatherKernel("allgather (XLA)", keeps_scores=True, takes_mask=False),
                    ("allgather", "cudnn"): AllGatherKernel("allgather (cuDNN)", keeps_scores=False, takes_mask=False),
-                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False,
-                                               ahead_on_gpus=False)}
+                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False)}
 
 
 def context_kernel(strategy: str, implementation: str) -> Kernel:

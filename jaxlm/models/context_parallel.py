@@ -24,13 +24,15 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
   ring        keys, values and segment ids passed around the axis in c - 1 steps (collective permutes),
               each step's block of scores folded into the output by an online softmax; a custom backward
               passes them around again with their gradients (FlashAttention-2's recomputation from the
-              saved log-sum-exp). Memory: two chunks' keys and values and one step's scores at a time (the
-              steps run one after another); about four times allgather's traffic (the chunks pass again in
-              the backward, their gradient sums in float32), in pieces that XLA overlaps with the blocks'
-              matmuls (the 1b recipe at 32,768 tokens on context 8: 21.7 GB per device per step against
-              5.2 GB all-gathered and 5.2 GB reduce-scattered, benchmarks/BENCHMARKS.md). Under the
-              balanced layout each step computes only the half of the block the causal mask keeps (two
-              [t/2, t/2] sub-blocks; the diagonal step the whole [t, t] block), the same on every device.
+              saved log-sum-exp). Each step's scores are computed in square blocks of at most RING_TILE
+              queries by as many keys (a scan over the blocks; the steps run one after another), skipping
+              those the causal mask empties: on the diagonal step those above the diagonal, and under the
+              balanced layout half of every other step's square (the same work on every device). Memory:
+              two chunks' keys and values and one block's float32 scores at a time. About four times
+              allgather's traffic (the chunks pass again in the backward, their gradient sums in float32),
+              in pieces that XLA overlaps with the blocks' matmuls (the 1b recipe at 32,768 tokens on
+              context 8: 21.7 GB per device per step against 5.2 GB all-gathered and 5.2 GB
+              reduce-scattered, benchmarks/BENCHMARKS.md).
 
 Packed documents: the segment ids travel with their tokens (reordered with them, gathered or passed around
 with the keys), and a query attends to a key only when both ids are equal and the key's global position is
@@ -206,18 +208,44 @@ def _ring_local(q, k, v, segment_ids, *, context: int, layout: str):
     return out.reshape(b, t, n, h).astype(dtype)
 
 
-def _ring_blocks(step: int, i, j, t: int, layout: str) -> list[tuple]:
-    """The (query start, key start, query length, key length) sub-blocks of ring step `step` on device `i`:
-    its queries against the chunk of device `j` (itself at step 0). Starts may be traced, lengths are static.
-    Balanced layout, off the diagonal: half of the block is masked, and which half depends on whether the
-    keys' device comes before this one; the two [t/2, t/2] sub-blocks that can hold allowed pairs are this
-    device's late queries against the keys' early half, and (both early or both late) the diagonal half the
-    case picks."""
-    if step == 0 or layout == "contiguous":
-        return [(0, 0, t, t)]
+RING_TILE = 1024  # the most queries, and keys, in one block of scores the ring computes at a time
+
+
+def _tile_size(n: int, most: int) -> int:
+    """The largest divisor of `n` that is at most `most`."""
+    return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
+
+
+def ring_tile(local: int, layout: str = "balanced") -> int:
+    """The side of the ring's square blocks of scores for a device's `local` positions: the largest divisor
+    of its chunks (t/2 under the balanced layout, t under the contiguous one) up to RING_TILE."""
+    return _tile_size(local // 2 if layout == "balanced" else local, RING_TILE)
+
+
+def _ring_tiles(step: int, i, j, t: int, layout: str, tile: int) -> tuple[jax.Array, jax.Array]:
+    """(query starts, key starts) [n] of the [tile, tile] blocks of scores ring step `step` computes on device
+    `i` against the chunk of device `j` (itself at step 0); starts may be traced.
+
+    The diagonal step (the device's own chunk, whose local order is increasing in global position under both
+    layouts) takes the blocks on and below the diagonal: the causal mask empties those above. Balanced layout,
+    off the diagonal: half of the [t, t] square is masked, and which half depends on whether the keys' device
+    comes before this one; the two [t/2, t/2] squares that can hold allowed pairs are this device's late queries
+    against the keys' early half, and (both early or both late) the diagonal half the case picks. Contiguous
+    layout, off the diagonal: the whole square (masked whole on the devices before the keys' one)."""
+
+    def grid(q0, k0, n: int, lower: bool = False):
+        a, b = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+        keep = a >= b if lower else np.ones(a.shape, bool)
+        return q0 + jnp.asarray(a[keep] * tile, jnp.int32), k0 + jnp.asarray(b[keep] * tile, jnp.int32)
+
+    if step == 0:
+        return grid(0, 0, t // tile, lower=True)
+    if layout == "contiguous":
+        return grid(0, 0, t // tile)
     half = t // 2
     pick = jnp.where(j < i, 0, half)  # keys from an earlier device: early x early; a later one: late x late
-    return [(half, 0, half, half), (pick, pick, half, half)]
+    late, diagonal = grid(half, 0, half // tile), grid(pick, pick, half // tile)
+    return jnp.concatenate([late[0], diagonal[0]]), jnp.concatenate([late[1], diagonal[1]])
 
 
 def _masked_scores(q, k, q_pos, k_pos, seg_q, seg_k, scale):
@@ -250,6 +278,7 @@ def _ring(q, k, v, segment_ids, context: int, layout: str):
 def _ring_fwd(q, k, v, segment_ids, context: int, layout: str):
     b, t, kv, g, h = q.shape  # q: [B, t, K, G, H]
     scale = 1.0 / math.sqrt(h)
+    tile = ring_tile(t, layout)
     i = jax.lax.axis_index(CONTEXT_AXIS)
     q_pos = chunk_positions(i, context, t, layout)
     top = jnp.full((b, kv, g, t), _LOWEST, jnp.float32)  # the running maximum of each query's scores
@@ -260,18 +289,24 @@ def _ring_fwd(q, k, v, segment_ids, context: int, layout: str):
         k_s, v_s, seg_s = held
         j = (i - step) % context
         k_pos = chunk_positions(j, context, t, layout)
-        for qs, ks, ql, kl in _ring_blocks(step, i, j, t, layout):
-            s, allowed = _masked_scores(_take(q, qs, ql, 1), _take(k_s, ks, kl, 1), _take(q_pos, qs, ql, 0),
-                                        _take(k_pos, ks, kl, 0), _take(segment_ids, qs, ql, 1),
-                                        _take(seg_s, ks, kl, 1), scale)
-            m_old, l_old = _take(top, qs, ql, 3), _take(total, qs, ql, 3)
+
+        def block(sums, starts, k_s=k_s, v_s=v_s, seg_s=seg_s, k_pos=k_pos):  # one [tile, tile] block, in a scan
+            acc, top, total = sums
+            qs, ks = starts
+            s, allowed = _masked_scores(_take(q, qs, tile, 1), _take(k_s, ks, tile, 1), _take(q_pos, qs, tile, 0),
+                                        _take(k_pos, ks, tile, 0), _take(segment_ids, qs, tile, 1),
+                                        _take(seg_s, ks, tile, 1), scale)
+            m_old, l_old = _take(top, qs, tile, 3), _take(total, qs, tile, 3)
             m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
             fade = jnp.exp(m_old - m_new)
             p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
-            pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), _take(v_s, ks, kl, 1),
+            pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), _take(v_s, ks, tile, 1),
                             preferred_element_type=jnp.float32)
-            acc = _put(acc, _take(acc, qs, ql, 1) * fade.transpose(0, 3, 1, 2)[..., None] + pv, qs, 1)
+            acc = _put(acc, _take(acc, qs, tile, 1) * fade.transpose(0, 3, 1, 2)[..., None] + pv, qs, 1)
             top, total = _put(top, m_new, qs, 3), _put(total, l_old * fade + jnp.sum(p, axis=-1), qs, 3)
+            return (acc, top, total), None
+
+        (acc, top, total), _ = jax.lax.scan(block, (acc, top, total), _ring_tiles(step, i, j, t, layout, tile))
         if step < context - 1:
             held = _pass_on(held, context)
             # One step at a time: the next step's blocks wait for this step's sums (the pass itself still overlaps
@@ -288,6 +323,7 @@ def _ring_bwd(context: int, layout: str, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
     t, h = q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(h)
+    tile = ring_tile(t, layout)
     i = jax.lax.axis_index(CONTEXT_AXIS)
     q_pos = chunk_positions(i, context, t, layout)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 3, 1)  # [B,K,G,t]
@@ -299,23 +335,28 @@ def _ring_bwd(context: int, layout: str, residuals, d_out):
     grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(context):
         k_s, v_s, seg_s = held
-        dk, dv = grads
         j = (i + step) % context
         k_pos = chunk_positions(j, context, t, layout)
-        for qs, ks, ql, kl in _ring_blocks(step, i, j, t, layout):
-            q_b, k_b, v_b = _take(q, qs, ql, 1), _take(k_s, ks, kl, 1), _take(v_s, ks, kl, 1)
-            s, allowed = _masked_scores(q_b, k_b, _take(q_pos, qs, ql, 0), _take(k_pos, ks, kl, 0),
-                                        _take(segment_ids, qs, ql, 1), _take(seg_s, ks, kl, 1), scale)
-            p = jnp.where(allowed, jnp.exp(s - _take(lse, qs, ql, 3)[..., None]), 0.0)
-            do = _take(d_out, qs, ql, 1)
-            dv = _put(dv, _take(dv, ks, kl, 1) + jnp.einsum("bkgts,btkgh->bskh", p.astype(v.dtype), do,
-                                                            preferred_element_type=jnp.float32), ks, 1)
+
+        def block(sums, starts, k_s=k_s, v_s=v_s, seg_s=seg_s, k_pos=k_pos):  # one [tile, tile] block, in a scan
+            dq, dk, dv = sums
+            qs, ks = starts
+            q_b, k_b, v_b = _take(q, qs, tile, 1), _take(k_s, ks, tile, 1), _take(v_s, ks, tile, 1)
+            s, allowed = _masked_scores(q_b, k_b, _take(q_pos, qs, tile, 0), _take(k_pos, ks, tile, 0),
+                                        _take(segment_ids, qs, tile, 1), _take(seg_s, ks, tile, 1), scale)
+            p = jnp.where(allowed, jnp.exp(s - _take(lse, qs, tile, 3)[..., None]), 0.0)
+            do = _take(d_out, qs, tile, 1)
+            dv = _put(dv, _take(dv, ks, tile, 1) + jnp.einsum("bkgts,btkgh->bskh", p.astype(v.dtype), do,
+                                                              preferred_element_type=jnp.float32), ks, 1)
             dp = jnp.einsum("btkgh,bskh->bkgts", do, v_b, preferred_element_type=jnp.float32)
-            ds = (p * (dp - _take(delta, qs, ql, 3)[..., None]) * scale).astype(q.dtype)
-            dq = _put(dq, _take(dq, qs, ql, 1) + jnp.einsum("bkgts,bskh->btkgh", ds, k_b,
-                                                            preferred_element_type=jnp.float32), qs, 1)
-            dk = _put(dk, _take(dk, ks, kl, 1) + jnp.einsum("bkgts,btkgh->bskh", ds, q_b,
-                                                            preferred_element_type=jnp.float32), ks, 1)
+            ds = (p * (dp - _take(delta, qs, tile, 3)[..., None]) * scale).astype(q.dtype)
+            dq = _put(dq, _take(dq, qs, tile, 1) + jnp.einsum("bkgts,bskh->btkgh", ds, k_b,
+                                                              preferred_element_type=jnp.float32), qs, 1)
+            dk = _put(dk, _take(dk, ks, tile, 1) + jnp.einsum("bkgts,btkgh->bskh", ds, q_b,
+                                                              preferred_element_type=jnp.float32), ks, 1)
+            return (dq, dk, dv), None
+
+        (dq, dk, dv), _ = jax.lax.scan(block, (dq, *grads), _ring_tiles(step, i, j, t, layout, tile))
         grads = _pass_on((dk, dv), context, -1)
         if step < context - 1:
             held = _pass_on(held, context, -1)
