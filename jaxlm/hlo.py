@@ -163,23 +163,46 @@ class Module:
         self._frames = _stack_frames(text)
 
     def _trip_count(self, inst: dict, source: str) -> int:
-        """Iterations of a while loop: XLA's `known_trip_count` (optimized modules) or, in a lowered
+        """Iterations of a while loop: XLA's `known_trip_count` (optimized GPU modules) or, in a lowered
         module, the constant its condition compares the counter with (`i < n`, i from 0: JAX's scans
-        and fori_loops)."""
+        and fori_loops); an optimized module without the count (XLA:TPU writes none) the same, less
+        the counter's start where that is a constant too."""
         if source == "backend_config":
             if m := TRIP.search(inst["attrs"]):
                 return int(m.group(1))
-        else:
-            cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
-            body = {i["name"]: i for i in self.computations.get(cond, [])}
-            root = next((i for i in body.values() if i["root"]), None)
-            if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
-                bound = body.get(root["operands"][1])
-                first = bound["operands"][0] if bound and bound["operands"] else ""
-                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", first):
-                    return int(bound["operands"][0])
+            bound, start = self._condition_bound(inst), self._counter_start(inst)
+            if bound is not None and start is not None:
+                return max(0, bound - start)
+        elif (bound := self._condition_bound(inst)) is not None:
+            return bound
         self.unknown_trip_counts += 1
         return 1
+
+    def _constant(self, computation: str, name: str, depth: int = 0) -> int | None:
+        """The integer an instruction holds when it is a scalar constant (through copies and bitcasts)."""
+        inst = next((i for i in self.computations.get(computation, []) if i["name"] == name), None)
+        if inst is None or depth > 4:
+            return None
+        if inst["op"] in ("copy", "bitcast") and inst["operands"]:
+            return self._constant(computation, inst["operands"][0], depth + 1)
+        first = inst["operands"][0] if inst["operands"] else ""
+        return int(first) if inst["op"] == "constant" and re.fullmatch(r"-?\d+", first) else None
+
+    def _condition_bound(self, inst: dict) -> int | None:
+        """n of a while loop whose condition is `counter < n`, n a constant."""
+        cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
+        root = next((i for i in self.computations.get(cond, []) if i["root"]), None)
+        if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
+            return self._constant(cond, root["operands"][1])
+        return None
+
+    def _counter_start(self, inst: dict) -> int | None:
+        """The first element of the tuple a while loop starts from, when it is a constant (its counter)."""
+        init = next((i for i in self.computations.get(inst["computation"], []) if inst["operands"]
+                     and i["name"] == inst["operands"][0]), None)
+        if init is None or init["op"] != "tuple" or not init["operands"]:
+            return None
+        return self._constant(inst["computation"], init["operands"][0])
 
     def _runs(self, trip_counts_from: str) -> dict[str, int]:
         """Executions of each computation per step: its callers' executions times loop trip counts.
