@@ -560,6 +560,8 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
                 raise UserError(str(e)) from None
             args.platform = "tpu"  # model.attention=auto and the analytic estimate as for a TPU
             roofline.quiet_libtpu()  # before libtpu loads: no warnings about the VM it is not on
+            # a compile-only TPU program cannot be loaded back from JAX's persistent cache (no client): none
+            jax.config.update("jax_enable_compilation_cache", False)
         if args.device_memory_gib is None:
             args.device_memory_gib = target.memory_bytes / GIB if target else 80.0
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning never needs device memory

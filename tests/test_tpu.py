@@ -155,11 +155,42 @@ ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {
 """
 
 
+# XLA:TPU's windowed matmul loop: the counter after the buffers (element 1), two steps per iteration
+WINDOWED = """HloModule windowed
+
+%cond (p: (f32[4], s32[])) -> pred[] {
+  %p = (f32[4]{0:T(256)}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=1
+  %n = s32[]{:T(128)} constant(7)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+%body (q: (f32[4], s32[])) -> (f32[4], s32[]) {
+  %q = (f32[4]{0:T(256)}, s32[]{:T(128)}) parameter(0)
+  %x = f32[4]{0:T(256)} get-tuple-element(%q), index=0
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=1
+  %two = s32[]{:T(128)} constant(2)
+  %next = s32[]{:T(128)} add(%j, %two)
+  %y = f32[4]{0:T(256)} negate(%x)
+  ROOT %t = (f32[4]{0:T(256)}, s32[]{:T(128)}) tuple(%y, %next)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], s32[]) {
+  %a = f32[4]{0:T(256)} parameter(0)
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (f32[4]{0:T(256)}, s32[]{:T(128)}) tuple(%a, %zero)
+  ROOT %w = (f32[4]{0:T(256)}, s32[]{:T(128)}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
 def test_a_loop_without_a_known_trip_count_runs_from_its_start_to_its_bound():
     module = hlo.Module(LOOP)
     assert module.runs["body"] == 4 and module.unknown_trip_counts == 0
     unknown = hlo.Module(LOOP.replace("%start = s32[]{:T(128)} copy(%two)", "%start = s32[]{:T(128)} negate(%two)"))
     assert unknown.unknown_trip_counts == 1  # a start that is not a constant: not guessed
+    windowed = hlo.Module(WINDOWED)  # 0, 2, 4, 6: four iterations
+    assert windowed.runs["body"] == 4 and windowed.unknown_trip_counts == 0
 
 
 TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
@@ -183,7 +214,9 @@ def test_tinys_train_step_compiles_for_four_v5p_chips():
     assert 0 < compiled["per_device_bytes"] == report["per_device_bytes"] < GIB
     state = sum(row["total_bytes"] for row in report["analytic"]["rows"]
                 if row["name"] in ("parameters", "optimizer state"))
-    assert compiled["argument_bytes"] < 0.3 * state  # a quarter of the parameters and optimizer state per chip
+    # sharded: a quarter of the parameters and optimizer state per chip (with the batch, and TPU tiles padding
+    # tiny's narrow dims) is well under half of them
+    assert compiled["argument_bytes"] < 0.5 * state
     assert r["unknown_trip_counts"] == 0 and r["host_syncs"] == 0
     assert {"gemm", "all-gather"} <= set(r["by_kind"]) and r["communication_seconds"] > 0
     from jaxlm import config as config_lib
