@@ -102,10 +102,10 @@ def cudnn_checks_for(target: Target):
     """While lowering for compile-only `target` devices: jax's cuDNN attention asks the default backend
     (here the CPU) for the GPU's compute capability, finds none, and refuses what needs Hopper (the
     packed layout); within this, it is told the target's instead."""
-    # local import: private JAX API, only needed when compiling for a GPU target
     if target.capability is None:  # not a GPU: no cuDNN
         yield
         return
+    # local import: private JAX API, only needed when compiling for a GPU target
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     have = tuple(int(x) for x in target.capability.split("."))
