@@ -219,6 +219,8 @@ class Module:
             return None
         for counter, other in (add["operands"], add["operands"][::-1]):
             read = insts.get(counter)
+            while read and read["op"] in ("copy", "bitcast") and read["operands"]:  # XLA:TPU copies the counter
+                read = insts.get(read["operands"][0])
             if read and read["op"] == "get-tuple-element" and re.search(rf"\bindex={index}\b", read["attrs"]):
                 return self._constant(body, other)
         return None

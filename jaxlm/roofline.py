@@ -613,8 +613,8 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
                     kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
                                                                                           "Backward" in call)
-                elif call == "AllocateBuffer":  # XLA:TPU reserving a buffer: nothing runs
-                    continue
+                elif call in ("AllocateBuffer", "ConcatBitcast"):  # XLA:TPU: a buffer reserved, or the slices that
+                    continue  # an asynchronous slice landed side by side read as one (a bitcast, by its name: free)
                 elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
                     kernel.kind = "gemm"
                     kernel.flops, kernel.dtype = grouped
@@ -630,6 +630,10 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                 kernel.bytes = 2.0 * (operand_bytes[1] if len(operand_bytes) > 1 else 0)
             elif op in SLICING:
                 kernel.bytes = 2.0 * hlo.shape_bytes(inst["shape"])
+            elif op == "slice-start":  # XLA:TPU's asynchronous slice, ((operand), slice, context): a DMA of the slice
+                parts = hlo.tuple_parts(inst["shape"])
+                kernel.kind = "slice"
+                kernel.bytes = 2.0 * hlo.shape_bytes(parts[1] if len(parts) > 1 else inst["shape"])
             else:  # copy, copy-start, transpose, reduce, sort, ...: reads its operands, writes its result
                 kernel.kind = "copy" if op in ("copy", "copy-start") else op
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])

@@ -191,6 +191,29 @@ def test_a_loop_without_a_known_trip_count_runs_from_its_start_to_its_bound():
     assert unknown.unknown_trip_counts == 1  # a start that is not a constant: not guessed
     windowed = hlo.Module(WINDOWED)  # 0, 2, 4, 6: four iterations
     assert windowed.runs["body"] == 4 and windowed.unknown_trip_counts == 0
+    copied = hlo.Module(WINDOWED.replace("%next = s32[]{:T(128)} add(%j, %two)",  # the counter read through a copy
+                                         "%jc = s32[]{:T(128)} copy(%j)\n  %next = s32[]{:T(128)} add(%jc, %two)"))
+    assert copied.runs["body"] == 4 and copied.unknown_trip_counts == 0
+
+
+# XLA:TPU's asynchronous slices of a weight into on-chip memory (S(1)), joined by a bitcast
+DMA = """HloModule dma
+
+ENTRY %main (a: s8[4096]) -> bf16[1024] {
+  %a = s8[4096]{0:T(1024)} parameter(0)
+  %s0 = ((s8[4096]{0:T(1024)}), s8[1024]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[0:1024]}
+  %s1 = ((s8[4096]{0:T(1024)}), s8[1024]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[1024:2048]}
+  %d0 = s8[1024]{0:T(1024)S(1)} slice-done(%s0)
+  %d1 = s8[1024]{0:T(1024)S(1)} slice-done(%s1)
+  ROOT %c = bf16[1024]{0:T(1024)S(1)} custom-call(%d0, %d1), custom_call_target="ConcatBitcast"
+}
+"""
+
+
+def test_an_asynchronous_slice_moves_its_slice_and_a_bitcast_nothing():
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(DMA), roofline.TPU_V6E, 1)}
+    assert set(kernels) == {"s0", "s1"}  # the done halves and the ConcatBitcast launch nothing
+    assert all(k.kind == "slice" and k.bytes == 2 * 1024 for k in kernels.values())  # the slice, not the weight
 
 
 TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
