@@ -267,7 +267,8 @@ def tpu_devices(target: Target, num_devices: int, topology: str | None = None) -
                                                 chips_per_host_bounds=bounds).devices)
     if len(devices) != num_devices:  # v4: libtpu gives each of a chip's two TensorCores, where a v4 runs megacore
         raise ValueError(f"libtpu describes {topology} as {len(devices)} devices (one per TensorCore), not one per chip "
-                         f"as a {target.name} runs; its program cannot be compiled here (its figures still plan)")
+                         f"as a {target.name} runs; its program cannot be compiled here: plan it analytically, "
+                         f"without --target (--platform=tpu --device_memory_gib={target.memory_bytes / 2**30:g})")
     return devices
 
 
