@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
 ARGS ?=
 
-.PHONY: install train test test-isa check lint test-slow test-all bench h100-env roofline clean
+.PHONY: install train test test-isa check lint test-slow test-all bench h100-env tpu-env roofline clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jaxlm needs Python 3.11 or newer; set PYTHON=python3.11 (or newer)")'
@@ -71,8 +71,21 @@ $(H100_VENV)/.installed: pyproject.toml constraints.txt
 
 h100-env: $(H100_VENV)/.installed  ## the H100 compiler environment (.venv-h100, 2.6 GB; no GPU needed)
 
+# XLA's TPU compiler without a TPU (libtpu, 1.8 GB with the rest, installed only on request): compiles the real
+# TPU program (v5e, v5p, v6e) on this machine for `python -m jaxlm.plan --target=v5p --topology=v5p:2x2x1`. The
+# tpu extra: jax[tpu], whose libtpu constraints.txt pins to the one jax[tpu] of the jax above requires.
+TPU_VENV := .venv-tpu
+
+$(TPU_VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[tpu]'
+	@touch $@
+
+tpu-env: $(TPU_VENV)/.installed  ## the TPU compiler environment (.venv-tpu, 1.8 GB; no TPU needed)
+
 roofline: h100-env  ## compile recipes for H100s here and print their rooflines; ARGS="--recipe 1b --devices 8"
 	$(H100_VENV)/bin/python benchmarks/roofline.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(H100_VENV) .cache runs .pytest_cache
+	rm -rf $(VENV) $(H100_VENV) $(TPU_VENV) .cache runs .pytest_cache

@@ -1,4 +1,4 @@
-"""The H100 program of each recipe, compiled on this machine (no GPU), and its roofline.
+"""The H100 (or TPU) program of each recipe, compiled on this machine (no GPU, no TPU), and its roofline.
 
     make roofline                                          # installs .venv-h100 once, then the default set
     .venv-h100/bin/python benchmarks/roofline.py --recipe 1b --devices 1 8 --set optim.micro_batches=32
@@ -15,6 +15,12 @@ between hosts, overlapped by the kernels scheduled between their start and done.
 MFU is the model's FLOPs over peak x (the kernels' sum + exposed communication): an upper bound of
 what this program can reach, not a measurement. The program's matmul FLOPs are checked against the
 model's count (exact, after cuDNN's recomputed scores) so the bound cannot be flattered by miscounting.
+
+`--target=v5p|v5e|v6e` compiles for compile-only TPU chips instead (`make tpu-env`, then run it with
+.venv-tpu/bin/python; `--devices` chips in Cloud's slice shape, `jaxlm.roofline.default_topology`), with
+the chip's roofs (`jaxlm.roofline.TPU_V5P`, ...: Cloud's datasheet figures) and ICI across the slice:
+
+    .venv-tpu/bin/python benchmarks/roofline.py --target v5p --recipe 1b --devices 8
 
 `--snapshot-copy` compiles, instead of the train step, the copy of the train state that a checkpoint
 save makes on the devices (`checkpoint.snapshot`): its kernels and roofline time.
@@ -39,17 +45,17 @@ DEFAULT = [("1b", 1), ("1b", 8), ("7b", 8)]
 
 
 def versions() -> str:
-    names = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cudnn-cu13")
+    names = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cudnn-cu13", "libtpu")
     out = []
     for name in names:
         try:
             out.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
-            out.append(f"{name} missing")
+            pass
     return ", ".join(out)
 
 
-def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: int) -> dict:
+def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: int, target_name: str = "h100") -> dict:
     from jaxlm import config as config_lib
     from jaxlm import plan, roofline
 
@@ -57,12 +63,16 @@ def measure(recipe: str, devices: int, overrides: list[tuple[str, str]], top: in
     config_lib.apply_overrides(cfg, overrides)
     config_lib.validate(cfg)
     started = time.perf_counter()
-    report = plan.plan(cfg, devices, roofline.H100.memory_bytes, compile=True, target=roofline.H100)
+    target = roofline.TARGETS[target_name]
+    platform = "tpu" if target.platform == "tpu" else "gpu"
+    topology = roofline.default_topology(target, devices) if platform == "tpu" else None
+    report = plan.plan(cfg, devices, target.memory_bytes, platform=platform, compile=True, target=target,
+                       topology=topology)
     compiled = report["compiled"]
     r = compiled["roofline"]
     r["largest"] = r["largest"][:top]
     return dict(
-        recipe=recipe, devices=devices, overrides=dict(overrides), mesh=report["mesh"],
+        recipe=recipe, devices=devices, topology=topology, overrides=dict(overrides), mesh=report["mesh"],
         micro_batches=report["micro_batches"], remat=report["remat"], attention=compiled["attention"],
         per_device_bytes=compiled["per_device_bytes"], temp_bytes=compiled["temp_bytes"],
         cudnn_workspace_bytes=compiled.get("cudnn_workspace_bytes", 0),
@@ -101,6 +111,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     parser.add_argument("--top", type=int, default=8, help="largest kernels to list per program")
     parser.add_argument("--json", default="", help="write every figure here")
+    parser.add_argument("--target", default="h100", help="h100 (default), or a TPU: v5e, v5p, v6e (`make tpu-env`)")
     parser.add_argument("--snapshot-copy", action="store_true",
                         help="compile the checkpoint's on-device state copy instead of the train step")
     args = parser.parse_args()
@@ -115,13 +126,23 @@ def main() -> None:
     if len(flags) > 1:
         sys.exit(f"these recipes set different run.xla_flags ({sorted(flags)}); measure them in separate runs")
     print(f"XLA_FLAGS={xla_flags.apply(flags.pop())}", flush=True)
+    if args.target not in roofline.TARGETS:
+        sys.exit(f"--target={args.target}: use one of {', '.join(roofline.TARGETS)}")
+    target = roofline.TARGETS[args.target]
+    tpu = target.platform == "tpu"
+    if tpu:
+        roofline.quiet_libtpu()  # before libtpu loads: no warnings about the TPU VM this machine is not
+    if args.snapshot_copy and tpu:
+        sys.exit("--snapshot-copy compiles for H100s only")
     try:
-        roofline.target_devices(roofline.H100, 1)
+        roofline.target_devices(target, 1)
     except Exception as e:
-        sys.exit(f"benchmarks/roofline.py needs XLA's CUDA compiler: `make h100-env`, then run it with "
-                 f".venv-h100/bin/python ({type(e).__name__})")
+        env = "tpu" if tpu else "h100"
+        sys.exit(f"benchmarks/roofline.py --target={args.target} needs XLA's {'TPU' if tpu else 'CUDA'} compiler: "
+                 f"`make {env}-env`, then run it with .venv-{env}/bin/python ({type(e).__name__})")
+    what = f"TPU {target.name} chips" if tpu else "H100 SXM"
     header = (f"{datetime.date.today()}, compiled on {platform.processor() or platform.machine()} "
-              f"({os.cpu_count()} cores) for compile-only H100 SXM; {versions()}")
+              f"({os.cpu_count()} cores) for compile-only {what}; {versions()}")
     print(header, flush=True)
     results = []
     for recipe, devices in runs:
@@ -132,11 +153,12 @@ def main() -> None:
                   f"temporaries {res['temp_bytes'] / 2**30:.3f} GiB, kernels {res['kernels']}, "
                   f"roofline {res['seconds'] * 1e3:.2f} ms", flush=True)
             continue
-        res = measure(recipe, devices, overrides, args.top)
+        res = measure(recipe, devices, overrides, args.top, args.target)
         results.append(res)
         r = res["roofline"]
         kinds = ", ".join(f"{k} {v['seconds'] * 1e3:.0f}" for k, v in list(r["by_kind"].items())[:6])
-        print(f"\n{recipe} on {devices} H100 ({' x '.join(f'{k}={v}' for k, v in res['mesh'].items())}), "
+        where = f"{res['topology']} ({target.name})" if tpu else f"{devices} H100"
+        print(f"\n{recipe} on {where} ({' x '.join(f'{k}={v}' for k, v in res['mesh'].items())}), "
               f"{res['micro_batches']} micro-batches, remat={res['remat']}, attention {res['attention']}: "
               f"{res['per_device_bytes'] / 2**30:.1f} GiB per device; roofline step {r['step_seconds'] * 1e3:.0f} ms "
               f"(matmuls {r['matmul_seconds'] * 1e3:.0f}, "

@@ -154,14 +154,17 @@ def compress_parser() -> cli.Parser:
 def plan_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.plan` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.plan", description=_doc("jaxlm.plan").splitlines()[2], allow_abbrev=False)
-    parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", required=True,
-                      help="number of devices the run uses")
+    parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", default=None,
+                      help="number of devices the run uses (for a TPU target, default: the chips of --topology)")
     parser.add_number("--device_memory_gib", above=0, allowed="a positive size in GiB", default=None,
                       help="memory of one device (default 80, or the --target's)")
     parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
-                        help="compile the real GPU program for compile-only devices of this kind (no GPU needed; "
-                             "`make h100-env`) and report its memory and roofline: kernels, collectives, the "
-                             "roofline-bound MFU")
+                        help="compile the real GPU or TPU program for compile-only devices of this kind (no GPU or "
+                             "TPU needed; `make h100-env`, `make tpu-env`) and report its memory and roofline: "
+                             "kernels, collectives, the roofline-bound MFU")
+    parser.add_argument("--topology", default=None,
+                        help="a TPU target's slice, as libtpu names it (v5p:2x2x1, v5e:2x4, v6e:2x4, v5p:2x4x4); "
+                             "default: Cloud's shape for --devices chips")
     parser.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
                         help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
     parser.add_argument("--compile", action="store_true",

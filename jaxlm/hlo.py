@@ -163,23 +163,76 @@ class Module:
         self._frames = _stack_frames(text)
 
     def _trip_count(self, inst: dict, source: str) -> int:
-        """Iterations of a while loop: XLA's `known_trip_count` (optimized modules) or, in a lowered
+        """Iterations of a while loop: XLA's `known_trip_count` (optimized GPU modules) or, in a lowered
         module, the constant its condition compares the counter with (`i < n`, i from 0: JAX's scans
-        and fori_loops)."""
+        and fori_loops); an optimized module without the count (XLA:TPU writes none) the same, less
+        the counter's start where that is a constant too."""
         if source == "backend_config":
             if m := TRIP.search(inst["attrs"]):
                 return int(m.group(1))
-        else:
-            cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
-            body = {i["name"]: i for i in self.computations.get(cond, [])}
-            root = next((i for i in body.values() if i["root"]), None)
-            if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
-                bound = body.get(root["operands"][1])
-                first = bound["operands"][0] if bound and bound["operands"] else ""
-                if bound and bound["op"] == "constant" and re.fullmatch(r"-?\d+", first):
-                    return int(bound["operands"][0])
+            bound, start, step = self._condition_bound(inst), self._counter_start(inst), self._counter_step(inst)
+            if bound is not None and start is not None and step:
+                return max(0, -(-(bound - start) // step))
+        elif (bound := self._condition_bound(inst)) is not None:
+            return bound
         self.unknown_trip_counts += 1
         return 1
+
+    def _constant(self, computation: str, name: str, depth: int = 0) -> int | None:
+        """The integer an instruction holds when it is a scalar constant (through copies and bitcasts)."""
+        inst = next((i for i in self.computations.get(computation, []) if i["name"] == name), None)
+        if inst is None or depth > 4:
+            return None
+        if inst["op"] in ("copy", "bitcast") and inst["operands"]:
+            return self._constant(computation, inst["operands"][0], depth + 1)
+        first = inst["operands"][0] if inst["operands"] else ""
+        return int(first) if inst["op"] == "constant" and re.fullmatch(r"-?\d+", first) else None
+
+    def _condition(self, inst: dict) -> tuple[int | None, int]:
+        """(n, the counter's place in the loop's tuple) of a while loop whose condition is `counter < n`, n a
+        constant (None when it is not); the counter is the tuple's element 0 unless the condition reads another
+        (XLA:TPU's windowed matmuls: their counter comes after the buffers)."""
+        cond = re.search(r"\bcondition=%?([\w.\-]+)", inst["attrs"]).group(1)
+        body = {i["name"]: i for i in self.computations.get(cond, [])}
+        root = next((i for i in body.values() if i["root"]), None)
+        if root and root["op"] == "compare" and "direction=LT" in root["attrs"] and len(root["operands"]) == 2:
+            counter = body.get(root["operands"][0])
+            index = re.search(r"\bindex=(\d+)", counter["attrs"]) if counter and counter["op"] == "get-tuple-element" \
+                else None
+            return self._constant(cond, root["operands"][1]), int(index.group(1)) if index else 0
+        return None, 0
+
+    def _condition_bound(self, inst: dict) -> int | None:
+        return self._condition(inst)[0]
+
+    def _counter_step(self, inst: dict) -> int | None:
+        """What a while loop's body adds to its counter (`_condition`) each iteration, when that is a constant
+        (XLA:TPU's windowed matmuls: 2, a step in each direction of the ring)."""
+        index = self._condition(inst)[1]
+        body = re.search(r"\bbody=%?([\w.\-]+)", inst["attrs"]).group(1)
+        insts = {i["name"]: i for i in self.computations.get(body, [])}
+        root = next((i for i in insts.values() if i["root"]), None)
+        if root is None or root["op"] != "tuple" or len(root["operands"]) <= index:
+            return None
+        add = insts.get(root["operands"][index])
+        if add is None or add["op"] != "add" or len(add["operands"]) != 2:
+            return None
+        for counter, other in (add["operands"], add["operands"][::-1]):
+            read = insts.get(counter)
+            while read and read["op"] in ("copy", "bitcast") and read["operands"]:  # XLA:TPU copies the counter
+                read = insts.get(read["operands"][0])
+            if read and read["op"] == "get-tuple-element" and re.search(rf"\bindex={index}\b", read["attrs"]):
+                return self._constant(body, other)
+        return None
+
+    def _counter_start(self, inst: dict) -> int | None:
+        """The counter's first value (`_condition`) in the tuple a while loop starts from, when it is a constant."""
+        index = self._condition(inst)[1]
+        init = next((i for i in self.computations.get(inst["computation"], []) if inst["operands"]
+                     and i["name"] == inst["operands"][0]), None)
+        if init is None or init["op"] != "tuple" or len(init["operands"]) <= index:
+            return None
+        return self._constant(inst["computation"], init["operands"][index])
 
     def _runs(self, trip_counts_from: str) -> dict[str, int]:
         """Executions of each computation per step: its callers' executions times loop trip counts.

@@ -29,6 +29,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -78,12 +79,16 @@ def compile_devices(num_devices: int):
     )
 
 
-def target_devices(target: roofline.Target, num_devices: int):
-    """`num_devices` compile-only devices of `target` (`jaxlm.roofline.target_devices`), or one line
-    that says how to get the compiler they need."""
+def target_devices(target: roofline.Target, num_devices: int, topology: str | None = None):
+    """`num_devices` compile-only devices of `target` (`jaxlm.roofline.target_devices`; a TPU's from
+    `topology`), or one line that says how to get the compiler they need."""
+    if target.platform == "tpu":
+        return _tpu_devices(target, num_devices, topology)
     try:
-        return roofline.target_devices(target, num_devices)
+        return roofline.target_devices(target, num_devices, topology)
     except ValueError as e:
+        if topology:
+            raise UserError(str(e)) from None
         raise UserError(f"--devices={num_devices}: {e}; use 1 to {target.devices_per_host} or a multiple of "
                         f"{target.devices_per_host}") from None
     except Exception as e:  # no plugin, or a plugin JAX did not load
@@ -94,6 +99,32 @@ def target_devices(target: roofline.Target, num_devices: int):
             f"`.venv-h100/bin/python -m jaxlm.plan ... --target={target.name}` ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:120] if str(e) else ''})"
         ) from None
+
+
+def _tpu_devices(target: roofline.Target, num_devices: int, topology: str | None):
+    """The compile-only chips of a TPU slice (`jaxlm.roofline.tpu_devices`), or one line: a topology that is not
+    the target's, or no libtpu in this environment."""
+    try:
+        if topology is None:
+            topology = roofline.default_topology(target, num_devices)
+        chips = math.prod(roofline.parse_topology(target, topology))  # refused before libtpu is looked for
+        if chips != num_devices:
+            raise ValueError(f"--topology={topology} has {chips} chips, not --devices={num_devices}")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(f"--target={target.name} needs XLA's TPU compiler (libtpu), not installed in this environment: "
+                        f"run `make tpu-env` once, then `.venv-tpu/bin/python -m jaxlm.plan ... --target={target.name}`")
+    try:
+        return roofline.tpu_devices(target, num_devices, topology)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    except Exception as e:  # libtpu there, and refusing the topology or failing to load
+        # libtpu loads in one process at a time (its lock file), chips or none; this variable lifts that
+        busy = (" (another process has libtpu loaded: wait for it, or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 to compile "
+                "beside it)") if "lockfile" in str(e) else ""
+        raise UserError(f"--target={target.name} --topology={topology}: libtpu gave no devices{busy} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
 
 def use_cpu_devices(num_devices: int) -> None:
@@ -155,19 +186,20 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
         "compile_only": target is not None,
     }
     if target is not None:
-        # XLA sizes each cuDNN call's workspace by asking cuDNN on a real GPU; compiled here, they are empty
         text = compiled.as_text()
-        out["cudnn_calls_without_workspace"] = CUDNN_WORKSPACE.findall(text).count("0")
-        # what a real GPU adds to this program's peak: the cuDNN calls' (shared) workspace
-        out["cudnn_workspace_bytes"] = cudnn_workspace_estimate(text)
         out["compiled_bytes"] = peak
-        out["per_device_bytes"] = peak + out["cudnn_workspace_bytes"]
+        if target.platform == "cuda":
+            # XLA sizes each cuDNN call's workspace by asking cuDNN on a real GPU; compiled here, they are empty
+            out["cudnn_calls_without_workspace"] = CUDNN_WORKSPACE.findall(text).count("0")
+            # what a real GPU adds to this program's peak: the cuDNN calls' (shared) workspace
+            out["cudnn_workspace_bytes"] = cudnn_workspace_estimate(text)
+            out["per_device_bytes"] = peak + out["cudnn_workspace_bytes"]
         tokens = setup.derived.tokens_per_step
         model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
         module = hlo.Module(text)
         r = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
         r["unknown_trip_counts"] = module.unknown_trip_counts
-        r["host_syncs"] = module.host_syncs()
+        r["host_syncs"] = module.host_syncs() if target.platform == "cuda" else 0  # a TPU branches on the device
         # A loop whose trip count could not be read counts its kernels once: the program's matmul FLOPs
         # then fall short of the model's, and the MFU would be flattered; say so instead of a number.
         if module.unknown_trip_counts or r["matmul_flops"] < model_flops * (1 - 1e-6):
@@ -252,7 +284,7 @@ def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Target, devices=None,
-           policies: Sequence[str] = REMAT_ORDER, progress=None) -> dict[str, Any]:
+           policies: Sequence[str] = REMAT_ORDER, progress=None, topology: str | None = None) -> dict[str, Any]:
     """Remat policy and micro-batches chosen from the compiled program's own figures, not the analytic
     estimate. For each policy, the train step is compiled for `target` at each micro-batch count the
     batch allows (`memory.micro_batch_options`), from twice the analytic choice (`memory.resolve_micro_batches`)
@@ -261,7 +293,7 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
     at the first count, by more than `RECOMPUTE_TOLERANCE`: recompute the model's count ignores); fewer
     micro-batches would only need more memory. Then `pick`. Each row: the policy, micro-batches,
     per-device bytes (XLA's memory analysis), matmul FLOPs, the roofline step time and roofline-bound MFU."""
-    devices = devices if devices is not None else target_devices(target, num_devices)
+    devices = devices if devices is not None else target_devices(target, num_devices, topology)
     options = memory.micro_batch_options(cfg, num_devices)
     rows: list[dict[str, Any]] = []
     for policy in policies:
@@ -323,7 +355,7 @@ COMPILE_CEILING = 1000
 
 def plan(
     cfg: ml_collections.ConfigDict, num_devices: int, device_memory_bytes: float, *, platform: str = "gpu",
-    compile: bool = False, devices=None, target: roofline.Target | None = None,
+    compile: bool = False, devices=None, target: roofline.Target | None = None, topology: str | None = None,
 ) -> dict[str, Any]:
     """The whole report as plain data (what `--json` prints)."""
     cfg, auto = memory.resolve_micro_batches(cfg, num_devices, device_memory_bytes, platform)
@@ -331,6 +363,7 @@ def plan(
     report: dict[str, Any] = {
         "recipe": cfg.run.get("recipe", ""),
         "num_devices": num_devices,
+        "topology": topology,
         "mesh": axes.sizes_of(est.mesh_shape),
         "platform": platform,
         "device_memory_bytes": device_memory_bytes,
@@ -362,7 +395,8 @@ def plan(
             "devices (without --compile, the plan says what fits)")
     if compile:
         if devices is None:
-            devices = target_devices(target, num_devices) if target is not None else compile_devices(num_devices)
+            devices = (target_devices(target, num_devices, topology) if target is not None
+                       else compile_devices(num_devices))
         compiled = compiled_memory(cfg, devices, target)
         cpu = compiled["platform"] == "cpu"
         same = memory.estimate(cfg, num_devices, platform=compiled["platform"],
@@ -379,7 +413,8 @@ def plan(
             # (`cudnn_workspace_estimate`), which brings it close to the real one, but an earlier step on a
             # real GPU had peaked further above its compile-only figure than its workspace explains
             # (benchmarks/BENCHMARKS.md), so the verdict takes the larger of the two.
-            if compiled["compile_only"] and est.per_device_bytes > per_device:
+            # A TPU's compile-only program is the one a TPU runs (no library sizes buffers at run time): its figure.
+            if compiled["compile_only"] and platform == "gpu" and est.per_device_bytes > per_device:
                 decided_by, per_device = "analytic, above the compile-only program", est.per_device_bytes
     report["energy"] = predict_energy(cfg, num_devices, platform, target)
     report["decided_by"] = decided_by
@@ -423,7 +458,8 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
         f"jaxlm plan: {r['recipe'] or 'config'}, {format_count(r['param_count'])} parameters, on {r['num_devices']} "
-        f"device{'s' if r['num_devices'] != 1 else ''} ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
+        f"device{'s' if r['num_devices'] != 1 else ''}" + (f" of a {r['topology']} slice" if r.get("topology") else "")
+        + f" ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
         f"  batch {r['global_batch_size']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es) of "
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
         f"{r['param_dtype']}; attention {r['attention']}"
@@ -457,7 +493,7 @@ def format_report(report: dict[str, Any]) -> str:
             + f"): {format_bytes(c['analytic_same_program_bytes'])}; compiled / analytic = {c['ratio']:.3f} "
             + ("(within " if c["within_tolerance"] else "(OUTSIDE ") + f"the stated ±{memory.TOLERANCE:.0%})",
         ]
-        if c.get("compile_only"):
+        if c.get("compile_only") and c["platform"] == "gpu":
             lines.append(f"  compile-only: XLA sizes cuDNN's workspaces on a real GPU, so this program's "
                          f"{c.get('cudnn_calls_without_workspace', 0)} cuDNN calls have none; the per-device figure "
                          f"adds the one they share, estimated {format_bytes(c.get('cudnn_workspace_bytes', 0))} (the "
@@ -506,6 +542,26 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         config_args = [a for a in argv if a.startswith("--config")]
         args = parser.parse_args([a for a in argv if not a.startswith("--config")])
         target = roofline.TARGETS[args.target] if args.target else None
+        if args.topology and (target is None or target.platform != "tpu"):
+            raise UserError(f"--topology={args.topology} is a TPU slice's shape: add --target=v5e, v5p or v6e "
+                            f"(after `make tpu-env`)")
+        if args.devices is None:
+            if not args.topology:
+                raise UserError("--devices is required (the number of devices the run uses), or, for a TPU target, "
+                                "--topology (e.g. --topology=v5p:2x2x1)")
+            try:
+                args.devices = math.prod(roofline.parse_topology(target, args.topology))
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if target is not None and target.platform == "tpu":
+            try:  # the slice: given, or Cloud's shape for that many chips
+                args.topology = args.topology or roofline.default_topology(target, args.devices)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            args.platform = "tpu"  # model.attention=auto and the analytic estimate as for a TPU
+            roofline.quiet_libtpu()  # before libtpu loads: no warnings about the VM it is not on
+            # a compile-only TPU program cannot be loaded back from JAX's persistent cache (no client): none
+            jax.config.update("jax_enable_compilation_cache", False)
         if args.device_memory_gib is None:
             args.device_memory_gib = target.memory_bytes / GIB if target else 80.0
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning never needs device memory
@@ -522,11 +578,11 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         if args.choose and target is None:
             raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`)")
         report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,
-                      target=target)
+                      target=target, topology=args.topology)
         if args.choose:
             if not args.json:  # the rows as they compile (seconds each), then the choice
                 print(format_report(report), CHOICE_HEADER, sep="\n", flush=True)
-            report["choice"] = choose(cfg, args.devices, target,
+            report["choice"] = choose(cfg, args.devices, target, topology=args.topology,
                                       progress=None if args.json else lambda line: print(line, flush=True))
     except UserError as e:
         return report_error(e)

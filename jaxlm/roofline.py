@@ -81,11 +81,20 @@ class Target:
     link_bytes_per_s: float  # one device's send bandwidth within a host (NVLink), one direction
     network_bytes_per_s: float  # one device's send bandwidth between hosts (InfiniBand / RoCE NIC)
     devices_per_host: int
-    config: str  # XLA's target description (text proto)
-    capability: str = "9.0"  # CUDA compute capability, as in `config`
+    config: str | None = None  # XLA's target description (text proto); GPUs only
+    capability: str | None = None  # CUDA compute capability, as in `config`; GPUs only
+    # TPUs: the chips of one host as libtpu lays a slice out over hosts (x, y, z), and the default topology
+    # (`default_topology`) is 2-D (v5e, v6e: a 2-D torus) or 3-D (v4, v5p)
+    host_bounds: tuple[int, int, int] | None = None
+    topology_dims: int = 0
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bf16"])
+
+    def link_domain(self, num_devices: int) -> int:
+        """Devices that reach each other over the fast links (`link_bytes_per_s`): a GPU's host (NVLink), a
+        TPU's whole slice (ICI joins every chip of a slice, across hosts); beyond, `network_bytes_per_s`."""
+        return num_devices if self.platform == "tpu" else self.devices_per_host
 
 
 @contextlib.contextmanager
@@ -93,6 +102,9 @@ def cudnn_checks_for(target: Target):
     """While lowering for compile-only `target` devices: jax's cuDNN attention asks the default backend
     (here the CPU) for the GPU's compute capability, finds none, and refuses what needs Hopper (the
     packed layout); within this, it is told the target's instead."""
+    if target.capability is None:  # not a GPU: no cuDNN
+        yield
+        return
     # local import: private JAX API, only needed when compiling for a GPU target
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -113,6 +125,9 @@ def kernel_checks_for(target: Target):
     and fall back to XLA's masked dense grouped matmul; within this they compile for the target (its
     `cross_compile` option), and its Mosaic GPU kernels are told the target's compute capability, as
     a real H100 picks them before Triton's."""
+    if target.platform != "cuda":  # cuDNN and tokamax's GPU kernels: nothing to tell a TPU's compiler
+        yield
+        return
     with contextlib.ExitStack() as stack:
         stack.enter_context(cudnn_checks_for(target))
         try:
@@ -139,19 +154,136 @@ H100 = Target(
     hbm_bytes_per_s=3.35e12, memory_bytes=84978434048,
     link_bytes_per_s=450e9,  # NVLink 4: 900 GB/s per GPU both directions
     network_bytes_per_s=50e9,  # one 400 Gb/s NIC per GPU
-    devices_per_host=8, config=H100_SXM_CONFIG,
+    devices_per_host=8, config=H100_SXM_CONFIG, capability="9.0",
 )
-TARGETS = {"h100": H100}
+
+# TPUs, from Google Cloud's pages (dense figures per chip; "GB" of HBM read as GiB, as the v5p page writes it):
+# https://cloud.google.com/tpu/docs/v4, https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v5p
+# and https://cloud.google.com/tpu/docs/v6e. ICI: the chip's bidirectional bandwidth halved (one direction, all its
+# ports together: a collective over one mesh axis uses some of them, so this is the optimistic roof); DCN (between
+# slices): the host's NICs shared by its chips. libtpu's compile-only devices are the chips of a slice (v5p, v5e,
+# v6e: one device per chip, v5p's two TensorCores as one, as on a real one).
+TPU_V4 = Target(
+    name="v4", device_kind="TPU v4", platform="tpu",
+    peak_flops={"bf16": 275e12, "s8": 275e12},  # "275 teraflops (bf16 or int8)"
+    hbm_bytes_per_s=1200e9, memory_bytes=32 * 2**30,  # HBM2 32 GiB, 1200 GBps
+    # Cloud's v4 page gives no per-chip ICI figure: 6 links of 45 GB/s one way each (Google DeepMind's "How to
+    # Scale Your Model", https://jax-ml.github.io/scaling-book/tpus/)
+    link_bytes_per_s=270e9,
+    network_bytes_per_s=6.25e9,  # not on the page: v5p's 50 Gbps per chip assumed
+    devices_per_host=4, host_bounds=(2, 2, 1), topology_dims=3,
+)
+TPU_V5E = Target(
+    name="v5e", device_kind="TPU v5 lite", platform="tpu",
+    peak_flops={"bf16": 197e12, "s8": 393e12},  # 197 TFLOPs bf16, 393 TOPs int8
+    hbm_bytes_per_s=819e9, memory_bytes=16 * 2**30,  # 16 GB, 819 GBps
+    link_bytes_per_s=200e9,  # bidirectional ICI 400 GBps per chip (1600 Gbps)
+    network_bytes_per_s=25e9 / 8,  # 2 x 100 Gbps NICs per host of 8 chips
+    devices_per_host=8, host_bounds=(2, 4, 1), topology_dims=2,
+)
+TPU_V5P = Target(
+    name="v5p", device_kind="TPU v5", platform="tpu",
+    peak_flops={"bf16": 459e12, "s8": 918e12, "f8e4m3fn": 459e12, "f8e5m2": 459e12},  # bf16 = fp8 459 TFLOPs, int8 918
+    hbm_bytes_per_s=2765e9, memory_bytes=95 * 2**30,  # HBM2e 95 GiB, 2765 GBps
+    link_bytes_per_s=600e9,  # bidirectional ICI 1200 GBps per chip (4800 Gbps)
+    network_bytes_per_s=50e9 / 8,  # DCN 50 Gbps per chip
+    devices_per_host=4, host_bounds=(2, 2, 1), topology_dims=3,
+)
+TPU_V6E = Target(
+    name="v6e", device_kind="TPU v6 lite", platform="tpu",
+    peak_flops={"bf16": 918e12, "s8": 1836e12},  # 918 TFLOPs bf16, 1836 TOPs int8
+    hbm_bytes_per_s=1640e9, memory_bytes=32 * 2**30,  # 32 GB, 1640 GBps
+    link_bytes_per_s=400e9,  # bidirectional ICI 800 GBps per chip (3200 Gbps; a later version of the page: 3584)
+    network_bytes_per_s=100e9 / 8,  # 4 x 200 Gbps NICs per host of 8 chips
+    devices_per_host=8, host_bounds=(2, 4, 1), topology_dims=2,
+)
+TARGETS = {"h100": H100, "v4": TPU_V4, "v5e": TPU_V5E, "v5p": TPU_V5P, "v6e": TPU_V6E}
+
+# What libtpu, loaded on a machine without TPUs, would otherwise ask the VM's metadata for and warn about (the
+# accelerator type, the workers' host names); the topology compiled for is `--topology`, not these.
+TPU_QUIET_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
 
 
-def target_devices(target: Target, num_devices: int) -> list:
+def quiet_libtpu() -> None:
+    """Set `TPU_QUIET_ENV` (where unset): before libtpu is loaded, and only when compiling for compile-only TPUs
+    (on a TPU VM these would misdescribe the real chips)."""
+    import os  # local import: only the compile-only tools call this
+
+    for key, value in TPU_QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+_TOPOLOGY = re.compile(r"(v4|v5e|v5p|v6e|v5litepod):(\d+(?:x\d+){1,2})")
+
+
+def parse_topology(target: Target, topology: str) -> tuple[int, ...]:
+    """`v5p:2x2x1` -> (2, 2, 1) for `target`: the chip grid of a slice as libtpu names it (generation, then
+    2 or 3 dimensions); ValueError with what is allowed when it is not one, or not of `target`'s generation."""
+    m = _TOPOLOGY.fullmatch(topology.strip())
+    example = "v5p:2x2x1" if target.topology_dims == 3 else f"{target.name}:2x4"
+    if m is None:
+        raise ValueError(f"--topology={topology!r} is not a TPU topology: write the generation and the chip grid, "
+                         f"e.g. {example}")
+    generation = "v5e" if m.group(1) == "v5litepod" else m.group(1)
+    if generation != target.name:
+        raise ValueError(f"--topology={topology} is a {generation} slice, not a {target.name} one (--target="
+                         f"{target.name}): use e.g. {example}, or --target={generation}")
+    dims = tuple(int(d) for d in m.group(2).split("x"))
+    if len(dims) != target.topology_dims or min(dims) < 1:
+        raise ValueError(f"--topology={topology}: a {target.name} slice is a {target.topology_dims}-D grid of chips, "
+                         f"e.g. {example}")
+    return dims
+
+
+def default_topology(target: Target, num_devices: int) -> str:
+    """The slice shape Cloud offers for `num_devices` chips of a TPU `target` (v5p: 2x2x1, 2x2x2, 2x4x4, 4x4x4,
+    4x4x8, ...; v5e, v6e: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, ...): powers of two, doubling the smallest side."""
+    if num_devices & (num_devices - 1):
+        raise ValueError(f"{num_devices} {target.name} chips: no default slice shape for a count that is not a power "
+                         f"of two; give --topology (e.g. {target.name}:{'x'.join(['2'] * target.topology_dims)})")
+    dims = [1] * target.topology_dims
+    while math.prod(dims) < num_devices:
+        if math.prod(dims) < 4:  # 1x1(x1) -> 2x1(x1) -> 2x2(x1)
+            i = 0 if dims[0] == 1 else 1
+        else:  # the smallest side, the last of equals (2x2x1 -> 2x2x2 -> 2x2x4 -> 2x4x4)
+            i = max(j for j, d in enumerate(dims) if d == min(dims))
+        dims[i] *= 2
+    return f"{target.name}:{'x'.join(map(str, dims))}"
+
+
+def tpu_devices(target: Target, num_devices: int, topology: str | None = None) -> list:
+    """The compile-only chips of a TPU slice (`topology`, default `default_topology`), from libtpu's own
+    description of it, laid out over hosts as Cloud's are (`Target.host_bounds`); needs libtpu (`make tpu-env`)."""
+    from jax.experimental import topologies  # local import: experimental JAX API, only for compile-only targets
+
+    topology = topology or default_topology(target, num_devices)
+    dims = parse_topology(target, topology)
+    if math.prod(dims) != num_devices:
+        raise ValueError(f"--topology={topology} has {math.prod(dims)} chips, not --devices={num_devices}")
+    grid = (*dims, 1) if len(dims) == 2 else dims
+    bounds = [min(d, b) for d, b in zip(grid, target.host_bounds)]
+    quiet_libtpu()
+    devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu",
+                                                chips_per_host_bounds=bounds).devices)
+    if len(devices) != num_devices:  # v4: libtpu gives each of a chip's two TensorCores, where a v4 runs megacore
+        raise ValueError(f"libtpu describes {topology} as {len(devices)} devices (one per TensorCore), not one per chip "
+                         f"as a {target.name} runs; its program cannot be compiled here: plan it analytically, "
+                         f"without --target (--platform=tpu --device_memory_gib={target.memory_bytes / 2**30:g})")
+    return devices
+
+
+def target_devices(target: Target, num_devices: int, topology: str | None = None) -> list:
     """`num_devices` compile-only devices of `target` (whole hosts of `devices_per_host`, or fewer on
-    one), for `jax.jit(...).lower(...).compile()` on this machine. Needs the target's PJRT plugin
-    installed (`make h100-env`) and JAX started with `JAX_PLATFORMS=cpu` (the plugin is not
-    initialised for a device that is not there)."""
+    one; TPUs: the chips of `topology`, `tpu_devices`), for `jax.jit(...).lower(...).compile()` on this
+    machine. Needs the target's PJRT plugin installed (`make h100-env`, `make tpu-env`) and JAX started
+    with `JAX_PLATFORMS=cpu` (the plugin is not initialised for a device that is not there)."""
     # local import: experimental JAX API, only for compile-only targets (the rest of this module needs no JAX)
     from jax.experimental import topologies
 
+    if target.platform == "tpu":
+        return tpu_devices(target, num_devices, topology)
+    if topology:
+        raise ValueError(f"--topology is a TPU slice's shape; --target={target.name} is not a TPU")
     per_host = min(num_devices, target.devices_per_host)
     if num_devices % per_host:
         raise ValueError(f"{num_devices} {target.name} devices are not whole hosts of {target.devices_per_host}")
@@ -233,12 +365,70 @@ def dot_flops(module: hlo.Module, inst: dict) -> float:
     return 2.0 * math.prod(res) * contracted
 
 
+_DIM_LABELS = re.compile(r"dim_labels=([0-9bf]+)_([0-9io]+)->([0-9bf]+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window(attrs: str, spatial: int) -> dict[str, list]:
+    """A convolution's window per spatial dimension: size, stride, pad (low, high), lhs_dilate, rhs_dilate."""
+    m = _WINDOW.search(attrs)
+    fields = dict(f.split("=", 1) for f in (m.group(1).split() if m else []) if "=" in f)
+    out: dict[str, list] = {}
+    for key, default in (("size", 1), ("stride", 1), ("lhs_dilate", 1), ("rhs_dilate", 1)):
+        out[key] = [int(v) for v in fields[key].split("x")] if key in fields else [default] * spatial
+    out["pad"] = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields \
+        else [(0, 0)] * spatial
+    return out
+
+
+def _window_pairs(size_in: int, kernel: int, size_out: int, stride: int, pad_low: int, lhs_dilate: int,
+                  rhs_dilate: int) -> int:
+    """(output position, kernel position) pairs of one spatial dimension that land on an input element (not
+    on padding, nor on a hole lhs dilation leaves): the multiply-adds that dimension contributes."""
+    span, pairs = (size_in - 1) * lhs_dilate, 0
+    for k in range(kernel):
+        shift = k * rhs_dilate - pad_low  # input position = o * stride + shift
+        if lhs_dilate == 1:  # 0 <= o * stride + shift <= span, o in [0, size_out)
+            first, last = max(0, -(shift // stride)), min(size_out - 1, (span - shift) // stride)
+            pairs += max(0, last - first + 1)
+        else:
+            pairs += sum(1 for o in range(size_out) if 0 <= (p := o * stride + shift) <= span and p % lhs_dilate == 0)
+    return pairs
+
+
+def conv_flops(module: hlo.Module, inst: dict) -> float:
+    """2 x the multiply-adds of a `convolution`: what XLA:TPU turns dots into (a batched matmul's batch dims
+    become padded, dilated spatial windows whose off-diagonal positions fall on padding). Per output batch
+    element and output feature, the kernel's input features times, per spatial dimension, the (output,
+    kernel) position pairs that read an input element."""
+    m = _DIM_LABELS.search(inst["attrs"])
+    if m is None or len(inst["operands"]) < 2:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = m.groups()
+    _, lhs = hlo.dtype_dims(module.shapes.get(inst["operands"][0], "?"))
+    _, rhs = hlo.dtype_dims(module.shapes.get(inst["operands"][1], "?"))
+    _, out = hlo.dtype_dims(inst["shape"])
+    if (len(lhs), len(rhs), len(out)) != (len(lhs_labels), len(rhs_labels), len(out_labels)):
+        return 0.0
+    spatial = len(out_labels) - 2
+    window = _window(inst["attrs"], spatial)
+    total = float(out[out_labels.index("b")] * out[out_labels.index("f")] * rhs[rhs_labels.index("i")])
+    for d in range(spatial):
+        total *= _window_pairs(lhs[lhs_labels.index(str(d))], rhs[rhs_labels.index(str(d))],
+                               out[out_labels.index(str(d))], window["stride"][d], window["pad"][d][0],
+                               window["lhs_dilate"][d], window["rhs_dilate"][d])
+    return 2.0 * total
+
+
 def _fused_dots(module: hlo.Module, computation: str, seen: frozenset = frozenset()) -> list[tuple[dict, float]]:
-    """The dots inside a fusion's computation and the fusions nested in it: (dot, flops)."""
+    """The dots (and convolutions: XLA:TPU's matmuls) inside a fusion's computation and the fusions nested in
+    it: (dot, flops)."""
     out = []
     for inst in module.computations.get(computation, []):
         if inst["op"] == "dot":
             out.append((inst, dot_flops(module, inst)))
+        elif inst["op"] == "convolution":
+            out.append((inst, conv_flops(module, inst)))
         elif inst["op"] == "fusion":
             callee = module.callee(inst)
             if callee and callee not in seen:
@@ -320,6 +510,8 @@ def _param_read_bytes(module: hlo.Module, computation: str, index: int, full: fl
 
 
 def _read_through(module: hlo.Module, insts: list[dict], name: str, full: float, depth: int) -> float:
+    if any(i["root"] and i["name"] == name for i in insts):  # passed on whole (a nested fusion's bitcast: XLA:TPU)
+        return full
     total = 0.0
     for user in _users(insts, name):
         position = user["operands"].index(name)
@@ -393,7 +585,7 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                 groups = hlo.device_groups(inst["attrs"], num_devices)
                 size = hlo.collective_result_bytes(inst)
                 kernel.kind, kernel.comm_bytes = collective, hlo.sent_bytes(collective, size, groups.shape[1])
-                cross = any(len(set(g // target.devices_per_host)) > 1 for g in groups)
+                cross = any(len(set(g // target.link_domain(num_devices))) > 1 for g in groups)
                 bandwidth = target.network_bytes_per_s if cross else target.link_bytes_per_s
                 kernel.seconds = kernel.comm_bytes / bandwidth if groups.shape[1] > 1 else 0.0
                 is_sync = config.get("collective_backend_config", {}).get("is_sync", False)
@@ -422,20 +614,27 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
                     kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
                                                                                           "Backward" in call)
+                elif call in ("AllocateBuffer", "ConcatBitcast"):  # XLA:TPU: a buffer reserved, or the slices that
+                    continue  # an asynchronous slice landed side by side read as one (a bitcast, by its name: free)
                 elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
                     kernel.kind = "gemm"
                     kernel.flops, kernel.dtype = grouped
                 else:
                     kernel.kind = f"custom call ({call})"
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
-            elif op == "dot":  # an unfused dot (CPU modules)
-                kernel.kind, kernel.flops = "gemm", dot_flops(module, inst)
+            elif op in ("dot", "convolution"):  # an unfused dot (CPU modules) or convolution
+                kernel.kind = "gemm"
+                kernel.flops = dot_flops(module, inst) if op == "dot" else conv_flops(module, inst)
                 kernel.dtype = hlo.dtype_dims(module.shapes.get(inst["operands"][0], "?"))[0]
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
             elif op == "dynamic-update-slice":
                 kernel.bytes = 2.0 * (operand_bytes[1] if len(operand_bytes) > 1 else 0)
             elif op in SLICING:
                 kernel.bytes = 2.0 * hlo.shape_bytes(inst["shape"])
+            elif op == "slice-start":  # XLA:TPU's asynchronous slice, ((operand), slice, context): a DMA of the slice
+                parts = hlo.tuple_parts(inst["shape"])
+                kernel.kind = "slice"
+                kernel.bytes = 2.0 * hlo.shape_bytes(parts[1] if len(parts) > 1 else inst["shape"])
             else:  # copy, copy-start, transpose, reduce, sort, ...: reads its operands, writes its result
                 kernel.kind = "copy" if op in ("copy", "copy-start") else op
                 kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])

@@ -274,7 +274,7 @@ def test_a_run_that_fits_says_by_how_much(capsys):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--config=configs/tiny.py"], "the following arguments are required: --devices"),
+        (["--config=configs/tiny.py"], "--devices is required (the number of devices the run uses)"),
         (["--config=configs/tiny.py", "--devices=3"],
          "does not divide over the 3 devices of the batch axes mesh.data=1 x mesh.fsdp=3 x mesh.expert=1"),
         (["--config=configs/tiny.py", "--devices=8", "--config.model.d_modl=3"], "did you mean 'model.d_model'"),

@@ -1,0 +1,251 @@
+"""Compile-only TPU targets (`python -m jaxlm.plan --target=v5p --topology=v5p:2x2x1`): the chips' figures, the
+slice shapes, the refusals, and the roofline of XLA:TPU's program: its matmuls are convolutions (a batched
+matmul's batch a padded, dilated window) and its loops carry no trip count. The last test compiles tiny's
+train step for four v5p chips where libtpu is installed (`make tpu-env`), else it is skipped."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxlm import hlo, metrics, plan, roofline
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+GIB = 2**30
+
+# Four v5p chips, x: bf16[8, 128, 256] sharded over its batch, w: bf16[256, 512] over its rows, compiled by
+# .venv-tpu's jax 0.10.2 and libtpu 0.0.42.1 (tests/data/tpu_v5p_matmuls.hlo):
+#     y = jnp.einsum("btd,df->btf", x, w)   # w all-gathered: a convolution with a window of 1
+#     s = jnp.einsum("bqf,bkf->bqk", y, y)  # per batch element: a convolution whose window is the batch
+#     return s.astype(jnp.float32).sum()    # an all-reduce over the batch's shards
+TPU_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_matmuls.hlo").read_text()
+
+
+def test_the_tpu_targets_carry_clouds_figures():
+    figures = {  # name: (device kind, bf16 FLOP/s, int8 OP/s, HBM GiB, HBM B/s, ICI B/s one way, chips per host)
+        "v4": ("TPU v4", 275e12, 275e12, 32, 1200e9, 270e9, 4),
+        "v5e": ("TPU v5 lite", 197e12, 393e12, 16, 819e9, 200e9, 8),
+        "v5p": ("TPU v5", 459e12, 918e12, 95, 2765e9, 600e9, 4),
+        "v6e": ("TPU v6 lite", 918e12, 1836e12, 32, 1640e9, 400e9, 8),
+    }
+    for name, (kind, bf16, int8, hbm_gib, hbm_bw, ici, per_host) in figures.items():
+        t = roofline.TARGETS[name]
+        assert (t.name, t.device_kind, t.platform) == (name, kind, "tpu")
+        assert (t.peak("bf16"), t.peak("s8"), t.peak("f32")) == (bf16, int8, bf16)  # f32 dots: bf16 passes' roof
+        assert (t.memory_bytes, t.hbm_bytes_per_s, t.link_bytes_per_s) == (hbm_gib * GIB, hbm_bw, ici)
+        assert t.devices_per_host == per_host and t.network_bytes_per_s < t.link_bytes_per_s
+        assert t.config is None and t.capability is None  # XLA:GPU's description and CUDA's capability: GPUs only
+        assert metrics.peak_flops(kind) == bf16  # the trainer's MFU divides by the same peak on a real chip
+        assert t.link_domain(64) == 64  # ICI joins the whole slice, across hosts
+    assert roofline.H100.link_domain(64) == 8
+
+
+def test_topologies_are_parsed_and_defaulted_as_clouds_slices():
+    v5p, v5e, v6e = roofline.TPU_V5P, roofline.TPU_V5E, roofline.TPU_V6E
+    assert roofline.parse_topology(v5p, "v5p:2x2x1") == (2, 2, 1)
+    assert roofline.parse_topology(v5p, "v5p:2x4x4") == (2, 4, 4)  # 32 chips on 8 hosts
+    assert roofline.parse_topology(v5e, "v5e:2x4") == roofline.parse_topology(v5e, "v5litepod:2x4") == (2, 4)
+    assert [roofline.default_topology(v5p, n) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
+        "v5p:1x1x1", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4", "v5p:4x4x4", "v5p:4x4x8", "v5p:4x8x8"]
+    assert [roofline.default_topology(v6e, n) for n in (1, 4, 8, 16, 32, 64, 256)] == [
+        "v6e:1x1", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v6e:16x16"]
+    refusals = [(v5p, "v6e:2x4", "--target=v6e"), (v5p, "v5p:2x4", "3-D grid"), (v6e, "v6e:2x2x2", "2-D grid"),
+                (v5p, "2x2x1", "e.g. v5p:2x2x1"), (v5e, "v5e:0x4", "2-D grid")]
+    for target, topology, says in refusals:
+        with pytest.raises(ValueError, match=says):
+            roofline.parse_topology(target, topology)
+    with pytest.raises(ValueError, match="power of two"):
+        roofline.default_topology(v5p, 6)
+
+
+def _one_line(capsys, argv: list[str]) -> str:
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_tpu_plan_refuses_in_one_line(capsys):
+    tiny = "--config=configs/tiny.py"
+    assert "is a v6e slice, not a v5p one" in _one_line(capsys, [tiny, "--target=v5p", "--topology=v6e:2x4"])
+    assert "has 4 chips, not --devices=8" in _one_line(capsys, [tiny, "--target=v5p", "--topology=v5p:2x2x1",
+                                                                "--devices=8"])
+    assert "add --target=v5e, v5p or v6e" in _one_line(capsys, [tiny, "--devices=4", "--topology=v5p:2x2x1"])
+    assert "is a TPU slice's shape" in _one_line(capsys, [tiny, "--target=h100", "--devices=8",
+                                                                     "--topology=v5p:2x2x1"])
+    assert "--devices is required" in _one_line(capsys, [tiny, "--target=v5p"])
+    assert "power of two" in _one_line(capsys, [tiny, "--target=v6e", "--devices=6",
+                                                    "--config.data.global_batch_size=24"])
+    assert "'v4', 'v5e', 'v5p', 'v6e'" in _one_line(capsys, [tiny, "--devices=4", "--target=v7"])  # the known ones
+
+
+@pytest.mark.skipif(HAVE_LIBTPU, reason="libtpu is installed in this environment")
+def test_a_tpu_target_without_libtpu_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
+                             "--topology=v5p:2x2x1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "make tpu-env" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_xla_tpus_convolutions_are_counted_as_the_matmuls_they_are():
+    module = hlo.Module(TPU_MODULE)
+    kernels = {k.name: k for k in roofline.kernels(module, roofline.TPU_V5P, 4)}
+    # one fusion holds both matmuls: x's shard [2, 128, 256] by w [256, 512], then [2, 128, 512] by its transpose
+    # per batch element (the convolution whose 2-wide window, dilated by 2, meets the batch's diagonal only)
+    gemm = kernels["convert_reduce_fusion"]
+    assert (gemm.kind, gemm.dtype) == ("gemm", "bf16")
+    assert gemm.flops == 2 * 2 * 128 * 512 * 256 + 2 * 2 * 128 * 128 * 512
+    assert gemm.bytes == 2 * 128 * 256 * 2 + 256 * 512 * 2 + 4  # x's shard and w (through a nested fusion) + f32[]
+    gather = kernels["all-gather.1"]  # w's rows from the four chips, over ICI
+    assert gather.comm_bytes == 3 / 4 * 256 * 512 * 2 and gather.seconds == gather.comm_bytes / 600e9
+    assert kernels["all-reduce"].kind == "all-reduce" and module.unknown_trip_counts == 0
+    assert not any("AllocateBuffer" in k.kind for k in kernels.values())
+    summary = roofline.summarize(list(kernels.values()), roofline.TPU_V5P, model_flops_per_device=gemm.flops)
+    assert summary["matmul_flops"] == gemm.flops and 0 < summary["roofline_mfu"] <= 1
+
+
+def test_window_pairs_count_the_positions_that_read_an_input_element():
+    # brute force over small windows: stride, padding, both dilations
+    import itertools
+
+    def brute(size_in, kernel, size_out, stride, pad, lhs_dilate, rhs_dilate):
+        span = (size_in - 1) * lhs_dilate
+        return sum(1 for o, k in itertools.product(range(size_out), range(kernel))
+                   if 0 <= (p := o * stride + k * rhs_dilate - pad) <= span and p % lhs_dilate == 0)
+
+    for args in itertools.product((1, 3, 4), (1, 2, 4), (1, 2, 5), (1, 3), (0, 1, 3), (1, 2), (1, 2)):
+        assert roofline._window_pairs(*args) == brute(*args), args
+
+
+# A loop as XLA:TPU writes it: no known_trip_count; its condition compares the counter with 6, from 2
+LOOP = """HloModule loop
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[]{:T(128)}, f32[4]{0:T(256)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(6)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %q = (s32[]{:T(128)}, f32[4]{0:T(256)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  %x = f32[4]{0:T(256)} get-tuple-element(%q), index=1
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%j, %one)
+  %y = f32[4]{0:T(256)} negate(%x)
+  ROOT %t = (s32[]{:T(128)}, f32[4]{0:T(256)}) tuple(%next, %y)
+}
+
+ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {
+  %a = f32[4]{0:T(256)} parameter(0)
+  %two = s32[]{:T(128)} constant(2)
+  %start = s32[]{:T(128)} copy(%two)
+  %init = (s32[]{:T(128)}, f32[4]{0:T(256)}) tuple(%start, %a)
+  ROOT %w = (s32[]{:T(128)}, f32[4]{0:T(256)}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+# XLA:TPU's windowed matmul loop: the counter after the buffers (element 1), two steps per iteration
+WINDOWED = """HloModule windowed
+
+%cond (p: (f32[4], s32[])) -> pred[] {
+  %p = (f32[4]{0:T(256)}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=1
+  %n = s32[]{:T(128)} constant(7)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+%body (q: (f32[4], s32[])) -> (f32[4], s32[]) {
+  %q = (f32[4]{0:T(256)}, s32[]{:T(128)}) parameter(0)
+  %x = f32[4]{0:T(256)} get-tuple-element(%q), index=0
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=1
+  %two = s32[]{:T(128)} constant(2)
+  %next = s32[]{:T(128)} add(%j, %two)
+  %y = f32[4]{0:T(256)} negate(%x)
+  ROOT %t = (f32[4]{0:T(256)}, s32[]{:T(128)}) tuple(%y, %next)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], s32[]) {
+  %a = f32[4]{0:T(256)} parameter(0)
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (f32[4]{0:T(256)}, s32[]{:T(128)}) tuple(%a, %zero)
+  ROOT %w = (f32[4]{0:T(256)}, s32[]{:T(128)}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_runs_from_its_start_to_its_bound():
+    module = hlo.Module(LOOP)
+    assert module.runs["body"] == 4 and module.unknown_trip_counts == 0
+    unknown = hlo.Module(LOOP.replace("%start = s32[]{:T(128)} copy(%two)", "%start = s32[]{:T(128)} negate(%two)"))
+    assert unknown.unknown_trip_counts == 1  # a start that is not a constant: not guessed
+    windowed = hlo.Module(WINDOWED)  # 0, 2, 4, 6: four iterations
+    assert windowed.runs["body"] == 4 and windowed.unknown_trip_counts == 0
+    copied = hlo.Module(WINDOWED.replace("%next = s32[]{:T(128)} add(%j, %two)",  # the counter read through a copy
+                                         "%jc = s32[]{:T(128)} copy(%j)\n  %next = s32[]{:T(128)} add(%jc, %two)"))
+    assert copied.runs["body"] == 4 and copied.unknown_trip_counts == 0
+
+
+# XLA:TPU's asynchronous slices of a weight into on-chip memory (S(1)), joined by a bitcast
+DMA = """HloModule dma
+
+ENTRY %main (a: s8[4096]) -> bf16[1024] {
+  %a = s8[4096]{0:T(1024)} parameter(0)
+  %s0 = ((s8[4096]{0:T(1024)}), s8[1024]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[0:1024]}
+  %s1 = ((s8[4096]{0:T(1024)}), s8[1024]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%a), slice={[1024:2048]}
+  %d0 = s8[1024]{0:T(1024)S(1)} slice-done(%s0)
+  %d1 = s8[1024]{0:T(1024)S(1)} slice-done(%s1)
+  ROOT %c = bf16[1024]{0:T(1024)S(1)} custom-call(%d0, %d1), custom_call_target="ConcatBitcast"
+}
+"""
+
+
+def test_an_asynchronous_slice_moves_its_slice_and_a_bitcast_nothing():
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(DMA), roofline.TPU_V6E, 1)}
+    assert set(kernels) == {"s0", "s1"}  # the done halves and the ConcatBitcast launch nothing
+    assert all(k.kind == "slice" and k.bytes == 2 * 1024 for k in kernels.values())  # the slice, not the weight
+
+
+TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
+
+
+@pytest.mark.skipif(not (HAVE_LIBTPU or TPU_PYTHON.exists()),
+                    reason="the TPU compiler environment is not installed (make tpu-env)")
+def test_tinys_train_step_compiles_for_four_v5p_chips():
+    """The tiny recipe compiled for a v5p:2x2x1 slice: four chips of a TPU v5, its memory against 95 GiB,
+    the state sharded over them (fsdp=4: a quarter of it per chip, gathered and reduced over ICI), and a
+    roofline whose matmuls are the model's count plus the masked half of XLA's attention, exactly."""
+    result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
+                             "--topology=v5p:2x2x1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.strip() == "", result.stderr[-2000:]  # libtpu's warnings silenced
+    report = json.loads(result.stdout)
+    compiled, r = report["compiled"], report["compiled"]["roofline"]
+    assert (compiled["platform"], compiled["device_kind"], compiled["num_devices"]) == ("tpu", "TPU v5", 4)
+    assert report["mesh"]["fsdp"] == 4 and report["platform"] == "tpu" and compiled["attention"] == "xla"
+    assert report["device_memory_bytes"] == 95 * GIB and report["fits"] and report["decided_by"] == "compiled"
+    assert 0 < compiled["per_device_bytes"] == report["per_device_bytes"] < GIB
+    state = sum(row["total_bytes"] for row in report["analytic"]["rows"]
+                if row["name"] in ("parameters", "optimizer state"))
+    # sharded: a quarter of the parameters and optimizer state per chip (with the batch, and TPU tiles padding
+    # tiny's narrow dims) is well under half of them
+    assert compiled["argument_bytes"] < 0.5 * state
+    assert r["unknown_trip_counts"] == 0 and r["host_syncs"] == 0
+    assert {"gemm", "all-gather"} <= set(r["by_kind"]) and r["communication_seconds"] > 0
+    from jaxlm import config as config_lib
+
+    m = config_lib.load_recipe("tiny").model
+    tokens_per_device = 16 * 128 / 4
+    causal_half = 6 * m.n_layers * 128 * m.n_heads * (m.head_dim or m.d_model // m.n_heads) * tokens_per_device
+    assert r["matmul_flops"] == pytest.approx(r["model_flops"] + causal_half, rel=1e-9)
+    assert 0 < r["roofline_mfu"] <= 1
