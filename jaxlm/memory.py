@@ -18,7 +18,7 @@ counted as it is, except that without remat in one program (layers unrolled, the
 keeps what the blocks' backward recomputes, computed ahead. Each kernel's own terms are its entry's
 in `attention.KERNELS` (`attention.Kernel`); this module asks them. Under context parallelism (a sequence
 split over `mesh.context`) they are its strategy's (`attention.context_kernel`: allgather keeps the gathered
-keys and values beside its kernel's own, ring a flash kernel's residuals and one step's blocks in its
+keys and values beside its kernel's own, ring a flash kernel's residuals and one block's working set in its
 backward), checked against the compiled step on CPUs and H100s. The measurements
 behind all of this are in benchmarks/BENCHMARKS.md ("Memory plan", `benchmarks/memory_plan.py`).
 """
@@ -266,13 +266,11 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     return max(rest, kernel.backward_bytes(s, a)) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
-def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, platform: str = "cpu") -> float:
-    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device); `platform`:
-    on a GPU, what a kernel computes ahead in one program only where XLA:GPU keeps it (`Kernel.ahead_on_gpus`)."""
+def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> float:
+    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
     a, kernel = act_bytes, kernel_of(m, s)
     if policy == "none":
-        ahead = one_program(m) and (platform == "cpu" or kernel.ahead_on_gpus)
-        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if ahead else 0.0)
+        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
@@ -456,7 +454,7 @@ def estimate(
         # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
         saved = sum(passes * count / m.n_layers * layer_saved_bytes(
             stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
-            a, m.remat, platform) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
+            a, m.remat) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes

@@ -53,8 +53,6 @@ class Kernel:
     # the softmax statistics, recomputing the probabilities block by block (the flash kernels)
     keeps_scores: bool
     takes_mask: bool = True  # whether it reads the [T, T] mask the model builds (cuDNN takes segment ids)
-    # whether XLA:GPU keeps what `kept_in_one_program` counts (XLA:CPU's figure)
-    ahead_on_gpus: bool = True
 
     def forward_bytes(self, s, a: int) -> float:
         """What it keeps for its backward pass: the float32 softmax and the probabilities, or only the
