@@ -130,8 +130,8 @@ class AllGatherKernel(Kernel):
     against the whole sequence's keys and values [B, T, K, H], all-gathered, by XLA's attention (`keeps_scores`:
     its [B, N, t, T] softmax and probabilities) or cuDNN's, with a [B, 1, t, T] mask. `s`: the context axis's
     `s.context` = c splits the sequence, T = c t. The mask is the same in every layer (the same positions and
-    segment ids), one buffer that XLA makes once (`shared_bytes`; the 1b recipe on context 8 on H100s: at 32,768
-    tokens 31.5 GiB compiled, 32.5 planned, 43.5 with a mask per layer; at 131,072 tokens 50.4 and 48.8)."""
+    segment ids), one buffer that XLA makes once (`shared_bytes`; checked against the compiled step:
+    benchmarks/BENCHMARKS.md, "Context parallelism on 8 H100s")."""
 
     def _gathered(self, s, a: int) -> float:
         return 2 * a * s.kv * s.context  # the whole sequence's keys and values, in the compute dtype
@@ -155,9 +155,8 @@ class AllGatherKernel(Kernel):
         return self._gathered(s, a) * F32 / a
 
     def kept_in_one_program(self, s, dtype) -> float:
-        """XLA's attention, its backward's probabilities in the compute dtype computed ahead in the forward
-        (the tiny recipe at 2,048 tokens on context 8, layers unrolled on XLA:CPU: 962 MiB compiled, 956
-        planned; 828 without this term, which a layer loop compiles to within 2%)."""
+        """XLA's attention, its backward's probabilities in the compute dtype computed ahead in the forward when
+        the layers are one program (XLA:CPU's buffers; tests/test_plan.py checks the plan against the compile)."""
         return np.dtype(dtype).itemsize * s.scores if self.keeps_scores else 0.0
 
 

@@ -30,9 +30,8 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
               balanced layout half of every other step's square (the same work on every device). Memory:
               two chunks' keys and values and one block's float32 scores at a time. About four times
               allgather's traffic (the chunks pass again in the backward, their gradient sums in float32),
-              in pieces that XLA overlaps with the blocks' matmuls (the 1b recipe at 32,768 tokens on
-              context 8: 21.7 GB per device per step against 5.2 GB all-gathered and 5.2 GB
-              reduce-scattered, benchmarks/BENCHMARKS.md).
+              in pieces that XLA overlaps with the blocks' matmuls (benchmarks/BENCHMARKS.md, "Context
+              parallelism on 8 H100s").
 
 Packed documents: the segment ids travel with their tokens (reordered with them, gathered or passed around
 with the keys), and a query attends to a key only when both ids are equal and the key's global position is
@@ -95,9 +94,10 @@ def causal_work(seq_len: int, context: int, layout: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- the layout's reordering
-def _seq_spec(ndim: int) -> P:
-    """[B, T, ...]: rows split as the activations' batch, the sequence over `context` alone, the rest whole."""
-    s = list(logical_to_spec(("act_batch",) + (None,) * (ndim - 1), spmd.get_logical_axis_rules()))
+def _seq_spec(*rest: str | None) -> P:
+    """[B, T, *rest]: rows split as the activations' batch, the sequence over `context` alone, the other
+    dimensions by their logical names (None: whole)."""
+    s = list(logical_to_spec(("act_batch", None, *rest), spmd.get_logical_axis_rules()))
     s[1] = CONTEXT_AXIS
     return P(*s)
 
@@ -136,7 +136,7 @@ def _reorder(x: jax.Array, layout: str, inverse: bool) -> jax.Array:
         raise UserError(f"a sequence of {x.shape[1]} tokens does not split into the 2 x mesh.context={context} chunks "
                         f"of model.context_layout='balanced'; use a multiple of {2 * context} tokens, or "
                         "model.context_layout='contiguous'")
-    spec = _seq_spec(x.ndim)
+    spec = _seq_spec(*(None,) * (x.ndim - 2))
     return jax.shard_map(functools.partial(_zigzag, context=context, inverse=inverse), in_specs=(spec,),
                          out_specs=spec, check_vma=False)(x)
 
@@ -161,15 +161,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
         raise UserError("config.model.attention='pallas' with mesh.context > 1: not built (the Pallas kernel "
                         "takes whole sequences); use 'xla' or 'blocked'")
     context = context_size()
-    rules = spmd.get_logical_axis_rules()
-
-    def spec(heads):  # [B, T, heads, H]: the sequence over context alone
-        s = list(logical_to_spec(("act_batch", None, heads, None), rules))
-        s[1] = CONTEXT_AXIS
-        return P(*s)
-
-    q_spec, kv_spec = spec("act_heads"), spec("act_kv_heads")
-    rows_spec = P(q_spec[0], CONTEXT_AXIS)
+    q_spec, kv_spec, rows_spec = _seq_spec("act_heads", None), _seq_spec("act_kv_heads", None), _seq_spec()
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     if strategy == "ring":
@@ -311,8 +303,7 @@ def _ring_fwd(q, k, v, segment_ids, context: int, layout: str):
             held = _pass_on(held, context)
             # One step at a time: the next step's blocks wait for this step's sums (the pass itself still overlaps
             # this step's blocks). Without the barrier XLA computes every step's scores at once, as the passes
-            # bring the chunks: the 1b recipe at 32,768 tokens on context 8 peaked with 14 [t/2, t/2] blocks of
-            # float32 scores alive (15 GB for 2 rows) on H100s.
+            # bring the chunks, all of them alive together.
             held, acc, top, total = jax.lax.optimization_barrier((held, acc, top, total))
     out = (acc / total.transpose(0, 3, 1, 2)[..., None]).astype(q.dtype)  # every query sees itself: total > 0
     lse = top + jnp.log(total)  # [B, K, G, t]
