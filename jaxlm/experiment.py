@@ -668,6 +668,20 @@ def variant_table(rows: Sequence[dict[str, Any]], metric: str = "final_val_loss"
                   "Wh per nat of loss", *columns], table_rows)
 
 
+def docstring_markdown(doc: str) -> str:
+    """A docstring as Markdown: its indented command blocks dropped, prose paragraphs joined onto one line,
+    and tables and lists (paragraphs whose lines start with `|`, `-`, `*` or `1.`) kept line by line so they
+    still render as tables and lists."""
+    paragraphs = []
+    for paragraph in doc.split("\n\n"):
+        if not paragraph.strip() or paragraph.startswith("    "):
+            continue
+        lines = paragraph.strip("\n").splitlines()
+        structured = any(re.match(r"\s*(\||[-*] |\d+\. )", line) for line in lines)
+        paragraphs.append("\n".join(lines) if structured else " ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
+
+
 def markdown_report(title: str, description: str, rows: Sequence[dict[str, Any]], metric: str,
                     setup: str = "", columns: Sequence[str] = ()) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "stopped", "partial", "pending")}
@@ -1003,8 +1017,7 @@ def sweep(exp: Experiment, *, output_dir: str | os.PathLike = "runs", search: st
     title = exp.name + (f" ({search} search)" if search else "")
     setup = (f"Recipe `{exp.recipe}` with " + (", ".join(f"`{k}={_flag_value(v)}`" for k, v in [*exp.base.items(), *extra])
                                                or "no overrides") + f"; seeds {', '.join(map(str, seeds))}.")
-    description = "\n\n".join(  # the docstring's prose, without its indented command lines
-        p.replace("\n", " ") for p in exp.description.split("\n\n") if p.strip() and not p.startswith("    "))
+    description = docstring_markdown(exp.description)
 
     if search == "optuna":
         if print_commands:

@@ -68,6 +68,13 @@ def test_grids_name_their_variants_and_random_trials_are_reproducible():
     assert len(experiment.search_variants(exp, "grid", None)) == 3 * 2 * 3
 
 
+def test_a_docstring_becomes_markdown_with_its_tables_and_lists_intact():
+    doc = ("What it asks,\nover two lines.\n\n| run | loss |\n|---|---|\n| a | 1.0 |\n\n"
+           "    python -m jaxlm.experiment x.py\n\n- one\n- two\n\nEnd.")
+    assert experiment.docstring_markdown(doc) == (
+        "What it asks, over two lines.\n\n| run | loss |\n|---|---|\n| a | 1.0 |\n\n- one\n- two\n\nEnd.")
+
+
 def test_the_example_experiments_resolve_to_valid_runs(tmp_path):
     for name, count in (("lr_warmup", 12), ("norm_mlp", 8), ("dense_vs_moe", 18)):
         exp = experiment.load_experiment(ROOT / "experiments" / f"{name}.py")
