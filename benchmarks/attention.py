@@ -26,6 +26,8 @@ Candidates (--impls):
   pallas               jax's Pallas (Triton) flash attention with segment ids (`model.attention=pallas`,
                        `attention.pallas_attention`), key/value heads repeated for grouped queries;
                        interpreted on a CPU (correct, not fast)
+  splash               jax's Pallas TPU splash attention with segment ids (`model.attention=splash`, TPUs' `auto`,
+                       `attention.splash_attention`), blocks above the diagonal skipped; interpreted off a TPU
   cudnn_causal         cuDNN with the causal mask only: attends across documents, so it is checked against a
                        causal-only reference; the time without any document masking, a bound for the others
 A candidate that cannot run here is reported as skipped (cuDNN on a CPU) or failed, with the reason.
@@ -55,7 +57,7 @@ from jaxlm.models import attention  # noqa: E402
 from jaxlm.models.transformer import ModelConfig  # noqa: E402
 from jaxlm.table import Table  # noqa: E402
 
-IMPLS = ("xla", "blocked", "cudnn", "cudnn_packed", "pallas", "cudnn_causal")
+IMPLS = ("xla", "blocked", "cudnn", "cudnn_packed", "pallas", "splash", "cudnn_causal")
 CUDNN = {"cudnn", "cudnn_packed", "cudnn_causal"}
 
 
@@ -79,7 +81,7 @@ def segment_runs(segment_ids: np.ndarray) -> int:
 
 def candidate(name: str, *, max_segments: int):
     """(q, k, v, segment_ids) -> attention output, for one of IMPLS."""
-    if name in ("xla", "blocked", "cudnn", "pallas"):  # the model's own kernels
+    if name in ("xla", "blocked", "cudnn", "pallas", "splash"):  # the model's own kernels
         return lambda q, k, v, seg: attention.attend(q, k, v, segment_ids=seg, implementation=name)
     if name == "cudnn_causal":
         return lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

@@ -128,6 +128,28 @@ def collective_op(op: str) -> str | None:
     return base if base in COLLECTIVES else None
 
 
+def _joined_instructions(text: str):
+    """The module's lines, an instruction written over several lines joined into one: XLA:TPU prints a Pallas
+    kernel's `frontend_attributes={kernel_metadata={...}}` with line breaks inside the braces (whose closing
+    line, flush left, would otherwise read as the end of the computation)."""
+    pending, depth = "", 0
+    for line in text.splitlines():
+        if pending:
+            pending += line
+            depth += line.count("{") - line.count("}")
+            if depth <= 0:
+                yield pending
+                pending = ""
+            continue
+        depth = line.count("{") - line.count("}")
+        if line.startswith(" ") and line.endswith("{") and depth > 0:  # braces that close on a later line
+            pending = line
+            continue
+        yield line
+    if pending:
+        yield pending
+
+
 class Module:
     """An HLO module's text: computations, instructions, how often each computation runs per step,
     and the source location table that `debug_info` lowering and compilation keep.
@@ -140,7 +162,7 @@ class Module:
         self.shapes: dict[str, str] = {}
         self.entry = None
         current = None
-        for line in text.splitlines():
+        for line in _joined_instructions(text):
             if not line.startswith(" "):
                 m = COMPUTATION.match(line)
                 current = m.group(1) if m and not line.startswith("HloModule") else None

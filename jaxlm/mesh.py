@@ -64,6 +64,18 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None,
 
 
 @functools.cache
+def trace_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices the program being traced is for: the current mesh's,
+    else JAX's default backend. The planner traces for compile-only GPUs or TPUs on a CPU machine, where
+    `jax.default_backend()` is the CPU's: a kernel chosen by it would be the CPU's in the planned program."""
+    # local import: JAX's internal module, the only one to give the concrete mesh inside jit
+    from jax._src import mesh as mesh_lib
+
+    mesh = mesh_lib.get_concrete_mesh()
+    platform = jax.default_backend() if mesh is None or mesh.empty else mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def hostnames() -> tuple[str, ...]:
     """Every process's hostname, in process order (a collective the first time on several processes:
     all of them must call it)."""

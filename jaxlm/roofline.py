@@ -316,6 +316,7 @@ class Kernel:
     comm_bytes: float = 0.0  # a collective: what one device sends
     exposed_seconds: float = 0.0  # a collective: per execution, not covered by kernels scheduled beside it
     full_attention_flops: float = 0.0  # attention: the flops of the whole T x S square (no causal skip)
+    recompute_flops: float = 0.0  # attention backward: what it recomputes of the forward (left out of the model's)
     op_name: str = ""
     source: str = ""
 
@@ -467,6 +468,43 @@ def _cudnn_attention(module: hlo.Module, inst: dict, backward: bool) -> tuple[fl
     return (full / 2 if causal else full), full, q_t
 
 
+_SPLASH = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+_SPLASH_BLOCKS = re.compile(r'"xprof_metadata":"(\{.*?\})"')
+# splash's kernels' matmuls per [block_q, block_kv] block they visit, in units of one [bq, bkv] x head_dim
+# matmul: forward scores and values; dq: scores and the values' gradient again, then dq; dkv: scores,
+# dp, dv and dk. What each recomputes of the forward: the scores, and in dq also dp, which dkv computes too.
+_SPLASH_MATMULS = {"fwd": (2, 0), "dq": (3, 2), "dkv": (4, 1)}  # phase: (matmuls, of them recomputed)
+
+
+def _splash_attention(module: hlo.Module, inst: dict) -> tuple[str, float, float, float, str] | None:
+    """A Pallas TPU splash attention kernel (`jaxlm.models.attention.splash_attention`): (kind, flops,
+    full-square flops, recomputed flops, dtype), or None for another custom call. Its phase comes from the
+    kernel's name, its block sizes from the kernel metadata splash records, q [B, N, T, H] and k [B, K, S, H]
+    are its first two floating operands of rank 4; the blocks it visits are those a causal mask leaves any
+    pair in (jaxlm gives splash only causal masks: documents shorter than the row skip no blocks here)."""
+    m = _SPLASH.search(inst["name"]) or ((op := _OP_NAME.search(inst["attrs"])) and _SPLASH.search(op.group(1)))
+    if not m:
+        return None
+    phase = m.group(1)
+    arrays = [hlo.dtype_dims(module.shapes.get(o, "?")) for o in inst["operands"]]
+    floats = [(t, d) for t, d in arrays if t.startswith(("bf", "f")) and len(d) == 4]
+    if len(floats) < 2:
+        return None
+    (q_t, (b, n, t, h)), (_, (_, _, s_len, _)) = floats[:2]
+    sizes = {}
+    if meta := _SPLASH_BLOCKS.search(inst["attrs"]):  # "xprof_metadata":"{\"block_q\": 512, ...}"
+        sizes = json.loads(meta.group(1).replace('\\"', '"'))
+    suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[phase]
+    bq = int(sizes.get("block_q" + suffix, t) or t)
+    bkv = int(sizes.get("block_kv" + suffix, s_len) or s_len)
+    visited = sum(min(-(-s_len // bkv), ((i + 1) * bq - 1) // bkv + 1) for i in range(-(-t // bq)))
+    matmuls, recomputed = _SPLASH_MATMULS[phase]
+    per_block = 2.0 * bq * bkv * h * b * n  # one matmul over one block, every row and head
+    full = matmuls * per_block * (-(-t // bq)) * (-(-s_len // bkv))
+    kind = "attention" if phase == "fwd" else "attention backward"
+    return kind, matmuls * per_block * visited, full, recomputed * per_block * visited, q_t
+
+
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')  # the escaped quotes of a name holding JSON included
 
 
@@ -614,6 +652,10 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
                     kernel.kind = "attention backward" if "Backward" in call else "attention"
                     kernel.flops, kernel.full_attention_flops, kernel.dtype = _cudnn_attention(module, inst,
                                                                                           "Backward" in call)
+                    # cuDNN's backward recomputes the scores: one of its five matmuls
+                    kernel.recompute_flops = 0.2 * kernel.flops if "Backward" in call else 0.0
+                elif (splash := _splash_attention(module, inst)) is not None:  # XLA:TPU: a Pallas TPU kernel
+                    kernel.kind, kernel.flops, kernel.full_attention_flops, kernel.recompute_flops, kernel.dtype = splash
                 elif call in ("AllocateBuffer", "ConcatBitcast"):  # XLA:TPU: a buffer reserved, or the slices that
                     continue  # an asynchronous slice landed side by side read as one (a bitcast, by its name: free)
                 elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
@@ -676,8 +718,8 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
     return dict(
         target=target.name, step_seconds=step_s, compute_seconds=compute_s, communication_seconds=comm_s,
         exposed_communication_seconds=exposed_s, matmul_flops=matmul_flops, matmul_flops_full_attention=full_flops,
-        # cuDNN's backward recomputes the scores (one of its five matmuls), which the model's count leaves out
-        attention_recompute_flops=0.2 * sum(k.flops * k.runs for k in compute if k.kind == "attention backward"),
+        # what the attention kernels' backward recompute of the forward (the model's count leaves it out)
+        attention_recompute_flops=sum(k.recompute_flops * k.runs for k in compute if k.kind == "attention backward"),
         model_flops=model_flops_per_device,
         roofline_mfu=(model_flops_per_device / peak / step_s) if step_s else None,
         matmul_seconds=sum(k.total_seconds for k in compute if k.kind in ("gemm", "attention", "attention backward")),

@@ -155,8 +155,8 @@ def test_attention_benchmark_checks_each_kernel_against_the_reference(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["impl"]: r for r in report["rows"]}
-    for name in ("xla", "blocked", "pallas"):
-        assert rows[name]["check"] == "ok" and 0 < rows[name]["err_grad"] < 0.03 and rows[name]["ms"] > 0
+    for name in ("xla", "blocked", "pallas", "splash"):
+        assert rows[name]["check"] == "ok" and 0 < rows[name]["err_grad"] < 0.03 and rows[name]["ms"] > 0, name
     assert {rows[n]["check"] for n in ("cudnn", "cudnn_packed", "cudnn_causal")} == {
         "skipped: not a GPU"}
     assert report["documents"] > 2 * 2 and report["max_segments"] >= 3  # several documents per row, and padding

@@ -46,3 +46,19 @@ def test_one_more_axis_named_in_one_place_gives_a_mesh_with_it_of_size_1():
     result = subprocess.run([sys.executable, "-c", ONE_MORE_AXIS], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_the_trace_platform_is_the_meshs_devices_platform_inside_jit():
+    """Kernels choose by the devices the program is compiled for (`mesh.trace_platform`): the mesh's inside jit
+    (the planner's compile-only GPUs and TPUs, whose programs must not get the CPU's kernels), else JAX's
+    default backend. Here both are the CPU's; tests/test_tpu.py compiles for TPU chips where libtpu is."""
+    import jax
+
+    from jaxlm.mesh import trace_platform
+
+    seen = []
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(1.0)
+    jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(2.0)
+    assert seen == [mesh.devices.flat[0].platform, jax.default_backend()] == ["cpu", "cpu"]

@@ -241,6 +241,38 @@ def test_blocked_attention_matches_the_reference_and_its_gradients(kv_heads, blo
         np.testing.assert_allclose(g, r, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_heads, length", [
+    (8, 256),  # two 128-blocks
+    (2, 200),  # grouped-query heads; padded to 256 with a document of its own
+    (2, 1024),  # two 512-blocks, the one above the diagonal skipped
+])
+def test_splash_attention_matches_the_reference_and_its_gradients(kv_heads, length):
+    """JAX's Pallas TPU splash kernel, in Pallas' interpret mode on this CPU, with packed documents of uneven
+    lengths and padding: its output and the gradients of q, k and v are XLA's reference's."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (2, length, 8, 16))
+    k = jax.random.normal(keys[1], (2, length, kv_heads, 16))
+    v = jax.random.normal(keys[2], (2, length, kv_heads, 16))
+    first, second = length // 3, length // 2 + 5  # documents that cross blocks' edges
+    seg = jnp.array([[1] * first + [2] * (second - first) + [3] * (length - second),
+                     [1] * second + [0] * (length - second)])
+    valid = (np.asarray(seg) > 0)[:, :, None, None]
+    w = jax.random.normal(keys[3], q.shape) * valid  # padding's outputs are unused
+
+    def splash(q, k, v):
+        return attention.attend(q, k, v, segment_ids=seg, implementation="splash")
+
+    def ref(q, k, v):
+        return attention.reference_attention(q, k, v, segment_ids=seg)
+
+    out, expected = jax.jit(splash)(q, k, v), jax.jit(ref)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out) * valid, np.asarray(expected) * valid, atol=2e-5)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(splash(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
 def test_blocked_attention_in_bfloat16_multiplies_bfloat16_in_both_passes():
     """Every matmul of the forward and of the custom backward takes bfloat16 operands (summed in float32):
     JAX's own gradient of a float32-result dot would take float32 ones, which XLA:CPU runs as float32 dots.
@@ -302,6 +334,9 @@ def test_attention_selection_is_explicit():
     assert attention.select_implementation("pallas", "cpu") == "pallas"
     with pytest.raises(UserError, match="multiple of 16"):
         attention.attend(*(jnp.zeros((1, 24, 2, 8)),) * 3, implementation="pallas")
+    # On a TPU 'auto' is splash attention; elsewhere splash only when asked for, interpreted.
+    assert attention.select_implementation("auto", "tpu") == "splash"
+    assert attention.select_implementation("splash", "cpu") == "splash"
 
 
 def test_transformer_builds_without_a_mesh_and_from_a_recipe():

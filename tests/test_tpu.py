@@ -26,6 +26,10 @@ GIB = 2**30
 #     s = jnp.einsum("bqf,bkf->bqk", y, y)  # per batch element: a convolution whose window is the batch
 #     return s.astype(jnp.float32).sum()    # an all-reduce over the batch's shards
 TPU_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_matmuls.hlo").read_text()
+# The gradient of splash attention's summed output (`model.attention=splash`), one v5p chip: q bf16[2, 1024, 4, 64],
+# k and v bf16[2, 1024, 2, 64], packed segment ids, blocks of 512 (tests/data/tpu_v5p_splash.hlo, compiled as
+# above, the Mosaic kernels' serialized bodies cut out); its kernels' metadata printed over several lines
+SPLASH_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_splash.hlo").read_text()
 
 
 def test_the_tpu_targets_carry_clouds_figures():
@@ -110,6 +114,26 @@ def test_xla_tpus_convolutions_are_counted_as_the_matmuls_they_are():
     assert not any("AllocateBuffer" in k.kind for k in kernels.values())
     summary = roofline.summarize(list(kernels.values()), roofline.TPU_V5P, model_flops_per_device=gemm.flops)
     assert summary["matmul_flops"] == gemm.flops and 0 < summary["roofline_mfu"] <= 1
+
+
+def test_splash_attentions_kernels_are_counted_by_the_causal_blocks_they_visit():
+    module = hlo.Module(SPLASH_MODULE)
+    assert module.unknown_trip_counts == 0 and "\n}}" in SPLASH_MODULE  # instructions over several lines read whole
+    kernels = {k.name.split(".")[0]: k for k in roofline.kernels(module, roofline.TPU_V5P, 1) if "attention" in k.kind}
+    b, n, h, block = 2, 4, 64, 512  # of 1024 positions
+    matmul = 2 * b * n * block * block * h  # one [512, 512] x 64 matmul over every row and head
+    visited, blocks = 3, 4  # of the 2 x 2 blocks, the one above the diagonal is skipped
+    for name, kind, matmuls, recomputed in (("splash_mha_fwd_segmented_residuals", "attention", 2, 0),
+                                            ("splash_mha_dq_segmented_no_residuals", "attention backward", 3, 2),
+                                            ("splash_mha_dkv_segmented_no_residuals", "attention backward", 4, 1)):
+        k = kernels[name]
+        assert (k.kind, k.dtype, k.runs) == (kind, "bf16", 1), name
+        assert (k.flops, k.full_attention_flops, k.recompute_flops) == (
+            matmuls * visited * matmul, matmuls * blocks * matmul, recomputed * visited * matmul), name
+    summary = roofline.summarize(roofline.kernels(module, roofline.TPU_V5P, 1), roofline.TPU_V5P, 1.0)
+    # over the visited blocks: the forward's 2 matmuls, the backward's 7 (dq's 3, dkv's 4), 3 of them recomputed
+    assert summary["matmul_flops"] == (2 + 7) * visited * matmul
+    assert summary["attention_recompute_flops"] == 3 * visited * matmul
 
 
 def test_window_pairs_count_the_positions_that_read_an_input_element():
@@ -224,7 +248,8 @@ TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
 def test_tinys_train_step_compiles_for_four_v5p_chips():
     """The tiny recipe compiled for a v5p:2x2x1 slice: four chips of a TPU v5, its memory against 95 GiB,
     the state sharded over them (fsdp=4: a quarter of it per chip, gathered and reduced over ICI), and a
-    roofline whose matmuls are the model's count plus the masked half of XLA's attention, exactly."""
+    roofline whose matmuls are the model's count plus, from splash attention's kernels, the masked half of their
+    one block and what their backward recomputes, exactly."""
     result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
                              "--topology=v5p:2x2x1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -232,7 +257,7 @@ def test_tinys_train_step_compiles_for_four_v5p_chips():
     report = json.loads(result.stdout)
     compiled, r = report["compiled"], report["compiled"]["roofline"]
     assert (compiled["platform"], compiled["device_kind"], compiled["num_devices"]) == ("tpu", "TPU v5", 4)
-    assert report["mesh"]["fsdp"] == 4 and report["platform"] == "tpu" and compiled["attention"] == "xla"
+    assert report["mesh"]["fsdp"] == 4 and report["platform"] == "tpu" and compiled["attention"] == "splash"
     assert report["device_memory_bytes"] == 95 * GIB and report["fits"] and report["decided_by"] == "compiled"
     assert 0 < compiled["per_device_bytes"] == report["per_device_bytes"] < GIB
     state = sum(row["total_bytes"] for row in report["analytic"]["rows"]
@@ -241,11 +266,13 @@ def test_tinys_train_step_compiles_for_four_v5p_chips():
     # tiny's narrow dims) is well under half of them
     assert compiled["argument_bytes"] < 0.5 * state
     assert r["unknown_trip_counts"] == 0 and r["host_syncs"] == 0
-    assert {"gemm", "all-gather"} <= set(r["by_kind"]) and r["communication_seconds"] > 0
+    assert {"gemm", "attention", "attention backward", "all-gather"} <= set(r["by_kind"]) and r["communication_seconds"] > 0
     from jaxlm import config as config_lib
 
     m = config_lib.load_recipe("tiny").model
     tokens_per_device = 16 * 128 / 4
+    # splash's one 128 x 128 block per row computes the whole square, of which the model counts the causal half
     causal_half = 6 * m.n_layers * 128 * m.n_heads * (m.head_dim or m.d_model // m.n_heads) * tokens_per_device
-    assert r["matmul_flops"] == pytest.approx(r["model_flops"] + causal_half, rel=1e-9)
+    assert r["attention_recompute_flops"] == causal_half  # 3 of the backward's 7 matmuls, the forward's 2 x 1.5
+    assert r["matmul_flops"] == pytest.approx(r["model_flops"] + causal_half + r["attention_recompute_flops"], rel=1e-9)
     assert 0 < r["roofline_mfu"] <= 1

@@ -348,6 +348,26 @@ def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
                      params, ref_params)
 
 
+def test_splash_attention_trains_like_xla_attention_on_a_mesh():
+    """JAX's Pallas TPU splash kernel, interpreted on CPU, with grouped-query heads and packed documents of
+    32 tokens (padded to its 128): one train step (2 micro-batches) gives XLA attention's loss and
+    parameters, per shard on data x fsdp x tensor = 2 x 2 x 2 (batch over data x fsdp, heads over tensor)."""
+    batch = random_batch(16, 32, 96, seed=2)
+    results = {}
+    for attention, shape in (("xla", ONE), ("splash", MESH)):
+        model_cfg = small_config(n_kv_heads=4, head_dim=16, attention=attention)
+        mesh, state, step, batch_sharding, _, _ = _setup(shape, model_cfg, micro_batches=2)
+        with jax.set_mesh(mesh):
+            b = _put(batch, batch_sharding)
+            if shape != ONE:
+                assert "shard_map" in str(jax.make_jaxpr(step)(state, b))
+            state, metrics = step(state, b)
+            results[attention] = jax.device_get((metrics["loss"], state.params))
+    (loss, params), (ref_loss, ref_params) = results["splash"], results["xla"]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
+
+
 @pytest.mark.parametrize("mesh_shape", [axes.shape_of(fsdp=2), pytest.param(axes.shape_of(data=2), marks=pytest.mark.slow)])
 def test_weights_cast_once_per_step_give_the_same_step(mesh_shape):
     """With micro-batches, the weights the forward only casts to bfloat16 are cast once per step

@@ -7,7 +7,8 @@ ops that skip the matmuls above the diagonal, with a FlashAttention-2 backward; 
 flash attention (GPUs; on Hopper the
 documents reach it in its packed layout, `cudnn_packed_attention`, elsewhere the document mask as a
 dense bias); jax's Pallas (Triton) flash attention, which takes the segment ids
-themselves (GPUs; interpreted elsewhere: correct and slow, for tests). `benchmarks/attention.py`
+themselves (GPUs; interpreted elsewhere: correct and slow, for tests); jax's Pallas TPU splash attention,
+with the segment ids as its own (TPUs; interpreted elsewhere). `benchmarks/attention.py`
 checks and times them against each other.
 A sequence split over the `context` mesh axis (context parallelism) attends across its devices by all-gather or
 ring (`jaxlm.models.context_parallel`).
@@ -31,7 +32,7 @@ import numpy as np
 from flax.linen import spmd
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import constrain, logical_to_spec
+from jaxlm.mesh import constrain, logical_to_spec, trace_platform
 from jaxlm.models import cudnn_batching
 from jaxlm.models.context_parallel import context_attention, context_size, ring_tile
 
@@ -197,7 +198,7 @@ def context_kernel(strategy: str, implementation: str) -> Kernel:
 
 KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), BlockedKernel("blocked", keeps_scores=False),
                                CudnnKernel("cudnn", keeps_scores=False, takes_mask=False),
-                               Kernel("pallas", keeps_scores=False))}
+                               Kernel("pallas", keeps_scores=False), Kernel("splash", keeps_scores=False))}
 IMPLEMENTATIONS = tuple(KERNELS)
 
 
@@ -216,7 +217,8 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     means. The choice and any fallback are logged (unless `log_choice` is false: the planner).
 
     An explicit kernel the backend cannot run is a config error (one clear line), never a silent swap.
-    'auto' never picks Pallas (not yet measured against cuDNN on a GPU); off a GPU it runs interpreted.
+    'auto' never picks Pallas (not yet measured against cuDNN on a GPU); on a TPU it picks splash attention.
+    Pallas off a GPU, and splash off a TPU, run interpreted (correct and slow: for tests).
     """
     platform = platform or jax.default_backend()
     if requested not in ("auto", *IMPLEMENTATIONS):
@@ -224,11 +226,14 @@ def select_implementation(requested: str, platform: str | None = None, *, dtype=
     reason = "the backend is not a GPU" if platform != "gpu" else cudnn_unsupported_reason(dtype, head_dim)
     if requested == "cudnn" and reason:
         raise UserError(f"config.model.attention='cudnn' cannot run here: {reason}; use 'auto' or 'xla'")
-    # off a GPU, the causal blocks (measured on CPUs; on a GPU without cuDNN XLA's attention stays: unmeasured)
-    fallback = "blocked" if platform == "cpu" else "xla"
+    # off a GPU, the causal blocks (measured on CPUs; on a GPU without cuDNN XLA's attention stays: unmeasured);
+    # on a TPU, the Pallas TPU kernel made for it
+    fallback = {"cpu": "blocked", "tpu": "splash"}.get(platform, "xla")
     chosen = requested if requested != "auto" else (fallback if reason else "cudnn")
-    if chosen == "pallas" and platform != "gpu" and log_choice:
-        log.warning("attention: 'pallas' on %s runs the kernel interpreted: correct, and far slower than 'xla'", platform)
+    home = {"pallas": "gpu", "splash": "tpu"}.get(chosen, platform)
+    if home != platform and log_choice:
+        log.warning("attention: %r on %s runs the kernel interpreted: correct, and far slower than 'xla'", chosen,
+                    platform)
     if requested == "auto" and log_choice:
         why = f" (cuDNN not used: {reason})" if reason and platform == "gpu" else ""
         (log.warning if why else log.info)("attention: 'auto' chose %r on %s%s", chosen, platform, why)
@@ -299,6 +304,8 @@ def attend(
         return context_attention(q, k, v, segment_ids, implementation, context_strategy, context_layout)
     if implementation == "pallas":
         return pallas_attention(q, k, v, segment_ids)
+    if implementation == "splash":
+        return splash_attention(q, k, v, segment_ids)
     if implementation == "blocked":
         return blocked_attention(q, k, v, segment_ids)
     if implementation == "cudnn":
@@ -307,7 +314,7 @@ def attend(
             return cudnn_packed_attention(q, k, v, segment_ids, max_segments)
     # The mask follows the batch, never the sequence: made whole where the attention runs.
     mask = None if segment_ids is None else constrain(document_mask(segment_ids), ("act_batch", None, None, None))
-    if q.dtype == jnp.float16 and implementation == "xla" and jax.default_backend() == "cpu":
+    if q.dtype == jnp.float16 and implementation == "xla" and trace_platform() == "cpu":
         # XLA:CPU has no float16 dot with float32 accumulation (jax's XLA attention asks for one): on a CPU,
         # float16 attention runs in float32 and rounds its output to float16
         out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
@@ -422,7 +429,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if t % PALLAS_BLOCK:
         raise UserError(f"config.model.attention='pallas' needs a sequence length that is a multiple of "
                         f"{PALLAS_BLOCK}, not {t}; change data.seq_len or use 'cudnn' or 'xla'")
-    interpret = jax.default_backend() != "gpu"
+    interpret = trace_platform() != "gpu"
     block = math.gcd(t, 32 if interpret else 128)  # jax's defaults on a GPU: 128 forward, 32 backward
     small = math.gcd(t, 32)
     blocks = kernel.BlockSizes(block_q=block, block_k=block, block_q_dkv=small, block_kv_dkv=small,
@@ -437,6 +444,61 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
                           interpret=interpret)
 
     return per_shard(local, q, k, v, segment_ids)
+
+
+SPLASH_LANES = 128  # splash's blocks are multiples of a TPU vector register's 128 lanes
+SPLASH_BLOCK = 512  # the largest block splash attention takes here
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """JAX's Pallas TPU splash attention, causal, with the segment ids as its own (query and key ids both);
+    grouped-query heads taken as they are (query head n reads key/value head n // group, as here). Blocks
+    that the causal mask empties are skipped. A sequence that is not a multiple of 128 is padded at its end
+    with a document of its own, which no real query can see (it comes after all of them) and which is cut
+    from the output. Under a mesh it runs per shard (`per_shard`), the sequence whole; off a TPU, interpreted."""
+    # local import: experimental JAX API (Pallas TPU), only needed on TPUs
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    b, t, n, h = q.shape
+    padded = -(-t // SPLASH_LANES) * SPLASH_LANES
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    if padded != t:
+        pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - t)), constant_values=-1)
+    interpret = trace_platform() != "tpu"
+    scale = 1.0 / math.sqrt(h)
+
+    def local(q, k, v, segment_ids):
+        kernel = _splash_kernel(padded, q.shape[2], interpret)
+        q = (q.astype(jnp.float32) * scale).astype(q.dtype)  # splash takes the scores unscaled
+
+        def row(q, k, v, ids):  # one sequence: [T, heads, H] -> splash's [heads, T, H]
+            out = kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
+                         segment_ids=splash.SegmentIds(q=ids, kv=ids))
+            return out.swapaxes(0, 1)
+
+        return jax.vmap(row)(q, k, v, segment_ids)
+
+    out = per_shard(local, q, k, v, segment_ids)
+    return out[:, :t] if padded != t else out
+
+
+def _splash_kernel(seq_len: int, heads: int, interpret: bool):
+    """Splash attention for `heads` query heads of causal self-attention over `seq_len` positions, with
+    square blocks of the largest size up to SPLASH_BLOCK that divides the sequence, forward and backward.
+    Made anew in each trace: its block tables are arrays of the trace that makes them (made concrete, they
+    would need a device, which a compile-only TPU program has none of)."""
+    # local import: experimental JAX API (Pallas TPU), only needed for splash attention
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    block = math.gcd(seq_len, SPLASH_BLOCK)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len))] * heads)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 class KVCache(NamedTuple):
@@ -590,7 +652,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     if k.shape[1] != t:
         raise ValueError(f"blocked_attention: keys ({k.shape[1]}) and queries ({t}) must have one length")
     dtype = q.dtype
-    if dtype == jnp.float16 and jax.default_backend() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
+    if dtype == jnp.float16 and trace_platform() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     out = _blocked(q.reshape(b, t, kv, n // kv, h), k, v, segment_ids, block or attention_block(t))
     return out.reshape(b, t, n, h).astype(dtype)

@@ -50,7 +50,7 @@ from flax.linen import spmd
 from jax.sharding import PartitionSpec as P
 
 from jaxlm.errors import UserError
-from jaxlm.mesh import logical_to_spec, mesh_axes_of
+from jaxlm.mesh import logical_to_spec, mesh_axes_of, trace_platform
 
 CONTEXT_AXIS = "context"  # the mesh axis that splits every activation's sequence (rule act_seq)
 STRATEGIES = ("allgather", "ring")  # config.model.context_attention
@@ -157,9 +157,9 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     """Causal attention over a sequence split over the `context` axis (module docstring), q [B, T, N, H], k
     and v [B, T, K, H] in `layout`'s order, each device's shard attended inside a shard_map: batch and heads
     split as the activations are, the sequence over `context`."""
-    if implementation == "pallas":
-        raise UserError("config.model.attention='pallas' with mesh.context > 1: not built (the Pallas kernel "
-                        "takes whole sequences); use 'xla' or 'blocked'")
+    if implementation in ("pallas", "splash"):
+        raise UserError(f"config.model.attention={implementation!r} with mesh.context > 1: not built (the "
+                        "Pallas kernel takes whole sequences); use 'xla' or 'blocked'")
     context = context_size()
     q_spec, kv_spec, rows_spec = _seq_spec("act_heads", None), _seq_spec("act_kv_heads", None), _seq_spec()
     if segment_ids is None:
@@ -185,7 +185,7 @@ def _allgather_local(q, k, v, segment_ids, *, context: int, layout: str, kernel:
     allowed = q_pos[:, None] >= k_pos[None, :]  # [t, T]
     mask = (allowed[None] & (segment_ids[:, :, None] == keys[:, None, :]))[:, None]  # [B, 1, t, T]
     dtype = q.dtype
-    if dtype == jnp.float16 and jax.default_backend() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
+    if dtype == jnp.float16 and trace_platform() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=kernel).astype(dtype)
 
@@ -194,7 +194,7 @@ def _ring_local(q, k, v, segment_ids, *, context: int, layout: str):
     b, t, n, h = q.shape
     kv = k.shape[2]
     dtype = q.dtype
-    if dtype == jnp.float16 and jax.default_backend() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
+    if dtype == jnp.float16 and trace_platform() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     out = _ring(q.reshape(b, t, kv, n // kv, h), k, v, segment_ids, context, layout)
     return out.reshape(b, t, n, h).astype(dtype)

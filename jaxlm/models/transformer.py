@@ -154,8 +154,9 @@ class ModelSection(Section):
     remat: str = setting("none", "none | full | dots | dots_mlp | dots_no_batch")
     attention: str = setting(
         "auto",
-        "auto (cudnn on GPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls above the "
-        "diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash attention)")
+        "auto (cudnn on GPU, splash on TPU, blocked on CPU, else xla) | xla | blocked (causal blocks: no matmuls "
+        "above the diagonal blocks, a FlashAttention-2 backward; plain XLA) | cudnn | pallas (Triton flash "
+        "attention) | splash (Pallas TPU splash attention; interpreted off a TPU)")
     context_attention: str = setting(
         "allgather",
         "Attention across a sequence split over mesh.context > 1 (context parallelism, "
