@@ -63,7 +63,6 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None,
     return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:n])
 
 
-@functools.cache
 def trace_platform() -> str:
     """The platform ("cpu", "gpu", "tpu") of the devices the program being traced is for: the current mesh's,
     else JAX's default backend. The planner traces for compile-only GPUs or TPUs on a CPU machine, where
@@ -76,6 +75,7 @@ def trace_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+@functools.cache
 def hostnames() -> tuple[str, ...]:
     """Every process's hostname, in process order (a collective the first time on several processes:
     all of them must call it)."""

@@ -48,17 +48,19 @@ def test_one_more_axis_named_in_one_place_gives_a_mesh_with_it_of_size_1():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_the_trace_platform_is_the_meshs_devices_platform_inside_jit():
+def test_the_trace_platform_is_the_meshs_devices_platform_inside_jit(monkeypatch):
     """Kernels choose by the devices the program is compiled for (`mesh.trace_platform`): the mesh's inside jit
     (the planner's compile-only GPUs and TPUs, whose programs must not get the CPU's kernels), else JAX's
-    default backend. Here both are the CPU's; tests/test_tpu.py compiles for TPU chips where libtpu is."""
+    default backend, asked anew at every trace. The default backend is made to say "gpu" here, so that the
+    mesh's CPU devices are seen to win; tests/test_tpu.py compiles for TPU chips where libtpu is."""
     import jax
 
     from jaxlm.mesh import trace_platform
 
     seen = []
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-    with jax.set_mesh(mesh):
-        jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(1.0)
-    jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(2.0)
-    assert seen == [mesh.devices.flat[0].platform, jax.default_backend()] == ["cpu", "cpu"]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(1.0)
+    with jax.set_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])):
+        jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(2.0)
+    jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(3.0)
+    assert seen == ["gpu", "cpu", "gpu"]
