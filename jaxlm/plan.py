@@ -298,7 +298,8 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
     rows: list[dict[str, Any]] = []
     for policy in policies:
         base = memory.with_overrides(cfg, {"model.remat": policy, "optim.micro_batches": 0})
-        resolved, _ = memory.resolve_micro_batches(base, num_devices, target.memory_bytes, "gpu")
+        platform = "tpu" if target.platform == "tpu" else "gpu"  # the kernels the analytic start counts: the target's
+        resolved, _ = memory.resolve_micro_batches(base, num_devices, target.memory_bytes, platform)
         start = resolved.optim.micro_batches
         tried = [k for k in options if k <= 2 * start][::-1]
         reference = None
@@ -576,7 +577,8 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         if args.compile:  # the program compiled as the trainer compiles it: with the run's XLA flags
             xla_flags.apply(cfg.run.xla_flags)
         if args.choose and target is None:
-            raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`)")
+            raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`) "
+                            "or a TPU's (--target=v5p, after `make tpu-env`)")
         report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,
                       target=target, topology=args.topology)
         if args.choose:
