@@ -1,10 +1,13 @@
 # The README's commands. Each installs what it needs into .venv first (once; again when
-# pyproject.toml or constraints.txt change), on CPU or, where nvidia-smi is found, with CUDA.
+# pyproject.toml or constraints.txt change), on CPU or, where nvidia-smi is found, with CUDA, or, on a TPU VM
+# (TPU chips as /dev/accel* on v4 and v5e, /dev/vfio/<n> on v5p and v6e), with libtpu (the tpu extra).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev)
+TPU_CHIPS ?= $(wildcard /dev/accel* /dev/vfio/[0-9]*)
+comma := ,
+EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda12 || echo dev$(if $(TPU_CHIPS),$(comma)tpu))
 ARGS ?=
 
 .PHONY: install train test test-isa check lint test-slow test-all bench h100-env tpu-env roofline clean

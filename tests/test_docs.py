@@ -46,3 +46,20 @@ def test_the_readme_is_short_and_links_every_guide():
     guides = {p.name for p in (ROOT / "docs").glob("*.md")}
     linked = {pathlib.Path(t).name for t in LINK.findall(readme) if t.startswith("docs/")}
     assert guides <= linked, sorted(guides - linked)
+
+
+def test_make_installs_the_extra_of_the_machines_accelerator():
+    """`make train` and `make test` install into .venv with CUDA where nvidia-smi is found, with libtpu where TPU
+    chips are (/dev/accel*, /dev/vfio/<n>; TPU_CHIPS stands in for them here), and for the CPU otherwise."""
+    import shutil
+    import subprocess
+
+    def extras(*args):
+        out = subprocess.run(["make", "-n", "install", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+        return re.search(r"-e '\.\[([^\]]*)\]'", out.stdout).group(1)
+
+    if shutil.which("nvidia-smi"):
+        assert extras() == extras("TPU_CHIPS=/dev/accel0") == "dev,cuda12"
+    else:
+        assert (extras("TPU_CHIPS="), extras("TPU_CHIPS=/dev/accel0"), extras("TPU_CHIPS=/dev/vfio/0")) == (
+            "dev", "dev,tpu", "dev,tpu")
