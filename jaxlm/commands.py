@@ -155,7 +155,8 @@ def plan_parser() -> cli.Parser:
     """The command line of `python -m jaxlm.plan` (tests/test_cli_numbers.py tries every numeric flag of it)."""
     parser = cli.Parser(prog="python -m jaxlm.plan", description=_doc("jaxlm.plan").splitlines()[2], allow_abbrev=False)
     parser.add_number("--devices", kind=int, minimum=1, allowed="a positive number of devices", default=None,
-                      help="number of devices the run uses (for a TPU target, default: the chips of --topology)")
+                      help="number of devices the run uses (for a TPU target, default: the chips of --topology "
+                           "x --slices)")
     parser.add_number("--device_memory_gib", above=0, allowed="a positive size in GiB", default=None,
                       help="memory of one device (default 80, or the --target's)")
     parser.add_argument("--target", choices=sorted(roofline.TARGETS), default=None,
@@ -165,6 +166,9 @@ def plan_parser() -> cli.Parser:
     parser.add_argument("--topology", default=None,
                         help="a TPU target's slice, as libtpu names it (v5p:2x2x1, v5e:2x4, v6e:2x4, v5p:2x4x4); "
                              "default: Cloud's shape for --devices chips")
+    parser.add_number("--slices", kind=int, minimum=1, allowed="a positive number of TPU slices", default=1,
+                      help="a TPU target's slices of --topology each, joined over DCN (multi-slice): data across "
+                           "them (mesh.hybrid=slice, set where the config leaves it empty), the rest within each")
     parser.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
                         help="the accelerator planned for: picks the kernel model.attention=auto would (default gpu)")
     parser.add_argument("--compile", action="store_true",

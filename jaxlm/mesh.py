@@ -6,7 +6,8 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
   ZeRO-1             rules.opt_state="data": Adam's moments also sharded over `data`
   sequence parallel  rules.act_seq="context,tensor" (or "tensor"): activations' sequence axis over
                      `tensor` wherever no other dimension uses it (between the tensor-parallel regions)
-  hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts
+  hybrid sharding    mesh.hybrid="host" (or "process"): fsdp within each host, data across hosts;
+                     "slice": on TPUs, fsdp within each slice (ICI), data across slices (DCN)
   expert parallelism mesh.expert: MoE layers' experts split over `expert` (rule experts);
                      everywhere else `expert` is one more batch axis (act_batch), as `data` is
   context parallel   mesh.context: every activation's sequence split over `context` (rule act_seq,
@@ -16,6 +17,8 @@ here, per recipe, from `config.mesh.rules`. Changing the parallelism never touch
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax.core import spmd
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,10 +49,12 @@ HYBRID = ("", "process", "host")
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None, hybrid: str = "") -> Mesh:
-    """A mesh over MESH_AXES with Auto axes, so the compiler propagates shardings (GSPMD).
+    """A mesh over MESH_AXES with Auto axes, so the compiler propagates shardings (GSPMD). On TPUs
+    `jax.make_mesh` lays the axes along the chips' ICI torus (`mesh_utils.create_device_mesh`).
 
-    `hybrid` ("process" or "host"): `data` indexes the groups of `device_groups` and each group's
-    devices form the block of the other axes, so fsdp's collectives stay within a host."""
+    `hybrid` ("process", "host" or "slice"): `data` indexes the groups of `device_groups` and each
+    group's devices form the block of the other axes, so fsdp's collectives stay within a host (or a
+    TPU slice, its devices laid along its torus as above)."""
     devices = list(devices) if devices is not None else jax.devices()
     n = int(np.prod(shape))
     if len(devices) < n:
@@ -58,7 +63,8 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None,
         groups = device_groups(devices, hybrid)
         if len(groups) != sizes_of(shape)["data"] or any(len(g) * len(groups) != n for g in groups):
             raise ValueError(f"mesh {tuple(shape)} does not match {len(groups)} {hybrid} groups of devices")
-        grid = np.array([sorted(g, key=lambda d: d.id) for g in groups], dtype=object).reshape(tuple(shape))
+        block = tuple(shape)[1:]  # data = the groups, first of MESH_AXES
+        grid = np.stack([_laid_out(g, block) for g in groups]).reshape(tuple(shape))
         return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:n])
 
@@ -88,20 +94,51 @@ def hostnames() -> tuple[str, ...]:
     return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
 
 
+def _laid_out(devices: Sequence[jax.Device], block: tuple[int, ...]) -> np.ndarray:
+    """One hybrid group's devices as a [block] array: along a TPU slice's torus, elsewhere in id order."""
+    if devices[0].platform == "tpu":
+        return mesh_utils.create_device_mesh(block, devices=list(devices), allow_split_physical_axes=True)
+    return np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(block)
+
+
+def slice_index(device) -> int:
+    """The TPU slice a device is in (its `slice_index`; 0 for a single slice and for other platforms)."""
+    return int(getattr(device, "slice_index", 0) or 0)
+
+
 def device_groups(devices: Sequence[jax.Device], by: str) -> list[list[jax.Device]]:
-    """Devices grouped by their process ("process") or by their process's host ("host"), in order
-    of the groups' first process."""
-    hosts = hostnames() if by == "host" else None
+    """Devices grouped by their process ("process"), by their process's host ("host"), or by their TPU slice
+    ("slice"), in order of the groups' first process (slices: of their index)."""
+    hosts = hostnames() if by == "host" and _PLANNED_DEVICES.get() is None else None
     groups: dict = {}
-    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
-        key = hosts[d.process_index] if hosts else d.process_index
+    for d in sorted(devices, key=lambda d: (slice_index(d) if by == "slice" else 0, d.process_index, d.id)):
+        key = slice_index(d) if by == "slice" else hosts[d.process_index] if hosts else d.process_index
         groups.setdefault(key, []).append(d)
     return list(groups.values())
 
 
+# The devices a planned program is compiled for (`planned_devices`), or None: this run's own.
+_PLANNED_DEVICES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("planned_devices", default=None)
+
+
+@contextlib.contextmanager
+def planned_devices(devices: Sequence):
+    """While planning for compile-only `devices` (`jaxlm.plan --target`): the run's layout (`hybrid_groups`)
+    is theirs, not this machine's CPU's; their hosts are their processes (they have no hostnames)."""
+    token = _PLANNED_DEVICES.set(tuple(devices))
+    try:
+        yield
+    finally:
+        _PLANNED_DEVICES.reset(token)
+
+
 def hybrid_groups(by: str) -> int:
-    """How many hosts (or processes) this run spans: the `data` axis of a hybrid mesh."""
-    return len(device_groups(jax.devices(), by)) if by else 1
+    """How many hosts, processes or TPU slices this run spans (`planned_devices` while planning): the `data`
+    axis of a hybrid mesh."""
+    if not by:
+        return 1
+    planned = _PLANNED_DEVICES.get()
+    return len(device_groups(jax.devices() if planned is None else planned, by))
 
 
 def default_rules() -> dict[str, str]:
@@ -151,7 +188,7 @@ class _MeshSection(Section):
     section = "mesh"
 
     def validate(self) -> None:
-        check_choice(self.key("hybrid"), self.hybrid, ("process", "host"), allow_empty=True)
+        check_choice(self.key("hybrid"), self.hybrid, ("process", "host", "slice"), allow_empty=True)
         sizes = [getattr(self, a) for a in MESH_AXES]
         for axis, size in zip(MESH_AXES, sizes):
             check(size == -1 or size >= 1, self.key(axis), size, "a positive integer or -1 (the devices left over)")
@@ -212,8 +249,9 @@ MeshConfig = dataclasses.make_dataclass(
      for axis in MESH_AXES]
     + [("hybrid", str, setting(
         "", '"host": data across hosts, fsdp (and expert, tensor) within each host; "process": the same per '
-            "process. Sets data and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored; the "
-            "other axes keep their sizes); \"\" = off")),
+            'process; "slice": the same per TPU slice (data over DCN, the rest over each slice\'s ICI). Sets data '
+            "and fsdp from the run's layout (mesh.data and mesh.fsdp are then ignored; the other axes keep their "
+            "sizes); \"\" = off")),
        ("rules", dict, dataclasses.field(default_factory=default_rules, metadata={
            "doc": "logical axis name -> the mesh axes it is split over (mesh.rules below)"}))],
     bases=(_MeshSection,), frozen=True, namespace={"__module__": __name__})

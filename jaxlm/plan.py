@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxlm import axes, commands, energy, hlo, init_from, memory, metrics, roofline, train_setup, xla_flags
 from jaxlm import config as config_lib
+from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError, report_error, run_command
 from jaxlm.memory import GIB, format_bytes
 from jaxlm.models import transformer
@@ -79,11 +80,11 @@ def compile_devices(num_devices: int):
     )
 
 
-def target_devices(target: roofline.Target, num_devices: int, topology: str | None = None):
+def target_devices(target: roofline.Target, num_devices: int, topology: str | None = None, slices: int = 1):
     """`num_devices` compile-only devices of `target` (`jaxlm.roofline.target_devices`; a TPU's from
-    `topology`), or one line that says how to get the compiler they need."""
+    `slices` slices of `topology`), or one line that says how to get the compiler they need."""
     if target.platform == "tpu":
-        return _tpu_devices(target, num_devices, topology)
+        return _tpu_devices(target, num_devices, topology, slices)
     try:
         return roofline.target_devices(target, num_devices, topology)
     except ValueError as e:
@@ -101,22 +102,25 @@ def target_devices(target: roofline.Target, num_devices: int, topology: str | No
         ) from None
 
 
-def _tpu_devices(target: roofline.Target, num_devices: int, topology: str | None):
-    """The compile-only chips of a TPU slice (`jaxlm.roofline.tpu_devices`), or one line: a topology that is not
-    the target's, or no libtpu in this environment."""
+def _tpu_devices(target: roofline.Target, num_devices: int, topology: str | None, slices: int = 1):
+    """The compile-only chips of `slices` TPU slices (`jaxlm.roofline.tpu_devices`), or one line: a topology that
+    is not the target's, or no libtpu in this environment."""
     try:
+        if slices < 1 or num_devices % slices:
+            raise ValueError(f"--slices={slices} does not divide --devices={num_devices}")
         if topology is None:
-            topology = roofline.default_topology(target, num_devices)
+            topology = roofline.default_topology(target, num_devices // slices)
         chips = math.prod(roofline.parse_topology(target, topology))  # refused before libtpu is looked for
-        if chips != num_devices:
-            raise ValueError(f"--topology={topology} has {chips} chips, not --devices={num_devices}")
+        if chips * slices != num_devices:
+            raise ValueError(f"--topology={topology} has {chips} chips" + (f" a slice, x {slices} slices"
+                             if slices > 1 else "") + f", not --devices={num_devices}")
     except ValueError as e:
         raise UserError(str(e)) from None
     if importlib.util.find_spec("libtpu") is None:
         raise UserError(f"--target={target.name} needs XLA's TPU compiler (libtpu), not installed in this environment: "
                         f"run `make tpu-env` once, then `.venv-tpu/bin/python -m jaxlm.plan ... --target={target.name}`")
     try:
-        return roofline.tpu_devices(target, num_devices, topology)
+        return roofline.tpu_devices(target, num_devices, topology, slices)
     except ValueError as e:
         raise UserError(str(e)) from None
     except Exception as e:  # libtpu there, and refusing the topology or failing to load
@@ -197,7 +201,9 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
         tokens = setup.derived.tokens_per_step
         model_flops = transformer.flops_per_token(setup.model_cfg, cfg.data.seq_len) * tokens / len(devices)
         module = hlo.Module(text)
-        r = roofline.summarize(roofline.kernels(module, target, len(devices)), target, model_flops)
+        # a TPU's collectives at ICI within a slice, at DCN across slices (partitions in the mesh's order)
+        domains = roofline.partition_domains(setup.mesh.devices.flat) if target.platform == "tpu" else None
+        r = roofline.summarize(roofline.kernels(module, target, len(devices), domains), target, model_flops)
         r["unknown_trip_counts"] = module.unknown_trip_counts
         r["host_syncs"] = module.host_syncs() if target.platform == "cuda" else 0  # a TPU branches on the device
         # A loop whose trip count could not be read counts its kernels once: the program's matmul FLOPs
@@ -459,7 +465,9 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
         f"jaxlm plan: {r['recipe'] or 'config'}, {format_count(r['param_count'])} parameters, on {r['num_devices']} "
-        f"device{'s' if r['num_devices'] != 1 else ''}" + (f" of a {r['topology']} slice" if r.get("topology") else "")
+        f"device{'s' if r['num_devices'] != 1 else ''}"
+        + (f" of {r['slices']} {r['topology']} slices" if r.get("slices", 1) > 1
+           else f" of a {r['topology']} slice" if r.get("topology") else "")
         + f" ({mesh}), {format_bytes(r['device_memory_bytes'])} each",
         f"  batch {r['global_batch_size']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es) of "
         f"{r['per_device_batch']} sequence(s) per device; remat={r['remat']}; compute {r['dtype']}, params "
@@ -546,17 +554,22 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         if args.topology and (target is None or target.platform != "tpu"):
             raise UserError(f"--topology={args.topology} is a TPU slice's shape: add --target=v5e, v5p or v6e "
                             f"(after `make tpu-env`)")
+        if args.slices > 1 and (target is None or target.platform != "tpu"):
+            raise UserError(f"--slices={args.slices} joins TPU slices: add --target=v5e, v5p or v6e (after "
+                            "`make tpu-env`)")
         if args.devices is None:
             if not args.topology:
                 raise UserError("--devices is required (the number of devices the run uses), or, for a TPU target, "
                                 "--topology (e.g. --topology=v5p:2x2x1)")
             try:
-                args.devices = math.prod(roofline.parse_topology(target, args.topology))
+                args.devices = math.prod(roofline.parse_topology(target, args.topology)) * args.slices
             except ValueError as e:
                 raise UserError(str(e)) from None
         if target is not None and target.platform == "tpu":
-            try:  # the slice: given, or Cloud's shape for that many chips
-                args.topology = args.topology or roofline.default_topology(target, args.devices)
+            try:  # each slice: given, or Cloud's shape for that many chips
+                if args.devices % args.slices:
+                    raise ValueError(f"--slices={args.slices} does not divide --devices={args.devices}")
+                args.topology = args.topology or roofline.default_topology(target, args.devices // args.slices)
             except ValueError as e:
                 raise UserError(str(e)) from None
             args.platform = "tpu"  # model.attention=auto and the analytic estimate as for a TPU
@@ -579,13 +592,21 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         if args.choose and target is None:
             raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`) "
                             "or a TPU's (--target=v5p, after `make tpu-env`)")
-        report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform, compile=args.compile,
-                      target=target, topology=args.topology)
-        if args.choose:
-            if not args.json:  # the rows as they compile (seconds each), then the choice
-                print(format_report(report), CHOICE_HEADER, sep="\n", flush=True)
-            report["choice"] = choose(cfg, args.devices, target, topology=args.topology,
-                                      progress=None if args.json else lambda line: print(line, flush=True))
+        devices = None
+        if target is not None and target.platform == "tpu":
+            devices = target_devices(target, args.devices, args.topology, args.slices)
+            if args.slices > 1 and not cfg.mesh.hybrid:
+                cfg.mesh.hybrid = "slice"  # data across the slices (DCN), fsdp within each (ICI)
+        # the run's layout (mesh.hybrid's groups) is the planned devices', not this machine's
+        with mesh_lib.planned_devices(devices) if devices is not None else contextlib.nullcontext():
+            report = plan(cfg, args.devices, args.device_memory_gib * GIB, platform=args.platform,
+                          compile=args.compile, devices=devices, target=target, topology=args.topology)
+            report["slices"] = args.slices
+            if args.choose:
+                if not args.json:  # the rows as they compile (seconds each), then the choice
+                    print(format_report(report), CHOICE_HEADER, sep="\n", flush=True)
+                report["choice"] = choose(cfg, args.devices, target, devices=devices, topology=args.topology,
+                                          progress=None if args.json else lambda line: print(line, flush=True))
     except UserError as e:
         return report_error(e)
     if args.json:

@@ -34,7 +34,10 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxlm import hlo
 from jaxlm.table import Table
@@ -251,20 +254,25 @@ def default_topology(target: Target, num_devices: int) -> str:
     return f"{target.name}:{'x'.join(map(str, dims))}"
 
 
-def tpu_devices(target: Target, num_devices: int, topology: str | None = None) -> list:
-    """The compile-only chips of a TPU slice (`topology`, default `default_topology`), from libtpu's own
-    description of it, laid out over hosts as Cloud's are (`Target.host_bounds`); needs libtpu (`make tpu-env`)."""
+def tpu_devices(target: Target, num_devices: int, topology: str | None = None, slices: int = 1) -> list:
+    """The compile-only chips of `slices` TPU slices of `topology` each (default `default_topology` for
+    num_devices / slices chips), from libtpu's own description of them, laid out over hosts as Cloud's are
+    (`Target.host_bounds`), each chip with its `slice_index`; needs libtpu (`make tpu-env`)."""
     from jax.experimental import topologies  # local import: experimental JAX API, only for compile-only targets
 
-    topology = topology or default_topology(target, num_devices)
+    if slices < 1 or num_devices % slices:
+        raise ValueError(f"--slices={slices} does not divide --devices={num_devices}")
+    topology = topology or default_topology(target, num_devices // slices)
     dims = parse_topology(target, topology)
-    if math.prod(dims) != num_devices:
-        raise ValueError(f"--topology={topology} has {math.prod(dims)} chips, not --devices={num_devices}")
+    if math.prod(dims) * slices != num_devices:
+        raise ValueError(f"--topology={topology} has {math.prod(dims)} chips" + (f" a slice, x {slices} slices"
+                         if slices > 1 else "") + f", not --devices={num_devices}")
     grid = (*dims, 1) if len(dims) == 2 else dims
     bounds = [min(d, b) for d, b in zip(grid, target.host_bounds)]
     quiet_libtpu()
+    extra = {"num_slices": slices} if slices > 1 else {}
     devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu",
-                                                chips_per_host_bounds=bounds).devices)
+                                                chips_per_host_bounds=bounds, **extra).devices)
     if len(devices) != num_devices:  # v4: libtpu gives each of a chip's two TensorCores, where a v4 runs megacore
         raise ValueError(f"libtpu describes {topology} as {len(devices)} devices (one per TensorCore), not one per chip "
                          f"as a {target.name} runs; its program cannot be compiled here: plan it analytically, "
@@ -272,7 +280,13 @@ def tpu_devices(target: Target, num_devices: int, topology: str | None = None) -
     return devices
 
 
-def target_devices(target: Target, num_devices: int, topology: str | None = None) -> list:
+def partition_domains(devices: Sequence) -> list[int]:
+    """The link domain of each partition of a TPU program compiled over `devices` in partition order (a
+    mesh's devices, flattened): its slice (ICI joins a slice's chips, DCN the slices)."""
+    return [int(getattr(d, "slice_index", 0) or 0) for d in devices]
+
+
+def target_devices(target: Target, num_devices: int, topology: str | None = None, slices: int = 1) -> list:
     """`num_devices` compile-only devices of `target` (whole hosts of `devices_per_host`, or fewer on
     one; TPUs: the chips of `topology`, `tpu_devices`), for `jax.jit(...).lower(...).compile()` on this
     machine. Needs the target's PJRT plugin installed (`make h100-env`, `make tpu-env`) and JAX started
@@ -281,7 +295,7 @@ def target_devices(target: Target, num_devices: int, topology: str | None = None
     from jax.experimental import topologies
 
     if target.platform == "tpu":
-        return tpu_devices(target, num_devices, topology)
+        return tpu_devices(target, num_devices, topology, slices)
     if topology:
         raise ValueError(f"--topology is a TPU slice's shape; --target={target.name} is not a TPU")
     per_host = min(num_devices, target.devices_per_host)
@@ -317,6 +331,7 @@ class Kernel:
     exposed_seconds: float = 0.0  # a collective: per execution, not covered by kernels scheduled beside it
     full_attention_flops: float = 0.0  # attention: the flops of the whole T x S square (no causal skip)
     recompute_flops: float = 0.0  # attention backward: what it recomputes of the forward (left out of the model's)
+    network: bool = False  # a collective across link domains (hosts' NICs, TPU slices' DCN), at network_bytes_per_s
     op_name: str = ""
     source: str = ""
 
@@ -598,9 +613,35 @@ def _fusion_kind(inst: dict, config: dict) -> str:
                                                                                           "custom fusion")
 
 
-def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel]:
+_MEGASCALE = re.compile(r'_xla_megascale_target="\{([^}]*)\}[^"]*",_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all"}
+
+
+def _megascale(attrs: str) -> tuple[str, int] | None:
+    """A multi-slice TPU program's collective across slices, (its kind, the slices it spans), or None. XLA:TPU
+    compiles one slice's program and sends what crosses DCN to the host's megascale runtime: a `send` (and a
+    `recv`) whose attributes name the transfer (ALL_REDUCE, ...) and its target, `{slices}x{chips}` with
+    slices listed as ids and `a:b` ranges."""
+    m = _MEGASCALE.search(attrs)
+    if m is None:
+        return None
+    slices = 0
+    for part in m.group(1).split(","):
+        lo, _, hi = part.strip().partition(":")
+        slices += int(hi) - int(lo) + 1 if hi else 1
+    return _MEGASCALE_KINDS.get(m.group(2), "collective-permute"), slices
+
+
+def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Sequence[int] | None = None) -> list[Kernel]:
     """Every kernel of an optimized (scheduled) module with its roofline time, in launch order per
-    computation; collectives with the part of their time the schedule does not overlap."""
+    computation; collectives with the part of their time the schedule does not overlap. A collective runs at
+    `link_bytes_per_s` within one link domain, at `network_bytes_per_s` across them: `domains[i]` is the
+    domain of the program's partition i (a TPU's slice: `partition_domains`); by default partitions are
+    numbered host by host (`Target.link_domain`)."""
+    if domains is None:
+        domains = [i // target.link_domain(num_devices) for i in range(num_devices)]
+    domain_of = np.asarray(domains)
     out: list[Kernel] = []
     for comp in control_computations(module):
         insts = module.computations[comp]
@@ -619,12 +660,25 @@ def kernels(module: hlo.Module, target: Target, num_devices: int) -> list[Kernel
             op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', inst["attrs"])) else ""
             kernel = Kernel(name=inst["name"], kind=op, computation=comp, runs=runs, flops=0.0, bytes=0.0, seconds=0.0,
                             op_name=op_name, source=module.source(inst["attrs"]))
+            if op in ("send", "recv") and (dcn := _megascale(inst["attrs"])) is not None:
+                if op == "recv":
+                    continue  # the transfer is counted once, at its send
+                collective, slices = dcn
+                size = hlo.shape_bytes(module.shapes.get(inst["operands"][0], "")) if inst["operands"] else 0
+                size = size / slices if collective == "reduce-scatter" else size * slices if collective == "all-gather" \
+                    else size  # sent_bytes takes the result's size; the send holds this chip's operand
+                kernel.kind, kernel.comm_bytes = collective, hlo.sent_bytes(collective, size, slices)
+                kernel.seconds = kernel.comm_bytes / target.network_bytes_per_s if slices > 1 else 0.0
+                kernel.network = True
+                pending[inst["name"]], covered[inst["name"]] = kernel, 0.0  # until its send-done
+                out.append(kernel)
+                continue
             if (collective := hlo.collective_op(op)) is not None:
                 groups = hlo.device_groups(inst["attrs"], num_devices)
                 size = hlo.collective_result_bytes(inst)
                 kernel.kind, kernel.comm_bytes = collective, hlo.sent_bytes(collective, size, groups.shape[1])
-                cross = any(len(set(g // target.link_domain(num_devices))) > 1 for g in groups)
-                bandwidth = target.network_bytes_per_s if cross else target.link_bytes_per_s
+                kernel.network = any(len(set(domain_of[g])) > 1 for g in groups)
+                bandwidth = target.network_bytes_per_s if kernel.network else target.link_bytes_per_s
                 kernel.seconds = kernel.comm_bytes / bandwidth if groups.shape[1] > 1 else 0.0
                 is_sync = config.get("collective_backend_config", {}).get("is_sync", False)
                 if op.endswith("-start") and not is_sync:
@@ -718,6 +772,9 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
     return dict(
         target=target.name, step_seconds=step_s, compute_seconds=compute_s, communication_seconds=comm_s,
         exposed_communication_seconds=exposed_s, matmul_flops=matmul_flops, matmul_flops_full_attention=full_flops,
+        # of the communication, what crosses hosts' NICs or TPU slices' DCN
+        network_bytes=sum(k.comm_bytes * k.runs for k in comm if k.network),
+        network_seconds=sum(k.total_seconds for k in comm if k.network),
         # what the attention kernels' backward recompute of the forward (the model's count leaves it out)
         attention_recompute_flops=sum(k.recompute_flops * k.runs for k in compute if k.kind == "attention backward"),
         model_flops=model_flops_per_device,

@@ -64,3 +64,27 @@ def test_the_trace_platform_is_the_meshs_devices_platform_inside_jit(monkeypatch
         jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(2.0)
     jax.jit(lambda x: (seen.append(trace_platform()), x)[1])(3.0)
     assert seen == ["gpu", "cpu", "gpu"]
+
+
+def test_slices_group_a_tpu_runs_devices_and_planning_reads_the_planned_layout():
+    """mesh.hybrid="slice": data across TPU slices, the rest within each. The groups come from the devices'
+    `slice_index` (a TPU's; other devices are one slice); while planning for compile-only devices
+    (`planned_devices`) the layout is theirs, not this machine's."""
+    import types
+
+    import jax
+
+    from jaxlm import mesh as mesh_lib
+
+    def chip(i, slice_, process):
+        return types.SimpleNamespace(id=i, slice_index=slice_, process_index=process, platform="tpu")
+
+    # two slices of four chips, on two hosts each, listed out of order
+    chips = [chip(100000 + 100000 * s + c, s, 2 * s + c // 2) for s in (1, 0) for c in (3, 1, 2, 0)]
+    groups = mesh_lib.device_groups(chips, "slice")
+    assert [[d.id for d in g] for g in groups] == [[100000, 100001, 100002, 100003], [200000, 200001, 200002, 200003]]
+    assert len(mesh_lib.device_groups(chips, "process")) == 4
+    assert mesh_lib.hybrid_groups("slice") == 1 == len(mesh_lib.device_groups(jax.devices(), "slice"))
+    with mesh_lib.planned_devices(chips):
+        assert (mesh_lib.hybrid_groups("slice"), mesh_lib.hybrid_groups("host"), mesh_lib.hybrid_groups("")) == (2, 4, 1)
+    assert mesh_lib.hybrid_groups("slice") == 1

@@ -136,6 +136,50 @@ def test_splash_attentions_kernels_are_counted_by_the_causal_blocks_they_visit()
     assert summary["attention_recompute_flops"] == 3 * visited * matmul
 
 
+# A gradient's all-reduce across two v5p slices as XLA:TPU compiles it (one slice's program, the DCN part a send to
+# the host's megascale runtime, lines as in a compiled tiny recipe's), beside a fusion the transfer overlaps
+MULTISLICE = """HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%fused (param_0: f32[1048576]) -> f32[1048576] {
+  %param_0 = f32[1048576]{0} parameter(0)
+  ROOT %exp = f32[1048576]{0} exponential(%param_0)
+}
+
+ENTRY %main (p: bf16[16,8,128], q: f32[1048576]) -> (bf16[16,8,128], f32[1048576]) {
+  %p = bf16[16,8,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %q = f32[1048576]{0} parameter(1)
+  %after-all.15 = token[] after-all()
+  %send.15 = (bf16[16,8,128]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}, token[]) send(%p, %after-all.15), channel_id=4, \
+is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",\
+_xla_host_transfer_rendezvous="all-reduce.82_0",_xla_megascale_reduce_operation="SUM",\
+_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv.15 = (bf16[16,8,128]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}, token[]) recv(%after-all.15), channel_id=3, \
+is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",\
+_xla_host_transfer_rendezvous="all-reduce.82_0",_xla_megascale_reduce_operation="SUM",\
+_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %fusion.1 = f32[1048576]{0} fusion(%q), kind=kLoop, calls=%fused
+  %send-done.15 = token[] send-done(%send.15), channel_id=4, is_host_transfer=true
+  %recv-done.15 = (bf16[16,8,128]{2,1,0:T(8,128)(2,1)}, token[]) recv-done(%recv.15), channel_id=3, is_host_transfer=true
+  %get-tuple-element.1 = bf16[16,8,128]{2,1,0:T(8,128)(2,1)} get-tuple-element(%recv-done.15), index=0
+  ROOT %tuple.1 = (bf16[16,8,128]{2,1,0:T(8,128)(2,1)}, f32[1048576]{0}) tuple(%get-tuple-element.1, %fusion.1)
+}
+"""
+
+
+def test_a_collective_across_tpu_slices_runs_at_dcns_bandwidth_and_overlaps_what_runs_beside_it():
+    kernels = roofline.kernels(hlo.Module(MULTISLICE), roofline.TPU_V5P, 4)
+    assert [k.name for k in kernels] == ["send.15", "fusion.1"]  # the recv: the same transfer, counted once
+    dcn, fusion = kernels
+    size = 16 * 8 * 128 * 2
+    assert (dcn.kind, dcn.comm_bytes) == ("all-reduce", 2 * (2 - 1) / 2 * size)  # a ring over the 2 slices
+    assert dcn.seconds == dcn.comm_bytes / roofline.TPU_V5P.network_bytes_per_s
+    assert fusion.seconds == 2 * 4 * 2**20 / roofline.TPU_V5P.hbm_bytes_per_s
+    assert dcn.exposed_seconds == pytest.approx(dcn.seconds - fusion.seconds)  # until its send-done
+    summary = roofline.summarize(kernels, roofline.TPU_V5P, 1.0)
+    assert summary["by_kind"]["all-reduce"]["bytes"] == dcn.comm_bytes == summary["network_bytes"]
+    assert summary["exposed_communication_seconds"] == pytest.approx(dcn.seconds - fusion.seconds)
+
+
 def test_window_pairs_count_the_positions_that_read_an_input_element():
     # brute force over small windows: stride, padding, both dilations
     import itertools
@@ -276,3 +320,28 @@ def test_tinys_train_step_compiles_for_four_v5p_chips():
     assert r["attention_recompute_flops"] == causal_half  # 3 of the backward's 7 matmuls, the forward's 2 x 1.5
     assert r["matmul_flops"] == pytest.approx(r["model_flops"] + causal_half + r["attention_recompute_flops"], rel=1e-9)
     assert 0 < r["roofline_mfu"] <= 1
+
+
+@pytest.mark.skipif(not (HAVE_LIBTPU or TPU_PYTHON.exists()),
+                    reason="no libtpu: `make tpu-env` installs it (the TPU compiler, 1.8 GB)")
+def test_tinys_train_step_compiles_for_two_v5p_slices_with_data_across_them():
+    """Two v5p:2x2x1 slices joined over DCN (`--slices=2`, mesh.hybrid=slice): data across the slices, fsdp within
+    each, one slice's program compiled, the gradients' reduction across slices sent over DCN (the megascale
+    runtime's transfers, at the network's bandwidth) and the fsdp collectives over ICI."""
+    result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
+                             "--topology=v5p:2x2x1", "--slices=2", "--json"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert (report["num_devices"], report["slices"], report["topology"]) == (8, 2, "v5p:2x2x1")
+    assert (report["mesh"]["data"], report["mesh"]["fsdp"]) == (2, 4) and report["compiled"]["num_devices"] == 8
+    r = report["compiled"]["roofline"]
+    gather = r["by_kind"]["all-gather"]  # fsdp's, within each slice
+    assert gather["seconds"] == pytest.approx(gather["bytes"] / roofline.TPU_V5P.link_bytes_per_s, rel=1e-9)
+    # across the slices: the gradients' all-reduce over data, at DCN's bandwidth (a ring over 2 slices sends each
+    # chip's gradient shard once)
+    assert r["network_seconds"] == pytest.approx(r["network_bytes"] / roofline.TPU_V5P.network_bytes_per_s, rel=1e-9)
+    assert 0 < r["network_bytes"] <= r["by_kind"]["all-reduce"]["bytes"]
+    state = sum(row["total_bytes"] for row in report["analytic"]["rows"] if row["name"] == "parameters")
+    assert r["network_bytes"] >= state / 4 / 2  # at least the bf16 gradients of a quarter (fsdp=4) of the parameters
+    assert r["matmul_flops"] > r["model_flops"] and r["roofline_mfu"] is not None
