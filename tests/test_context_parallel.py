@@ -140,3 +140,25 @@ def test_the_planner_counts_the_ring_by_the_kernel_of_its_blocks():
     for implementation in ("xla", "blocked", "pallas"):
         assert attention.context_kernel("ring", implementation).name == "ring (XLA einsums)"
     assert set(context_parallel.RING_BLOCKS) == {"cudnn"}
+
+
+@pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
+def test_the_flash_ring_in_bfloat16_stays_close_to_the_reference(layout, monkeypatch):
+    """The dtypes GPUs run the cuDNN ring in: bfloat16 q, k, v and cotangent through the blocks (emulated), the
+    steps combined in float32; output and gradients within bfloat16's rounding of float32 attention."""
+    monkeypatch.setitem(context_parallel.RING_BLOCKS, "cudnn", context_parallel.XlaBlocks())
+    q, k, v, seg, d_out = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in _inputs())
+    want = _loss_and_grads(lambda q, k, v, s: attention.reference_attention(q, k, v, segment_ids=s),
+                           *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in (q, k, v, seg, d_out)))
+
+    def split(q, k, v, s):
+        there = functools.partial(context_parallel.to_layout, layout=layout)
+        out = attention.attend(there(q), there(k), there(v), segment_ids=there(s), context_strategy="ring",
+                               context_layout=layout, implementation="cudnn")
+        return context_parallel.from_layout(out, layout)
+
+    with jax.set_mesh(_mesh(**MESHES["context8"])), spmd.logical_axis_rules(RULES):
+        got = jax.jit(functools.partial(_loss_and_grads, split))(q, k, v, seg, d_out)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.bfloat16 or g.ndim == 0
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0.05, atol=0.05 * float(np.abs(w).max()))
