@@ -85,7 +85,8 @@ def _loss_and_grads(fn, q, k, v, seg, d_out):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-@pytest.mark.parametrize("strategy", [*context_parallel.STRATEGIES, "ring-tiles-of-2", "ring-flash-blocks"])
+@pytest.mark.parametrize("strategy", [*context_parallel.STRATEGIES, "ring-tiles-of-2", "ring-flash-blocks",
+                                      "ring-flash-diagonal-tiles-of-4"])
 @pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
 @pytest.mark.parametrize("name", [n if n == "context8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
 def test_attention_across_the_split_sequence_equals_the_reference(strategy, layout, name, monkeypatch):
@@ -95,11 +96,15 @@ def test_attention_across_the_split_sequence_equals_the_reference(strategy, layo
     the model does. `ring-tiles-of-2`: the ring's blocks of scores 2 x 2 (several per step, those above the
     diagonal skipped), where the others' are each step's whole square. `ring-flash-blocks`: the ring GPUs run with
     cuDNN's kernel per block (`model.attention='cudnn'`), its blocks here by `XlaBlocks`, which emulates the
-    kernel's masks and gives NaN wherever the kernel's results are unspecified."""
+    kernel's masks and gives NaN wherever the kernel's results are unspecified; `ring-flash-diagonal-tiles-of-4`:
+    the same with the diagonal step in tiles of 4 (those below the diagonal padded calls, those above skipped)."""
     implementation = "xla"
     if strategy == "ring-tiles-of-2":
         monkeypatch.setattr(context_parallel, "RING_TILE", 2)
         strategy = "ring"
+    if strategy == "ring-flash-diagonal-tiles-of-4":
+        monkeypatch.setattr(context_parallel, "RING_DIAGONAL", 4)
+        strategy = "ring-flash-blocks"
     if strategy == "ring-flash-blocks":
         monkeypatch.setitem(context_parallel.RING_BLOCKS, "cudnn", context_parallel.XlaBlocks())
         strategy, implementation = "ring", "cudnn"

@@ -33,7 +33,7 @@ from flax.linen import spmd
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec
 from jaxlm.models import cudnn_batching
-from jaxlm.models.context_parallel import context_attention, context_size, ring_tile
+from jaxlm.models.context_parallel import context_attention, context_size, ring_diagonal_tile, ring_tile
 
 log = logging.getLogger(__name__)
 
@@ -188,12 +188,13 @@ class CudnnRingKernel(RingKernel):
     keeps, and a backward step's working set without any block of scores (cuDNN keeps its own on chip)."""
 
     def working_bytes(self, s, a: int) -> float:
-        """The diagonal block's document mask, an additive [B, 1, t, t] bias in the compute dtype; two chunks of
-        keys and values (the one attended, the one arriving) and two of their float32 gradient sums; the
-        queries' float32 gradient sum and the softmax statistics (the log-sum-exp and cuDNN's output-gradient
-        dot)."""
+        """A diagonal tile's document mask, an additive [B, 1, m, m] bias in the compute dtype (m: the diagonal
+        step's tiles, `context_parallel.ring_diagonal_tile`); two chunks of keys and values (the one attended,
+        the one arriving) and two of their float32 gradient sums; the queries' float32 gradient sum and the
+        softmax statistics (the log-sum-exp and cuDNN's output-gradient dot)."""
         t = s.scores / s.context / s.head_stats  # [B, N, t, t] / [B, N, t]
-        return a * s.tokens * t + 2 * 2 * (a + F32) * s.kv + F32 * s.q + 2 * F32 * s.head_stats
+        m = ring_diagonal_tile(round(t))
+        return a * s.tokens * m * m / t + 2 * 2 * (a + F32) * s.kv + F32 * s.q + 2 * F32 * s.head_stats
 
 
 # context parallelism's strategies (config.model.context_attention) by the kernel their blocks run with

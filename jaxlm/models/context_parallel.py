@@ -28,9 +28,9 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
               - cudnn (GPUs): each step's block is one call of cuDNN's flash attention, which returns its
                 rows' log-sum-exp; the steps' outputs are combined by their log-sum-exps, and the backward
                 calls cuDNN's backward on each block with the whole attention's output and log-sum-exp
-                (`_flash_ring`: the diagonal block causal with the documents as a bias, every other block
-                a padding mask over the one document its queries and keys can share). Memory: two chunks'
-                keys and values and the diagonal's [t, t] bias.
+                (`_flash_ring`: the diagonal block causal with the documents as a bias, in tiles of at most
+                RING_DIAGONAL, every other block a padding mask over the one document its queries and keys
+                can share). Memory: two chunks' keys and values and one diagonal tile's [m, m] bias.
               - any other (CPUs): XLA's einsums, in square blocks of at most RING_TILE queries by as many
                 keys (a scan over the blocks), skipping those the causal mask empties: on the diagonal step
                 those above the diagonal, and under the balanced layout half of every other step's square
@@ -486,7 +486,7 @@ class CudnnBlocks(RingBlocks):
     """cuDNN's flash attention (jax's primitives, `jax._src.cudnn.fused_attention_stablehlo`, a private API):
     its forward with the softmax statistics (the log-sum-exp of the scaled scores, [B, N, T] float32), its
     backward given the ring's global output and statistics. Diagonal: the causal mask type and the document
-    mask as an additive bias [B, 1, t, t] in the compute dtype (no bias gradient is asked for); padded: the
+    mask as an additive bias [B, 1, m, m] in the compute dtype (no bias gradient is asked for); padded: the
     padding mask type with the lengths. GPUs only; its numerics are checked through `XlaBlocks` on CPUs and by
     compiling for H100s, and on a GPU by benchmarks/gpu_session.sh's `ring` step."""
 
@@ -526,7 +526,7 @@ class CudnnBlocks(RingBlocks):
 
     def _bias(self, segment_ids, dtype):
         cudnn = self._module()
-        same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, t, t]
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, m, m]
         return jnp.where(same, jnp.asarray(0, dtype), cudnn.get_large_negative_number(dtype))
 
     def diagonal(self, q, k, v, segment_ids):
@@ -549,16 +549,34 @@ class CudnnBlocks(RingBlocks):
 RING_BLOCKS: dict[str, RingBlocks] = {"cudnn": CudnnBlocks()}
 
 
-def _off_diagonal(i, j, t: int, layout: str):
-    """The padded blocks of ring step j != i on device i: (query start, key start, queries, keys, live [] bool)
-    each; starts may be traced. Contiguous layout: the whole [t, t] square, live when the keys' device comes
-    first. Balanced layout: this device's late half of queries against the keys' early half, and the halves
-    `_ring_tiles` picks (both early for keys from an earlier device, both late from a later one)."""
+RING_DIAGONAL = 8192  # the most queries (and keys) of one diagonal call of the ring's flash kernel
+
+
+def ring_diagonal_tile(local: int) -> int:
+    """The side of the diagonal step's tiles for a device's `local` positions (`_diagonal_pieces`)."""
+    return _tile_size(local, RING_DIAGONAL)
+
+
+def _diagonal_pieces(t: int) -> list:
+    """The blocks of the ring's diagonal step (the device's own chunk, increasing in global position in local
+    order): a chunk longer than RING_DIAGONAL in square tiles (the largest divisor of t up to it), each tile on
+    the diagonal a diagonal call and each below it a padded call (its keys all before its queries), those above
+    skipped; each (kind, query start, key start, queries, keys, live)."""
+    m = ring_diagonal_tile(t)
+    return [piece for a in range(t // m) for piece in
+            [("diagonal", a * m, a * m, m, m, True)] + [("padded", a * m, b * m, m, m, True) for b in range(a)]]
+
+
+def _off_diagonal(i, j, t: int, layout: str) -> list:
+    """The padded blocks of ring step j != i on device i: (kind, query start, key start, queries, keys, live []
+    bool) each; starts may be traced. Contiguous layout: the whole [t, t] square, live when the keys' device
+    comes first. Balanced layout: this device's late half of queries against the keys' early half, and the
+    halves `_ring_tiles` picks (both early for keys from an earlier device, both late from a later one)."""
     if layout == "contiguous":
-        return [(0, 0, t, t, j < i)]
+        return [("padded", 0, 0, t, t, j < i)]
     half = t // 2
     pick = jnp.where(j < i, 0, half)
-    return [(half, 0, half, half, True), (pick, pick, half, half, True)]
+    return [("padded", half, 0, half, half, True), ("padded", pick, pick, half, half, True)]
 
 
 def _shared_document(seg_q, seg_k, live):
@@ -582,33 +600,64 @@ def _weight(lse, total):
     return jnp.exp(lse - total).transpose(0, 2, 1)[..., None]
 
 
+def _fold_block(blocks: RingBlocks, piece, q, segment_ids, k_s, v_s, seg_s, out, lse):
+    """One block's output and log-sum-exp folded into the running ones (float32 [B, t, N, H], [B, N, t])."""
+    kind, q0, k0, nq, nk, live = piece
+    q_b, k_b, v_b = _take(q, q0, nq, 1), _take(k_s, k0, nk, 1), _take(v_s, k0, nk, 1)
+    if kind == "diagonal":
+        o_b, l_b = blocks.diagonal(q_b, k_b, v_b, _take(segment_ids, q0, nq, 1))
+        o_b = o_b.astype(jnp.float32)
+    else:
+        q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
+        o_b, l_b = blocks.padded(q_b, jnp.flip(k_b, 1), jnp.flip(v_b, 1), q_len, kv_len)
+        rows = _padded_rows(q_len, ok, nq)
+        l_b = jnp.where(rows[:, None], l_b, -jnp.inf)
+        o_b = jnp.where(rows[:, :, None, None], o_b.astype(jnp.float32), 0.0)
+    l_old, o_old = _take(lse, q0, nq, 2), _take(out, q0, nq, 1)
+    l_new = jnp.logaddexp(l_old, l_b)  # finite: a row's diagonal tile, folded first, has its own key
+    out = _put(out, o_old * _weight(l_old, l_new) + o_b * _weight(l_b, l_new), q0, 1)
+    return out, _put(lse, l_new, q0, 2)
+
+
+def _block_grads(blocks: RingBlocks, piece, q, segment_ids, out, lse, d_out, k_s, v_s, seg_s, dq, dk, dv):
+    """One block's gradients, given the whole attention's output and log-sum-exp, added to the running float32
+    sums of the queries' (dq) and of the held keys' and values' (dk, dv)."""
+    kind, q0, k0, nq, nk, live = piece
+    q_b, k_b, v_b = _take(q, q0, nq, 1), _take(k_s, k0, nk, 1), _take(v_s, k0, nk, 1)
+    given = (_take(out, q0, nq, 1), _take(lse, q0, nq, 2), _take(d_out, q0, nq, 1))
+    if kind == "diagonal":
+        dq_b, dk_b, dv_b = (x.astype(jnp.float32) for x in
+                            blocks.diagonal_grads(q_b, k_b, v_b, _take(segment_ids, q0, nq, 1), *given))
+    else:
+        q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
+        dq_b, dk_b, dv_b = blocks.padded_grads(q_b, jnp.flip(k_b, 1), jnp.flip(v_b, 1), q_len, kv_len, *given)
+        rows, keys = _padded_rows(q_len, ok, nq), _padded_rows(kv_len, ok, nk)
+        dq_b = jnp.where(rows[:, :, None, None], dq_b.astype(jnp.float32), 0.0)
+        dk_b = jnp.flip(jnp.where(keys[:, :, None, None], dk_b.astype(jnp.float32), 0.0), 1)
+        dv_b = jnp.flip(jnp.where(keys[:, :, None, None], dv_b.astype(jnp.float32), 0.0), 1)
+    dq = _put(dq, _take(dq, q0, nq, 1) + dq_b, q0, 1)
+    dk = _put(dk, _take(dk, k0, nk, 1) + dk_b, k0, 1)
+    return dq, dk, _put(dv, _take(dv, k0, nk, 1) + dv_b, k0, 1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _flash_ring(q, k, v, segment_ids, context: int, layout: str, blocks: RingBlocks):
     return _flash_ring_fwd(q, k, v, segment_ids, context, layout, blocks)[0]
 
 
 def _flash_ring_fwd(q, k, v, segment_ids, context: int, layout: str, blocks: RingBlocks):
-    t = q.shape[1]  # q [B, t, N, H], k and v [B, t, K, H]
+    b, t, n, h = q.shape  # q [B, t, N, H], k and v [B, t, K, H]
     i = jax.lax.axis_index(CONTEXT_AXIS)
-    out, lse = blocks.diagonal(q, k, v, segment_ids)
-    out = out.astype(jnp.float32)  # the running output, normalized by the running log-sum-exp [B, N, t]
+    out = jnp.zeros(q.shape, jnp.float32)  # the running output, normalized by the running log-sum-exp
+    lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)
     held = (k, v, segment_ids)
-    for step in range(1, context):
-        held = _pass_on(held, context)
-        held, out, lse = jax.lax.optimization_barrier((held, out, lse))  # one step at a time, as `_ring_fwd`
-        k_s, v_s, seg_s = held
+    for step in range(context):
+        if step:
+            held = _pass_on(held, context)
+            held, out, lse = jax.lax.optimization_barrier((held, out, lse))  # one step at a time, as `_ring_fwd`
         j = (i - step) % context
-        for q0, k0, nq, nk, live in _off_diagonal(i, j, t, layout):
-            q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
-            o_b, l_b = blocks.padded(_take(q, q0, nq, 1), jnp.flip(_take(k_s, k0, nk, 1), 1),
-                                     jnp.flip(_take(v_s, k0, nk, 1), 1), q_len, kv_len)
-            rows = _padded_rows(q_len, ok, nq)
-            l_b = jnp.where(rows[:, None], l_b, -jnp.inf)
-            o_b = jnp.where(rows[:, :, None, None], o_b.astype(jnp.float32), 0.0)
-            l_old, o_old = _take(lse, q0, nq, 2), _take(out, q0, nq, 1)
-            l_new = jnp.logaddexp(l_old, l_b)  # finite: the diagonal gave every row its own key
-            out = _put(out, o_old * _weight(l_old, l_new) + o_b * _weight(l_b, l_new), q0, 1)
-            lse = _put(lse, l_new, q0, 2)
+        for piece in _off_diagonal(i, j, t, layout) if step else _diagonal_pieces(t):
+            out, lse = _fold_block(blocks, piece, q, segment_ids, *held, out, lse)
     out = out.astype(q.dtype)
     return out, (q, k, v, segment_ids, out, lse)
 
@@ -618,30 +667,18 @@ def _flash_ring_bwd(context: int, layout: str, blocks: RingBlocks, residuals, d_
     t = q.shape[1]
     i = jax.lax.axis_index(CONTEXT_AXIS)
     d_out = d_out.astype(q.dtype)
-    dq, dk, dv = blocks.diagonal_grads(q, k, v, segment_ids, out, lse, d_out)
-    dq = dq.astype(jnp.float32)
-    grads = (dk.astype(jnp.float32), dv.astype(jnp.float32))
+    dq = jnp.zeros(q.shape, jnp.float32)
     held = (k, v, segment_ids)
+    grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     # the keys and values travel with their gradients' running sums the other way round (as `_ring_bwd`)
-    for step in range(1, context):
-        held, grads = _pass_on((held, grads), context, -1)
-        held, grads, dq = jax.lax.optimization_barrier((held, grads, dq))
-        (k_s, v_s, seg_s), (dk, dv) = held, grads
+    for step in range(context):
+        if step:
+            held, grads = _pass_on((held, grads), context, -1)
+            held, grads, dq = jax.lax.optimization_barrier((held, grads, dq))
         j = (i + step) % context
-        for q0, k0, nq, nk, live in _off_diagonal(i, j, t, layout):
-            q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
-            dq_b, dk_b, dv_b = blocks.padded_grads(
-                _take(q, q0, nq, 1), jnp.flip(_take(k_s, k0, nk, 1), 1), jnp.flip(_take(v_s, k0, nk, 1), 1), q_len,
-                kv_len, _take(out, q0, nq, 1), _take(lse, q0, nq, 2), _take(d_out, q0, nq, 1))
-            rows, keys = _padded_rows(q_len, ok, nq), _padded_rows(kv_len, ok, nk)
-            dq_b = jnp.where(rows[:, :, None, None], dq_b.astype(jnp.float32), 0.0)
-            dk_b = jnp.flip(jnp.where(keys[:, :, None, None], dk_b.astype(jnp.float32), 0.0), 1)
-            dv_b = jnp.flip(jnp.where(keys[:, :, None, None], dv_b.astype(jnp.float32), 0.0), 1)
-            dq = _put(dq, _take(dq, q0, nq, 1) + dq_b, q0, 1)
-            dk = _put(dk, _take(dk, k0, nk, 1) + dk_b, k0, 1)
-            dv = _put(dv, _take(dv, k0, nk, 1) + dv_b, k0, 1)
-        grads = (dk, dv)
-    dk, dv = _pass_on(grads, context, -1)  # c passes in all: the sums are home
+        for piece in _off_diagonal(i, j, t, layout) if step else _diagonal_pieces(t):
+            dq, *grads = _block_grads(blocks, piece, q, segment_ids, out, lse, d_out, *held, dq, *grads)
+    dk, dv = _pass_on(tuple(grads), context, -1)  # c passes in all: the sums are home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
