@@ -460,9 +460,10 @@ class XlaBlocks(RingBlocks):
 
     @staticmethod
     def _padding(q_len, kv_len, tq: int, tk: int):
-        rows = jnp.arange(tq)[None] < q_len[:, None]  # [B, tq]
-        keys = (jnp.arange(tk)[None] < kv_len[:, None]) & (kv_len[:, None] > 0)  # [B, tk]
-        return rows & (kv_len[:, None] > 0), keys
+        some = (q_len > 0) & (kv_len > 0)  # a length of 0: nothing specified
+        rows = (jnp.arange(tq)[None] < q_len[:, None]) & some[:, None]  # [B, tq]
+        keys = (jnp.arange(tk)[None] < kv_len[:, None]) & some[:, None]  # [B, tk]
+        return rows, keys
 
     def diagonal(self, q, k, v, segment_ids):
         return self._forward(q, k, v, self._diagonal_mask(segment_ids))
