@@ -14,6 +14,8 @@
 #   attention  benchmarks/attention.py at 1b's shapes (8 x 2048, documents of mean length 512): each kernel
 #            checked against the float32 reference, then timed: cuDNN with the document mask (jaxlm's path),
 #            cuDNN's packed layout, Pallas with segment ids, XLA, cuDNN causal-only  -> $OUT/attention.json
+#   ring     benchmarks/ring_blocks.py: context parallelism's ring blocks by cuDNN (model.attention=cudnn) against
+#            their XLA emulation, which the CPU tests check the ring on (its lines go into session.log)
 #   sweep    mfu.py per point over model.attention x model.loss_chunk_len [x run.xla_flags], one process per
 #            point, in priority order, while the time budget allows                  -> $OUT/mfu_sweep.json
 #            (attention=cudnn, loss_chunk_len=0 is the `mfu` step itself: 'auto' picks cudnn on a GPU; the
@@ -38,8 +40,8 @@
 #   PYTHON                  interpreter (default python3)
 #   GPU_SESSION_DRY=1       same as --dry-run
 #   GPU_SESSION_BUDGET_S    total seconds (default 540; dry 300)
-#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu profile attention sweep fp8 train ckpt hlo
-#                           notebook")
+#   GPU_SESSION_STEPS       which steps to run, space-separated (default "doctor mfu profile attention ring sweep fp8 train
+#                           ckpt hlo notebook")
 #                           e.g. a second call: GPU_SESSION_STEPS="sweep hlo" bash benchmarks/gpu_session.sh
 #   GPU_SESSION_SWEEP       sweep points "attention:loss_chunk_len[:xla_flag,xla_flag] ..." in priority order;
 #                           attention cudnn-mask = cuDNN with the document mask instead of its packed layout,
@@ -82,6 +84,7 @@ if [ "$DRY" = 1 ]; then
     DOCTOR=(60 10 0); MFU=(120 20 0); ATTN=(120 20 0); POINT=(90 20 60); CKPT=(90 20 0); HLO=(120 30 0); NB=(240 60 0)
     TRAIN=(150 30 0); FP8=(90 20 30); PROFILE=(90 20 0)
     ATTN_ARGS=(--recipe tiny --seq 64 --batch 2 --doc_len 20 --pad 5)
+    RING=(60 10 0); RING_ARGS=(--blocks xla --seq 64 --doc_len 20)  # no cuDNN on a CPU: the emulation against itself
 else
     if [ -z "${OUT:-}" ]; then
         OUT=/tmp/gpu_session_out
@@ -108,8 +111,9 @@ else
     DOCTOR=(90 20 0); MFU=(240 60 0); ATTN=(150 40 0); POINT=(150 90 130); CKPT=(240 45 0); HLO=(300 60 0); NB=(240 60 0)
     TRAIN=(120 30 0); FP8=(150 90 80); PROFILE=(120 40 0)
     ATTN_ARGS=(--recipe 1b --max_segments 16)  # the packed layout at the model's default bound
+    RING=(90 20 0); RING_ARGS=()
 fi
-STEPS=" ${GPU_SESSION_STEPS:-doctor mfu profile attention sweep fp8 train ckpt hlo notebook} "
+STEPS=" ${GPU_SESSION_STEPS:-doctor mfu profile attention ring sweep fp8 train ckpt hlo notebook} "
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -191,6 +195,9 @@ wanted profile && step profile "${PROFILE[@]}" -- $PYTHON benchmarks/profile_ste
 # 3b. attention kernels at the big recipe's shapes, with packed documents --------------------------------
 wanted attention && step attention "${ATTN[@]}" -- $PYTHON benchmarks/attention.py "${ATTN_ARGS[@]}" \
     --json "$OUT/attention.json"
+
+# 3c. the context-parallel ring's cuDNN blocks against their emulation (into session.log: 8 files come back at most)
+wanted ring && step ring "${RING[@]}" -- $PYTHON benchmarks/ring_blocks.py "${RING_ARGS[@]}"
 
 # 4. sweep: one mfu.py process per point (mfu.py's own --sweep keeps a parent process holding the GPU) ------
 if wanted sweep; then

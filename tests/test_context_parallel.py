@@ -85,7 +85,8 @@ def _loss_and_grads(fn, q, k, v, seg, d_out):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-@pytest.mark.parametrize("strategy", [*context_parallel.STRATEGIES, "ring-tiles-of-2"])
+@pytest.mark.parametrize("strategy", [*context_parallel.STRATEGIES, "ring-tiles-of-2", "ring-flash-blocks",
+                                      "ring-flash-diagonal-tiles-of-4"])
 @pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
 @pytest.mark.parametrize("name", [n if n == "context8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
 def test_attention_across_the_split_sequence_equals_the_reference(strategy, layout, name, monkeypatch):
@@ -93,17 +94,27 @@ def test_attention_across_the_split_sequence_equals_the_reference(strategy, layo
     documents crossing the chunks' boundaries, padding) equal plain attention over the whole sequence to
     float32's rounding. The inputs go in and come out in the sequence's order, reordered around the call as
     the model does. `ring-tiles-of-2`: the ring's blocks of scores 2 x 2 (several per step, those above the
-    diagonal skipped), where the others' are each step's whole square."""
+    diagonal skipped), where the others' are each step's whole square. `ring-flash-blocks`: the ring GPUs run with
+    cuDNN's kernel per block (`model.attention='cudnn'`), its blocks here by `XlaBlocks`, which emulates the
+    kernel's masks and gives NaN wherever the kernel's results are unspecified; `ring-flash-diagonal-tiles-of-4`:
+    the same with the diagonal step in tiles of 4 (those below the diagonal padded calls, those above skipped)."""
+    implementation = "xla"
     if strategy == "ring-tiles-of-2":
         monkeypatch.setattr(context_parallel, "RING_TILE", 2)
         strategy = "ring"
+    if strategy == "ring-flash-diagonal-tiles-of-4":
+        monkeypatch.setattr(context_parallel, "RING_DIAGONAL", 4)
+        strategy = "ring-flash-blocks"
+    if strategy == "ring-flash-blocks":
+        monkeypatch.setitem(context_parallel.RING_BLOCKS, "cudnn", context_parallel.XlaBlocks())
+        strategy, implementation = "ring", "cudnn"
     q, k, v, seg, d_out = _inputs()
     want = _loss_and_grads(lambda q, k, v, s: attention.reference_attention(q, k, v, segment_ids=s), q, k, v, seg, d_out)
 
     def split(q, k, v, s):
         there = functools.partial(context_parallel.to_layout, layout=layout)
         out = attention.attend(there(q), there(k), there(v), segment_ids=there(s), context_strategy=strategy,
-                               context_layout=layout)
+                               context_layout=layout, implementation=implementation)
         return context_parallel.from_layout(out, layout)
 
     with jax.set_mesh(_mesh(**MESHES[name])), spmd.logical_axis_rules(RULES):
@@ -111,3 +122,48 @@ def test_attention_across_the_split_sequence_equals_the_reference(strategy, layo
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_an_off_diagonal_block_shares_at_most_the_document_across_its_boundary():
+    """Keys all before the queries: the allowed pairs are the queries' prefix and the keys' suffix in the document
+    running from the keys' last token to the queries' first (padding, id 0, included); none when that document
+    differs, or the block is masked whole (`live` false). Lengths at least 1, the kernel's lower bound."""
+    seg_q = jnp.asarray([[3, 3, 4, 5], [2, 2, 2, 2], [0, 0, 0, 0]])
+    seg_k = jnp.asarray([[1, 2, 3, 3], [1, 1, 1, 1], [5, 6, 0, 0]])
+    q_len, kv_len, ok = context_parallel._shared_document(seg_q, seg_k, jnp.asarray(True))
+    np.testing.assert_array_equal(q_len, [2, 1, 4])
+    np.testing.assert_array_equal(kv_len, [2, 1, 2])
+    np.testing.assert_array_equal(ok, [True, False, True])
+    _, _, ok = context_parallel._shared_document(seg_q, seg_k, jnp.asarray(False))
+    np.testing.assert_array_equal(ok, [False, False, False])
+
+
+def test_the_planner_counts_the_ring_by_the_kernel_of_its_blocks():
+    """cuDNN's blocks where model.attention is cuDNN (GPUs), XLA's tiles otherwise."""
+    assert attention.context_kernel("ring", "cudnn") is attention.CONTEXT_KERNELS[("ring", "cudnn")]
+    assert isinstance(attention.context_kernel("ring", "cudnn"), attention.CudnnRingKernel)
+    for implementation in ("xla", "blocked", "pallas"):
+        assert attention.context_kernel("ring", implementation).name == "ring (XLA einsums)"
+    assert set(context_parallel.RING_BLOCKS) == {"cudnn"}
+
+
+@pytest.mark.parametrize("layout", context_parallel.LAYOUTS)
+def test_the_flash_ring_in_bfloat16_stays_close_to_the_reference(layout, monkeypatch):
+    """The dtypes GPUs run the cuDNN ring in: bfloat16 q, k, v and cotangent through the blocks (emulated), the
+    steps combined in float32; output and gradients within bfloat16's rounding of float32 attention."""
+    monkeypatch.setitem(context_parallel.RING_BLOCKS, "cudnn", context_parallel.XlaBlocks())
+    q, k, v, seg, d_out = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in _inputs())
+    want = _loss_and_grads(lambda q, k, v, s: attention.reference_attention(q, k, v, segment_ids=s),
+                           *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in (q, k, v, seg, d_out)))
+
+    def split(q, k, v, s):
+        there = functools.partial(context_parallel.to_layout, layout=layout)
+        out = attention.attend(there(q), there(k), there(v), segment_ids=there(s), context_strategy="ring",
+                               context_layout=layout, implementation="cudnn")
+        return context_parallel.from_layout(out, layout)
+
+    with jax.set_mesh(_mesh(**MESHES["context8"])), spmd.logical_axis_rules(RULES):
+        got = jax.jit(functools.partial(_loss_and_grads, split))(q, k, v, seg, d_out)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.bfloat16 or g.ndim == 0
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0.05, atol=0.05 * float(np.abs(w).max()))

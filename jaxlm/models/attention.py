@@ -34,7 +34,7 @@ from flax.linen import spmd
 from jaxlm.errors import UserError
 from jaxlm.mesh import constrain, logical_to_spec, trace_platform
 from jaxlm.models import cudnn_batching
-from jaxlm.models.context_parallel import context_attention, context_size, ring_tile
+from jaxlm.models.context_parallel import context_attention, context_size, ring_diagonal_tile, ring_tile
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +184,32 @@ class RingKernel(Kernel):
         return super().backward_bytes(s, a) + self.working_bytes(s, a)
 
 
-# context parallelism's strategies (config.model.context_attention) by the kernel XLA runs their blocks with
+class CudnnRingKernel(RingKernel):
+    """The ring with cuDNN's flash attention per block (`context_parallel._flash_ring`): what a flash kernel
+    keeps, and a backward step's working set without any block of scores (cuDNN keeps its own on chip)."""
+
+    def working_bytes(self, s, a: int) -> float:
+        """A diagonal tile's document mask, an additive [B, 1, m, m] bias in the compute dtype (m: the diagonal
+        step's tiles, `context_parallel.ring_diagonal_tile`); two chunks of keys and values (the one attended,
+        the one arriving) and two of their float32 gradient sums; the queries' float32 gradient sum and the
+        softmax statistics (the log-sum-exp and cuDNN's output-gradient dot)."""
+        t = s.scores / s.context / s.head_stats  # [B, N, t, t] / [B, N, t]
+        m = ring_diagonal_tile(round(t))
+        return a * s.tokens * m * m / t + 2 * 2 * (a + F32) * s.kv + F32 * s.q + 2 * F32 * s.head_stats
+
+
+# context parallelism's strategies (config.model.context_attention) by the kernel their blocks run with
 CONTEXT_KERNELS = {("allgather", "xla"): AllGatherKernel("allgather (XLA)", keeps_scores=True, takes_mask=False),
                    ("allgather", "cudnn"): AllGatherKernel("allgather (cuDNN)", keeps_scores=False, takes_mask=False),
-                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False)}
+                   ("ring", "xla"): RingKernel("ring (XLA einsums)", keeps_scores=False, takes_mask=False),
+                   ("ring", "cudnn"): CudnnRingKernel("ring (cuDNN blocks)", keeps_scores=False, takes_mask=False)}
 
 
 def context_kernel(strategy: str, implementation: str) -> Kernel:
-    """The kernel a sequence split over `context` attends with (`context_parallel.context_attention`): allgather
-    with cuDNN when `implementation` is cuDNN, else with XLA's attention; ring with XLA's einsums always."""
-    return CONTEXT_KERNELS[(strategy, "cudnn" if strategy == "allgather" and implementation == "cudnn" else "xla")]
+    """The kernel a sequence split over `context` attends with (`context_parallel.context_attention`): cuDNN's
+    when `implementation` is cuDNN (allgather's attention, or the ring's flash kernel per block), else XLA's
+    (allgather's attention, the ring's einsums in tiles)."""
+    return CONTEXT_KERNELS[(strategy, "cudnn" if implementation == "cudnn" else "xla")]
 
 
 KERNELS = {k.name: k for k in (Kernel("xla", keeps_scores=True), BlockedKernel("blocked", keeps_scores=False),

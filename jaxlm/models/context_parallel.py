@@ -24,14 +24,24 @@ Strategy (`model.context_attention`): how queries reach the keys held by other d
   ring        keys, values and segment ids passed around the axis in c - 1 steps (collective permutes),
               each step's block of scores folded into the output by an online softmax; a custom backward
               passes them around again with their gradients (FlashAttention-2's recomputation from the
-              saved log-sum-exp). Each step's scores are computed in square blocks of at most RING_TILE
-              queries by as many keys (a scan over the blocks; the steps run one after another), skipping
-              those the causal mask empties: on the diagonal step those above the diagonal, and under the
-              balanced layout half of every other step's square (the same work on every device). Memory:
-              two chunks' keys and values and one block's float32 scores at a time. About four times
-              allgather's traffic (the chunks pass again in the backward, their gradient sums in float32),
-              in pieces that XLA overlaps with the blocks' matmuls (benchmarks/BENCHMARKS.md, "Context
-              parallelism on 8 H100s").
+              saved log-sum-exp). Two kernels for the blocks, by `model.attention`:
+              - cudnn (GPUs): each step's block is one call of cuDNN's flash attention, which returns its
+                rows' log-sum-exp; the steps' outputs are combined by their log-sum-exps, and the backward
+                calls cuDNN's backward on each block with the whole attention's output and log-sum-exp
+                (`_flash_ring`: the diagonal block causal with the documents as a bias, in tiles of at most
+                RING_DIAGONAL, every other block a padding mask over the one document its queries and keys
+                can share). Memory: two chunks' keys and values and one diagonal tile's [m, m] bias.
+              - any other (CPUs): XLA's einsums, in square blocks of at most RING_TILE queries by as many
+                keys (a scan over the blocks), skipping those the causal mask empties: on the diagonal step
+                those above the diagonal, and under the balanced layout half of every other step's square
+                (the same work on every device). Memory: two chunks' keys and values and one block's
+                float32 scores at a time.
+              The steps run one after another. About four times allgather's traffic (the chunks pass again
+              in the backward, their gradient sums in float32), in pieces that XLA overlaps with the blocks
+              (benchmarks/BENCHMARKS.md, "Context parallelism on 8 H100s"). The cuDNN blocks' numerics are
+              checked on CPUs through their emulation (`XlaBlocks`: the ring built on it equals plain
+              attention), by compiling for H100s, and on a GPU by benchmarks/ring_blocks.py (cuDNN's blocks
+              against the emulation); the ring has not yet run across GPUs.
 
 Packed documents: the segment ids travel with their tokens (reordered with them, gathered or passed around
 with the keys), and a query attends to a key only when both ids are equal and the key's global position is
@@ -165,7 +175,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     if strategy == "ring":
-        local = functools.partial(_ring_local, context=context, layout=layout)
+        local = functools.partial(_ring_local, context=context, layout=layout, blocks=RING_BLOCKS.get(implementation))
     else:
         local = functools.partial(_allgather_local, context=context, layout=layout,
                                   kernel="cudnn" if implementation == "cudnn" else "xla")
@@ -190,12 +200,16 @@ def _allgather_local(q, k, v, segment_ids, *, context: int, layout: str, kernel:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=kernel).astype(dtype)
 
 
-def _ring_local(q, k, v, segment_ids, *, context: int, layout: str):
+def _ring_local(q, k, v, segment_ids, *, context: int, layout: str, blocks: RingBlocks | None = None):
+    """One device's queries against every device's keys and values, passed around the ring: each step's blocks by
+    `blocks`' flash kernel (`_flash_ring`), or without one by XLA's einsums in tiles (`_ring`)."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     dtype = q.dtype
     if dtype == jnp.float16 and trace_platform() == "cpu":  # no float16 dot with float32 sums on XLA:CPU
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    if blocks is not None:
+        return _flash_ring(q, k, v, segment_ids, context, layout, blocks).astype(dtype)
     out = _ring(q.reshape(b, t, kv, n // kv, h), k, v, segment_ids, context, layout)
     return out.reshape(b, t, n, h).astype(dtype)
 
@@ -357,3 +371,316 @@ def _ring_bwd(context: int, layout: str, residuals, d_out):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ------------------------------------------------------------------- the ring with a flash kernel per block
+# The ring above computes its blocks of scores with XLA's einsums (the CPU path). On GPUs each step's block is
+# instead one call of a flash kernel (cuDNN's) that returns its output and its rows' log-sum-exp; the steps'
+# outputs are combined by their log-sum-exps, and the backward calls the kernel's backward on each block with
+# the GLOBAL output and log-sum-exp as its forward's, which makes each block's gradients exactly its share of
+# the true gradient (the ring-flash decomposition). The kernel sees two kinds of blocks:
+#   diagonal  the device's own chunk against itself: causal in local order (increasing in global position under
+#             both layouts) and within a document (the segment ids' mask);
+#   padded    an off-diagonal block, every key before every query: the only document queries and keys can
+#             share is the one running from the keys' last token to the queries' first (each document, padding
+#             included, is one run of its row, as `attention.packed_segments` takes it), so the allowed pairs
+#             are a prefix of the queries against a suffix of the keys. The keys are reversed (attention without
+#             a causal mask does not depend on the keys' order), making the suffix a prefix, and the block is
+#             the kernel's padding mask: query rows [0, q_len) against keys [0, kv_len).
+# What the kernel does outside the padding mask's rows and keys is not relied on: those rows' outputs, log-sum-
+# exps and gradients are replaced here, and a row with no allowed pair (q_len or kv_len 0, which the kernel is
+# never given: it gets 1 and the row's results are dropped) contributes nothing.
+class RingBlocks:
+    """A flash kernel for the ring's blocks (`_flash_ring`): q [B, tq, N, H], k and v [B, tk, K, H] (K divides
+    N), outputs in q's dtype, log-sum-exps [B, N, tq] float32 of the scaled scores."""
+
+    name = "?"
+
+    def diagonal(self, q, k, v, segment_ids):
+        """(out, lse) of the diagonal block: causal, within a document (segment ids [B, t])."""
+        raise NotImplementedError
+
+    def diagonal_grads(self, q, k, v, segment_ids, out, lse, d_out):
+        """(dq, dk, dv) of the diagonal block given the whole attention's out and lse for its rows."""
+        raise NotImplementedError
+
+    def padded(self, q, k, v, q_len, kv_len):
+        """(out, lse) of rows [0, q_len[b]) against keys [0, kv_len[b]) (int32 [B], both at least 1); other rows
+        unspecified."""
+        raise NotImplementedError
+
+    def padded_grads(self, q, k, v, q_len, kv_len, out, lse, d_out):
+        """(dq, dk, dv) of the padded block given the whole attention's out and lse; rows of dq at or after q_len
+        and of dk, dv at or after kv_len unspecified."""
+        raise NotImplementedError
+
+
+class XlaBlocks(RingBlocks):
+    """The kernel's semantics in plain XLA ops, [B, N, tq, tk] float32 scores at once: what the CPU tests build
+    the ring on, to check the decomposition the cuDNN blocks rely on. Where the kernel's results are
+    unspecified (rows outside the padding mask, a length of 0) it gives NaN, so that the ring must drop them."""
+
+    name = "xla"
+
+    @staticmethod
+    def _scores(q, k, allowed):
+        b, tq, n, h = q.shape
+        kv = k.shape[2]
+        qg = q.reshape(b, tq, kv, n // kv, h)
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(h)
+        return jnp.where(allowed[:, None, None], s, _LOWEST)  # [B, K, G, tq, tk]
+
+    def _forward(self, q, k, v, allowed):
+        b, tq, n, h = q.shape
+        s = self._scores(q, k, allowed)
+        lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, tq]
+        p = jnp.where(allowed[:, None, None], jnp.exp(s - lse[..., None]), 0.0)
+        out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.reshape(b, tq, n, h).astype(q.dtype), lse.reshape(b, n, tq)
+
+    def _backward(self, q, k, v, allowed, out, lse, d_out):
+        b, tq, n, h = q.shape
+        kv = k.shape[2]
+        s = self._scores(q, k, allowed)
+        lse = lse.reshape(b, kv, n // kv, tq)
+        p = jnp.where(allowed[:, None, None], jnp.exp(s - lse[..., None]), 0.0)
+        do = d_out.reshape(b, tq, kv, n // kv, h)
+        delta = jnp.sum(do.astype(jnp.float32) * out.reshape(do.shape).astype(jnp.float32), axis=-1)
+        dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(v.dtype), do, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("btkgh,bskh->bkgts", do, v, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta.transpose(0, 2, 3, 1)[..., None]) / math.sqrt(h)).astype(q.dtype)
+        dq = jnp.einsum("bkgts,bskh->btkgh", ds, k, preferred_element_type=jnp.float32).reshape(q.shape)
+        dk = jnp.einsum("bkgts,btkgh->bskh", ds, q.reshape(do.shape), preferred_element_type=jnp.float32)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    @staticmethod
+    def _diagonal_mask(segment_ids):
+        t = segment_ids.shape[1]
+        return jnp.tril(jnp.ones((t, t), bool))[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+    @staticmethod
+    def _padding(q_len, kv_len, tq: int, tk: int):
+        some = (q_len > 0) & (kv_len > 0)  # a length of 0: nothing specified
+        rows = (jnp.arange(tq)[None] < q_len[:, None]) & some[:, None]  # [B, tq]
+        keys = (jnp.arange(tk)[None] < kv_len[:, None]) & some[:, None]  # [B, tk]
+        return rows, keys
+
+    def diagonal(self, q, k, v, segment_ids):
+        return self._forward(q, k, v, self._diagonal_mask(segment_ids))
+
+    def diagonal_grads(self, q, k, v, segment_ids, out, lse, d_out):
+        return self._backward(q, k, v, self._diagonal_mask(segment_ids), out, lse, d_out)
+
+    def padded(self, q, k, v, q_len, kv_len):
+        rows, keys = self._padding(q_len, kv_len, q.shape[1], k.shape[1])
+        out, lse = self._forward(q, k, v, rows[:, :, None] & keys[:, None, :])
+        return jnp.where(rows[:, :, None, None], out, jnp.nan), jnp.where(rows[:, None], lse, jnp.nan)
+
+    def padded_grads(self, q, k, v, q_len, kv_len, out, lse, d_out):
+        rows, keys = self._padding(q_len, kv_len, q.shape[1], k.shape[1])
+        dq, dk, dv = self._backward(q, k, v, rows[:, :, None] & keys[:, None, :], out, lse, d_out)
+        return (jnp.where(rows[:, :, None, None], dq, jnp.nan), jnp.where(keys[:, :, None, None], dk, jnp.nan),
+                jnp.where(keys[:, :, None, None], dv, jnp.nan))
+
+
+class CudnnBlocks(RingBlocks):
+    """cuDNN's flash attention (jax's primitives, `jax._src.cudnn.fused_attention_stablehlo`, a private API):
+    its forward with the softmax statistics (the log-sum-exp of the scaled scores, [B, N, T] float32), its
+    backward given the ring's global output and statistics. Diagonal: the causal mask type and the document
+    mask as an additive bias [B, 1, m, m] in the compute dtype (no bias gradient is asked for); padded: the
+    padding mask type with the lengths. GPUs only; its numerics are checked through `XlaBlocks` on CPUs and by
+    compiling for H100s, and on a GPU by benchmarks/gpu_session.sh's `ring` step."""
+
+    name = "cudnn"
+
+    @staticmethod
+    def _module():
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn  # local import: private JAX API, GPUs only
+
+        from jaxlm.models import cudnn_batching  # local import: cuDNN's batching rules, for the vmaps around the ring
+
+        cudnn_batching.install()
+        return cudnn
+
+    def _params(self, cudnn, q, has_bias: bool, mask_type):
+        return dict(scale=1.0 / math.sqrt(q.shape[-1]), seed=42, dropout_rate=0.0, variadic_args=(has_bias, False),
+                    mask_type=mask_type, layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+
+    def _operands(self, q, bias, q_len, kv_len):
+        unused = jnp.zeros(0, q.dtype)
+        return (bias if bias is not None else unused, unused if q_len is None else q_len,
+                unused if kv_len is None else kv_len, unused, unused, unused, unused)
+
+    def _forward(self, q, k, v, bias, q_len, kv_len, mask_type):
+        cudnn = self._module()
+        out, lse = cudnn._dot_product_attention_fwd_p_wrapper.bind(
+            q, k, v, *self._operands(q, bias, q_len, kv_len), is_training=True,
+            **self._params(cudnn, q, bias is not None, mask_type))
+        return out, lse
+
+    def _backward(self, q, k, v, bias, q_len, kv_len, out, lse, d_out, mask_type):
+        cudnn = self._module()
+        dq, dk, dv = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+            q, k, v, *self._operands(q, bias, q_len, kv_len), lse, out, d_out,
+            **self._params(cudnn, q, bias is not None, mask_type))
+        return dq, dk, dv
+
+    def _bias(self, segment_ids, dtype):
+        cudnn = self._module()
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, m, m]
+        return jnp.where(same, jnp.asarray(0, dtype), cudnn.get_large_negative_number(dtype))
+
+    def diagonal(self, q, k, v, segment_ids):
+        cudnn = self._module()
+        return self._forward(q, k, v, self._bias(segment_ids, q.dtype), None, None, cudnn.MaskType.CAUSAL)
+
+    def diagonal_grads(self, q, k, v, segment_ids, out, lse, d_out):
+        cudnn = self._module()
+        return self._backward(q, k, v, self._bias(segment_ids, q.dtype), None, None, out, lse, d_out,
+                              cudnn.MaskType.CAUSAL)
+
+    def padded(self, q, k, v, q_len, kv_len):
+        return self._forward(q, k, v, None, q_len, kv_len, self._module().MaskType.PADDING)
+
+    def padded_grads(self, q, k, v, q_len, kv_len, out, lse, d_out):
+        return self._backward(q, k, v, None, q_len, kv_len, out, lse, d_out, self._module().MaskType.PADDING)
+
+
+# The ring's flash kernel by config.model.attention; any other attention runs the ring's XLA tiles (`_ring`)
+RING_BLOCKS: dict[str, RingBlocks] = {"cudnn": CudnnBlocks()}
+
+
+RING_DIAGONAL = 8192  # the most queries (and keys) of one diagonal call of the ring's flash kernel
+
+
+def ring_diagonal_tile(local: int) -> int:
+    """The side of the diagonal step's tiles for a device's `local` positions (`_diagonal_pieces`)."""
+    return _tile_size(local, RING_DIAGONAL)
+
+
+def _diagonal_pieces(t: int) -> list:
+    """The blocks of the ring's diagonal step (the device's own chunk, increasing in global position in local
+    order): a chunk longer than RING_DIAGONAL in square tiles (the largest divisor of t up to it), each tile on
+    the diagonal a diagonal call and each below it a padded call (its keys all before its queries), those above
+    skipped; each (kind, query start, key start, queries, keys, live)."""
+    m = ring_diagonal_tile(t)
+    return [piece for a in range(t // m) for piece in
+            [("diagonal", a * m, a * m, m, m, True)] + [("padded", a * m, b * m, m, m, True) for b in range(a)]]
+
+
+def _off_diagonal(i, j, t: int, layout: str) -> list:
+    """The padded blocks of ring step j != i on device i: (kind, query start, key start, queries, keys, live []
+    bool) each; starts may be traced. Contiguous layout: the whole [t, t] square, live when the keys' device
+    comes first. Balanced layout: this device's late half of queries against the keys' early half, and the
+    halves `_ring_tiles` picks (both early for keys from an earlier device, both late from a later one)."""
+    if layout == "contiguous":
+        return [("padded", 0, 0, t, t, j < i)]
+    half = t // 2
+    pick = jnp.where(j < i, 0, half)
+    return [("padded", half, 0, half, half, True), ("padded", pick, pick, half, half, True)]
+
+
+def _shared_document(seg_q, seg_k, live):
+    """For an off-diagonal block (every key before every query): the lengths [B] of the queries' prefix and the
+    keys' suffix in the one document they share (the queries' first token's, when it is the keys' last one's),
+    each at least 1, and whether the row has any allowed pair [B]."""
+    doc = seg_q[:, 0]
+    shared = (doc == seg_k[:, -1]) & live
+    q_len = jnp.sum(seg_q == doc[:, None], axis=1, dtype=jnp.int32)
+    kv_len = jnp.sum(seg_k == doc[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(shared, q_len, 1), jnp.where(shared, kv_len, 1), shared
+
+
+def _padded_rows(q_len, ok, n: int):
+    """[B, n]: the rows of a padded block whose results count."""
+    return ok[:, None] & (jnp.arange(n)[None] < q_len[:, None])
+
+
+def _weight(lse, total):
+    """[B, n, N, 1]: the share exp(lse - total) of a part's rows ([B, N, n]) in their whole softmax."""
+    return jnp.exp(lse - total).transpose(0, 2, 1)[..., None]
+
+
+def _fold_block(blocks: RingBlocks, piece, q, segment_ids, k_s, v_s, seg_s, out, lse):
+    """One block's output and log-sum-exp folded into the running ones (float32 [B, t, N, H], [B, N, t])."""
+    kind, q0, k0, nq, nk, live = piece
+    q_b, k_b, v_b = _take(q, q0, nq, 1), _take(k_s, k0, nk, 1), _take(v_s, k0, nk, 1)
+    if kind == "diagonal":
+        o_b, l_b = blocks.diagonal(q_b, k_b, v_b, _take(segment_ids, q0, nq, 1))
+        o_b = o_b.astype(jnp.float32)
+    else:
+        q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
+        o_b, l_b = blocks.padded(q_b, jnp.flip(k_b, 1), jnp.flip(v_b, 1), q_len, kv_len)
+        rows = _padded_rows(q_len, ok, nq)
+        l_b = jnp.where(rows[:, None], l_b, -jnp.inf)
+        o_b = jnp.where(rows[:, :, None, None], o_b.astype(jnp.float32), 0.0)
+    l_old, o_old = _take(lse, q0, nq, 2), _take(out, q0, nq, 1)
+    l_new = jnp.logaddexp(l_old, l_b)  # finite: a row's diagonal tile, folded first, has its own key
+    out = _put(out, o_old * _weight(l_old, l_new) + o_b * _weight(l_b, l_new), q0, 1)
+    return out, _put(lse, l_new, q0, 2)
+
+
+def _block_grads(blocks: RingBlocks, piece, q, segment_ids, out, lse, d_out, k_s, v_s, seg_s, dq, dk, dv):
+    """One block's gradients, given the whole attention's output and log-sum-exp, added to the running float32
+    sums of the queries' (dq) and of the held keys' and values' (dk, dv)."""
+    kind, q0, k0, nq, nk, live = piece
+    q_b, k_b, v_b = _take(q, q0, nq, 1), _take(k_s, k0, nk, 1), _take(v_s, k0, nk, 1)
+    given = (_take(out, q0, nq, 1), _take(lse, q0, nq, 2), _take(d_out, q0, nq, 1))
+    if kind == "diagonal":
+        dq_b, dk_b, dv_b = (x.astype(jnp.float32) for x in
+                            blocks.diagonal_grads(q_b, k_b, v_b, _take(segment_ids, q0, nq, 1), *given))
+    else:
+        q_len, kv_len, ok = _shared_document(_take(segment_ids, q0, nq, 1), _take(seg_s, k0, nk, 1), live)
+        dq_b, dk_b, dv_b = blocks.padded_grads(q_b, jnp.flip(k_b, 1), jnp.flip(v_b, 1), q_len, kv_len, *given)
+        rows, keys = _padded_rows(q_len, ok, nq), _padded_rows(kv_len, ok, nk)
+        dq_b = jnp.where(rows[:, :, None, None], dq_b.astype(jnp.float32), 0.0)
+        dk_b = jnp.flip(jnp.where(keys[:, :, None, None], dk_b.astype(jnp.float32), 0.0), 1)
+        dv_b = jnp.flip(jnp.where(keys[:, :, None, None], dv_b.astype(jnp.float32), 0.0), 1)
+    dq = _put(dq, _take(dq, q0, nq, 1) + dq_b, q0, 1)
+    dk = _put(dk, _take(dk, k0, nk, 1) + dk_b, k0, 1)
+    return dq, dk, _put(dv, _take(dv, k0, nk, 1) + dv_b, k0, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash_ring(q, k, v, segment_ids, context: int, layout: str, blocks: RingBlocks):
+    return _flash_ring_fwd(q, k, v, segment_ids, context, layout, blocks)[0]
+
+
+def _flash_ring_fwd(q, k, v, segment_ids, context: int, layout: str, blocks: RingBlocks):
+    b, t, n, h = q.shape  # q [B, t, N, H], k and v [B, t, K, H]
+    i = jax.lax.axis_index(CONTEXT_AXIS)
+    out = jnp.zeros(q.shape, jnp.float32)  # the running output, normalized by the running log-sum-exp
+    lse = jnp.full((b, n, t), -jnp.inf, jnp.float32)
+    held = (k, v, segment_ids)
+    for step in range(context):
+        if step:
+            held = _pass_on(held, context)
+            held, out, lse = jax.lax.optimization_barrier((held, out, lse))  # one step at a time, as `_ring_fwd`
+        j = (i - step) % context
+        for piece in _off_diagonal(i, j, t, layout) if step else _diagonal_pieces(t):
+            out, lse = _fold_block(blocks, piece, q, segment_ids, *held, out, lse)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_ring_bwd(context: int, layout: str, blocks: RingBlocks, residuals, d_out):
+    q, k, v, segment_ids, out, lse = residuals
+    t = q.shape[1]
+    i = jax.lax.axis_index(CONTEXT_AXIS)
+    d_out = d_out.astype(q.dtype)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    held = (k, v, segment_ids)
+    grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    # the keys and values travel with their gradients' running sums the other way round (as `_ring_bwd`)
+    for step in range(context):
+        if step:
+            held, grads = _pass_on((held, grads), context, -1)
+            held, grads, dq = jax.lax.optimization_barrier((held, grads, dq))
+        j = (i + step) % context
+        for piece in _off_diagonal(i, j, t, layout) if step else _diagonal_pieces(t):
+            dq, *grads = _block_grads(blocks, piece, q, segment_ids, out, lse, d_out, *held, dq, *grads)
+    dk, dv = _pass_on(tuple(grads), context, -1)  # c passes in all: the sums are home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash_ring.defvjp(_flash_ring_fwd, _flash_ring_bwd)

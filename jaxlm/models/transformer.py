@@ -162,7 +162,8 @@ class ModelSection(Section):
         "Attention across a sequence split over mesh.context > 1 (context parallelism, "
         "jaxlm.models.context_parallel): allgather (each device keeps its queries and all-gathers the keys and "
         "values of the whole sequence) | ring (keys and values passed around the axis, one chunk a step, an "
-        "online softmax across the steps: a chunk's keys and values in memory instead of the sequence's)")
+        "online softmax across the steps: a chunk's keys and values in memory instead of the sequence's; each "
+        "step's blocks by cuDNN's flash kernel under model.attention=cudnn, else by XLA's einsums)")
     context_layout: str = setting(
         "balanced",
         "Which positions each device holds under mesh.context > 1: balanced (the zig-zag assignment: chunks i "
