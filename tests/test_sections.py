@@ -56,7 +56,7 @@ def test_a_run_config_json_of_any_recipe_reads_into_its_section(name):
     ("compress.method", "awq", "config.compress.method='awq' is not allowed: rtn or gptq"),
     ("compress.pattern", "4:2", "unstructured, or N:M with 0 < N < M"),
     ("profile.steps", "5:3", "'start:end' with 1 <= start <= end"),
-    ("mesh.hybrid", "rack", "one of 'process', 'host' or ''"),
+    ("mesh.hybrid", "rack", "one of 'process', 'host', 'slice' or ''"),
     ("mesh.tensor", 0, "config.mesh.tensor=0 is not allowed: a positive integer or -1"),
 ])
 def test_a_bad_value_is_one_line_from_the_section(key, value, words):
