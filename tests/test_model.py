@@ -242,7 +242,7 @@ def test_blocked_attention_matches_the_reference_and_its_gradients(kv_heads, blo
 
 
 @pytest.mark.parametrize("kv_heads, length", [
-    (8, 256),  # two 128-blocks
+    pytest.param(8, 256, marks=pytest.mark.slow),  # two 128-blocks
     (2, 200),  # grouped-query heads; padded to 256 with a document of its own
     (2, 1024),  # two 512-blocks, the one above the diagonal skipped
 ])
