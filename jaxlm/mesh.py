@@ -45,7 +45,7 @@ def axes_of(entry: str | Sequence[str] | None) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-HYBRID = ("", "process", "host")
+HYBRID = ("", "process", "host", "slice")
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None, hybrid: str = "") -> Mesh:
@@ -188,7 +188,7 @@ class _MeshSection(Section):
     section = "mesh"
 
     def validate(self) -> None:
-        check_choice(self.key("hybrid"), self.hybrid, ("process", "host", "slice"), allow_empty=True)
+        check_choice(self.key("hybrid"), self.hybrid, HYBRID[1:], allow_empty=True)
         sizes = [getattr(self, a) for a in MESH_AXES]
         for axis, size in zip(MESH_AXES, sizes):
             check(size == -1 or size >= 1, self.key(axis), size, "a positive integer or -1 (the devices left over)")
