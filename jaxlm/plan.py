@@ -162,6 +162,33 @@ def cudnn_workspace_estimate(text: str) -> int:
     return largest
 
 
+class ProgramTooLarge(UserError):
+    """XLA refused to compile the program for its devices: it needs more memory than a device has (XLA:TPU
+    checks its buffers against the chip's HBM as it compiles; XLA:GPU compiles and leaves that to the plan)."""
+
+    def __init__(self, message: str, needed_bytes: float):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+_HBM_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED: .*?required for ([\w ]+?) \(([\d.]+)([KMGT])\) exceeds available "
+                            r"HBM \(([\d.]+)([KMGT])\)")
+
+
+def _too_large(error: Exception, platform: str, target: roofline.Target | None) -> ProgramTooLarge | None:
+    """XLA:TPU's out-of-memory refusal as one line that says what to change, or None for another error."""
+    m = _HBM_EXHAUSTED.search(str(error))
+    if m is None:
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    needed, available = float(m.group(2)) * units[m.group(3)], float(m.group(4)) * units[m.group(5)]
+    where = target.name if target is not None else platform
+    return ProgramTooLarge(
+        f"XLA refuses to compile the train step for {where}: its {m.group(1)} need {format_bytes(needed)} of the "
+        f"{format_bytes(available)} of HBM a chip has; it does not fit: raise optim.micro_batches, choose a remat "
+        f"policy that keeps less (model.remat=dots_mlp, dots, full), or use more chips", needed)
+
+
 def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Target | None = None) -> dict[str, Any]:
     """Compile the real train step ahead of time on `devices` (an abstract state: nothing allocated)
     and read XLA's per-device memory analysis; for compile-only `target` devices also the roofline of
@@ -172,7 +199,12 @@ def compiled_memory(cfg: ml_collections.ConfigDict, devices, target: roofline.Ta
     # hosts (several processes) keeps the conditional that chooses it on the device (TrainSetup.attention_choice).
     packed = None if target is not None and len(devices) > target.devices_per_host else "expected"
     with roofline.kernel_checks_for(target) if target is not None else contextlib.nullcontext():
-        compiled = setup.compile_train_step(packed)
+        try:
+            compiled = setup.compile_train_step(packed)
+        except jax.errors.JaxRuntimeError as e:
+            if (too_large := _too_large(e, devices[0].platform, target)) is None:
+                raise
+            raise too_large from None
     seconds = time.perf_counter() - start
     analysis = compiled.memory_analysis()
     if analysis is None:
@@ -311,7 +343,16 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
         reference = None
         for k in tried:
             trial = memory.with_overrides(cfg, {"model.remat": policy, "optim.micro_batches": k})
-            compiled = compiled_memory(trial, devices, target)
+            try:
+                compiled = compiled_memory(trial, devices, target)
+            except ProgramTooLarge as e:  # XLA:TPU refuses what does not fit: fewer micro-batches need more still
+                row = {"remat": policy, "micro_batches": k, "per_device_bytes": e.needed_bytes, "fits": False,
+                       "matmul_flops": 0.0, "step_seconds": 0.0, "roofline_mfu": None, "compile_s": 0.0,
+                       "xla_recompute": False}
+                rows.append(row)
+                if progress:
+                    progress(format_choice_row(row))
+                break
             r = compiled["roofline"]
             reference = reference or r["matmul_flops"]
             row = {"remat": policy, "micro_batches": k, "per_device_bytes": compiled["per_device_bytes"],

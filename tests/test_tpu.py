@@ -345,3 +345,25 @@ def test_tinys_train_step_compiles_for_two_v5p_slices_with_data_across_them():
     state = sum(row["total_bytes"] for row in report["analytic"]["rows"] if row["name"] == "parameters")
     assert r["network_bytes"] >= state / 4 / 2  # at least the bf16 gradients of a quarter (fsdp=4) of the parameters
     assert r["matmul_flops"] > r["model_flops"] and r["roofline_mfu"] is not None
+
+
+def test_a_program_xla_tpu_refuses_for_its_size_is_one_line_that_says_what_to_change():
+    """XLA:TPU checks the program's buffers against the chip's HBM while compiling and refuses one that does not
+    fit (XLA:GPU compiles it and leaves the verdict to the plan): `jaxlm.plan` says so in one line, and --choose
+    records it as a candidate that does not fit."""
+    refusal = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                           "temporaries (96.63G) exceeds available HBM (95.74G).")
+    error = plan._too_large(refusal, "tpu", roofline.TPU_V5P)
+    assert isinstance(error, plan.ProgramTooLarge) and error.needed_bytes == 96.63 * GIB
+    assert str(error).startswith("XLA refuses to compile the train step for v5p: its HLO temporaries need 96.63 GiB")
+    assert "optim.micro_batches" in str(error) and "model.remat" in str(error)
+    assert plan._too_large(RuntimeError("INTERNAL: something else"), "tpu", roofline.TPU_V5P) is None
+    if not (HAVE_LIBTPU or TPU_PYTHON.exists()):
+        return  # the compiler's own refusal needs libtpu (make tpu-env)
+    result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
+                             "--topology=v5p:1x1x1", "--config.data.global_batch_size=16384",
+                             "--config.optim.micro_batches=1", "--config.data.seq_len=1024"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxlm: error: XLA refuses to compile the train step for v5p"), lines
