@@ -105,6 +105,13 @@ def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
     return None
 
 
+# What jaxlm's MFU is, said beside it (summary.json, the console's last line, BENCHMARKS.md), since the peers'
+# definitions differ (some count the whole attention square, some float8 against float8's peak)
+MFU_DEFINITION = ("model FLOPs per second per device (6 x matmul parameters + causal attention, counted half of "
+                  "the T x T square, per token; no recompute) over the device's dense bfloat16 peak; float8 "
+                  "matmuls count as bfloat16's")
+
+
 def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak."""
     if peak is None or tokens_per_s <= 0:

@@ -113,6 +113,12 @@ class StepLog:
         return self.tokens_per_step * self.timed_steps / self.timed_s if self.timed_s else None
 
     @property
+    def mfu(self) -> float | None:
+        """MFU over the timed steps (`metrics.MFU_DEFINITION`); None where the device's peak is unknown."""
+        rate = self.tokens_per_s
+        return None if rate is None else metrics_lib.mfu(self.flops_per_token, rate, len(self.devices), self.peak_flops)
+
+    @property
     def data_time_fraction(self) -> float | None:
         """The share of the timed steps' time the loop spent on their batches (`data_time_s`): near 0 when the
         devices set the pace, large when the input pipeline does."""
@@ -612,7 +618,12 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         "final_loss": log.losses[-1],
         "val_loss": val_loss,
         "tokens_seen": total_steps * derived.tokens_per_step,
-        "tokens_per_s": log.tokens_per_s,
+        "tokens_per_s": log.tokens_per_s,  # over the timed steps (the first, compiling, left out)
+        "tokens_per_s_per_device": log.tokens_per_s / len(log.devices) if log.tokens_per_s else None,
+        "model_flops_per_token": log.flops_per_token,
+        "peak_flops_per_device": log.peak_flops,  # None: a device kind whose peak jaxlm does not know
+        "mfu": log.mfu,  # over the timed steps; None where the peak is unknown (a CPU, unless run.peak_flops)
+        "mfu_definition": metrics_lib.MFU_DEFINITION,
         "data_time_fraction": log.data_time_fraction,
         "compile_s": log.compile_s,
         "skipped_steps": log.skipped_steps,
@@ -629,6 +640,8 @@ def _train_metered(cfg, run_dir: pathlib.Path, ckpt: checkpoint.Checkpointer, da
         write_bytes_atomically(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     val = f" (val {val_loss:.4f})" if val_loss is not None else ""
     rate = f"{log.tokens_per_s:,.0f} tok/s" if log.tokens_per_s else "n/a tok/s"
+    if log.mfu is not None:
+        rate += f", MFU {100 * log.mfu:.1f}% (causal attention counted half, of the bf16 peak)"
     console(
         f"jaxlm: done: {total_steps} steps in {duration(elapsed)}, loss {log.losses[0]:.4f} -> "
         f"{log.losses[-1]:.4f}{val}, {rate}{'; ' + meter.describe_totals() if meter.active else ''}; "

@@ -64,6 +64,7 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     assert config["model"]["vocab_size"] == 512 and config["mesh"]["fsdp"] == 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 30
+    assert summary["mfu"] is None and summary["peak_flops_per_device"] is None  # a CPU's peak: unknown, not guessed
     floats.identical(summary["final_loss"], train[-1]["loss"], why=floats.MOVED)  # the last step's, written again
     assert (run_dir / "checkpoints" / "30" / "state").is_dir()
     assert (run_dir / "tokenizer.model").is_file()

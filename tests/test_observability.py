@@ -75,7 +75,7 @@ def observed_run(tmp_path_factory):
         "--config.run.log_every=4", "--config.data.builtin_max_bytes=400000", "--config.model.vocab_size=512",
         f"--config.data.cache_dir={tmp / 'cache'}", "--config.metrics.grad_norm_per_layer=true",
         "--config.metrics.histograms_every=4", f"--config.metrics.wandb={str(_has_wandb()).lower()}",
-        "--config.metrics.progress=bar", "--config.profile.steps=3:4", tmp_path=tmp,
+        "--config.metrics.progress=bar", "--config.profile.steps=3:4", "--config.run.peak_flops=1e12", tmp_path=tmp,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "tiny", result
@@ -136,6 +136,25 @@ def test_run_throughput_leaves_out_the_profiled_steps(observed_run):
     assert sorted(data) == list(range(1, STEPS + 1)) and all(v > 0 for v in data.values())
     assert summary["data_time_fraction"] == pytest.approx(sum(data[s] for s in range(5, STEPS + 1)) / sum(timed),
                                                           rel=1e-9)
+
+
+def test_the_summary_and_the_last_line_give_mfu_with_its_definition(observed_run):
+    """MFU over the same timed steps as tokens/s, against the peak given (run.peak_flops: a CPU's is unknown),
+    with the model FLOPs it counts and its definition beside it, so a reader can set it against the peers'."""
+    from jaxlm import metrics
+
+    run_dir, result = observed_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    devices = round(rows[-1]["tokens_per_s"] / rows[-1]["tokens_per_s_per_device"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["peak_flops_per_device"] == 1e12 and summary["mfu_definition"] == metrics.MFU_DEFINITION
+    assert summary["tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s"] / devices, rel=1e-12)
+    assert summary["mfu"] == pytest.approx(
+        summary["model_flops_per_token"] * summary["tokens_per_s"] / devices / 1e12, rel=1e-12)
+    for r in rows:  # each step's, from the same model FLOPs
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_device"] * 1e12 / 1e12, rel=1e-9)
+    done = next(line for line in result.stdout.splitlines() if line.startswith("jaxlm: done:"))
+    assert f"MFU {100 * summary['mfu']:.1f}% (causal attention counted half, of the bf16 peak)" in done
 
 
 @pytest.mark.skipif(not _has_wandb(), reason="wandb is not installed (pip install -e '.[dev]' installs it)")
