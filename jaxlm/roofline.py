@@ -613,7 +613,8 @@ def _fusion_kind(inst: dict, config: dict) -> str:
                                                                                           "custom fusion")
 
 
-_MEGASCALE = re.compile(r'_xla_megascale_target="\{([^}]*)\}[^"]*",_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_TARGET = re.compile(r'_xla_megascale_target="\{([^}]*)\}')
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                     "ALL_TO_ALL": "all-to-all"}
 
@@ -623,14 +624,14 @@ def _megascale(attrs: str) -> tuple[str, int] | None:
     compiles one slice's program and sends what crosses DCN to the host's megascale runtime: a `send` (and a
     `recv`) whose attributes name the transfer (ALL_REDUCE, ...) and its target, `{slices}x{chips}` with
     slices listed as ids and `a:b` ranges."""
-    m = _MEGASCALE.search(attrs)
-    if m is None:
+    target, kind = _MEGASCALE_TARGET.search(attrs), _MEGASCALE_TYPE.search(attrs)
+    if target is None or kind is None:
         return None
     slices = 0
-    for part in m.group(1).split(","):
+    for part in target.group(1).split(","):
         lo, _, hi = part.strip().partition(":")
         slices += int(hi) - int(lo) + 1 if hi else 1
-    return _MEGASCALE_KINDS.get(m.group(2), "collective-permute"), slices
+    return _MEGASCALE_KINDS.get(kind.group(1), "collective-permute"), slices
 
 
 def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Sequence[int] | None = None) -> list[Kernel]:
