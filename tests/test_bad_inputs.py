@@ -752,7 +752,7 @@ PATH_CLASSES = {
 # (a module's `make_parser`, the words of its subcommands): the commands with declared path flags
 PATH_COMMANDS = ("evaluate", "generate", "hf", "compress.cli", "data.prepare", "data.tokenizer", "experiment")
 # The first of these cases stay in the default suite; the rest run in `make check`
-PATH_CASES_FAST = 2
+PATH_CASES_FAST = 1
 
 
 def _applies(name: str, kind: str, io: str) -> bool:

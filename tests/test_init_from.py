@@ -222,6 +222,7 @@ def test_a_fine_tune_on_short_rows_keeps_the_sources_context(source, tmp_path):
         config.validate(init_from.config_from_cli([*finetune_args(tmp_path, long, "rows"), "--config.data.seq_len=1024"]))
 
 
+@pytest.mark.slow  # the recipe end to end; YaRN against transformers: tests/test_hf.py
 def test_a_context_extension_continues_the_source_at_4x_its_length_with_yarn(source, tmp_path):
     """configs/long_tiny.py from the facts run (rows of 64 tokens): its parameters at step 0 are the source's,
     its RoPE settings and context (256) its own, not the source's, and a few steps at 256 tokens lower the

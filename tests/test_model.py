@@ -81,7 +81,7 @@ def _uneven_documents(lengths_per_row, seq: int):
 
 
 @pytest.mark.parametrize("strategy, layout", [pytest.param("allgather", "balanced", marks=pytest.mark.slow),
-                                              ("ring", "balanced"),
+                                              pytest.param("ring", "balanced", marks=pytest.mark.slow),
                                               pytest.param("allgather", "contiguous", marks=pytest.mark.slow),
                                               pytest.param("ring", "contiguous", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
