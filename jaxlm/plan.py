@@ -106,14 +106,7 @@ def _tpu_devices(target: roofline.Target, num_devices: int, topology: str | None
     """The compile-only chips of `slices` TPU slices (`jaxlm.roofline.tpu_devices`), or one line: a topology that
     is not the target's, or no libtpu in this environment."""
     try:
-        if slices < 1 or num_devices % slices:
-            raise ValueError(f"--slices={slices} does not divide --devices={num_devices}")
-        if topology is None:
-            topology = roofline.default_topology(target, num_devices // slices)
-        chips = math.prod(roofline.parse_topology(target, topology))  # refused before libtpu is looked for
-        if chips * slices != num_devices:
-            raise ValueError(f"--topology={topology} has {chips} chips" + (f" a slice, x {slices} slices"
-                             if slices > 1 else "") + f", not --devices={num_devices}")
+        topology = roofline.slice_topology(target, num_devices, topology, slices)  # refused before libtpu is looked for
     except ValueError as e:
         raise UserError(str(e)) from None
     if importlib.util.find_spec("libtpu") is None:
@@ -608,9 +601,7 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
                 raise UserError(str(e)) from None
         if target is not None and target.platform == "tpu":
             try:  # each slice: given, or Cloud's shape for that many chips
-                if args.devices % args.slices:
-                    raise ValueError(f"--slices={args.slices} does not divide --devices={args.devices}")
-                args.topology = args.topology or roofline.default_topology(target, args.devices // args.slices)
+                args.topology = roofline.slice_topology(target, args.devices, args.topology, args.slices)
             except ValueError as e:
                 raise UserError(str(e)) from None
             args.platform = "tpu"  # model.attention=auto and the analytic estimate as for a TPU

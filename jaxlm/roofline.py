@@ -254,19 +254,27 @@ def default_topology(target: Target, num_devices: int) -> str:
     return f"{target.name}:{'x'.join(map(str, dims))}"
 
 
+def slice_topology(target: Target, num_devices: int, topology: str | None, slices: int = 1) -> str:
+    """Each slice's topology for `num_devices` chips over `slices` slices: `topology`, or Cloud's shape
+    (`default_topology`); ValueError when the slices or the topology do not make up the chips."""
+    if slices < 1 or num_devices % slices:
+        raise ValueError(f"--slices={slices} does not divide --devices={num_devices}")
+    topology = topology or default_topology(target, num_devices // slices)
+    chips = math.prod(parse_topology(target, topology))
+    if chips * slices != num_devices:
+        raise ValueError(f"--topology={topology} has {chips} chips" + (f" a slice, x {slices} slices"
+                         if slices > 1 else "") + f", not --devices={num_devices}")
+    return topology
+
+
 def tpu_devices(target: Target, num_devices: int, topology: str | None = None, slices: int = 1) -> list:
     """The compile-only chips of `slices` TPU slices of `topology` each (default `default_topology` for
     num_devices / slices chips), from libtpu's own description of them, laid out over hosts as Cloud's are
     (`Target.host_bounds`), each chip with its `slice_index`; needs libtpu (`make tpu-env`)."""
     from jax.experimental import topologies  # local import: experimental JAX API, only for compile-only targets
 
-    if slices < 1 or num_devices % slices:
-        raise ValueError(f"--slices={slices} does not divide --devices={num_devices}")
-    topology = topology or default_topology(target, num_devices // slices)
+    topology = slice_topology(target, num_devices, topology, slices)
     dims = parse_topology(target, topology)
-    if math.prod(dims) * slices != num_devices:
-        raise ValueError(f"--topology={topology} has {math.prod(dims)} chips" + (f" a slice, x {slices} slices"
-                         if slices > 1 else "") + f", not --devices={num_devices}")
     grid = (*dims, 1) if len(dims) == 2 else dims
     bounds = [min(d, b) for d, b in zip(grid, target.host_bounds)]
     quiet_libtpu()

@@ -324,22 +324,27 @@ def test_train_step_with_a_chunked_loss_follows_the_plain_one():
         np.testing.assert_allclose(results[1], results[0], rtol=2e-5)
 
 
+def _one_kernel_step(attention: str, shape, batch):
+    """(loss, parameters) after one train step (2 micro-batches) with `attention` on a mesh of `shape`, the
+    small model with grouped-query heads; on a mesh the kernel must run per shard (a shard_map in the step)."""
+    model_cfg = small_config(n_kv_heads=4, head_dim=16, attention=attention)
+    mesh, state, step, batch_sharding, _, _ = _setup(shape, model_cfg, micro_batches=2)
+    with jax.set_mesh(mesh):
+        b = _put(batch, batch_sharding)
+        if shape != ONE:
+            assert "shard_map" in str(jax.make_jaxpr(step)(state, b))
+        state, metrics = step(state, b)
+        return jax.device_get((metrics["loss"], state.params))
+
+
 @pytest.mark.slow
 def test_pallas_attention_trains_like_xla_attention_on_a_mesh():
     """The Pallas (Triton) kernel, interpreted on CPU, with grouped-query heads and packed documents:
     one train step (2 micro-batches) gives XLA attention's loss and parameters, on one device and per
     shard on data x fsdp x tensor = 2 x 2 x 2 (batch over data x fsdp, heads over tensor), not on gathered inputs."""
     batch = random_batch(16, 32, 96, seed=2)
-    results = {}
-    for attention, shape in (("xla", ONE), ("pallas", ONE), ("pallas", MESH)):
-        model_cfg = small_config(n_kv_heads=4, head_dim=16, attention=attention)
-        mesh, state, step, batch_sharding, _, _ = _setup(shape, model_cfg, micro_batches=2)
-        with jax.set_mesh(mesh):
-            b = _put(batch, batch_sharding)
-            if shape != ONE:
-                assert "shard_map" in str(jax.make_jaxpr(step)(state, b))
-            state, metrics = step(state, b)
-            results[attention, shape] = jax.device_get((metrics["loss"], state.params))
+    results = {(attention, shape): _one_kernel_step(attention, shape, batch)
+               for attention, shape in (("xla", ONE), ("pallas", ONE), ("pallas", MESH))}
     ref_loss, ref_params = results["xla", ONE]
     for key in (("pallas", ONE), ("pallas", MESH)):
         loss, params = results[key]
@@ -353,17 +358,8 @@ def test_splash_attention_trains_like_xla_attention_on_a_mesh():
     32 tokens (padded to its 128): one train step (2 micro-batches) gives XLA attention's loss and
     parameters, per shard on data x fsdp x tensor = 2 x 2 x 2 (batch over data x fsdp, heads over tensor)."""
     batch = random_batch(16, 32, 96, seed=2)
-    results = {}
-    for attention, shape in (("xla", ONE), ("splash", MESH)):
-        model_cfg = small_config(n_kv_heads=4, head_dim=16, attention=attention)
-        mesh, state, step, batch_sharding, _, _ = _setup(shape, model_cfg, micro_batches=2)
-        with jax.set_mesh(mesh):
-            b = _put(batch, batch_sharding)
-            if shape != ONE:
-                assert "shard_map" in str(jax.make_jaxpr(step)(state, b))
-            state, metrics = step(state, b)
-            results[attention] = jax.device_get((metrics["loss"], state.params))
-    (loss, params), (ref_loss, ref_params) = results["splash"], results["xla"]
+    (loss, params), (ref_loss, ref_params) = (_one_kernel_step("splash", MESH, batch),
+                                              _one_kernel_step("xla", ONE, batch))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
 

@@ -394,8 +394,6 @@ class RingBlocks:
     """A flash kernel for the ring's blocks (`_flash_ring`): q [B, tq, N, H], k and v [B, tk, K, H] (K divides
     N), outputs in q's dtype, log-sum-exps [B, N, tq] float32 of the scaled scores."""
 
-    name = "?"
-
     def diagonal(self, q, k, v, segment_ids):
         """(out, lse) of the diagonal block: causal, within a document (segment ids [B, t])."""
         raise NotImplementedError
@@ -419,8 +417,6 @@ class XlaBlocks(RingBlocks):
     """The kernel's semantics in plain XLA ops, [B, N, tq, tk] float32 scores at once: what the CPU tests build
     the ring on, to check the decomposition the cuDNN blocks rely on. Where the kernel's results are
     unspecified (rows outside the padding mask, a length of 0) it gives NaN, so that the ring must drop them."""
-
-    name = "xla"
 
     @staticmethod
     def _scores(q, k, allowed):
@@ -490,8 +486,6 @@ class CudnnBlocks(RingBlocks):
     mask as an additive bias [B, 1, m, m] in the compute dtype (no bias gradient is asked for); padded: the
     padding mask type with the lengths. GPUs only; its numerics are checked through `XlaBlocks` on CPUs and by
     compiling for H100s, and on a GPU by benchmarks/gpu_session.sh's `ring` step."""
-
-    name = "cudnn"
 
     @staticmethod
     def _module():
