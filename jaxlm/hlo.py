@@ -33,13 +33,23 @@ BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _SHAPE = re.compile(r"^([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\]")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\]")
+_ARRAY_LAYOUT = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn|fnuz)?)?)\[([\d,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 
 
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape (an array or a tuple of arrays): `bf16[8,128]{1,0}` -> 2048."""
-    return int(sum(DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                   for dtype, dims in _ARRAY.findall(shape)))
+def shape_bytes(shape: str, memory_space: int | None = None) -> int:
+    """Bytes of an HLO shape (an array or a tuple of arrays): `bf16[8,128]{1,0}` -> 2048. With `memory_space`,
+    only its arrays in that memory space, read from their layouts' `S(n)` (none: 0, the device's main memory,
+    HBM); XLA:TPU's memory-space assignment puts buffers in the chip's on-chip memory (`S(1)`) and scalars in
+    others."""
+    total = 0.0
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(shape):
+        if memory_space is not None:
+            space = _MEMORY_SPACE.search(layout)
+            if (int(space.group(1)) if space else 0) != memory_space:
+                continue
+        total += DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return int(total)
 
 
 def dtype_dims(shape: str) -> tuple[str, list[int]]:

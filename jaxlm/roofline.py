@@ -12,14 +12,19 @@ plugin; `make h100-env`), and the scheduled HLO text lists the kernels in launch
   shapes tokamax names its kernels' scope with). Elementwise work counts no FLOPs (memory-bound).
 - **bytes** (HBM traffic): what the kernel reads and writes: its operands and results, except that
   a dynamic slice reads only the slice and an in-place dynamic-update-slice writes only the update
-  (the layer loop's stacked weights and activations).
+  (the layer loop's stacked weights and activations), and that buffers XLA:TPU placed in on-chip memory
+  (layouts marked `S(1)`) cost no HBM traffic.
 - **time** = max(FLOPs / peak of its dtype, bytes / HBM bandwidth), times its executions per step
   (the trip counts of the loops around it: layers, micro-batches).
 - **collectives**: the bytes one device sends (ring algorithms, `jaxlm.hlo.sent_bytes`) over the link
   bandwidth (NVLink within a host, the network between hosts). An async collective overlaps the
   kernels the schedule puts between its start and its done; what they do not cover is **exposed**.
+- **asynchronous copies** (XLA:TPU's copy-start and slice-start: memory-space assignment moving buffers
+  between HBM and on-chip memory by DMA): their HBM bytes over the HBM bandwidth, covered only by the
+  slack of the kernels between start and done (a kernel's time beyond its own HBM traffic), shared first
+  come first served; the rest is exposed and adds to the step.
 
-The step's roofline time is the sum of the kernels' times plus the exposed communication: a lower
+The step's roofline time is the sum of the kernels' times plus the exposed copies and communication: a lower
 bound on the real step (every kernel at its roof, nothing else). The **roofline-bound MFU** is the
 model's FLOPs per device (`flops_per_token` x tokens / devices) over peak x that time: the best MFU
 this program can reach on the target, which changes to the program move and launch overheads,
@@ -336,7 +341,8 @@ class Kernel:
     seconds: float  # per execution, at the roof
     dtype: str = ""  # a matmul's operand dtype
     comm_bytes: float = 0.0  # a collective: what one device sends
-    exposed_seconds: float = 0.0  # a collective: per execution, not covered by kernels scheduled beside it
+    exposed_seconds: float = 0.0  # an asynchronous collective or copy: per execution, not covered by the kernels
+    dma: bool = False  # an asynchronous copy (XLA:TPU's copy-start and slice-start): overlaps the kernels beside it
     full_attention_flops: float = 0.0  # attention: the flops of the whole T x S square (no causal skip)
     recompute_flops: float = 0.0  # attention backward: what it recomputes of the forward (left out of the model's)
     network: bool = False  # a collective across link domains (hosts' NICs, TPU slices' DCN), at network_bytes_per_s
@@ -590,19 +596,28 @@ def _read_through(module: hlo.Module, insts: list[dict], name: str, full: float,
     return total
 
 
+def hbm_bytes(shape: str) -> int:
+    """The bytes of a shape that live in the device's main memory (HBM): what a kernel reading or writing it moves
+    through HBM. Buffers XLA:TPU placed in on-chip memory (`S(1)`, and scalars elsewhere) cost no HBM traffic."""
+    return hlo.shape_bytes(shape, memory_space=0)
+
+
 def _written_bytes(module: hlo.Module, inst: dict) -> float:
-    """Bytes a fusion writes: its result, except that an in-place dynamic-update-slice writes only
-    its update."""
+    """HBM bytes a fusion writes: its result (the parts in HBM), except that an in-place
+    dynamic-update-slice writes only its update."""
     callee = module.callee(inst)
     body = {i["name"]: i for i in module.computations.get(callee, [])}
     root = next((i for i in body.values() if i["root"]), None)
     if root is None:
-        return hlo.shape_bytes(inst["shape"])
-    elements = [body.get(o) for o in root["operands"]] if root["op"] == "tuple" else [root]
+        return hbm_bytes(inst["shape"])
+    if root["op"] == "tuple":
+        elements, outer = [body.get(o) for o in root["operands"]], hlo.tuple_parts(inst["shape"])
+    else:
+        elements, outer = [root], [inst["shape"]]
     total = 0.0
-    for element in elements:
-        if element is None:
-            continue
+    for element, shape in zip(elements, outer):
+        if element is None or not hbm_bytes(shape):
+            continue  # written to on-chip memory
         if element["op"] == "dynamic-update-slice":
             total += hlo.shape_bytes(module.shapes.get(element["operands"][1], ""))
         else:
@@ -644,7 +659,8 @@ def _megascale(attrs: str) -> tuple[str, int] | None:
 
 def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Sequence[int] | None = None) -> list[Kernel]:
     """Every kernel of an optimized (scheduled) module with its roofline time, in launch order per
-    computation; collectives with the part of their time the schedule does not overlap. A collective runs at
+    computation; asynchronous collectives and copies with the part of their time the schedule does not
+    overlap (`exposed_seconds`). A collective runs at
     `link_bytes_per_s` within one link domain, at `network_bytes_per_s` across them: `domains[i]` is the
     domain of the program's partition i (a TPU's slice: `partition_domains`); by default partitions are
     numbered host by host (`Target.link_domain`)."""
@@ -657,11 +673,18 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
         runs = module.runs.get(comp, 0)
         pending: dict[str, Kernel] = {}  # async collectives started and not yet done
         covered: dict[str, float] = {}
+        # async copies started and not yet done, with the HBM time each still needs: they share HBM with the
+        # kernels, so only a kernel's slack (its time beyond its own HBM traffic) covers them, first come first
+        dmas: dict[str, list] = {}
         for inst in insts:
             op = inst["op"]
             if op.endswith("-done") and inst["operands"] and inst["operands"][0] in pending:
                 kernel = pending.pop(inst["operands"][0])
                 kernel.exposed_seconds = max(0.0, kernel.seconds - covered.pop(kernel.name))
+                continue
+            if op.endswith("-done") and inst["operands"] and inst["operands"][0] in dmas:
+                kernel, need = dmas.pop(inst["operands"][0])
+                kernel.exposed_seconds = need  # the step waits for the rest of the copy here
                 continue
             if op in NOT_KERNELS or op.endswith("-done"):
                 continue
@@ -696,7 +719,7 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
                     kernel.exposed_seconds = kernel.seconds
                 out.append(kernel)
                 continue
-            operand_bytes = [hlo.shape_bytes(module.shapes.get(o, "")) for o in inst["operands"]]
+            operand_bytes = [hbm_bytes(module.shapes.get(o, "")) for o in inst["operands"]]
             if op == "fusion":
                 callee = module.callee(inst)
                 dots = _fused_dots(module, callee) if callee else []
@@ -726,29 +749,49 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
                     kernel.flops, kernel.dtype = grouped
                 else:
                     kernel.kind = f"custom call ({call})"
-                kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
+                kernel.bytes = sum(operand_bytes) + hbm_bytes(inst["shape"])
             elif op in ("dot", "convolution"):  # an unfused dot (CPU modules) or convolution
                 kernel.kind = "gemm"
                 kernel.flops = dot_flops(module, inst) if op == "dot" else conv_flops(module, inst)
                 kernel.dtype = hlo.dtype_dims(module.shapes.get(inst["operands"][0], "?"))[0]
-                kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
-            elif op == "dynamic-update-slice":
-                kernel.bytes = 2.0 * (operand_bytes[1] if len(operand_bytes) > 1 else 0)
-            elif op in SLICING:
-                kernel.bytes = 2.0 * hlo.shape_bytes(inst["shape"])
-            elif op == "slice-start":  # XLA:TPU's asynchronous slice, ((operand), slice, context): a DMA of the slice
+                kernel.bytes = sum(operand_bytes) + hbm_bytes(inst["shape"])
+            elif op == "dynamic-update-slice":  # in place: reads the update, writes it into the buffer
+                update = hlo.shape_bytes(module.shapes.get(inst["operands"][1], "")) if len(inst["operands"]) > 1 else 0
+                kernel.bytes = (operand_bytes[1] if len(operand_bytes) > 1 else 0) + (update if hbm_bytes(inst["shape"])
+                                                                                      else 0)
+            elif op in SLICING:  # reads the slice of its operand, writes it
+                kernel.bytes = (hlo.shape_bytes(inst["shape"]) if operand_bytes and operand_bytes[0] else 0) \
+                    + hbm_bytes(inst["shape"])
+            elif op in ("slice-start", "copy-start"):
+                # XLA:TPU's asynchronous copies, done by DMA engines beside the kernels: a slice-start's shape is
+                # ((operand), slice, context), a copy-start's (destination, source, context); memory-space
+                # assignment moves buffers between HBM and on-chip memory with them, so one side is in HBM
                 parts = hlo.tuple_parts(inst["shape"])
-                kernel.kind = "slice"
-                kernel.bytes = 2.0 * hlo.shape_bytes(parts[1] if len(parts) > 1 else inst["shape"])
-            else:  # copy, copy-start, transpose, reduce, sort, ...: reads its operands, writes its result
-                kernel.kind = "copy" if op in ("copy", "copy-start") else op
-                kernel.bytes = sum(operand_bytes) + hlo.shape_bytes(inst["shape"])
+                moved = parts[1] if op == "slice-start" else parts[0]
+                kernel.kind, kernel.dma = ("slice" if op == "slice-start" else "copy"), True
+                kernel.bytes = (hlo.shape_bytes(moved) if operand_bytes and operand_bytes[0] else 0) + hbm_bytes(moved)
+            else:  # copy, transpose, reduce, sort, ...: reads its operands, writes its result
+                kernel.kind = "copy" if op == "copy" else op
+                kernel.bytes = sum(operand_bytes) + hbm_bytes(inst["shape"])
             kernel.seconds = max(kernel.flops / target.peak(kernel.dtype or "bf16"), kernel.bytes / target.hbm_bytes_per_s)
+            if kernel.dma:
+                dmas[inst["name"]] = [kernel, kernel.seconds]
+                out.append(kernel)
+                continue
             for name in covered:
                 covered[name] += kernel.seconds
+            slack = kernel.seconds - kernel.bytes / target.hbm_bytes_per_s
+            for entry in dmas.values():  # the oldest copy first
+                if slack <= 0:
+                    break
+                took = min(slack, entry[1])
+                entry[1] -= took
+                slack -= took
             out.append(kernel)
         for name, kernel in pending.items():  # never done in this computation: nothing seen to overlap
             kernel.exposed_seconds = max(0.0, kernel.seconds - covered[name])
+        for kernel, need in dmas.values():
+            kernel.exposed_seconds = need
     return out
 
 
@@ -768,8 +811,9 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
         row["seconds"] += k.total_seconds
         row["flops"] += k.flops * k.runs
         row["bytes"] += (k.comm_bytes or k.bytes) * k.runs
-        row["exposed_seconds"] += k.exposed_seconds * k.runs  # collectives: the time the step waits for them
-    compute_s = sum(k.total_seconds for k in compute)
+        row["exposed_seconds"] += k.exposed_seconds * k.runs  # async collectives, copies: what the step waits for
+    # an asynchronous copy adds to the step only what the kernels beside it leave uncovered
+    compute_s = sum(k.exposed_seconds * k.runs if k.dma else k.total_seconds for k in compute)
     comm_s = sum(k.total_seconds for k in comm)
     exposed_s = sum(k.exposed_seconds * k.runs for k in comm)
     step_s = compute_s + exposed_s

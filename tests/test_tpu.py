@@ -107,7 +107,9 @@ def test_xla_tpus_convolutions_are_counted_as_the_matmuls_they_are():
     gemm = kernels["convert_reduce_fusion"]
     assert (gemm.kind, gemm.dtype) == ("gemm", "bf16")
     assert gemm.flops == 2 * 2 * 128 * 512 * 256 + 2 * 2 * 128 * 128 * 512
-    assert gemm.bytes == 2 * 128 * 256 * 2 + 256 * 512 * 2 + 4  # x's shard and w (through a nested fusion) + f32[]
+    assert gemm.bytes == 256 * 512 * 2 + 4  # w (through a nested fusion) and the f32[] from HBM; x's shard on chip
+    prefetch = kernels["copy-start"]  # x's shard, moved into on-chip memory by an asynchronous copy
+    assert (prefetch.kind, prefetch.dma, prefetch.bytes) == ("copy", True, 2 * 128 * 256 * 2)
     gather = kernels["all-gather.1"]  # w's rows from the four chips, over ICI
     assert gather.comm_bytes == 3 / 4 * 256 * 512 * 2 and gather.seconds == gather.comm_bytes / 600e9
     assert kernels["all-reduce"].kind == "all-reduce" and module.unknown_trip_counts == 0
@@ -281,7 +283,82 @@ ENTRY %main (a: s8[4096]) -> bf16[1024] {
 def test_an_asynchronous_slice_moves_its_slice_and_a_bitcast_nothing():
     kernels = {k.name: k for k in roofline.kernels(hlo.Module(DMA), roofline.TPU_V6E, 1)}
     assert set(kernels) == {"s0", "s1"}  # the done halves and the ConcatBitcast launch nothing
-    assert all(k.kind == "slice" and k.bytes == 2 * 1024 for k in kernels.values())  # the slice, not the weight
+    # the slice read from HBM, not the weight; written to on-chip memory, which costs HBM nothing
+    assert all(k.kind == "slice" and k.dma and k.bytes == 1024 for k in kernels.values())
+
+
+# Memory-space assignment's prefetch of a weight into on-chip memory (S(1)) beside a square matmul that
+# leaves HBM idle part of its time (%between), then a matmul that reads the prefetched weight from on-chip memory
+PREFETCH = """HloModule prefetch, is_scheduled=true
+
+%matmul (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %dot = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%onchip (q0: bf16[4096,4096], q1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %q0 = bf16[4096,4096]{1,0} parameter(0)
+  %q1 = bf16[4096,4096]{1,0:S(1)} parameter(1)
+  ROOT %dot2 = bf16[4096,4096]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%exp (e0: f32[4096,4096]) -> f32[4096,4096] {
+  %e0 = f32[4096,4096]{1,0} parameter(0)
+  ROOT %e = f32[4096,4096]{1,0} exponential(%e0)
+}
+
+ENTRY %main (x: bf16[4096,4096], w: bf16[4096,4096], v: bf16[4096,4096], y: f32[4096,4096]) -> bf16[4096,4096] {
+  %x = bf16[4096,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %v = bf16[4096,4096]{1,0} parameter(2)
+  %y = f32[4096,4096]{1,0} parameter(3)
+  %cs = (bf16[4096,4096]{1,0:S(1)}, bf16[4096,4096]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %between = bf16[4096,4096]{1,0} fusion(%x, %v), kind=kOutput, calls=%matmul
+  %cd = bf16[4096,4096]{1,0:S(1)} copy-done(%cs)
+  ROOT %after = bf16[4096,4096]{1,0} fusion(%between, %cd), kind=kOutput, calls=%onchip
+}
+"""
+
+
+def test_a_prefetch_into_on_chip_memory_overlaps_the_slack_of_the_kernels_beside_it():
+    """XLA:TPU's asynchronous copies share HBM with the kernels: a copy between copy-start and copy-done is hidden
+    only by the time those kernels leave HBM idle (their slack), never by their own HBM traffic, and two copies
+    in flight share that slack; on-chip operands cost a kernel no HBM bytes."""
+    target, size = roofline.TPU_V6E, 4096 * 4096 * 2
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(PREFETCH), target, 1)}
+    copy, between, after = kernels["cs"], kernels["between"], kernels["after"]
+    assert (copy.kind, copy.dma, copy.bytes) == ("copy", True, size)  # read from HBM once
+    assert copy.seconds == size / target.hbm_bytes_per_s and copy.exposed_seconds == 0.0
+    assert after.bytes == 2 * size  # its input and output; the weight is read on chip
+    flops = 2 * 4096**3
+    assert between.seconds == flops / target.peak("bf16") > 3 * size / target.hbm_bytes_per_s  # compute-bound
+    summary = roofline.summarize(list(kernels.values()), target, model_flops_per_device=2 * flops)
+    assert summary["compute_seconds"] == between.seconds + after.seconds  # the prefetch hidden
+    assert summary["by_kind"]["copy"]["seconds"] == copy.seconds
+
+    # memory-bound between start and done: no slack, the step waits for the whole copy
+    bound = PREFETCH.replace("%between = bf16[4096,4096]{1,0} fusion(%x, %v), kind=kOutput, calls=%matmul",
+                             "%between = f32[4096,4096]{1,0} fusion(%y), kind=kLoop, calls=%exp")
+    bound = bound.replace("fusion(%between, %cd)", "fusion(%x, %cd)")
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(bound), target, 1)}
+    assert kernels["cs"].exposed_seconds == kernels["cs"].seconds
+    summary = roofline.summarize(list(kernels.values()), target, model_flops_per_device=flops)
+    assert summary["compute_seconds"] == pytest.approx(kernels["between"].seconds + kernels["after"].seconds
+                                                       + kernels["cs"].seconds)
+
+    # two copies in flight: the slack covers the first fully, the second with what is left, not twice
+    two = PREFETCH.replace("  %between", "  %cs2 = (bf16[4096,4096]{1,0:S(1)}, bf16[4096,4096]{1,0}, u32[]{:S(2)}) "
+                                         "copy-start(%v)\n  %between")
+    two = two.replace("  %cd = ", "  %cd2 = bf16[4096,4096]{1,0:S(1)} copy-done(%cs2)\n  %cd = ")
+    for n in (2, 4):  # two copies, then two four times bigger, in the same matmul's slack
+        text = two if n == 2 else two.replace("bf16[4096,4096]{1,0:S(1)}", "bf16[4096,16384]{1,0:S(1)}")
+        kernels = {k.name: k for k in roofline.kernels(hlo.Module(text), target, 1)}
+        first, second, between = kernels["cs"], kernels["cs2"], kernels["between"]
+        slack = between.seconds - between.bytes / target.hbm_bytes_per_s
+        need = first.seconds + second.seconds
+        assert first.exposed_seconds + second.exposed_seconds == pytest.approx(max(0.0, need - slack))
+        assert first.exposed_seconds == pytest.approx(max(0.0, first.seconds - slack))
 
 
 TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
