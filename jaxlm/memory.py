@@ -278,7 +278,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     projections = a * (s.q + 2 * s.kv) + a * s.x + mlp_dots  # q, k, v, the attention's output projection
     if m.qk_norm:  # the projections' q and k beside the rotated ones, which the per-head norms' backward reads
         # (grouped-query heads: the joint matmul's whole output, v's part too: `layers.project_qkv`)
-        projections += a * (s.q + (2 if m.n_kv_heads < m.n_heads else 1) * s.kv)
+        projections += a * (s.q + (2 if m.n_kv_heads < m.n_heads and m.joint_projections else 1) * s.kv)
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`

@@ -340,6 +340,25 @@ def test_attention_selection_is_explicit():
     assert attention.select_implementation("splash", "cpu") == "splash"
 
 
+def test_projections_of_one_input_are_joined_everywhere_but_on_tpus():
+    """`ModelConfig.joint_projections`, resolved by platform: q, k, v (and gate, up) as one matmul on CPUs and
+    GPUs; each its own on TPUs, whose compiled program lays the joined outputs out at a cost
+    (benchmarks/BENCHMARKS.md), and the model then has no joints for a step to join once per step."""
+    from jaxlm import config
+    from jaxlm.models import layers
+    from jaxlm.models.transformer import ModelConfig
+
+    m = config.recipe("tiny").model
+    m.n_kv_heads = m.n_heads // 2  # grouped-query heads: q, k and v can be joined
+    m.dtype = "float32"  # plain matmuls (bfloat16 on a CPU accumulates in its own: `layers.accumulating_einsum`)
+    joined = {platform: ModelConfig.from_config(m, platform, log_choice=False).joint_projections
+              for platform in ("cpu", "gpu", "tpu")}
+    assert joined == {"cpu": True, "gpu": True, "tpu": False}
+    for platform, kinds in (("cpu", {"qkv", "gate_up"}), ("tpu", set())):
+        cfg = dataclasses.replace(ModelConfig.from_config(m, platform, log_choice=False), attention="xla")
+        assert {joint.kind for joint in layers.joints(build_model(cfg))} == kinds, platform
+
+
 def test_transformer_builds_without_a_mesh_and_from_a_recipe():
     from jaxlm import config
     from jaxlm.models.transformer import ModelConfig
@@ -455,6 +474,7 @@ def _dot_generals(jaxpr) -> int:
     (dict(n_kv_heads=8), False, True),  # every head its own key and value: three
     (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("wq",))), False, True),  # an adapter on q: three
     (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("w_up",))), True, False),  # an adapter on up: two
+    (dict(n_kv_heads=2, joint_projections=False), False, False),  # as on TPUs: each projection its own matmul
 ])
 def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_and_gradients(kw, qkv, gate_up,
                                                                                             monkeypatch):

@@ -524,10 +524,11 @@ def tensor_parallel_entry(x: jax.Array) -> jax.Array:
     return constrain(x, ("act_batch", "act_seq_region", "act_embed"))
 
 
-def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, keys) -> tuple[jax.Array, ...]:
-    """q [B, T, N, H], k and v [B, T, K, H] from x [B, T, D]: with grouped-query heads (K < N) and three
-    plain projections (`Projection.fusable`) one matmul; otherwise each on its own (`keys`:
-    their adapters' dropout keys).
+def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, keys,
+                joint: bool = True) -> tuple[jax.Array, ...]:
+    """q [B, T, N, H], k and v [B, T, K, H] from x [B, T, D]: with `joint` (`ModelConfig.joint_projections`),
+    grouped-query heads (K < N) and three plain projections (`Projection.fusable`) one matmul; otherwise each
+    on its own (`keys`: their adapters' dropout keys).
 
     The one matmul takes the three kernels concatenated per key-value head, [D, K, N/K + 2, H]: that
     head's N/K query heads, its key and its value (the query heads a key-value head serves are
@@ -544,7 +545,7 @@ def project_qkv(x: jax.Array, wq: Projection, wk: Projection, wv: Projection, ke
     those measurements. A train step with micro-batches joins them once per step instead (`ComputeKernel`,
     `Joint`), and the matmul then takes the joined kernel as a [D, K (N/K + 2) H] matrix.
     """
-    if not joins_qkv(wq, wk, wv):
+    if not (joint and joins_qkv(wq, wk, wv)):
         return tuple(p(x, key) for p, key in zip((wq, wk, wv), keys))
     n, group = wq.kernel_shape[1], wq.kernel_shape[1] // wk.kernel_shape[1]
     if (joined := wq.compute_kernel) is not None:  # joined once per step (`ComputeKernel`)
@@ -612,7 +613,8 @@ class Attention(nnx.Module):
     @property
     def joined_projections(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The projections its forward runs as one matmul (`joints`)."""
-        return (("qkv", ("wq", "wk", "wv")),) if joins_qkv(self.wq, self.wk, self.wv) else ()
+        joint = self.cfg.joint_projections and joins_qkv(self.wq, self.wk, self.wv)
+        return (("qkv", ("wq", "wk", "wv")),) if joint else ()
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache: KVCache | None = None,
@@ -623,7 +625,7 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, self.cfg.dtype
         x = tensor_parallel_entry(x)
         key_q, key_k, key_v, key_o = split_keys(dropout_key, 4)
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, (key_q, key_k, key_v))
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, (key_q, key_k, key_v), cfg.joint_projections)
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.qk_norm:

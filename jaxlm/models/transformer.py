@@ -343,6 +343,10 @@ class ModelConfig:
     # cuDNN's packed layout for packed documents, at most this many per row (0: the document mask instead);
     # config.model.attention_segments where the kernel is cuDNN on a GPU that takes it, else 0 (`from_config`)
     attention_segments: int = 0
+    # Projections of one input run as one matmul where they can (q, k and v: `layers.project_qkv`; an MLP's gate
+    # and up: `layers.project_gate_up`): everywhere but on TPUs (`from_config`), where XLA:TPU's layouts of the
+    # joined outputs cost more in copies than the joined matmul saves (benchmarks/BENCHMARKS.md)
+    joint_projections: bool = True
     # The model's transforms (`jaxlm.models.transforms`), None when absent: LoRA adapters (config.lora,
     # `with_lora`), quantized or fake-quantized weights (QLoRA's base, a compressed model, QAT:
     # `with_lora`, `with_compress`) and pruning masks (config.compress.sparsity, `with_compress`)
@@ -449,6 +453,7 @@ class ModelConfig:
         fields["attention"] = select_implementation(attention or m["attention"], platform, dtype=fields["dtype"],
                                                     head_dim=head_dim, log_choice=log_choice)
         fields["attention_segments"] = packed_attention_segments(m, fields["attention"], platform)
+        fields.setdefault("joint_projections", platform != "tpu")
         cfg = cls(**fields)
         if lora is not None:
             cfg = with_lora(cfg, lora)

@@ -18,10 +18,11 @@ HIDDEN_KEPT = ("none", "dots_mlp")
 class GatedMLP(MLP):
     """SwiGLU: down(silu(gate(x)) * up(x)).
 
-    `joint_gate_up`: gate and up as one matmul (`layers.project_gate_up`), where the remat policy keeps the
-    hidden activation (`HIDDEN_KEPT`). Where the backward pass recomputes the hidden activation, XLA
-    splits that recomputation and SwiGLU's gradient into two kernels that each read gate and up, and the
-    joint matmul is slower there (benchmarks/BENCHMARKS.md).
+    `joint_gate_up`: gate and up as one matmul (`layers.project_gate_up`), where the model joins projections
+    (`ModelConfig.joint_projections`) and the remat policy keeps the hidden activation (`HIDDEN_KEPT`). Where
+    the backward pass recomputes the hidden activation, XLA splits that recomputation and SwiGLU's gradient
+    into two kernels that each read gate and up, and the joint matmul is slower there
+    (benchmarks/BENCHMARKS.md).
     """
 
     name = "swiglu"
@@ -37,7 +38,7 @@ class GatedMLP(MLP):
         return 256 * math.ceil(8 * d_model / 3 / 256)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.joint_gate_up = cfg.remat in HIDDEN_KEPT
+        self.joint_gate_up = cfg.joint_projections and cfg.remat in HIDDEN_KEPT
         self.build_projections(cfg, rngs)
 
     @property
