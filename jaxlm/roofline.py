@@ -502,7 +502,9 @@ _SPLASH_BLOCKS = re.compile(r'"xprof_metadata":"(\{.*?\})"')
 # splash's kernels' matmuls per [block_q, block_kv] block they visit, in units of one [bq, bkv] x head_dim
 # matmul: forward scores and values; dq: scores and the values' gradient again, then dq; dkv: scores,
 # dp, dv and dk. What each recomputes of the forward: the scores, and in dq also dp, which dkv computes too.
-_SPLASH_MATMULS = {"fwd": (2, 0), "dq": (3, 2), "dkv": (4, 1)}  # phase: (matmuls, of them recomputed)
+# The fused backward (`dkv_fused`: one kernel that also writes dq, per key block, summed after): scores, dp,
+# dv, dk and dq, the scores recomputed.
+_SPLASH_MATMULS = {"fwd": (2, 0), "dq": (3, 2), "dkv": (4, 1), "dkv_fused": (5, 1)}  # phase: (matmuls, recomputed)
 
 
 def _splash_attention(module: hlo.Module, inst: dict) -> tuple[str, float, float, float, str] | None:
@@ -520,10 +522,13 @@ def _splash_attention(module: hlo.Module, inst: dict) -> tuple[str, float, float
     if len(floats) < 2:
         return None
     (q_t, (b, n, t, h)), (_, (_, _, s_len, _)) = floats[:2]
+    if phase == "dkv" and any(dims[-3:] == [n, t, h] and len(dims) == 5  # dq's partial sums [B, S / bkv, N, T, H]
+                              for _, dims in map(hlo.dtype_dims, hlo.tuple_parts(inst["shape"]))):
+        phase = "dkv_fused"
     sizes = {}
     if meta := _SPLASH_BLOCKS.search(inst["attrs"]):  # "xprof_metadata":"{\"block_q\": 512, ...}"
         sizes = json.loads(meta.group(1).replace('\\"', '"'))
-    suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv"}[phase]
+    suffix = {"fwd": "", "dq": "_dq", "dkv": "_dkv", "dkv_fused": "_dkv"}[phase]
     bq = int(sizes.get("block_q" + suffix, t) or t)
     bkv = int(sizes.get("block_kv" + suffix, s_len) or s_len)
     visited = sum(min(-(-s_len // bkv), ((i + 1) * bq - 1) // bkv + 1) for i in range(-(-t // bq)))

@@ -29,7 +29,8 @@ TPU_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_matmuls.hlo").read_text()
 # The gradient of splash attention's summed output (`model.attention=splash`), one v5p chip: q bf16[2, 1024, 4, 64],
 # k and v bf16[2, 1024, 2, 64], packed segment ids, blocks of 512 (tests/data/tpu_v5p_splash.hlo, compiled as
 # above, the Mosaic kernels' serialized bodies cut out); its kernels' metadata printed over several lines
-SPLASH_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_splash.hlo").read_text()
+SPLASH_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_splash.hlo").read_text()  # a dq and a dkv kernel
+SPLASH_FUSED_MODULE = (ROOT / "tests" / "data" / "tpu_v5p_splash_fused.hlo").read_text()  # one backward kernel
 
 
 def test_the_tpu_targets_carry_clouds_figures():
@@ -136,6 +137,16 @@ def test_splash_attentions_kernels_are_counted_by_the_causal_blocks_they_visit()
     # over the visited blocks: the forward's 2 matmuls, the backward's 7 (dq's 3, dkv's 4), 3 of them recomputed
     assert summary["matmul_flops"] == (2 + 7) * visited * matmul
     assert summary["attention_recompute_flops"] == 3 * visited * matmul
+
+    # splash's fused backward, as jaxlm now compiles it: dq, dk and dv from one kernel (5 matmuls per block,
+    # the scores recomputed once), its dq written per key block and summed after
+    module = hlo.Module(SPLASH_FUSED_MODULE)
+    kernels = [k for k in roofline.kernels(module, roofline.TPU_V5P, 1) if "attention" in k.kind]
+    backward = [k for k in kernels if k.kind == "attention backward"]
+    assert len(backward) == 1 and "splash_mha_dkv" in backward[0].name
+    assert (backward[0].flops, backward[0].recompute_flops) == (5 * visited * matmul, visited * matmul)
+    summary = roofline.summarize(kernels, roofline.TPU_V5P, 1.0)
+    assert summary["matmul_flops"] == (2 + 5) * visited * matmul
 
 
 # A gradient's all-reduce across two v5p slices as XLA:TPU compiles it (one slice's program, the DCN part a send to

@@ -504,15 +504,17 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 def _splash_kernel(seq_len: int, heads: int, interpret: bool):
     """Splash attention for `heads` query heads of causal self-attention over `seq_len` positions, with
     square blocks of the largest size up to SPLASH_BLOCK that divides the sequence, forward and backward.
-    Made anew in each trace: its block tables are arrays of the trace that makes them (made concrete, they
-    would need a device, which a compile-only TPU program has none of)."""
+    The backward pass is one kernel (splash's fused backward: dq, dk and dv from one visit of each block, the
+    scores recomputed once), not a dq kernel and a dkv kernel that each recompute them. Made anew in each
+    trace: its block tables are arrays of the trace that makes them (made concrete, they would need a
+    device, which a compile-only TPU program has none of)."""
     # local import: experimental JAX API (Pallas TPU), only needed for splash attention
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     block = math.gcd(seq_len, SPLASH_BLOCK)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
     mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len))] * heads)
     return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
