@@ -662,6 +662,31 @@ def _megascale(attrs: str) -> tuple[str, int] | None:
     return _MEGASCALE_KINDS.get(kind.group(1), "collective-permute"), slices
 
 
+def _async_collective_fusion(module: hlo.Module, inst: dict) -> tuple[str, dict | None]:
+    """XLA:TPU's asynchronous collective fusions: ("start", the collective it runs) for a fusion whose body ends
+    in an AsyncCollectiveStart custom call, ("done", None) for one ending in AsyncCollectiveDone, else ("", None).
+    The collective runs between the two, beside the kernels scheduled there, as an async collective's does."""
+    if inst["op"] != "fusion" or "kind=kCustom" not in inst["attrs"]:
+        return "", None
+    body = module.computations.get(module.callee(inst) or "", [])
+    root = next((i for i in body if i["root"]), None)
+    target = re.search(r'custom_call_target="([^"]+)"', root["attrs"]) if root and root["op"] == "custom-call" else None
+    if target is None or target.group(1) not in ("AsyncCollectiveStart", "AsyncCollectiveDone"):
+        return "", None
+    if target.group(1) == "AsyncCollectiveDone":
+        return "done", None
+    return "start", next((i for i in body if hlo.collective_op(i["op"]) is not None), None)
+
+
+def _fused_collective(module: hlo.Module, inst: dict) -> dict | None:
+    """The collective a fusion runs in its body (XLA:TPU's all-reduce-scatter fusion: an all-reduce of the
+    whole gradient, each chip keeping its slice), or None."""
+    if "kind=kCustom" not in inst["attrs"]:
+        return None
+    return next((i for i in module.computations.get(module.callee(inst) or "", [])
+                 if hlo.collective_op(i["op"]) is not None), None)
+
+
 def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Sequence[int] | None = None) -> list[Kernel]:
     """Every kernel of an optimized (scheduled) module with its roofline time, in launch order per
     computation; asynchronous collectives and copies with the part of their time the schedule does not
@@ -681,8 +706,18 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
         # async copies started and not yet done, with the HBM time each still needs: they share HBM with the
         # kernels, so only a kernel's slack (its time beyond its own HBM traffic) covers them, first come first
         dmas: dict[str, list] = {}
+        by_name = {i["name"]: i for i in insts}
         for inst in insts:
             op = inst["op"]
+            phase, collective_inst = _async_collective_fusion(module, inst)
+            if phase == "done":  # its operands are the start's tuple's elements
+                start = next((by_name[o]["operands"][0] for o in inst["operands"]
+                              if by_name.get(o, {}).get("op") == "get-tuple-element"
+                              and by_name[o]["operands"][0] in pending), None)
+                if start is not None:
+                    kernel = pending.pop(start)
+                    kernel.exposed_seconds = max(0.0, kernel.seconds - covered.pop(kernel.name))
+                continue
             if op.endswith("-done") and inst["operands"] and inst["operands"][0] in pending:
                 kernel = pending.pop(inst["operands"][0])
                 kernel.exposed_seconds = max(0.0, kernel.seconds - covered.pop(kernel.name))
@@ -710,15 +745,21 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
                 pending[inst["name"]], covered[inst["name"]] = kernel, 0.0  # until its send-done
                 out.append(kernel)
                 continue
-            if (collective := hlo.collective_op(op)) is not None:
-                groups = hlo.device_groups(inst["attrs"], num_devices)
-                size = hlo.collective_result_bytes(inst)
+            if phase == "" and op == "fusion":  # XLA:TPU's collective fusions (an all-reduce and its slices)
+                collective_inst = _fused_collective(module, inst)
+            if (collective := hlo.collective_op((collective_inst or inst)["op"])) is not None:
+                collective_inst = collective_inst or inst
+                groups = hlo.device_groups(collective_inst["attrs"], num_devices)
+                size = hlo.collective_result_bytes(collective_inst)
+                if collective == "all-reduce" and collective_inst is not inst and phase == "" \
+                        and hlo.shape_bytes(inst["shape"]) < size:  # each chip keeps its slice: a reduce-scatter
+                    collective, size = "reduce-scatter", hlo.shape_bytes(inst["shape"])
                 kernel.kind, kernel.comm_bytes = collective, hlo.sent_bytes(collective, size, groups.shape[1])
                 kernel.network = any(len(set(domain_of[g])) > 1 for g in groups)
                 bandwidth = target.network_bytes_per_s if kernel.network else target.link_bytes_per_s
                 kernel.seconds = kernel.comm_bytes / bandwidth if groups.shape[1] > 1 else 0.0
                 is_sync = config.get("collective_backend_config", {}).get("is_sync", False)
-                if op.endswith("-start") and not is_sync:
+                if (op.endswith("-start") or phase == "start") and not is_sync:
                     pending[inst["name"]], covered[inst["name"]] = kernel, 0.0
                 else:
                     kernel.exposed_seconds = kernel.seconds
@@ -803,6 +844,9 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
 # ----------------------------------------------------------------------------- the step
 
 
+_FUNCTION = re.compile(r"\S+:\d+ \(([^)\s]+)\)")  # a kernel's source, "jaxlm/models/layers.py:120 (to_fp8) ..."
+
+
 def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device: float, top: int = 15) -> dict[str, Any]:
     """Totals per kind, the step's roofline time, the roofline-bound MFU and the largest kernels."""
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict(kernels=0, launches=0, seconds=0.0, flops=0.0,
@@ -827,6 +871,15 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
                      if k.kind in ("gemm", "attention", "attention backward"))
     peak = target.peak("bf16")
     largest = sorted(compute + comm, key=lambda k: -k.total_seconds)[:top]
+    # the kernels by the function of this repository that made them (`hlo.Module.source`): e.g. float8's
+    # scaling work, `layers.to_fp8`'s amax reductions and casts, launches and time per step
+    by_function: dict[str, dict[str, float]] = defaultdict(lambda: dict(kernels=0, launches=0, seconds=0.0))
+    for k in compute:
+        m = _FUNCTION.match(k.source or "")
+        row = by_function[m.group(1) if m else ""]
+        row["kernels"] += 1
+        row["launches"] += k.runs
+        row["seconds"] += k.exposed_seconds * k.runs if k.dma else k.total_seconds
     return dict(
         target=target.name, step_seconds=step_s, compute_seconds=compute_s, communication_seconds=comm_s,
         exposed_communication_seconds=exposed_s, matmul_flops=matmul_flops, matmul_flops_full_attention=full_flops,
@@ -840,6 +893,7 @@ def summarize(kernel_list: list[Kernel], target: Target, model_flops_per_device:
         matmul_seconds=sum(k.total_seconds for k in compute if k.kind in ("gemm", "attention", "attention backward")),
         kernels=len(compute), launches=sum(k.runs for k in compute),
         by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"])),
+        by_function=dict(sorted(by_function.items(), key=lambda kv: -kv[1]["seconds"])),
         largest=[dict(name=k.name, kind=k.kind, runs=k.runs, seconds=k.total_seconds, flops=k.flops * k.runs,
                       bytes=(k.comm_bytes or k.bytes) * k.runs, exposed_seconds=k.exposed_seconds * k.runs,
                       source=k.source, op_name=k.op_name) for k in largest],
@@ -879,6 +933,11 @@ def format_summary(summary: dict[str, Any]) -> str:
                          f"{r['seconds'] / summary['step_seconds']:.1%}" if summary["step_seconds"] else "",
                          f"{r['flops'] / 1e12:.3f}", f"{r['bytes'] / 1e9:.2f}"]
                         for kind, r in summary["by_kind"].items()])),
+        "",
+        str(Table(["made by (function)", "kernels", "launches", "ms", "share"],
+                  [[name or "(outside jaxlm)", int(r["kernels"]), int(r["launches"]), f"{r['seconds'] * ms:.2f}",
+                    f"{r['seconds'] / summary['step_seconds']:.1%}" if summary["step_seconds"] else ""]
+                   for name, r in list(summary.get("by_function", {}).items())[:12]])),
         "",
         str(Table(["largest kernels", "kind", "launches", "ms", "source"],
                        [[k["name"], k["kind"], k["runs"], f"{k['seconds'] * ms:.2f}", (k["source"] or k["op_name"])[:100]]

@@ -298,6 +298,101 @@ def test_an_asynchronous_slice_moves_its_slice_and_a_bitcast_nothing():
     assert all(k.kind == "slice" and k.dma and k.bytes == 1024 for k in kernels.values())
 
 
+# XLA:TPU's asynchronous collective fusion (v5e's default for FSDP's all-gathers), lines as in the compiled 1b
+# step: a fusion that starts the all-gather, a kernel beside it, a fusion that waits for it
+ASYNC_COLLECTIVE = """HloModule async_collective, is_scheduled=true, num_partitions=8
+
+%start_body (p0: bf16[256,4,64]) -> (bf16[256,4,64], bf16[2048,4,64], u32[]) {
+  %p0 = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} parameter(0)
+  %ag = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)} all-gather(%p0), channel_id=3, \
+replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}, use_global_device_ids=true
+  ROOT %cc = (bf16[256,4,64]{0,2,1:T(8,128)(2,1)}, bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%done_body (d0: bf16[256,4,64], d1: bf16[2048,4,64], d2: u32[]) -> bf16[2048,4,64] {
+  %d0 = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} parameter(0)
+  %d1 = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)} parameter(1)
+  %d2 = u32[]{:S(2)} parameter(2)
+  %ag2 = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)} all-gather(%d0), channel_id=3, \
+replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}, use_global_device_ids=true
+  ROOT %cd = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)} custom-call(%d0, %d1, %ag2, %d2), \
+custom_call_target="AsyncCollectiveDone"
+}
+
+%exp (e0: f32[%N%]) -> f32[%N%] {
+  %e0 = f32[%N%]{0} parameter(0)
+  ROOT %e = f32[%N%]{0} exponential(%e0)
+}
+
+ENTRY %main (w: bf16[256,4,64], y: f32[%N%]) -> bf16[2048,4,64] {
+  %w = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} parameter(0)
+  %y = f32[%N%]{0} parameter(1)
+  %async-collective-start.2 = (bf16[256,4,64]{0,2,1:T(8,128)(2,1)}, bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)}, \
+u32[]{:S(2)}) fusion(%w), kind=kCustom, calls=%start_body
+  %beside = f32[%N%]{0} fusion(%y), kind=kLoop, calls=%exp
+  %g0 = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} get-tuple-element(%async-collective-start.2), index=0
+  %g1 = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)} get-tuple-element(%async-collective-start.2), index=1
+  %g2 = u32[]{:S(2)} get-tuple-element(%async-collective-start.2), index=2
+  ROOT %async-collective-done.2 = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)S(1)} fusion(%g0, %g1, %g2), kind=kCustom, \
+calls=%done_body
+}
+"""
+
+
+@pytest.mark.parametrize("elements", [1024, 4 * 2**20])  # the kernel beside it: shorter, then longer
+def test_an_asynchronous_collective_fusion_is_the_collective_overlapping_the_kernels_beside_it(elements):
+    target = roofline.TPU_V5E
+    kernels = {k.name: k for k in roofline.kernels(hlo.Module(ASYNC_COLLECTIVE.replace("%N%", str(elements))),
+                                                   target, 8)}
+    assert set(kernels) == {"async-collective-start.2", "beside"}  # the done fusion launches nothing
+    gather, beside = kernels["async-collective-start.2"], kernels["beside"]
+    size = 2048 * 4 * 64 * 2
+    assert (gather.kind, gather.comm_bytes) == ("all-gather", 7 / 8 * size)  # a ring over the 8 chips
+    assert gather.seconds == gather.comm_bytes / target.link_bytes_per_s
+    assert beside.seconds == 2 * 4 * elements / target.hbm_bytes_per_s
+    assert gather.exposed_seconds == pytest.approx(max(0.0, gather.seconds - beside.seconds))
+    summary = roofline.summarize(list(kernels.values()), target, 1.0)
+    assert summary["step_seconds"] == pytest.approx(beside.seconds + gather.exposed_seconds)
+
+
+# XLA:TPU's all-reduce-scatter fusion (a gradient's reduce-scatter over FSDP's chips when the collective matmul
+# is off): the whole gradient all-reduced in the fusion's body, each chip keeping its slice
+REDUCE_SCATTER_FUSION = """HloModule reduce_scatter, is_scheduled=true, num_partitions=8
+
+%all-reduce-scatter.1 (input_0: bf16[2048,256]) -> bf16[256,256] {
+  %input_0 = bf16[2048,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %all-reduce.1 = bf16[2048,256]{1,0:T(8,128)(2,1)} all-reduce(%input_0), channel_id=1, \
+replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %pid = u32[] partition-id()
+  %c = u32[] constant(256)
+  %offset = u32[] multiply(%pid, %c)
+  %zero = u32[] constant(0)
+  ROOT %ds = bf16[256,256]{1,0:T(8,128)(2,1)} dynamic-slice(%all-reduce.1, %offset, %zero), \
+dynamic_slice_sizes={256,256}
+}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+ENTRY %main (g: bf16[2048,256]) -> bf16[256,256] {
+  %g = bf16[2048,256]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %fusion.1 = bf16[256,256]{1,0:T(8,128)(2,1)S(1)} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.1
+}
+"""
+
+
+def test_a_fused_all_reduce_scatter_is_the_reduce_scatter_it_is():
+    target = roofline.TPU_V6E
+    (kernel,) = roofline.kernels(hlo.Module(REDUCE_SCATTER_FUSION), target, 8)
+    shard = 256 * 256 * 2
+    assert (kernel.kind, kernel.comm_bytes) == ("reduce-scatter", (8 - 1) * shard)  # a ring over the 8 chips
+    assert kernel.exposed_seconds == kernel.seconds == kernel.comm_bytes / target.link_bytes_per_s  # synchronous
+
+
 # Memory-space assignment's prefetch of a weight into on-chip memory (S(1)) beside a square matmul that
 # leaves HBM idle part of its time (%between), then a matmul that reads the prefetched weight from on-chip memory
 PREFETCH = """HloModule prefetch, is_scheduled=true
@@ -405,7 +500,9 @@ def test_tinys_train_step_compiles_for_four_v5p_chips():
     tokens_per_device = 16 * 128 / 4
     # splash's one 128 x 128 block per row computes the whole square, of which the model counts the causal half
     causal_half = 6 * m.n_layers * 128 * m.n_heads * (m.head_dim or m.d_model // m.n_heads) * tokens_per_device
-    assert r["attention_recompute_flops"] == causal_half  # 3 of the backward's 7 matmuls, the forward's 2 x 1.5
+    # the fused backward recomputes the scores, 1 of its 5 matmuls: a third of the masked halves (the forward's 2
+    # and the backward's 4 model matmuls, each half masked: 3 matmuls' worth)
+    assert r["attention_recompute_flops"] == causal_half / 3
     assert r["matmul_flops"] == pytest.approx(r["model_flops"] + causal_half + r["attention_recompute_flops"], rel=1e-9)
     assert 0 < r["roofline_mfu"] <= 1
 
