@@ -43,7 +43,7 @@ from jaxlm import axes, inference, optim, quant, roofline, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
-from jaxlm.models import attention, layers, pipeline_parallel, transformer
+from jaxlm.models import attention, pipeline_parallel, transformer
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
 from jaxlm.objectives import grpo as grpo_objective
@@ -282,7 +282,7 @@ def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> flo
     # float8 projections (model.matmul=fp8): their float8 inputs too, one byte each (saved with the dots:
     # layers.FP8_OPERANDS): the two norms' outputs (q, k, v and gate, up share theirs), the attention's
     # output and the MLP's product; the float8 weights are counted in `estimate`
-    fp8 = layers.CONTRACTIONS[m.matmul].saved_operand_bytes * (2 * s.x + s.q + s.mlp)
+    fp8 = m.contraction.saved_operand_bytes * (2 * s.x + s.q + s.mlp)
     if policy in ("dots", "dots_mlp", "dots_no_batch"):  # and the attention kernel's own (`Kernel.dots_saved`)
         attention_saved = kernel.dots_saved(s, a, batched=policy != "dots_no_batch")
         hidden = a * s.mlp if policy == "dots_mlp" else 0.0  # the MLP's hidden activation (layers.MLP_HIDDEN)
@@ -457,7 +457,7 @@ def estimate(
             a, m.remat) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
-            operand_bytes = layers.CONTRACTIONS[m.matmul].saved_operand_bytes
+            operand_bytes = m.contraction.saved_operand_bytes
             saved += operand_bytes * block_weights[1] / mesh_sizes["tensor"]
         saved += (2 * a + 2 * F32) * s.x  # the embedding's output and the final norm
         if kernel_of(m, s).takes_mask:

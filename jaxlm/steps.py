@@ -304,11 +304,13 @@ def compute_kernels(model_spec: ModelSpec, rules: Rules, replicas: int) -> Model
 def _compute_inputs(model_spec: ModelSpec, trainable):
     """Once per step, for the micro-batches: the trainable parameters in the compute layout
     (`ModelSpec.compute_layout`: cast to the compute dtype, a joint's kernels joined); the same with only
-    the `layers.ComputeKernel` weights (None elsewhere), which are not differentiated; and where those are
+    the `layers.ComputeKernel` weights (None elsewhere), which are not differentiated, as the contraction
+    takes them (`layers.Contraction.prepare_kernel`: float8's quantized); and where those are
     (`ModelSpec.kernel_mask`)."""
     weights = model_spec.compute_layout(trainable)
     kernels = model_spec.kernel_mask(weights)
-    fixed = jax.tree.map(lambda k, w: w if k else None, kernels, weights)
+    prepare = (model_spec.cfg and model_spec.cfg.contraction.prepare_kernel) or (lambda w: w)  # float8's, once
+    fixed = jax.tree.map(lambda k, w: prepare(w) if k else None, kernels, weights)
     return weights, fixed, kernels
 
 

@@ -57,11 +57,12 @@ class ModelSpec:
     # dict tree like params: the compute dtype a leaf's forward use casts it to and nothing else (the
     # projections' kernels, the embedding: `layers.cast_leaves`), None for the others
     cast_dtypes: Any = None
-    # Paths of the trainable kernels of plain projections (`layers.Projection.fusable`) not stacked for a
-    # layer scan (`build_model_spec` says why): a step with
-    # micro-batches hands each to the model as a `layers.ComputeKernel`, whose weight gradient comes in
-    # float32 from the matmul itself; and `layers.Joint`s, groups of them the model runs as one matmul,
-    # joined once per step (a group with a part that does not train is left out of both)
+    # Paths of the trainable kernels of plain projections (`layers.Projection.takes_compute_kernel`) not stacked
+    # for a layer scan (`build_model_spec` says why): a step with micro-batches hands each to the model as a
+    # `layers.ComputeKernel`, whose weight gradient comes in float32 from the matmul itself (a float8 one's
+    # weight quantized once per step: `layers.Contraction.prepare_kernel`); and `layers.Joint`s, groups of them
+    # the model runs as one matmul, joined once per step (a group with a part that does not train is left out
+    # of both)
     grad_kernels: frozenset = frozenset()
     joints: tuple = ()
     # the model's auxiliary outputs, (name, shape) pairs (`jaxlm.models.aux`, `Transformer.aux_shapes`)
@@ -222,7 +223,7 @@ def build_model_spec(cfg: ModelConfig, trainable: str = "") -> ModelSpec:
     # Trained kernels of plain projections, not stacked for a layer scan: a scan's weight gradients come out
     # stacked, and XLA adds a float32 stack to the accumulator in a kernel of its own, where unstacked ones
     # add up in the GEMMs (the rooflines of both: benchmarks/BENCHMARKS.md)
-    kernels = {(*path, "kernel") for path, p in layers.projections(model) if p.fusable}
+    kernels = {(*path, "kernel") for path, p in layers.projections(model) if p.takes_compute_kernel}
     kernels = {path for path in kernels if _get_path(trains, path) and "layers" not in _get_path(names, path)}
     joints = tuple(j for j in layers.joints(model) if all(path in kernels for path in j.paths))
     kernels -= {path for j in layers.joints(model) if j not in joints for path in j.paths}

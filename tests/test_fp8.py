@@ -110,3 +110,48 @@ def test_remat_dots_keeps_the_float8_operands_for_the_backward_pass():
     assert ("float8_e4m3fn", (2, 16, 64)) in dots and ("float8_e4m3fn", (64, 96)) in dots
     assert sum(dtype == "float32" and shape == () for dtype, shape in dots) >= 2  # the two scales
     assert not any(dtype.startswith("float8") for dtype, _ in saved("full"))
+
+
+def _amaxes(jaxpr, in_loop: bool = False) -> tuple[int, int]:
+    """(reduce_max equations outside any loop, inside the micro-batch loop: a scan) of a jaxpr, inner ones
+    included."""
+    outside = inside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            inside, outside = (inside + 1, outside) if in_loop else (inside, outside + 1)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            o, i = _amaxes(sub, in_loop or eqn.primitive.name in ("scan", "while"))
+            outside, inside = outside + o, inside + i
+    return outside, inside
+
+
+def test_micro_batches_quantize_each_float8_weight_once_per_step(monkeypatch):
+    """With micro-batches, each float8 projection's weight is quantized once per step, before the micro-batch
+    loop (`layers.Fp8Weight` in its `layers.ComputeKernel`), not in every micro-batch: one amax per projection
+    leaves the loop, whose body keeps the activations' and gradients' own; and the step computes what
+    quantizing in every micro-batch computes (the same float8 operands), its weight gradients in float32."""
+    from helpers import random_batch
+    from jaxlm import train_setup
+
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [("model.matmul", "fp8"), ("model.dtype", "float32"), ("model.scan_layers", "false"),
+                                 ("model.attention", "xla"), ("data.global_batch_size", "8"),
+                                 ("optim.micro_batches", "4")])
+    batch = random_batch(8, cfg.data.seq_len, cfg.model.vocab_size)
+
+    def step():
+        setup = train_setup.build(cfg, jax.devices()[:1])
+        data = setup.put_batch(batch)
+        amaxes = _amaxes(jax.make_jaxpr(setup.train_step)(setup.state, data).jaxpr)
+        state, metrics = setup.train_step(setup.state, data)
+        return setup.model_spec, amaxes, float(metrics["loss"]), state.params
+
+    spec, (outside, inside), loss, params = step()
+    projections = len(spec.grad_kernels)  # every projection of every layer, and the unembedding
+    assert projections == 7 * cfg.model.n_layers + 1
+    monkeypatch.setattr(layers.Projection, "takes_compute_kernel", property(lambda self: self.fusable))
+    old_spec, (old_outside, old_inside), old_loss, old_params = step()
+    assert not old_spec.grad_kernels  # float8 projections are not fusable: each micro-batch quantized them
+    assert (outside, inside) == (old_outside + projections, old_inside - projections)
+    assert loss == old_loss  # the same float8 operands
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), params, old_params)

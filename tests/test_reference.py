@@ -43,7 +43,7 @@ def three_qkv_matmuls(monkeypatch):
     digit); tests/test_model.py holds it to the three."""
     from jaxlm.models import layers
 
-    monkeypatch.setattr(layers.Projection, "fusable", property(lambda self: False))
+    monkeypatch.setattr(layers.Projection, "plain", property(lambda self: False))  # no joins, no ComputeKernel
 
 
 @pytest.fixture(scope="module")

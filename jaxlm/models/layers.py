@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -164,17 +165,62 @@ def _fp8_einsum_fwd(equation, x, kernel):
     return _fp8_forward(equation, x, kernel)
 
 
-def _fp8_einsum_bwd(equation, residuals, g):
-    xq, sx, kq, sk, kernel_dtype = residuals
+def _fp8_grads(equation, xq, sx, kq, sk, g) -> tuple[jax.Array, jax.Array]:
+    """(x's gradient in g's dtype, the kernel's in float32) from the float8 operands and g, quantized to e5m2."""
     lhs, out = equation.split("->")
     x_idx, kernel_idx = lhs.split(",")
     gq, sg = to_fp8(g, FP8_BACKWARD)
     dx = jnp.einsum(f"{out},{kernel_idx}->{x_idx}", gq, kq, preferred_element_type=jnp.float32) / (sg * sk)
     dkernel = jnp.einsum(f"{x_idx},{out}->{kernel_idx}", xq, gq, preferred_element_type=jnp.float32) / (sx * sg)
-    return dx.astype(g.dtype), dkernel.astype(kernel_dtype.dtype)
+    return dx.astype(g.dtype), dkernel
+
+
+def _fp8_einsum_bwd(equation, residuals, g):
+    xq, sx, kq, sk, kernel_dtype = residuals
+    dx, dkernel = _fp8_grads(equation, xq, sx, kq, sk, g)
+    return dx, dkernel.astype(kernel_dtype.dtype)
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
+
+
+class Fp8Weight(NamedTuple):
+    """A kernel in float8 (e4m3) and its per-tensor scale (`to_fp8`): what a train step with micro-batches
+    hands a float8 projection in its `ComputeKernel`, quantized once per step rather than in every
+    micro-batch (the weights do not change within a step: the same operands, one amax and cast per step)."""
+
+    q: jax.Array
+    scale: jax.Array
+
+
+def fp8_weight(kernel: jax.Array) -> Fp8Weight:
+    return Fp8Weight(*to_fp8(kernel, FP8_FORWARD))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_weight_grad_einsum(equation: str, x: jax.Array, kq: jax.Array, sk: jax.Array, grad: jax.Array) -> jax.Array:
+    """`fp8_einsum(equation, x, kernel)` with the kernel already in float8 (`Fp8Weight`: kq, sk); the kernel's
+    gradient comes back in float32 as `grad`'s cotangent, added to the step's accumulator in the GEMM's
+    epilogue, as `weight_grad_einsum`'s does (`grad`'s value is not read; kq and sk get none)."""
+    return _fp8_weight_forward(equation, x, kq, sk)[0]
+
+
+def _fp8_weight_forward(equation, x, kq, sk):
+    xq, sx = jax.tree.map(lambda t: checkpoint_name(t, FP8_OPERANDS), to_fp8(x, FP8_FORWARD))
+    y = jnp.einsum(equation, xq, kq, preferred_element_type=x.dtype).astype(jnp.float32) / (sx * sk)
+    return y.astype(x.dtype), (xq, sx, kq, sk)
+
+
+def _fp8_weight_grad_einsum_fwd(equation, x, kq, sk, grad):
+    return _fp8_weight_forward(equation, x, kq, sk)
+
+
+def _fp8_weight_grad_einsum_bwd(equation, residuals, g):
+    dx, dkernel = _fp8_grads(equation, *residuals, g)
+    return dx, None, None, dkernel
+
+
+fp8_weight_grad_einsum.defvjp(_fp8_weight_grad_einsum_fwd, _fp8_weight_grad_einsum_bwd)
 
 
 
@@ -187,12 +233,15 @@ class Contraction:
     # Bytes per element of the operands it saves for the backward pass under remat's dots policies, beside
     # the dots' outputs: float8's inputs and weights (`FP8_OPERANDS`), one byte each; 0 = none
     saved_operand_bytes: int = 0
+    # What a train step with micro-batches makes of a `ComputeKernel`'s weight once per step (in the compute
+    # dtype), for every micro-batch's matmuls: float8's quantized kernel (`fp8_weight`); None: the weight itself
+    prepare_kernel: Callable[[jax.Array], Any] | None = None
 
 
 # By name: XLA's einsum, the float32 accumulation made explicit (CPUs with bfloat16 compute), float8
 # operands with per-tensor scales
 CONTRACTIONS = {"xla": Contraction(jnp.einsum), "accumulate": Contraction(accumulating_einsum),
-                "fp8": Contraction(fp8_einsum, saved_operand_bytes=1)}
+                "fp8": Contraction(fp8_einsum, saved_operand_bytes=1, prepare_kernel=fp8_weight)}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -220,7 +269,9 @@ class ComputeKernel:
 
     def einsum(self, equation: str, x: jax.Array, dtype) -> jax.Array:
         """`einsum(equation, x, w)` with `w` in `dtype` (the projection's compute dtype: a no-op cast when
-        the step cast it already)."""
+        the step cast it already); with float8 operands when `w` is an `Fp8Weight` (quantized once per step)."""
+        if isinstance(self.w, Fp8Weight):
+            return fp8_weight_grad_einsum(equation, x, self.w.q, self.w.scale, self.grad)
         return weight_grad_einsum(equation, x, self.w.astype(dtype), self.grad)
 
 
@@ -308,12 +359,24 @@ class Projection(nnx.Module):
         return value if isinstance(value, ComputeKernel) else None
 
     @property
+    def plain(self) -> bool:
+        """Whether the contraction sees the stored kernel cast to the compute dtype and nothing else: no
+        transform that changes its weight or adds to its output (the transforms say False), and no batch axes
+        (an MoE's experts go to the dispatch's grouped matmuls whole)."""
+        return not self.batch_axes
+
+    @property
     def fusable(self) -> bool:
-        """Whether this projection is a plain `jnp.einsum` of its cast kernel (no transform that changes its
-        weight or output, not float8 with its per-tensor scales nor the CPU's accumulating matmul), so that it
-        can share one matmul with others of the same input (`project_qkv`). A projection with batch axes
-        (an MoE's experts) never is: its weight goes to the dispatch's grouped matmuls whole."""
-        return self.einsum_op is jnp.einsum and not self.batch_axes
+        """Whether this projection is a plain `jnp.einsum` of its cast kernel (`plain`, not float8 with its
+        per-tensor scales nor the CPU's accumulating matmul), so that it can share one matmul with others of
+        the same input (`project_qkv`)."""
+        return self.plain and self.einsum_op is jnp.einsum
+
+    @property
+    def takes_compute_kernel(self) -> bool:
+        """Whether a train step with micro-batches can hand it a `ComputeKernel`: a plain kernel (`plain`) of
+        XLA's contraction or float8's (`fp8_einsum`, whose weight is then quantized once per step)."""
+        return self.plain and (self.einsum_op is jnp.einsum or self.einsum_op is fp8_einsum)
 
     def cast_leaves(self) -> dict[str, object]:
         """The leaves whose forward use is a plain cast to the compute dtype, with that dtype (`kernel`).

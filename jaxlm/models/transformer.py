@@ -371,9 +371,13 @@ class ModelConfig:
         return self.quantized.stored if self.quantized is not None else None
 
     @property
+    def contraction(self) -> layers.Contraction:
+        """How the projections (and the tied unembedding) multiply, with what it asks of the planner and the step."""
+        return layers.CONTRACTIONS[self.matmul]
+
+    @property
     def einsum_op(self) -> layers.EinsumOp:
-        """The projections' (and the tied unembedding's) contraction."""
-        return layers.CONTRACTIONS[self.matmul].einsum
+        return self.contraction.einsum
 
     def projection(self, name: str, equation: str, shape: tuple[int, ...], names: tuple, **kwargs) -> layers.Projection:
         """A projection called `name` (wq, w_down, unembed, ...): a plain `layers.Projection`, or the class of

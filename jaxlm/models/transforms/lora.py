@@ -134,7 +134,7 @@ class Adapted(layers.Projection):
         return w if self.lora_a is None else (w.astype(jnp.float32) + self.delta()).astype(self.dtype)
 
     @property
-    def fusable(self) -> bool:
+    def plain(self) -> bool:
         return False
 
     def cast_leaves(self) -> dict[str, object]:

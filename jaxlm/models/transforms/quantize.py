@@ -89,7 +89,7 @@ class QuantizedKernel(layers.Projection):
         return None
 
     @property
-    def fusable(self) -> bool:
+    def plain(self) -> bool:
         return False
 
     def cast_leaves(self) -> dict[str, object]:
@@ -109,7 +109,7 @@ class FakeQuantizedKernel(layers.Projection):
         return quant_lib.fake_quantize(self.kernel[...], self.qat, self.quant_axis).astype(self.dtype)
 
     @property
-    def fusable(self) -> bool:
+    def plain(self) -> bool:
         return False
 
     def cast_leaves(self) -> dict[str, object]:
