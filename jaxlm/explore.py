@@ -107,6 +107,8 @@ def build(recipe: str | ml_collections.ConfigDict = "tiny", devices: int | str |
     """
     cfg = make_config(recipe, mesh=mesh, **overrides)
     xla_flags.apply(cfg.run.xla_flags)  # before pick_devices starts JAX; once it has, refused, not ignored
+    # the default only where it still can be (a notebook's TPU may be running already); a changed one, or refused
+    xla_flags.apply_libtpu(cfg.run.libtpu_flags, required=cfg.run.libtpu_flags != xla_flags.LIBTPU_DEFAULT)
     return train_setup.build(cfg, pick_devices(devices), abstract=abstract)
 
 

@@ -621,6 +621,7 @@ def _main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> in
         cfg = init_from.config_from_cli(config_args)
         if args.compile:  # the program compiled as the trainer compiles it: with the run's XLA flags
             xla_flags.apply(cfg.run.xla_flags)
+            xla_flags.apply_libtpu(cfg.run.libtpu_flags)  # a TPU target's compiler reads them as it loads
         if args.choose and target is None:
             raise UserError("--choose compiles for a target's devices: add --target=h100 (after `make h100-env`) "
                             "or a TPU's (--target=v5p, after `make tpu-env`)")

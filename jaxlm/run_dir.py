@@ -22,6 +22,7 @@ import ml_collections
 
 from jaxlm import distributed
 from jaxlm import metrics as metrics_lib
+from jaxlm import xla_flags as xla_flags_lib
 from jaxlm.data.mixture import same_sources
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
@@ -54,6 +55,11 @@ class RunConfig(Section):
     xla_flags: str = setting(
         "",
         '"--xla_name=value ..." added to XLA_FLAGS before JAX starts (checked first); "" = XLA\'s defaults')
+    libtpu_flags: str = setting(
+        xla_flags_lib.LIBTPU_DEFAULT,
+        'XLA:TPU\'s own flags, "--xla_name=value ...", added to LIBTPU_INIT_ARGS before JAX starts (checked where '
+        'libtpu is installed; inert elsewhere). The default turns off the collective matmul (faster FSDP steps, '
+        'measured: benchmarks/BENCHMARKS.md); "" = XLA:TPU\'s defaults')
     init_from: str = setting(
         "",
         'Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run '

@@ -734,6 +734,7 @@ def _main(argv: list[str]) -> int:
         config_lib.check_paths(cfg)  # and what it will write
         if cfg.run.xla_flags:
             console(f"jaxlm: XLA_FLAGS={xla_flags.apply(cfg.run.xla_flags)}")  # before JAX starts, checked
+        xla_flags.apply_libtpu(cfg.run.libtpu_flags)  # before libtpu loads (read on a TPU only), checked
         joined = distributed.join(**layout_flags)  # a multi-process run: join it first
         if joined:
             console(f"jaxlm: {joined}")

@@ -7,11 +7,19 @@ throwaway process with the merged flags: every XLA flag, GPU ones included, is p
 bad one becomes one error line naming it, before this process has done any device work. The GPU
 flags worth setting are measured with `benchmarks/mfu.py --sweep run.xla_flags=...`; jaxlm sets
 none by default until a measurement says one helps (see benchmarks/BENCHMARKS.md).
+
+XLA:TPU's own flags are libtpu's, read from `LIBTPU_INIT_ARGS` when libtpu loads (`run.libtpu_flags`,
+`apply_libtpu`): checked the same way where libtpu is installed (a throwaway process loads it with them),
+inert elsewhere. Its default turns XLA:TPU's collective matmul off (`LIBTPU_DEFAULT`): measured on the
+compiled TPU programs, the FSDP step is faster with whole GEMMs and separate collectives.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -19,6 +27,8 @@ import sys
 import jax
 
 from jaxlm.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _PROBE = "import jax; jax.devices()"
 
@@ -61,4 +71,59 @@ def apply(flags: str) -> str:
         raise UserError(f"run.xla_flags: XLA (jax {jax.__version__}) refuses them: {reason[:300]}; "
                         f"remove or rename that flag")
     os.environ["XLA_FLAGS"] = merged
+    return merged
+
+
+# run.libtpu_flags' default: no collective matmul (XLA:TPU's windowed einsum, which splits an FSDP matmul into
+# a loop of partial GEMMs beside collective-permutes; its small GEMMs are memory-bound). The 1b recipe's compiled
+# step, roofline-bound MFU: v5p-8 0.848 -> 0.885, v6e-8 0.597 -> 0.666 (benchmarks/BENCHMARKS.md).
+LIBTPU_DEFAULT = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
+_LIBTPU_PROBE = ("from jax.experimental import topologies\n"
+                 "try:\n    topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu')\n"
+                 "except Exception:\n    pass")
+
+
+def _libtpu_loaded() -> bool:
+    """Whether this process has loaded libtpu (which reads LIBTPU_INIT_ARGS once, as it loads)."""
+    try:
+        return "libtpu" in pathlib.Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux: libtpu runs on Linux TPU VMs only
+        return False
+
+
+def apply_libtpu(flags: str, required: bool = True) -> str:
+    """Add `flags` ("--xla_name=value ...") to this process's LIBTPU_INIT_ARGS, replacing any of the same name,
+    before libtpu loads (its child processes inherit them); returns the flags now set. A no-op for "". Where
+    libtpu is installed, a throwaway process loads it with them first: a flag it does not know is one
+    UserError naming it (libtpu itself would end this process). Raises UserError for a word that is not an
+    XLA flag, and when this process has loaded libtpu already (too late; with `required` False, as for the
+    default in a notebook whose TPU is already running, a warning instead); elsewhere (CPUs, GPUs) the
+    variable is set and nothing reads it."""
+    flags = " ".join(flags.split())
+    current = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if not flags:
+        return current
+    not_xla = [flag for flag in flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", flag)]
+    if not_xla:
+        raise UserError(f"run.libtpu_flags: {not_xla[0]!r} is not an XLA flag; write them as --xla_name=value, "
+                        f"separated by spaces")
+    merged = merge(current, flags)
+    if _parse(merged) == _parse(current):
+        return current
+    if _libtpu_loaded():
+        if not required:
+            log.warning("run.libtpu_flags not applied: libtpu is already loaded in this process (%s)", flags)
+            return current
+        raise UserError("run.libtpu_flags can only be set before libtpu loads (JAX on a TPU, or a TPU target's "
+                        "compiler); pass it on the command line, or set the LIBTPU_INIT_ARGS environment variable "
+                        "before Python starts")
+    if importlib.util.find_spec("libtpu") is not None:
+        env = {**os.environ, "LIBTPU_INIT_ARGS": merged, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": ""}
+        probe = subprocess.run([sys.executable, "-c", _LIBTPU_PROBE], env=env, capture_output=True, text=True,
+                               timeout=300)
+        unknown = re.search(r"Unknown command line flag '([^']+)'", probe.stderr + probe.stdout)
+        if unknown:
+            raise UserError(f"run.libtpu_flags: libtpu does not know --{unknown.group(1)}; remove or rename it "
+                            f"(run.libtpu_flags=\"\" leaves XLA:TPU's defaults)")
+    os.environ["LIBTPU_INIT_ARGS"] = merged
     return merged

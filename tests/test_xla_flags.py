@@ -57,3 +57,50 @@ def test_a_notebook_build_refuses_flags_once_jax_has_started():
     with pytest.raises(UserError, match="only be set before JAX starts"):
         explore.build("tiny", devices=1, abstract=True, run__xla_flags="--xla_force_host_platform_device_count=3")
     assert len(jax_devices) == 8
+
+
+def test_libtpu_flags_are_merged_into_libtpu_init_args_and_words_that_are_not_flags_refused(monkeypatch):
+    """run.libtpu_flags: XLA:TPU's own flags, merged into LIBTPU_INIT_ARGS (a flag of the same name replaced);
+    inert where libtpu is not loaded (this process: CPUs), so the default applies to every run."""
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_a=1 --xla_jf_spmd_threshold_for_windowed_einsum_mib=5")
+    merged = xla_flags.apply_libtpu(xla_flags.LIBTPU_DEFAULT)
+    assert merged == os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_a=1 " + xla_flags.LIBTPU_DEFAULT
+    assert xla_flags.apply_libtpu("") == merged
+    with pytest.raises(UserError, match="'-O3' is not an XLA flag"):
+        xla_flags.apply_libtpu("-O3")
+    from jaxlm import config
+
+    assert config.recipe("1b").run.libtpu_flags == xla_flags.LIBTPU_DEFAULT
+
+
+TPU_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-tpu", "bin", "python")
+
+
+@pytest.mark.skipif(not os.path.exists(TPU_PYTHON), reason="libtpu's environment is not installed (make tpu-env)")
+def test_libtpu_checks_its_flags_in_a_throwaway_process_and_a_loaded_libtpu_refuses_new_ones():
+    """Where libtpu is installed: a flag it does not know is one UserError naming it (libtpu itself would end the
+    process), the default is accepted, and once this process has loaded libtpu a new flag is refused."""
+    script = textwrap.dedent("""
+        import os
+        from jaxlm import roofline, xla_flags
+        from jaxlm.errors import UserError
+        try:
+            xla_flags.apply_libtpu("--xla_tpu_no_such_flag=1")
+        except UserError as e:
+            print("unknown:", e)
+        print("default:", xla_flags.apply_libtpu(xla_flags.LIBTPU_DEFAULT) == os.environ["LIBTPU_INIT_ARGS"])
+        roofline.quiet_libtpu()
+        roofline.tpu_devices(roofline.TPU_V5P, 4, "v5p:2x2x1")  # loads libtpu, which reads them now
+        try:
+            xla_flags.apply_libtpu("--xla_jf_spmd_threshold_for_windowed_einsum_mib=7")
+        except UserError as e:
+            print("late:", e)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS="")
+    out = subprocess.run([TPU_PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "unknown: run.libtpu_flags: libtpu does not know --xla_tpu_no_such_flag; remove or rename " \
+                       "it (run.libtpu_flags=\"\" leaves XLA:TPU's defaults)"
+    assert lines[1] == "default: True"
+    assert lines[2].startswith("late: run.libtpu_flags can only be set before libtpu loads")
