@@ -153,7 +153,7 @@ def test_dropout_is_active_only_with_a_key():
 )
 def test_param_count_from_config_equals_the_built_model(kw):
     cfg = small_config(**kw)
-    state = nnx.state(build_model(cfg))
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg)))  # the model's own arrays' shapes, none computed
     built = sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["total"] == built
     adapters = sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
@@ -429,7 +429,7 @@ def test_remat_saves_memory_with_unrolled_layers_too():
 
     def temp_bytes(cfg):
         tokens = jnp.zeros((8, 32), jnp.int32)
-        graphdef, params = nnx.split(build_model(cfg))
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # compiled for shapes, never run
         grad = jax.jit(jax.value_and_grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -493,7 +493,7 @@ def test_dots_mlp_keeps_the_mlp_hidden_activation_as_well_as_what_dots_keeps():
 
     def residuals_and_logistics(policy):
         cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
-        graphdef, params = nnx.split(build_model(cfg))
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # traced for shapes, never run
 
         def loss(p):
             return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
@@ -526,7 +526,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
 
     cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
-    graphdef, params = nnx.split(build_model(cfg))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # traced for shapes, never run
 
     def loss(p):
         return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
@@ -542,7 +542,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
     old = jax.checkpoint_policies.save_from_both_policies(plain, transformer._fused_attention_saveable)
     with pytest.MonkeyPatch.context() as m:
         m.setitem(transformer.REMAT_POLICIES, policy, old)
-        graphdef_old, params_old = nnx.split(build_model(cfg))
+        graphdef_old, params_old = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
         old_residuals = saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2), params_old)
     assert saved == sum(a.size for a, _ in old_residuals)
 
@@ -560,7 +560,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
     assert rotations(jax.grad(loss), params) == 2 * forward
     with pytest.MonkeyPatch.context() as m:
         m.setitem(transformer.REMAT_POLICIES, policy, old)
-        graphdef_old, params_old = nnx.split(build_model(cfg))
+        graphdef_old, params_old = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
         assert rotations(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2)), params_old) == 3 * forward
 
 
