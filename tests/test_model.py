@@ -116,13 +116,15 @@ def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_con
 
 def test_scanned_and_unrolled_layers_compute_the_same_function():
     scanned = build_model(small_config(n_kv_heads=4))
-    unrolled = build_model(small_config(n_kv_heads=4, scan_layers=False))
+    # built abstractly: every value comes from the scanned model's
+    unrolled = nnx.eval_shape(lambda: build_model(small_config(n_kv_heads=4, scan_layers=False)))
     params = nnx.to_pure_dict(nnx.state(scanned))
     as_list = dict(params)
     as_list["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(2)}
     nnx.update(unrolled, as_list)
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 96)
-    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one compiled program each, not op by op
+    np.testing.assert_allclose(forward(scanned, tokens), forward(unrolled, tokens), atol=1e-5)
 
 
 def test_dropout_is_active_only_with_a_key():
@@ -178,21 +180,27 @@ def test_weight_decay_applies_to_matrices_only():
     assert not mask["blocks"]["attn_norm"]["bias"] and not mask["final_norm"]["scale"]
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
-def test_remat_policies_change_memory_not_values(policy):
+def _remat_loss_and_grads(cfg):
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+    model = build_model(cfg)
+    graphdef, params = nnx.split(model)
 
-    def loss_and_grads(cfg):
-        model = build_model(cfg)
-        graphdef, params = nnx.split(model)
+    def loss(p):
+        return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
 
-        def loss(p):
-            return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
-        return jax.jit(jax.value_and_grad(loss))(params)
 
-    ref_loss, ref_grads = loss_and_grads(small_config())
-    loss, grads = loss_and_grads(small_config(remat=policy))
+@pytest.fixture(scope="module")
+def without_remat():
+    """The loss and gradients every remat policy is compared to, computed once."""
+    return _remat_loss_and_grads(small_config())
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_change_memory_not_values(policy, without_remat):
+    ref_loss, ref_grads = without_remat
+    loss, grads = _remat_loss_and_grads(small_config(remat=policy))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
 
