@@ -731,6 +731,9 @@ VARIANTS = {
     # resume-every-checkpoint-damaged; compress's and the pipeline's other setting checks stay in the default suite
     "generate-newest-damaged", "eval-every-checkpoint-damaged", "init-from-every-checkpoint-damaged",
     "compress-group-odd", "pipeline-layers-not-divisible",
+    # the same recipe file and command as tests/test_config_errors.py's recipe-syntax case, which checks the
+    # whole of stderr
+    "recipe-syntax-error",
 }
 CASES = [dataclasses.replace(c, slow=True) if c.name in VARIANTS else c for c in CASES]
 

@@ -116,13 +116,15 @@ def test_packed_documents_do_not_see_each_other_with_the_sequence_split_over_con
 
 def test_scanned_and_unrolled_layers_compute_the_same_function():
     scanned = build_model(small_config(n_kv_heads=4))
-    unrolled = build_model(small_config(n_kv_heads=4, scan_layers=False))
+    # built abstractly: every value comes from the scanned model's
+    unrolled = nnx.eval_shape(lambda: build_model(small_config(n_kv_heads=4, scan_layers=False)))
     params = nnx.to_pure_dict(nnx.state(scanned))
     as_list = dict(params)
     as_list["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(2)}
     nnx.update(unrolled, as_list)
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 96)
-    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one compiled program each, not op by op
+    np.testing.assert_allclose(forward(scanned, tokens), forward(unrolled, tokens), atol=1e-5)
 
 
 def test_dropout_is_active_only_with_a_key():
@@ -153,7 +155,7 @@ def test_dropout_is_active_only_with_a_key():
 )
 def test_param_count_from_config_equals_the_built_model(kw):
     cfg = small_config(**kw)
-    state = nnx.state(build_model(cfg))
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg)))  # the model's own arrays' shapes, none computed
     built = sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["total"] == built
     adapters = sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
@@ -178,21 +180,27 @@ def test_weight_decay_applies_to_matrices_only():
     assert not mask["blocks"]["attn_norm"]["bias"] and not mask["final_norm"]["scale"]
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
-def test_remat_policies_change_memory_not_values(policy):
+def _remat_loss_and_grads(cfg):
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
+    model = build_model(cfg)
+    graphdef, params = nnx.split(model)
 
-    def loss_and_grads(cfg):
-        model = build_model(cfg)
-        graphdef, params = nnx.split(model)
+    def loss(p):
+        return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
 
-        def loss(p):
-            return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
-        return jax.jit(jax.value_and_grad(loss))(params)
 
-    ref_loss, ref_grads = loss_and_grads(small_config())
-    loss, grads = loss_and_grads(small_config(remat=policy))
+@pytest.fixture(scope="module")
+def without_remat():
+    """The loss and gradients every remat policy is compared to, computed once."""
+    return _remat_loss_and_grads(small_config())
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_change_memory_not_values(policy, without_remat):
+    ref_loss, ref_grads = without_remat
+    loss, grads = _remat_loss_and_grads(small_config(remat=policy))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
 
@@ -448,7 +456,7 @@ def test_remat_saves_memory_with_unrolled_layers_too():
 
     def temp_bytes(cfg):
         tokens = jnp.zeros((8, 32), jnp.int32)
-        graphdef, params = nnx.split(build_model(cfg))
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # compiled for shapes, never run
         grad = jax.jit(jax.value_and_grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -513,7 +521,7 @@ def test_dots_mlp_keeps_the_mlp_hidden_activation_as_well_as_what_dots_keeps():
 
     def residuals_and_logistics(policy):
         cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
-        graphdef, params = nnx.split(build_model(cfg))
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # traced for shapes, never run
 
         def loss(p):
             return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
@@ -546,7 +554,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
 
     cfg = small_config(n_kv_heads=2, remat=policy, scan_layers=False)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
-    graphdef, params = nnx.split(build_model(cfg))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))  # traced for shapes, never run
 
     def loss(p):
         return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
@@ -562,7 +570,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
     old = jax.checkpoint_policies.save_from_both_policies(plain, transformer._fused_attention_saveable)
     with pytest.MonkeyPatch.context() as m:
         m.setitem(transformer.REMAT_POLICIES, policy, old)
-        graphdef_old, params_old = nnx.split(build_model(cfg))
+        graphdef_old, params_old = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
         old_residuals = saved_residuals(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2), params_old)
     assert saved == sum(a.size for a, _ in old_residuals)
 
@@ -580,7 +588,7 @@ def test_the_dots_policies_keep_the_rotated_q_and_k_instead_of_recomputing_the_r
     assert rotations(jax.grad(loss), params) == 2 * forward
     with pytest.MonkeyPatch.context() as m:
         m.setitem(transformer.REMAT_POLICIES, policy, old)
-        graphdef_old, params_old = nnx.split(build_model(cfg))
+        graphdef_old, params_old = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
         assert rotations(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef_old, p)(tokens) ** 2)), params_old) == 3 * forward
 
 

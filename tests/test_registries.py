@@ -54,6 +54,14 @@ HF_MODELS = {"llama": dict(), "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_nor
              "mixtral": dict(), "qwen3_moe": dict(qk_norm=True, head_dim=16)}
 
 
+# The tiny recipe's own entries (its variant's, llama's): in the compiled-program tests (FLOPs, memory) they make
+# one program, which each would compile again alone
+TINY_ENTRIES = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope"}
+# Each program those tests compile: the entries it holds, (kind, name) pairs; every entry is in one
+PROGRAMS = {"tiny": tuple(TINY_ENTRIES.items()),
+            **{f"{kind}-{name}": ((kind, name),) for kind, entries in REGISTRIES.items() for name in entries
+               if TINY_ENTRIES[kind] != name}}
+
 # Settings an entry runs the compiled-program tests (FLOPs, memory) under: an MoE's capacity dispatch at
 # capacity factor 1 computes exactly its routed pairs (E x C = tokens x k); its dropless grouped matmul
 # computes and holds more on a CPU (ragged_dot lowers to a masked dense dot there, E times the rows)
@@ -62,6 +70,11 @@ COMPILED_SETTINGS = {"moe": dict(model__moe_impl="capacity", model__moe_capacity
 
 def _built(cfg: ModelConfig) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(params=0))
+
+
+def _shapes(cfg: ModelConfig) -> Transformer:
+    """The model built abstractly: its arrays' shapes and dtypes, none computed (the tests of sizes)."""
+    return nnx.eval_shape(lambda: _built(cfg))
 
 
 def test_every_entry_is_registered_under_its_own_name():
@@ -76,7 +89,7 @@ def test_param_count_and_lora_count_equal_the_built_model(kind, name, use_bias):
     targets = (mlp_projections or ("wo",)) if kind == "mlp" else ("w_up",)
     cfg = small_config(**{kind: name}, use_bias=use_bias, n_kv_heads=2,
                        lora=LoRA(2, 16.0, ("wq", *targets), ((targets[0], 3),)))
-    state = nnx.state(_built(cfg))
+    state = nnx.state(_shapes(cfg))
     assert param_count(cfg)["total"] == sum(x.size for x in jax.tree.leaves(state))
     assert param_count(cfg)["lora"] == sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
 
@@ -88,11 +101,11 @@ def test_an_mlps_projection_table_is_the_built_model(name, use_bias):
     cfg = small_config(mlp=name, use_bias=use_bias)
     # The table is what the block holds: each projection's kernel [inputs, outputs] (an MoE's experts'
     # [experts, inputs, outputs]), each bias (stacked over the layers).
-    block_mlp = _built(cfg).blocks.mlp
+    block_mlp = _shapes(cfg).blocks.mlp
     built = {path[-1]: p.kernel_shape for path, p in layers.projections(block_mlp)}
     table = {**mlp.projection_shapes(cfg), **mlp.expert_shapes(cfg)}
     assert built == table
-    biases = {name: getattr(block_mlp, name)[...].shape for name in mlp.biases if hasattr(block_mlp, name)}
+    biases = {name: getattr(block_mlp, name).shape for name in mlp.biases if hasattr(block_mlp, name)}
     assert biases == {name: (cfg.n_layers, size) for name, size in
                       mlp.bias_shapes(cfg).items()}
 
@@ -103,15 +116,29 @@ def test_the_default_width_is_the_mlps_own(name):
     assert cfg.mlp_dim == MLPS[name].default_dim(cfg.d_model) > 0
 
 
-@pytest.mark.parametrize("kind, name", COMPONENTS)
-def test_flops_per_token_are_the_compiled_steps_dots(kind, name):
+def _settings(program: str) -> dict:
+    """The recipe overrides that build `program` (its entries, and their settings for a compiled program)."""
+    entries = PROGRAMS[program]
+    return {**{f"model__{kind}": name for kind, name in entries},
+            **{k: v for _, name in entries for k, v in COMPILED_SETTINGS.get(name, {}).items()}}
+
+
+def test_every_entry_is_in_one_compiled_program():
+    held = [entry for entries in PROGRAMS.values() for entry in entries]
+    assert sorted(held) == sorted((kind, name) for kind, entries in REGISTRIES.items() for name in entries)
+    tiny = ModelConfig.from_config(recipe("tiny").model, "cpu", log_choice=False)  # the recipe's, none given
+    assert {kind: getattr(tiny, kind) for kind in TINY_ENTRIES} == TINY_ENTRIES
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_flops_per_token_are_the_compiled_steps_dots(program):
     """The dots of the compiled step (layers unrolled: XLA:CPU counts a loop body once) are exactly
     the model's matmuls, 6 FLOPs per weight per token, and the full T x T attention square."""
-    cfg = recipe("tiny", **{f"model__{kind}": name}, model__n_layers=2, model__scan_layers=False, model__remat="none",
-                 optim__micro_batches=1, model__attention="xla", **COMPILED_SETTINGS.get(name, {}))
+    cfg = recipe("tiny", **_settings(program), model__n_layers=2, model__scan_layers=False, model__remat="none",
+                 optim__micro_batches=1, model__attention="xla")
     setup = train_setup.build(cfg, devices=jax.devices()[:1], abstract=True)
     m, seq_len, tokens = setup.model_cfg, cfg.data.seq_len, setup.derived.tokens_per_step
-    assert getattr(m, kind) == name
+    assert all(getattr(m, kind) == name for kind, name in PROGRAMS[program])
     square = 12 * m.n_layers * seq_len * m.n_heads * m.head_dim * tokens
     assert hlo_dot_flops(setup.compile_train_step().as_text()) == 6 * matmul_params(m) * tokens + square
     assert flops_per_token(m, seq_len) * tokens == 6 * matmul_params(m) * tokens + square // 2  # causal: half
@@ -119,17 +146,16 @@ def test_flops_per_token_are_the_compiled_steps_dots(kind, name):
 
 # On 8 devices: the MoE (its dispatch's own sharding) in the default suite, the others in the slow one (the
 # planner's sharded terms are the same for them; the default suite's 10-minute budget)
-@pytest.mark.parametrize("kind, name, devices", [
-    pytest.param(kind, name, devices, id=f"{kind}-{name}-{'1-device' if devices == 1 else 'data2-fsdp4'}",
-                 marks=[pytest.mark.slow] if devices == 8 and name != "moe" else [])
-    for kind, entries in REGISTRIES.items() for name in entries for devices in (1, 8)])
-def test_the_planner_agrees_with_the_compiled_step(kind, name, devices):
+@pytest.mark.parametrize("program, devices", [
+    pytest.param(program, devices, id=f"{program}-{'1-device' if devices == 1 else 'data2-fsdp4'}",
+                 marks=[pytest.mark.slow] if devices == 8 and program != "mlp-moe" else [])
+    for program in PROGRAMS for devices in (1, 8)])
+def test_the_planner_agrees_with_the_compiled_step(program, devices):
     """Without remat (a CPU's default), where the MLP's saved activations and its backward pass's
     intermediates both count. (Under the dots policies XLA:CPU keeps less than the plan, which is fitted
     to H100 programs: 0.70-0.86 of it for the tiny recipe, whatever the MLP.)"""
     mesh = dict(mesh__data=2, mesh__fsdp=4) if devices == 8 else {}
-    cfg = recipe("tiny", **{f"model__{kind}": name}, model__mlp_dim=0, model__remat="none", **mesh,
-                 **COMPILED_SETTINGS.get(name, {}))
+    cfg = recipe("tiny", **_settings(program), model__mlp_dim=0, model__remat="none", **mesh)
     report = plan.plan(cfg, devices, 80 * memory.GIB, compile=True, devices=jax.devices()[:devices])
     analytic = memory.estimate(cfg, devices, platform="cpu", act_bytes=memory.cpu_act_bytes()).per_device_bytes
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE

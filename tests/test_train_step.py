@@ -78,17 +78,18 @@ def test_k_micro_batches_equal_one_large_batch(mesh_shape, ks):
 def test_a_tiny_model_overfits_one_batch():
     model_cfg = small_config(n_layers=2)
     batch = random_batch(8, 32, 96, seed=2, packed=False)
+    steps_total = 40  # the loss falls under a tenth of its first value within half of these
     mesh, state, step, batch_sharding, _, _ = _setup(
-        axes.shape_of(fsdp=2), model_cfg, steps_total=150, peak_lr=1e-2, warmup_steps=10, weight_decay=0.0,
+        axes.shape_of(fsdp=2), model_cfg, steps_total=steps_total, peak_lr=1e-2, warmup_steps=10, weight_decay=0.0,
         schedule="constant",
     )
     gbatch = _put(batch, batch_sharding)
     losses = []
     with jax.set_mesh(mesh):
-        for _ in range(150):
+        for _ in range(steps_total):
             state, metrics = step(state, gbatch)
             losses.append(float(metrics["loss"]))
-    assert int(state.step) == 150
+    assert int(state.step) == steps_total
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
 
 
