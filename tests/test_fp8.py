@@ -135,9 +135,9 @@ def test_micro_batches_quantize_each_float8_weight_once_per_step(monkeypatch):
 
     cfg = config.load_recipe("tiny")
     config.apply_overrides(cfg, [("model.matmul", "fp8"), ("model.dtype", "float32"), ("model.scan_layers", "false"),
-                                 ("model.attention", "xla"), ("data.global_batch_size", "8"),
-                                 ("optim.micro_batches", "4")])
-    batch = random_batch(8, cfg.data.seq_len, cfg.model.vocab_size)
+                                 ("model.attention", "xla"), ("model.n_layers", "2"), ("data.seq_len", "32"),
+                                 ("data.global_batch_size", "4"), ("optim.micro_batches", "2")])
+    batch = random_batch(4, cfg.data.seq_len, cfg.model.vocab_size)
 
     def step():
         setup = train_setup.build(cfg, jax.devices()[:1])
