@@ -121,11 +121,22 @@ def main() -> None:
     from jaxlm import config as config_lib
     from jaxlm import roofline, xla_flags
 
-    # XLA reads its flags once, when JAX starts: the recipes measured together must agree on theirs
-    flags = {config_lib.load_recipe(recipe).run.xla_flags for recipe, _ in runs}
+    def run_settings(recipe: str):
+        cfg = config_lib.load_recipe(recipe)
+        config_lib.apply_overrides(cfg, overrides)
+        return cfg.run
+
+    # XLA reads its flags once, when JAX starts (and libtpu its own, as it loads): the recipes measured together
+    # must agree on theirs
+    flags = {run_settings(recipe).xla_flags for recipe, _ in runs}
     if len(flags) > 1:
         sys.exit(f"these recipes set different run.xla_flags ({sorted(flags)}); measure them in separate runs")
     print(f"XLA_FLAGS={xla_flags.apply(flags.pop())}", flush=True)
+    libtpu = {run_settings(recipe).libtpu_flags for recipe, _ in runs}
+    if len(libtpu) > 1:
+        sys.exit(f"these recipes set different run.libtpu_flags ({sorted(libtpu)}); measure them in separate runs")
+    if args.target != "h100":
+        print(f"LIBTPU_INIT_ARGS={xla_flags.apply_libtpu(libtpu.pop())}", flush=True)
     if args.target not in roofline.TARGETS:
         sys.exit(f"--target={args.target}: use one of {', '.join(roofline.TARGETS)}")
     target = roofline.TARGETS[args.target]
