@@ -314,6 +314,18 @@ def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(eligible, key=lambda r: (round(r["roofline_mfu"], 4), -r["micro_batches"], -order[r["remat"]]))
 
 
+def xla_recomputes(summary: dict[str, Any], reference: float | None) -> tuple[bool, float | None]:
+    """(whether a compiled program's matmuls exceed a policy's `reference` FLOPs by more than
+    RECOMPUTE_TOLERANCE: XLA rematerializing to fit, the reference now): the reference is the first program
+    of the policy whose matmuls were all counted. One with a loop the roofline cannot read (no MFU: its
+    FLOPs undercounted) neither sets it nor is judged by it."""
+    if summary["roofline_mfu"] is None:
+        return False, reference
+    if reference is None:
+        return False, summary["matmul_flops"]
+    return summary["matmul_flops"] > reference * (1 + RECOMPUTE_TOLERANCE), reference
+
+
 def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Target, devices=None,
            policies: Sequence[str] = REMAT_ORDER, progress=None, topology: str | None = None) -> dict[str, Any]:
     """Remat policy and micro-batches chosen from the compiled program's own figures, not the analytic
@@ -321,7 +333,8 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
     batch allows (`memory.micro_batch_options`), from twice the analytic choice (`memory.resolve_micro_batches`)
     down, until one does not fit in `memory.AUTO_SHARE` of the target's memory (the share
     micro_batches=0 plans for) or XLA rematerializes to fit (its matmul FLOPs exceed the policy's own,
-    at the first count, by more than `RECOMPUTE_TOLERANCE`: recompute the model's count ignores); fewer
+    at the first count whose matmuls were all counted, by more than `RECOMPUTE_TOLERANCE`: `xla_recomputes`,
+    recompute the model's count ignores); fewer
     micro-batches would only need more memory. Then `pick`. Each row: the policy, micro-batches,
     per-device bytes (XLA's memory analysis), matmul FLOPs, the roofline step time and roofline-bound MFU."""
     devices = devices if devices is not None else target_devices(target, num_devices, topology)
@@ -347,12 +360,12 @@ def choose(cfg: ml_collections.ConfigDict, num_devices: int, target: roofline.Ta
                     progress(format_choice_row(row))
                 break
             r = compiled["roofline"]
-            reference = reference or r["matmul_flops"]
+            recompute, reference = xla_recomputes(r, reference)
             row = {"remat": policy, "micro_batches": k, "per_device_bytes": compiled["per_device_bytes"],
                    "fits": compiled["per_device_bytes"] <= memory.AUTO_SHARE * target.memory_bytes,
                    "matmul_flops": r["matmul_flops"], "step_seconds": r["step_seconds"],
                    "roofline_mfu": r["roofline_mfu"], "compile_s": compiled["compile_s"],
-                   "xla_recompute": r["matmul_flops"] > reference * (1 + RECOMPUTE_TOLERANCE)}
+                   "xla_recompute": recompute}
             rows.append(row)
             if progress:
                 progress(format_choice_row(row))

@@ -342,6 +342,14 @@ def test_the_choice_is_the_best_roofline_that_fits_without_recompute_xla_adds(ca
     assert plan.pick([row("dots", 16, 0.68), row("dots", 8, 0.68), row("none", 8, 0.68)]) == row("none", 8, 0.68)
     assert plan.pick([row("none", 1, 0.9, fits=False)]) is None
     assert "none of them fits" in plan.format_choice({"rows": [], "best": None}, {})
+    # XLA's recompute is judged against the policy's first program whose matmuls were all counted: one with a
+    # loop the roofline cannot read (no MFU, its FLOPs undercounted; v6e's 32 micro-batches) neither sets the
+    # reference nor is judged by it
+    incomplete, whole = {"roofline_mfu": None, "matmul_flops": 400.0}, {"roofline_mfu": 0.7, "matmul_flops": 460.0}
+    assert plan.xla_recomputes(incomplete, None) == (False, None)
+    assert plan.xla_recomputes(whole, None) == (False, 460.0)  # the reference now
+    assert plan.xla_recomputes({"roofline_mfu": 0.69, "matmul_flops": 475.0}, 460.0) == (True, 460.0)
+    assert plan.xla_recomputes({"roofline_mfu": 0.7, "matmul_flops": 461.0}, 460.0) == (False, 460.0)  # within 0.5%
     # the micro-batch counts a batch allows: the divisors of its sequences per device
     assert memory.micro_batch_options(config_lib.recipe("1b"), 8) == [1, 2, 4, 8, 16, 32]
     # --choose compiles for a target's devices: without one, one line and exit 2
