@@ -664,29 +664,23 @@ def _megascale(attrs: str) -> tuple[str, int] | None:
     return _MEGASCALE_KINDS.get(kind.group(1), "collective-permute"), slices
 
 
-def _async_collective_fusion(module: hlo.Module, inst: dict) -> tuple[str, dict | None]:
-    """XLA:TPU's asynchronous collective fusions: ("start", the collective it runs) for a fusion whose body ends
-    in an AsyncCollectiveStart custom call, ("done", None) for one ending in AsyncCollectiveDone, else ("", None).
-    The collective runs between the two, beside the kernels scheduled there, as an async collective's does."""
+def _collective_fusion(module: hlo.Module, inst: dict) -> tuple[str, dict | None]:
+    """XLA:TPU's collective fusions, (phase, the collective in the fusion's body): "start" for an asynchronous
+    one whose body ends in an AsyncCollectiveStart custom call and "done" (no collective) for its
+    AsyncCollectiveDone (the collective runs between the two, beside the kernels scheduled there);
+    "fused" for a synchronous one (the all-reduce-scatter fusion: an all-reduce of the whole gradient, each
+    chip keeping its slice); ("", None) for anything else."""
     if inst["op"] != "fusion" or "kind=kCustom" not in inst["attrs"]:
         return "", None
     body = module.computations.get(module.callee(inst) or "", [])
+    collective = next((i for i in body if hlo.collective_op(i["op"]) is not None), None)
     root = next((i for i in body if i["root"]), None)
     target = re.search(r'custom_call_target="([^"]+)"', root["attrs"]) if root and root["op"] == "custom-call" else None
-    if target is None or target.group(1) not in ("AsyncCollectiveStart", "AsyncCollectiveDone"):
-        return "", None
-    if target.group(1) == "AsyncCollectiveDone":
+    if target is not None and target.group(1) == "AsyncCollectiveDone":
         return "done", None
-    return "start", next((i for i in body if hlo.collective_op(i["op"]) is not None), None)
-
-
-def _fused_collective(module: hlo.Module, inst: dict) -> dict | None:
-    """The collective a fusion runs in its body (XLA:TPU's all-reduce-scatter fusion: an all-reduce of the
-    whole gradient, each chip keeping its slice), or None."""
-    if "kind=kCustom" not in inst["attrs"]:
-        return None
-    return next((i for i in module.computations.get(module.callee(inst) or "", [])
-                 if hlo.collective_op(i["op"]) is not None), None)
+    if target is not None and target.group(1) == "AsyncCollectiveStart":
+        return "start", collective
+    return ("fused", collective) if collective is not None else ("", None)
 
 
 def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Sequence[int] | None = None) -> list[Kernel]:
@@ -711,7 +705,7 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
         by_name = {i["name"]: i for i in insts}
         for inst in insts:
             op = inst["op"]
-            phase, collective_inst = _async_collective_fusion(module, inst)
+            phase, collective_inst = _collective_fusion(module, inst)
             if phase == "done":  # its operands are the start's tuple's elements
                 start = next((by_name[o]["operands"][0] for o in inst["operands"]
                               if by_name.get(o, {}).get("op") == "get-tuple-element"
@@ -747,13 +741,11 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
                 pending[inst["name"]], covered[inst["name"]] = kernel, 0.0  # until its send-done
                 out.append(kernel)
                 continue
-            if phase == "" and op == "fusion":  # XLA:TPU's collective fusions (an all-reduce and its slices)
-                collective_inst = _fused_collective(module, inst)
             if (collective := hlo.collective_op((collective_inst or inst)["op"])) is not None:
                 collective_inst = collective_inst or inst
                 groups = hlo.device_groups(collective_inst["attrs"], num_devices)
                 size = hlo.collective_result_bytes(collective_inst)
-                if collective == "all-reduce" and collective_inst is not inst and phase == "" \
+                if collective == "all-reduce" and phase == "fused" \
                         and hlo.shape_bytes(inst["shape"]) < size:  # each chip keeps its slice: a reduce-scatter
                     collective, size = "reduce-scatter", hlo.shape_bytes(inst["shape"])
                 kernel.kind, kernel.comm_bytes = collective, hlo.sent_bytes(collective, size, groups.shape[1])

@@ -40,6 +40,14 @@ def merge(current: str, flags: str) -> str:
     return " ".join(kept + flags.split())
 
 
+def _refuse_words(flags: str, key: str) -> None:
+    """UserError naming the first word of `flags` that is not written as an XLA flag (--xla_name=value)."""
+    not_xla = [flag for flag in flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", flag)]
+    if not_xla:
+        raise UserError(f"{key}: {not_xla[0]!r} is not an XLA flag; write them as --xla_name=value, separated by "
+                        f"spaces")
+
+
 def _parse(flags: str) -> dict[str, str]:
     return {name: value for name, _, value in (flag.partition("=") for flag in flags.split())}
 
@@ -51,10 +59,7 @@ def apply(flags: str) -> str:
     flags = " ".join(flags.split())
     if not flags:
         return os.environ.get("XLA_FLAGS", "")
-    not_xla = [flag for flag in flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", flag)]
-    if not_xla:
-        raise UserError(f"run.xla_flags: {not_xla[0]!r} is not an XLA flag; write them as --xla_name=value, "
-                        f"separated by spaces")
+    _refuse_words(flags, "run.xla_flags")
     from jax._src import xla_bridge  # local import: private JAX API, only needed when flags are given
 
     merged = merge(os.environ.get("XLA_FLAGS", ""), flags)
@@ -75,8 +80,8 @@ def apply(flags: str) -> str:
 
 
 # run.libtpu_flags' default: no collective matmul (XLA:TPU's windowed einsum, which splits an FSDP matmul into
-# a loop of partial GEMMs beside collective-permutes; its small GEMMs are memory-bound). The 1b recipe's compiled
-# step, roofline-bound MFU: v5p-8 0.848 -> 0.885, v6e-8 0.597 -> 0.666 (benchmarks/BENCHMARKS.md).
+# a loop of partial GEMMs beside collective-permutes; its small GEMMs are memory-bound): the compiled 1b and 7b
+# steps are faster without it on v5e, v5p and v6e (benchmarks/BENCHMARKS.md)
 LIBTPU_DEFAULT = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
 _LIBTPU_PROBE = ("from jax.experimental import topologies\n"
                  "try:\n    topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu')\n"
@@ -103,10 +108,7 @@ def apply_libtpu(flags: str, required: bool = True) -> str:
     current = os.environ.get("LIBTPU_INIT_ARGS", "")
     if not flags:
         return current
-    not_xla = [flag for flag in flags.split() if not re.fullmatch(r"--xla_\w+(=\S*)?", flag)]
-    if not_xla:
-        raise UserError(f"run.libtpu_flags: {not_xla[0]!r} is not an XLA flag; write them as --xla_name=value, "
-                        f"separated by spaces")
+    _refuse_words(flags, "run.libtpu_flags")
     merged = merge(current, flags)
     if _parse(merged) == _parse(current):
         return current
