@@ -25,9 +25,9 @@ wide), splits the stack over all the mesh's devices, each device iterating on wh
 and sends the results back (an all-to-all each way); "gather" iterates on each whole matrix on every
 device that holds a piece of it (a stack's layers and experts stay split as their parameter is), every
 device computing every matrix; "sharded" leaves the matmuls of the split matrix to XLA's SPMD partitioner,
-which regathers their operands in every iteration. All three compute the same update. On the 1b recipe's
-fsdp 8, compiled for H100s, Muon takes 3.3% of the step distributed, 18.5% gathered and 14.2% sharded
-(benchmarks/BENCHMARKS.md, "Muon's update under sharding").
+which regathers their operands in every iteration. All three compute the same update; "distributed" is the
+default because it is the cheapest of the three on the 1b recipe's compiled H100 program (benchmarks/BENCHMARKS.md,
+"Muon's update under sharding").
 """
 
 from __future__ import annotations
