@@ -266,11 +266,29 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     return max(rest, kernel.backward_bytes(s, a)) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
-def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str) -> float:
-    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device)."""
+def cpu_merged_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
+    """What XLA:CPU keeps beyond `layer_forward_bytes` in a float32 program of unrolled layers without remat
+    (per device): there it merges the recomputation of the norms and the activation function
+    (`layers.recomputed`, whose `prevent_cse=False` lets it) with the forward's values and keeps those for
+    the backward pass: each norm's normalized float32 input and the MLP's `merged_hidden` intermediates.
+    bfloat16 programs keep no more than planned (read from XLA's buffer live ranges; benchmarks/BENCHMARKS.md,
+    "the CPU plan of float32 programs")."""
+    mlp = MLPS[m.mlp]
+    return 2 * act_bytes * s.x + mlp.merged_hidden * mlp.hidden_copies(m, s.gather) * act_bytes * s.mlp
+
+
+def merges_recomputation(m, platform: str) -> bool:
+    """Whether `cpu_merged_bytes` applies: XLA:CPU, float32 compute, one program of layers, no remat."""
+    return platform == "cpu" and np.dtype(m.dtype) == np.float32 and one_program(m) and m.remat == "none"
+
+
+def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, merged: bool = False) -> float:
+    """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device);
+    `merged`: as XLA:CPU keeps them in a float32 program (`merges_recomputation`)."""
     a, kernel = act_bytes, kernel_of(m, s)
     if policy == "none":
-        return layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
+        kept = layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
+        return kept + (cpu_merged_bytes(m, s, a) if merged else 0.0)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
         return block_input
@@ -454,7 +472,8 @@ def estimate(
         # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
         saved = sum(passes * count / m.n_layers * layer_saved_bytes(
             stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
-            a, m.remat) for stack_cfg, count, *_ in stacks) + (a * block_weights[i] if cast else 0.0)
+            a, m.remat, merges_recomputation(stack_cfg, platform)) for stack_cfg, count, *_ in stacks)
+        saved += a * block_weights[i] if cast else 0.0
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
             operand_bytes = m.contraction.saved_operand_bytes

@@ -37,6 +37,8 @@ class MLP(nnx.Module):
         remat, its activation function recomputed (`layers.recomputed`): memory.layer_forward_bytes.
       autodiff_hidden: the same with every intermediate of the activation function kept, as autodiff
         saves them (what a layer holds at its backward pass's peak: memory.layer_backward_bytes).
+      merged_hidden: how many more XLA:CPU keeps in a float32 program of unrolled layers without remat,
+        where it merges the recomputed activation function with the forward's (memory.cpu_merged_bytes).
       hf_architectures: the Hugging Face model types whose MLP this is; () for none, and an export
         refuses in one line.
       hf_names: each projection's and bias's module name in those models' MLP (a kernel is the module's
@@ -56,6 +58,7 @@ class MLP(nnx.Module):
     biases: ClassVar[dict[str, str]] = {}
     saved_hidden: ClassVar[int]
     autodiff_hidden: ClassVar[int]
+    merged_hidden: ClassVar[int]
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_names: ClassVar[dict[str, str]] = {}
     hf_layouts: ClassVar[dict[str, dict[str, str]]] = {}

@@ -239,6 +239,7 @@ class MoEMLP(MLP):
     projections: ClassVar[dict[str, tuple[str, str]]] = {}  # the shared experts', when there are any
     saved_hidden = GatedMLP.saved_hidden
     autodiff_hidden = GatedMLP.autodiff_hidden
+    merged_hidden = GatedMLP.merged_hidden
     aux_names = ("moe_balance_loss", "moe_z_loss", "moe_balance", "moe_load_max", "moe_load_min",
                  "moe_load_entropy", "moe_dropped", "moe_load_by_layer", "moe_dropped_by_layer")
     # Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM), as their checkpoints store them: the

@@ -29,6 +29,7 @@ class GatedMLP(MLP):
     projections = {"w_gate": (EMBED, HIDDEN), "w_up": (EMBED, HIDDEN), "w_down": (HIDDEN, EMBED)}
     saved_hidden = 3  # gate, up and their product (the down projection's input)
     autodiff_hidden = 6
+    merged_hidden = 2  # silu's sigmoid and its output (memory.cpu_merged_bytes)
     hf_architectures = ("llama", "qwen2", "qwen3")
     hf_names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
