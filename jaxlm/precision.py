@@ -1,7 +1,10 @@
 """`model.dtype=auto`: the compute dtype the device runs fast and safely.
 
 bfloat16 where the device computes it natively: NVIDIA GPUs of compute capability 8.0 and newer
-(Ampere, Hopper, Blackwell), TPUs, and CPUs (as jaxlm always has). float16, with dynamic loss scaling
+(Ampere, Hopper, Blackwell), TPUs, and CPUs with bfloat16 instructions (x86's AVX512_BF16 or AMX-BF16,
+Arm's BF16: `cpu_bfloat16`). float32 on other CPUs (AVX2-only x86 laptops and desktops, Apple M1): XLA:CPU
+computes bfloat16 there by converting each operand to float32 and back, slower than float32 itself
+(benchmarks/BENCHMARKS.md, "CPUs without bfloat16 units"). float16, with dynamic loss scaling
 (`jaxlm.loss_scale`), on older NVIDIA GPUs: their tensor cores run float16 and not bfloat16 (a T4 is
 7.5, a V100 7.0), so bfloat16 there is slow, and float16 without a scale loses small gradients.
 """
@@ -9,6 +12,8 @@ bfloat16 where the device computes it natively: NVIDIA GPUs of compute capabilit
 from __future__ import annotations
 
 import functools
+import platform as platform_lib
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +48,52 @@ def auto_dtype(platform: str, capability: str | None) -> tuple[str, str]:
             return "float16", (f"compute capability {capability} has float16 tensor cores and no bfloat16 ones: "
                                f"float16 with dynamic loss scaling")
         return "bfloat16", f"compute capability {capability} computes bfloat16 natively"
+    if platform == "cpu":
+        native, what = cpu_bfloat16()
+        if not native:
+            return "float32", f"this CPU has no bfloat16 instructions ({what}): float32 runs faster"
+        return "bfloat16", f"this CPU computes bfloat16 ({what})"
     return "bfloat16", f"{platform} computes bfloat16"
+
+
+# The names Linux gives the bfloat16 arithmetic extensions in /proc/cpuinfo: x86's `flags` (AVX512_BF16's
+# dot products and conversions; AMX's bfloat16 tiles) and Arm's `Features` (FEAT_BF16).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+@functools.cache
+def cpu_bfloat16() -> tuple[bool, str]:
+    """(whether this machine's CPU has bfloat16 arithmetic instructions, what says so). Read from the
+    processor's own flags (Linux: /proc/cpuinfo; macOS: sysctl's FEAT_BF16), never from
+    `--xla_cpu_max_isa`, which caps the vector width XLA:CPU generates for and leaves bfloat16's cost on
+    the processor as it is. A machine whose flags cannot be read counts as having none."""
+    system = platform_lib.system()
+    if system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                                 timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        return out == "1", "sysctl hw.optional.arm.FEAT_BF16=" + (out or "unknown")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False, f"no /proc/cpuinfo to read on {system or 'this system'}"
+    found = bfloat16_flags(text)
+    if found:
+        return True, ", ".join(found)
+    return False, "no " + ", ".join(CPU_BF16_FLAGS) + " in /proc/cpuinfo"
+
+
+def bfloat16_flags(cpuinfo: str) -> list[str]:
+    """The `CPU_BF16_FLAGS` that the text of a /proc/cpuinfo names on its x86 `flags` or Arm `Features` lines."""
+    words: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            words.update(value.split())
+    return [flag for flag in CPU_BF16_FLAGS if flag in words]
 
 
 def check_fp8(platform: str, capability: str | None) -> None:

@@ -62,7 +62,7 @@ def test_auto_accumulates_on_a_cpu_in_bfloat16_only():
         m = config.recipe("tiny", **{f"model__{k}": v for k, v in model.items()}).model
         return transformer.ModelConfig.from_config(m, platform, log_choice=False).matmul == "accumulate"
 
-    assert resolved("cpu") is True  # tiny computes in bfloat16
+    assert resolved("cpu", dtype="bfloat16") is True
     assert resolved("cpu", dtype="float32") is False
     assert resolved("gpu") is False  # cuBLAS runs bf16 GEMMs natively: XLA's own einsum
     assert resolved("gpu", matmul="accumulate") is True
@@ -87,7 +87,7 @@ def _dots_by_operand_dtype(hlo: str) -> collections.Counter:
 
 def _step_and_batch(matmul: str, layers_: int = 2):
     cfg = config.recipe("tiny", model__matmul=matmul, model__n_layers=layers_, model__scan_layers=False,
-                        data__global_batch_size=4, data__seq_len=32)
+                        model__dtype="bfloat16", data__global_batch_size=4, data__seq_len=32)
     t = train_setup.build(cfg, jax.devices()[:1])
     batch = t.put_batch(random_batch(4, 32, cfg.model.vocab_size))
     return t, batch

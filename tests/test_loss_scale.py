@@ -118,7 +118,6 @@ def test_bfloat16_and_float32_runs_carry_no_scale():
     ("gpu", "8.0", "bfloat16"),  # A100
     ("gpu", "9.0", "bfloat16"),  # H100, H200
     ("gpu", None, "bfloat16"),  # unknown: the default
-    ("cpu", None, "bfloat16"),
     ("tpu", None, "bfloat16"),
 ])
 def test_auto_dtype_picks_float16_only_below_compute_capability_8(platform, capability, expected):
@@ -128,16 +127,46 @@ def test_auto_dtype_picks_float16_only_below_compute_capability_8(platform, capa
     assert dtype == expected and why
 
 
+X86_FLAGS = "flags\t\t: fpu vme sse sse2 avx f16c fma avx2 bmi2"
+ARM_FEATURES = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
+
+
+@pytest.mark.parametrize("cpuinfo, flags", [
+    (f"processor\t: 0\n{X86_FLAGS}\n", []),  # an AVX2 laptop or a Zen 3 server: bfloat16 by conversion
+    (f"{X86_FLAGS} avx512f avx512bw avx512vl\n", []),  # AVX-512 without its bfloat16 extension (Skylake-SP)
+    (f"{X86_FLAGS} avx512f avx512_bf16\n", ["avx512_bf16"]),  # Cooper Lake, Zen 4
+    (f"{X86_FLAGS} avx512f avx512_bf16 amx_bf16 amx_tile\n", ["avx512_bf16", "amx_bf16"]),  # Sapphire Rapids
+    (f"{ARM_FEATURES}\n", []),  # Neoverse N1 (Graviton 2)
+    (f"{ARM_FEATURES} sve i8mm bf16\n", ["bf16"]),  # Neoverse V1 (Graviton 3)
+    ("model name\t: bf16 avx512_bf16 lookalike\n", []),  # only the flags' own lines count
+])
+def test_the_cpus_bfloat16_instructions_are_read_from_its_flags(cpuinfo, flags):
+    from jaxlm import precision
+
+    assert precision.bfloat16_flags(cpuinfo) == flags
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_is_float32_on_a_cpu_without_bfloat16_instructions(monkeypatch, native, expected):
+    from jaxlm import precision
+
+    monkeypatch.setattr(precision, "cpu_bfloat16", lambda: (native, "simulated"))
+    dtype, why = precision.auto_dtype("cpu", None)
+    assert dtype == expected and "simulated" in why
+
+
 def test_auto_is_the_recipes_default_and_resolves_for_this_machine():
     import jax.numpy as jnp
 
+    from jaxlm import precision
     from jaxlm.models.transformer import ModelConfig
 
+    here = jnp.dtype(precision.auto_dtype("cpu", None)[0])  # bfloat16, or float32 on a CPU without its instructions
     cfg = config.load_recipe("tiny")
     assert cfg.model.dtype == "auto"
-    assert ModelConfig.from_config(cfg.model, "cpu").dtype == jnp.bfloat16
+    assert ModelConfig.from_config(cfg.model, "cpu").dtype == here
     setup = train_setup.build(cfg, jax.devices()[:1], abstract=True)
-    assert setup.model_cfg.dtype == jnp.bfloat16 and setup.state.loss_scale is None
+    assert setup.model_cfg.dtype == here and setup.state.loss_scale is None
 
 
 def unchanged_after_one_step(dtype: str, scaling: str) -> tuple[int, float]:

@@ -72,11 +72,12 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 def _build(name: str):
     overrides, mesh = CASES[name]
-    # model.matmul=xla, scan_unroll=1 and attention=xla: the program a89b6fe compiled. The CPU defaults since
-    # (accumulate, a bf16 dot XLA:CPU runs natively; the layer loop unrolled; the causal blocks) round some
-    # values differently in their last bit; tests/test_cpu_compute.py holds them to this program.
+    # model.dtype=bfloat16, matmul=xla, scan_unroll=1 and attention=xla: the program a89b6fe compiled. The CPU
+    # defaults since (auto's float32 on a CPU without bfloat16 instructions; accumulate, a bf16 dot XLA:CPU runs
+    # natively; the layer loop unrolled; the causal blocks) round some values differently in their last bit;
+    # tests/test_cpu_compute.py holds them to this program.
     cfg = config.recipe("tiny", **COMMON, **overrides, **dict(zip(("mesh__data", "mesh__fsdp", "mesh__tensor"), mesh)),
-                        model__matmul="xla", model__scan_unroll=1, model__attention="xla")
+                        model__dtype="bfloat16", model__matmul="xla", model__scan_unroll=1, model__attention="xla")
     return train_setup.build(cfg, jax.devices()[: int(np.prod(mesh))])
 
 

@@ -34,6 +34,7 @@ def train_args(directory: pathlib.Path, steps: int = STEPS) -> list[str]:
     overrides = dict(
         model__vocab_size=300, model__d_model=64, model__n_layers=2, model__n_heads=4, model__n_kv_heads=2,
         model__mlp_dim=128, data__seq_len=SEQ_LEN, data__global_batch_size=16, data__corpus=corpus,
+        model__dtype="bfloat16",  # on every CPU (auto: float32 on those without bfloat16 instructions)
         data__separator="\n\n", data__val_fraction=0.2, data__cache_dir=directory / "cache",
         data__tokenize_on_the_fly="true",  # no prepare step (its worker processes take seconds to start)
         optim__warmup_steps=10, run__steps=steps, run__eval_every=0, run__log_every=steps,

@@ -142,8 +142,8 @@ class ModelSection(Section):
     dtype: str = setting(
         "auto",
         "compute dtype of matmuls and activations; auto = bfloat16 where the device computes it natively "
-        "(CPUs, TPUs, GPUs of compute capability 8.0+), float16 with dynamic loss scaling on older GPUs "
-        "(jaxlm.precision)")
+        "(TPUs, GPUs of compute capability 8.0+, CPUs with AVX512_BF16, AMX or Arm BF16), float32 on other "
+        "CPUs, float16 with dynamic loss scaling on older GPUs (jaxlm.precision)")
     param_dtype: str = setting("float32", "parameters and optimizer state: float32 | bfloat16 | float16")
     scan_layers: bool = setting(True, "one stacked block run by a scan (fast to compile); false: a list of blocks")
     scan_unroll: int = setting(
