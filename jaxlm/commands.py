@@ -364,7 +364,10 @@ def parse_early(module: str, argv: Sequence[str]) -> None:
             except UnicodeDecodeError:
                 return  # (the command reports it as it always has)
             if args.output:
-                paths.check_output_file(pathlib.Path(args.output))
+                try:
+                    paths.check_output_file(pathlib.Path(args.output))
+                except OSError:
+                    return  # (the command reports the machine's failure as it always has)
         else:
             parser().parse_args(list(argv))
     except UserError as e:
