@@ -45,18 +45,22 @@ import zlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import grain
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxlm import lazy
 from jaxlm.errors import EnvironmentFailure, UserError
 from jaxlm.models import layout
 from jaxlm.section import Section, check, check_choice, setting
 
 log = logging.getLogger(__name__)
+
+# Imported by the first save or restore (`jaxlm.lazy`)
+grain = lazy.module("grain")
+ocp = lazy.module("orbax.checkpoint")
+streams = lazy.module("jaxlm.data.streams")
 
 TRASH = "jaxlm-deleting"  # where retention moves checkpoints; their files are deleted in the background
 
@@ -537,7 +541,7 @@ def _position(iterator):
     grain's checkpoint handler takes: a dataset iterator's dict, a data loader's bytes."""
     state = copy.deepcopy(iterator.get_state())
     if isinstance(iterator, grain.DatasetIterator):
-        return _Position(state)
+        return streams.SavedPosition(state)
     return _LoaderPosition(state)
 
 
@@ -547,21 +551,6 @@ class _LoaderPosition:
 
     def get_state(self) -> bytes:
         return self._state
-
-
-class _Position(grain.DatasetIterator):
-    def __init__(self, state: dict):
-        super().__init__()
-        self._state = state
-
-    def __next__(self):
-        raise TypeError("a saved data position is not an iterator")
-
-    def get_state(self):
-        return self._state
-
-    def set_state(self, state):
-        raise TypeError("a saved data position cannot be set")
 
 
 def _restore_merged(data_dir: epath.Path, data_iter) -> None:

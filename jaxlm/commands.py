@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
+import pathlib
 import sys
 from collections.abc import Sequence
 
-from jaxlm import cli, overrides, roofline
+from jaxlm import cli, overrides, paths, roofline
 from jaxlm.data import sft, sources
 from jaxlm.errors import EXIT_ENVIRONMENT, EnvironmentFailure, UserError, report_error
 
@@ -237,6 +239,75 @@ def _parse_seeds(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--seeds {text!r}: use comma-separated integers, e.g. 0,1,2") from None
 
 
+# ----------------------------------------------------------------------------- generate's prompts
+
+# generate's lines for a command line without anything to complete (`generate._main`, `check_generate`)
+NO_PROMPT = "give at least one --prompt=TEXT (or --prompts_file=FILE)"
+NO_CONVERSATION = ("give at least one conversation: --prompt=TEXT (a user message), --messages=JSON or "
+                   "--prompts_file=FILE.jsonl")
+INTERACTIVE_WITH_PROMPTS = ("--interactive reads the conversation from standard input; drop --prompt, --messages "
+                            "and --prompts_file (a system message: --system)")
+
+
+def generate_is_chat(args: argparse.Namespace) -> bool:
+    """Whether generate's command line prompts a chat model (`--chat`, or a flag that implies it)."""
+    return bool(args.chat or args.messages or args.system is not None or args.interactive
+                or (args.prompts_file or "").lower().endswith(".jsonl"))
+
+
+def read_prompts_file(path: str) -> list[tuple[int, str]]:
+    """The (line number, text) of each non-blank line of --prompts_file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [(number, line.rstrip("\n")) for number, line in enumerate(f, 1) if line.strip()]
+    except OSError as e:
+        raise UserError(f"--prompts_file={path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts_file={path} is not UTF-8 text (byte {e.start}); give a text file") from None
+
+
+def conversation(text: str, where: str, system: str | None) -> list[dict[str, str]]:
+    """A conversation from its JSON text (`sft.check_prompt`), with the system message put first if it has none."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg} at character {e.pos}); give a list of {{\"role\": ..., "
+                        f"\"content\": ...}} messages") from None
+    messages = sft.check_prompt(row, where)
+    if system is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def chat_prompts(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    """The conversations the command line gives: --prompt (a user message each), --messages, and
+    --prompts_file's lines."""
+    first = [{"role": "system", "content": args.system}] if args.system is not None else []
+    conversations = [[*first, {"role": "user", "content": p}] for p in args.prompt]
+    conversations += [conversation(m, f"--messages #{i}", args.system) for i, m in enumerate(args.messages, 1)]
+    if args.prompts_file:
+        conversations += [conversation(line, f"{args.prompts_file}:{number}", args.system)
+                          for number, line in read_prompts_file(args.prompts_file)]
+    return conversations
+
+
+def check_generate(args: argparse.Namespace) -> None:
+    """What generate's command line alone shows to be wrong, the first line `generate._main` would give
+    before it reads --prompts_file (read once, by the command: it may be a pipe): --interactive with
+    prompts, a --messages that is not a conversation, nothing to complete."""
+    if args.interactive:
+        if args.prompt or args.messages or args.prompts_file:
+            raise UserError(INTERACTIVE_WITH_PROMPTS)
+        return
+    if generate_is_chat(args):
+        for i, m in enumerate(args.messages, 1):
+            conversation(m, f"--messages #{i}", args.system)
+        if not (args.prompt or args.messages or args.prompts_file):
+            raise UserError(NO_CONVERSATION)
+    elif not (args.prompt or args.prompts_file):
+        raise UserError(NO_PROMPT)
+
+
 # ----------------------------------------------------------------------------- before JAX
 
 # The commands `parse_early` answers, by module, and their parsers
@@ -259,8 +330,9 @@ LAYOUT_FLAGS = ("coordinator", "num_processes", "process_id", "distributed_timeo
 
 def parse_early(module: str, argv: Sequence[str]) -> None:
     """For `python -m <module> <argv>`: answer --help and refuse a bad flag (one line, exit 2 or 74)
-    now, before the command imports JAX; return when the arguments parse (the command parses them
-    again). Train's config overrides are checked against the base config's keys and types
+    now, before the command imports JAX, and what the command line alone shows to be wrong where the
+    command checks it first (generate's prompts, evaluate's --output); return when the arguments parse
+    (the command parses and checks them again). Train's config overrides are checked against the base config's keys and types
     (`overrides.check_early`); their values' ranges later, by the typed sections that own them."""
     try:
         if module == "jaxlm.train" and {"-h", "--help"} & set(argv):
@@ -283,6 +355,19 @@ def parse_early(module: str, argv: Sequence[str]) -> None:
                                  or not a.startswith("--")])
         elif module.startswith("jaxlm.compress"):  # (--config.compress.<key> overrides follow its flags)
             parser().parse_known_args(list(argv))
+        elif module == "jaxlm.generate":  # (and the prompts it is given)
+            check_generate(parser().parse_args(list(argv)))
+        elif module == "jaxlm.evaluate":  # (and --output, the first thing `evaluate._main` checks)
+            args = parser().parse_args(list(argv))
+            try:
+                sources.unescape(args.separator)  # (before --output in `evaluate._main`)
+            except UnicodeDecodeError:
+                return  # (the command reports it as it always has)
+            if args.output:
+                try:
+                    paths.check_output_file(pathlib.Path(args.output))
+                except OSError:
+                    return  # (the command reports the machine's failure as it always has)
         else:
             parser().parse_args(list(argv))
     except UserError as e:

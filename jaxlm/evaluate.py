@@ -36,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import commands, inference, scoring
+from jaxlm import commands, inference, lazy, scoring
 from jaxlm import run_dir as run_dir_lib
-from jaxlm.data import loader, mixture, pipeline, prepare, sft, sources
+from jaxlm.data import loader, mixture, prepare, sft, sources
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, report_error, run_command
+
+pipeline = lazy.module("jaxlm.data.pipeline")  # (grain's, imported by the first evaluation)
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import commands, inference, train_state
 from jaxlm import mesh as mesh_lib
 from jaxlm import sampling as sampling_lib
+from jaxlm.commands import chat_prompts, read_prompts_file  # (the command line's prompts, read before JAX too)
 from jaxlm.data import sft
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.errors import UserError, report_error, run_command
@@ -419,30 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 make_parser = commands.generate_parser  # the command line, declared in jaxlm.commands (light to import)
 
 
-def _read_prompts_file(path: str) -> list[tuple[int, str]]:
-    """The (line number, text) of each non-blank line of --prompts_file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [(number, line.rstrip("\n")) for number, line in enumerate(f, 1) if line.strip()]
-    except OSError as e:
-        raise UserError(f"--prompts_file={path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"--prompts_file={path} is not UTF-8 text (byte {e.start}); give a text file") from None
-
-
-def _conversation(text: str, where: str, system: str | None) -> list[dict[str, str]]:
-    """A conversation from its JSON text (`sft.check_prompt`), with the system message put first if it has none."""
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where}: not JSON ({e.msg} at character {e.pos}); give a list of {{\"role\": ..., "
-                        f"\"content\": ...}} messages") from None
-    messages = sft.check_prompt(row, where)
-    if system is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
 def _refuse_a_run_without_a_template(run_dir: str) -> None:
     """`inference.chat_template`'s one line for a run that has no chat template, from its config.json
     and tokenizer alone; a directory that is not a whole run is left to `inference.load_run` to name."""
@@ -453,31 +430,17 @@ def _refuse_a_run_without_a_template(run_dir: str) -> None:
     inference.chat_template(cfg, tok, run_dir)
 
 
-def chat_prompts(args) -> list[list[dict[str, str]]]:
-    """The conversations the command line gives: --prompt (a user message each), --messages, and
-    --prompts_file's lines."""
-    first = [{"role": "system", "content": args.system}] if args.system is not None else []
-    conversations = [[*first, {"role": "user", "content": p}] for p in args.prompt]
-    conversations += [_conversation(m, f"--messages #{i}", args.system) for i, m in enumerate(args.messages, 1)]
-    if args.prompts_file:
-        conversations += [_conversation(line, f"{args.prompts_file}:{number}", args.system)
-                          for number, line in _read_prompts_file(args.prompts_file)]
-    return conversations
-
-
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    chat = bool(args.chat or args.messages or args.system is not None or args.interactive
-                or (args.prompts_file or "").lower().endswith(".jsonl"))
+    chat = commands.generate_is_chat(args)
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         eos_id = None if args.ignore_eos else "tokenizer"
         if args.interactive:
             if args.prompt or args.messages or args.prompts_file:
-                raise UserError("--interactive reads the conversation from standard input; drop --prompt, --messages "
-                                "and --prompts_file (a system message: --system)")
+                raise UserError(commands.INTERACTIVE_WITH_PROMPTS)
             _refuse_a_run_without_a_template(args.run_dir)  # before its checkpoint loads (seconds, gigabytes)
             run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
             session = ChatSession(Generator.from_run(run), run.chat_template(), system=args.system,
@@ -486,14 +449,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if chat:
             conversations = chat_prompts(args)
             if not conversations:
-                raise UserError("give at least one conversation: --prompt=TEXT (a user message), --messages=JSON or "
-                                "--prompts_file=FILE.jsonl")
+                raise UserError(commands.NO_CONVERSATION)
             _refuse_a_run_without_a_template(args.run_dir)
         else:
             prompts = list(args.prompt) + [line for _, line in
-                                           (_read_prompts_file(args.prompts_file) if args.prompts_file else [])]
+                                           (read_prompts_file(args.prompts_file) if args.prompts_file else [])]
             if not prompts:
-                raise UserError("give at least one --prompt=TEXT (or --prompts_file=FILE)")
+                raise UserError(commands.NO_PROMPT)
         run = inference.load_run(args.run_dir, step=args.step, dtype=args.dtype, param_dtype=args.param_dtype)
         generator = Generator.from_run(run)
         options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_id=eos_id)

@@ -7,7 +7,8 @@ run's checkpoints, an input that cannot be read (exit 74) or an output whose dir
 
 What only the command knows (a run directory that is not a run, an output inside another run) stays the
 command's check (`jaxlm.run_dir`); this is what is true of any path, so it is written once and tested
-over every declared flag and key (tests/test_paths.py).
+over every declared flag and key (tests/test_paths.py). A command's output file (`check_output_file`) is
+checked here too, light to import, so that evaluate refuses its --output before JAX is imported.
 """
 
 from __future__ import annotations
@@ -41,6 +42,33 @@ def checkpoints_containing(path: str | os.PathLike) -> pathlib.Path | None:
         if p.name == "checkpoints" and is_run(p.parent):
             return p
     return None
+
+
+def run_containing(path: pathlib.Path) -> pathlib.Path | None:
+    """The run directory `path` is in (or is), if any: the nearest of it and its parents that `is_run`."""
+    path = pathlib.Path(path).absolute()
+    return next((p for p in (path, *path.parents) if is_run(p)), None)
+
+
+def check_output_file(path: pathlib.Path, flag: str = "--output") -> None:
+    """A command's output file (`evaluate --output`): written only where nothing is lost, a new file or an
+    earlier result of the same kind (a JSON object with `run_dir` and `step`), never inside a run's
+    checkpoints nor over one of a run's own files."""
+    path = pathlib.Path(path)
+    named = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    inside = run_containing(path.parent)
+    if inside is not None and "checkpoints" in path.absolute().relative_to(inside.absolute()).parts:
+        raise UserError(f"{named} is inside the checkpoints of {inside}; give a file outside them")
+    if path.is_dir():
+        raise UserError(f"{named} is a directory; give a file name")
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "run_dir" in earlier and "step" in earlier):
+            raise UserError(f"{named} exists and is not an earlier result of this command; give a new file "
+                            f"(it is left as it is)")
 
 
 def _shown(text: str) -> str:

@@ -26,7 +26,7 @@ from jaxlm import xla_flags as xla_flags_lib
 from jaxlm.data.mixture import same_sources
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError
-from jaxlm.paths import is_run
+from jaxlm.paths import check_output_file, is_run, run_containing  # noqa: F401 -- check_output_file: for callers of run_dir
 from jaxlm.run_lock import LOCK_NAME
 from jaxlm.section import Section, check, check_choice, setting
 
@@ -101,12 +101,6 @@ OWN_FILES = (LOCK_NAME,)
 
 
 # ----------------------------------------------------------------------------- what a command may write
-
-
-def run_containing(path: pathlib.Path) -> pathlib.Path | None:
-    """The run directory `path` is in (or is), if any: the nearest of it and its parents that `is_run`."""
-    path = pathlib.Path(path).absolute()
-    return next((p for p in (path, *path.parents) if is_run(p)), None)
 
 
 def _locked_by_jaxlm(run_dir: pathlib.Path) -> bool:
@@ -194,27 +188,6 @@ def new_output(output: pathlib.Path, flag: str = "--output", *, is_a_run: bool =
         if output.is_dir():  # an empty directory given as the output (checked): replaced
             output.rmdir()
         os.replace(partial, output)
-
-
-def check_output_file(path: pathlib.Path, flag: str = "--output") -> None:
-    """A command's output file (`evaluate --output`): written only where nothing is lost, a new file or an
-    earlier result of the same kind (a JSON object with `run_dir` and `step`), never inside a run's
-    checkpoints nor over one of a run's own files."""
-    path = pathlib.Path(path)
-    named = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
-    inside = run_containing(path.parent)
-    if inside is not None and "checkpoints" in path.absolute().relative_to(inside.absolute()).parts:
-        raise UserError(f"{named} is inside the checkpoints of {inside}; give a file outside them")
-    if path.is_dir():
-        raise UserError(f"{named} is a directory; give a file name")
-    if path.exists():
-        try:
-            earlier = json.loads(path.read_text())
-        except (OSError, ValueError):
-            earlier = None
-        if not (isinstance(earlier, dict) and "run_dir" in earlier and "step" in earlier):
-            raise UserError(f"{named} exists and is not an earlier result of this command; give a new file "
-                            f"(it is left as it is)")
 
 
 def set_aside(run_dir: pathlib.Path) -> pathlib.Path:

@@ -18,7 +18,7 @@ LAYERS = {
         "post_training", "objectives", "sampling", "scoring"},
     2: {"models", "data", "quant", "loss_scale", "precision"},  # models and data
     1: {"section", "axes", "mesh", "errors", "console", "table", "distributed", "xla_flags", "cli", "paths",
-        "overrides"},  # basics
+        "overrides", "lazy"},  # basics
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 

@@ -23,18 +23,26 @@ import pathlib
 import shutil
 import sys
 import sysconfig
-from collections.abc import Callable
 from typing import Any, ClassVar
 
-import grain
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxlm import lazy
 from jaxlm.console import console
-from jaxlm.data import mixture, pipeline, prepare, sft, sources, tokenizer
+from jaxlm.data import mixture, prepare, sft, sources, tokenizer
 from jaxlm.errors import UserError
 from jaxlm.section import Section, check, setting
+
+pipeline = lazy.module("jaxlm.data.pipeline")  # (grain's, imported by the first run that reads data)
+streams = lazy.module("jaxlm.data.streams")
+
+
+def __getattr__(name: str):
+    if name == "ShardedStream":  # (defined beside the other grain iterators, `jaxlm.data.streams`)
+        return streams.ShardedStream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +155,7 @@ class DataConfig(Section):
 
 @dataclasses.dataclass
 class Data:
-    train: ShardedStream  # this process's rows of each global batch; knows its epoch
+    train: streams.ShardedStream  # this process's rows of each global batch; knows its epoch
     eval_batches: list[dict[str, np.ndarray]]  # this process's rows of the fixed held-out batches
     tokenizer: Any
     train_tokens: int | None  # None when tokenized on the fly (unknown until read)
@@ -360,7 +368,7 @@ def _data(data: DataConfig, tok: tokenizer.Tokenizer, train_docs: pipeline.FlatD
         report = sft.report(spec, train_docs, val_docs, d.seq_len)
         console(f"jaxlm: {report}")
     count = resolve_shards(data, rows, shards)
-    train = ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(data, j, count))),
+    train = streams.ShardedStream(lambda j: iter(pipeline.make_train_dataset(train_docs, **_stream_options(data, j, count))),
                           count, rows, d.global_batch_size)
     return Data(train=train, eval_batches=_eval_batches(data, val_docs, where, rows), tokenizer=tok,
                 train_tokens=train_docs.num_tokens, train_documents=len(train_docs), shards=count, sft_report=report)
@@ -383,7 +391,7 @@ def _load_on_the_fly(data: DataConfig, shards: int | None, rows: slice) -> Data:
         return _data(data, tok, train_docs, val_docs, d.corpus, shards, spec, rows)
     train_texts, val_docs = _texts_and_held_out(data, tok)
     count = resolve_shards(data, rows, shards)
-    train = ShardedStream(
+    train = streams.ShardedStream(
         lambda j: iter(pipeline.make_text_train_dataset(train_texts, tok, **_stream_options(data, j, count))),
         count, rows, d.global_batch_size)
     return Data(train=train, eval_batches=_eval_batches(data, val_docs, d.corpus, rows), tokenizer=tok,
@@ -491,7 +499,7 @@ def _load_mixture(data: DataConfig, mix: list[mixture.Source], shards: int | Non
 
     documents = sum(f.documents for f in facts)
     tokens = None if d.tokenize_on_the_fly else sum(f.tokens for f in facts)
-    return Data(train=ShardedStream(open_shard, count, rows, d.global_batch_size), eval_batches=eval_batches,
+    return Data(train=streams.ShardedStream(open_shard, count, rows, d.global_batch_size), eval_batches=eval_batches,
                 tokenizer=tok, train_tokens=tokens, train_documents=documents, shards=count,
                 mixture=mixture.Mixture(tuple(facts), schedule))
 
@@ -571,76 +579,6 @@ def _stream_options(data: DataConfig, shard: int, count: int) -> dict[str, Any]:
     d = data
     return dict(seq_len=d.seq_len, batch_size=d.global_batch_size // count, seed=d.seed,
                 shard_index=shard, shard_count=count, num_workers=d.num_workers)
-
-
-class ShardedStream(grain.DatasetIterator):
-    """This process's rows of each global batch, read from the data shards those rows come from.
-
-    The global batch is `shards` streams side by side, stream j giving rows [j * B/S, (j+1) * B/S).
-    A process opens only the streams its rows overlap (all of them on one process, its own one
-    when each process has a shard), so the global batch is the same for any process count and a
-    checkpoint of the streams' positions resumes on any process count. Its state holds the position
-    of each stream it reads; `set_states` merges the states saved by every process of the run.
-    """
-
-    def __init__(self, open_shard: Callable[[int], Any], shards: int, rows: slice, global_batch: int):
-        self.shards, self.rows, self.per_shard = shards, rows, global_batch // shards
-        first, last = rows.start // self.per_shard, (rows.stop - 1) // self.per_shard
-        try:
-            self.streams = {j: open_shard(j) for j in range(first, last + 1)}
-        except BaseException:
-            super().__init__([])  # a whole (empty) iterator: grain's __del__ closes what __init__ set up
-            raise
-        self._offset = first * self.per_shard  # global row of the first row read
-        super().__init__(list(self.streams.values()))
-        self.tokens_seen = 0  # real target tokens in this process's rows so far
-
-    @property
-    def epoch(self) -> int:
-        """The latest 0-based pass over the data that a batch has drawn from."""
-        return max(stream.epoch for stream in self.streams.values())
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        parts = [next(stream) for stream in self.streams.values()]
-        batch = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        lo, hi = self.rows.start - self._offset, self.rows.stop - self._offset
-        if (lo, hi) != (0, len(batch["inputs"])):
-            batch = {k: v[lo:hi] for k, v in batch.items()}
-        self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
-        return batch
-
-    def get_state(self) -> dict:
-        return {"data_shards": self.shards, "tokens_seen": self.tokens_seen,
-                "shards": {str(j): stream.get_state() for j, stream in self.streams.items()}}
-
-    def set_state(self, state: dict) -> None:
-        self.set_states([state], own=state)
-
-    def set_states(self, states: list[dict], own: dict | None = None) -> None:
-        """Resume from the states every process of the saving run wrote, in process order; `own` is
-        this process's when the process count is unchanged.
-
-        States from before data shards (one stream per process, no 'data_shards' key) resume on the
-        same process count."""
-        merged: dict[str, Any] = {}
-        for i, state in enumerate(states):
-            if "data_shards" not in state:  # the older format: process i's single stream
-                state = {"data_shards": len(states), "shards": {str(i): state}, "tokens_seen": state.get("tokens_seen", 0)}
-            if state["data_shards"] != self.shards:
-                raise UserError(
-                    f"the checkpoint's data stream has {state['data_shards']} data shards but this run reads "
-                    f"{self.shards}; set config.data.shards={state['data_shards']} (or 0) to resume it"
-                )
-            merged.update(state["shards"])
-        missing = [j for j in self.streams if str(j) not in merged]
-        if missing:
-            raise UserError(f"the checkpoint holds no position for data shard(s) {missing}; it is incomplete")
-        for j, stream in self.streams.items():
-            stream.set_state(merged[str(j)])
-        # Its own count when the process count is unchanged, else its share of all processes' counts.
-        total = sum(int(state.get("tokens_seen", 0)) for state in states)
-        share = (self.rows.stop - self.rows.start) / (self.per_shard * self.shards)
-        self.tokens_seen = int(own.get("tokens_seen", 0)) if own is not None else int(total * share)
 
 
 def _eval_batches(data: DataConfig, val_docs, where: str, rows: slice) -> list[dict[str, np.ndarray]]:

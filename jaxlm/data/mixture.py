@@ -27,13 +27,26 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
-from jaxlm.data import pipeline
+from jaxlm import lazy
 from jaxlm.errors import UserError
 from jaxlm.table import Table
+
+if TYPE_CHECKING:
+    import grain
+
+pipeline = lazy.module("jaxlm.data.pipeline")  # (grain's, imported by the first run that reads data)
+streams = lazy.module("jaxlm.data.streams")
+
+
+def __getattr__(name: str):
+    if name == "MixtureIterator":  # (defined beside the other grain iterators, `jaxlm.data.streams`)
+        return streams.MixtureIterator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a source's name: a metric's tag (`loss/<name>`)
 PATH_SEPARATOR = "|"  # between the paths of one source (a comma separates sources)
@@ -194,69 +207,19 @@ def draw(weights: np.ndarray, seed: int, shard: int, step: int, rows: int) -> np
     return np.minimum(np.searchsorted(edges, uniform * edges[-1], side="right"), len(weights) - 1)
 
 
-class MixtureIterator(grain.DatasetIterator):
-    """One data shard's batches of a mixture: `rows` rows a step, each drawn from a source's row stream
-    (`draw`), with `source_ids` [rows, seq_len] (the row's source, its index in `schedule.names`) before the
-    loss `weights`. Like `pipeline.TrainIterator`, it knows `epoch` (the latest pass over any source; per
-    source in `epochs`) and `tokens_seen`; its state is the step and each source's position, by name."""
-
-    def __init__(self, streams: Mapping[str, grain.DatasetIterator], schedule: Schedule, rows: int, seed: int,
-                 shard: int):
-        if tuple(streams) != schedule.names:
-            raise ValueError(f"the streams {list(streams)} are not the schedule's sources {list(schedule.names)}")
-        super().__init__(list(streams.values()))
-        self._streams = dict(streams)
-        self.schedule, self.rows, self.seed, self.shard = schedule, rows, seed, shard
-        self.step = 0  # the batches given so far: the next is training step step + 1's
-        self.epochs = dict.fromkeys(schedule.names, 0)
-        self.tokens_seen = 0
-
-    @property
-    def epoch(self) -> int:
-        return max(self.epochs.values())
-
-    def __next__(self) -> pipeline.Batch:
-        names = self.schedule.names
-        choice = draw(self.schedule.weights(self.step + 1), self.seed, self.shard, self.step, self.rows)
-        rows = [next(self._streams[names[i]]) for i in choice]
-        for i, row in zip(choice, rows):
-            self.epochs[names[i]] = max(self.epochs[names[i]], int(row["epoch"]))
-        batch = {k: np.stack([row[k] for row in rows]) for k in ("inputs", "targets", "segment_ids", "positions")}
-        batch["source_ids"] = np.repeat(choice.astype(np.int32)[:, None], batch["inputs"].shape[1], axis=1)
-        self.step += 1
-        self.tokens_seen += int(np.count_nonzero(batch["segment_ids"]))
-        return pipeline.add_loss_weights(batch)
-
-    def get_state(self) -> dict:
-        return {"step": self.step, "epochs": dict(self.epochs), "tokens_seen": self.tokens_seen,
-                "sources": {name: stream.get_state() for name, stream in self._streams.items()}}
-
-    def set_state(self, state: dict) -> None:
-        saved = list(state["sources"])
-        if sorted(saved) != sorted(self._streams):
-            raise UserError(
-                f"the checkpoint's data mixture has the sources {', '.join(saved)} but data.sources names "
-                f"{', '.join(self._streams)}; a resumed run may change their weights (and data.stages), not which "
-                f"sources there are")
-        for name, stream in self._streams.items():
-            stream.set_state(state["sources"][name])
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.epochs = {name: int(state["epochs"].get(name, 0)) for name in self._streams}
-
-
 def open_shard(docs: Mapping[str, Sequence], schedule: Schedule, *, seq_len: int, rows: int, seed: int, shard: int,
-               shards: int, num_workers: int = 0, tok=None) -> MixtureIterator:
+               shards: int, num_workers: int = 0, tok=None) -> streams.MixtureIterator:
     """Data shard `shard` of `shards` of a mixture: each source's documents (token arrays, `FlatDocuments`, or
     texts tokenized on the fly with `tok`) sliced and packed into `rows` bins, its own `num_workers` workers."""
-    streams: dict[str, grain.DatasetIterator] = {}
+    opened: dict[str, grain.DatasetIterator] = {}
     try:
         for name in schedule.names:
             stream = pipeline.make_row_stream(docs[name], seq_len=seq_len, bins=rows, seed=source_seed(seed, name),
                                               shard_index=shard, shard_count=shards, num_workers=num_workers, tok=tok)
-            streams[name] = iter(stream)
-        return MixtureIterator(streams, schedule, rows, seed, shard)
+            opened[name] = iter(stream)
+        return streams.MixtureIterator(opened, schedule, rows, seed, shard)
     except BaseException:
-        for stream in streams.values():
+        for stream in opened.values():
             stream.close()
         raise
 

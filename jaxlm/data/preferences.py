@@ -30,11 +30,14 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grain
 import numpy as np
 
-from jaxlm.data import pipeline, sft, sources
+from jaxlm import lazy
+from jaxlm.data import sft, sources
 from jaxlm.errors import UserError
+
+grain = lazy.module("grain")  # (imported by the first run that reads preference pairs)
+pipeline = lazy.module("jaxlm.data.pipeline")
 
 BUILTIN = "builtin_preferences"  # data.corpus: pairs made from the built-in chat set (`builtin_pairs`)
 SHAPE = ('each row must be {"prompt": str or a list of {"role", "content"} messages, "chosen": str, '
