@@ -209,6 +209,40 @@ def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     assert "| nanogpt | torch |" in result.stdout and "| nanogpt | jax |" in result.stdout
 
 
+def test_the_nanogpt_run_trains_nanogpts_recipe_and_its_shape_is_nanogpts():
+    """benchmarks/nanogpt_run.py: the jaxlm side's model, batch, context and steps are those of nanoGPT's
+    command (read from its arguments), and the recipe's keys all exist."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import nanogpt_run
+
+    from jaxlm import config
+
+    theirs = dict(arg[2:].split("=", 1) for arg in nanogpt_run.nanogpt_args(300) if arg.startswith("--"))
+    ours = nanogpt_run.jax_settings(300)
+    assert (ours["model.n_layers"], ours["model.n_heads"], ours["model.d_model"]) == \
+        (int(theirs["n_layer"]), int(theirs["n_head"]), int(theirs["n_embd"]))
+    assert (ours["data.seq_len"], ours["data.global_batch_size"], ours["run.steps"]) == \
+        (int(theirs["block_size"]), int(theirs["batch_size"]), int(theirs["max_iters"])) == (64, 12, 300)
+    assert ours["model.dropout"] == float(theirs["dropout"]) == 0.0 and ours["model.mlp_dim"] == 4 * ours["model.d_model"]
+    cfg = config.load_recipe("tiny")
+    config.apply_overrides(cfg, [(k, str(v)) for k, v in ours.items()])
+    config.validate(cfg)
+
+
+@pytest.mark.slow  # a 20-step run of jaxlm.train
+def test_the_nanogpt_run_times_the_whole_jaxlm_run(tmp_path):
+    corpus = tmp_path / "input.txt"
+    corpus.write_text("\n\n".join(f"SPEAKER {i}:\nthe quick brown fox jumps over the lazy dog {i}." for i in range(400)))
+    out = tmp_path / "run.json"
+    result = subprocess.run([sys.executable, "benchmarks/nanogpt_run.py", "--sides", "jax", "--steps", "20",
+                             "--corpus", str(corpus), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["side"] == "jaxlm" and row["final_step"] == 20 and 0 < row["final_val_loss"] < 6 and row["wall_s"] > 0
+    assert "| jaxlm | 1 |" in result.stdout and "flags:" in result.stdout
+
+
 def test_mfu_packed_batches_cut_rows_into_documents_with_positions_restarting():
     """`benchmarks/mfu.py --doc_len`: rows of several documents, each one's positions from 0, as the
     data pipeline packs them (the packed attention's speed depends on it)."""
