@@ -3,6 +3,7 @@
     python benchmarks/cpu_vs_torch.py                        # both shapes, both frameworks
     python benchmarks/cpu_vs_torch.py --shapes nanogpt --steps 100
     python benchmarks/cpu_vs_torch.py --jax-set model.scan_layers=false   # a jaxlm configuration to try
+    python benchmarks/cpu_vs_torch.py --shapes llama34m --dtype float32   # both sides in float32
 
 Shapes (issue 21, part 2):
 - `nanogpt`: nanoGPT's own char-level Shakespeare CPU recipe (its README: 4 layers, width 128, 4 heads,
@@ -179,7 +180,7 @@ def run_torch(shape: dict, steps: int, warmup: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- driver
 def child(args: argparse.Namespace) -> None:
-    shape = SHAPES[args.shape]
+    shape = dict(SHAPES[args.shape], dtype=args.dtype or SHAPES[args.shape]["dtype"])
     r = run_torch(shape, args.steps, args.warmup) if args.side == "torch" else run_jax(
         shape, args.jax_set, args.steps, args.warmup)
     print("RESULT " + json.dumps(r))
@@ -187,12 +188,24 @@ def child(args: argparse.Namespace) -> None:
 
 def measure(side: str, shape: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--shape", shape,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--jax-set", *args.jax_set]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--dtype", args.dtype] if args.dtype else []),
+           "--jax-set", *args.jax_set]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{side} {shape} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def cpu_flags() -> str:
+    """The processor's vector and bfloat16 extensions that decide these figures (from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(next(ln for ln in f if ln.split(":")[0].strip() in ("flags", "Features")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16")
+    return " ".join(flag for flag in wanted if flag in words) or "none of " + " ".join(wanted)
 
 
 def main() -> None:
@@ -203,6 +216,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds of both sides")
     p.add_argument("--sides", nargs="+", default=["torch", "jax"], choices=["torch", "jax"])
     p.add_argument("--jax-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra jaxlm config overrides")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the compute dtype of both sides (default: the shape's own)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--child", choices=["torch", "jax"], dest="side", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -216,7 +231,8 @@ def main() -> None:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    print(f"# {time.strftime('%Y-%m-%d')} | {cpu}, {os.cpu_count()} cores | python {platform.python_version()}"
+    print(f"# {time.strftime('%Y-%m-%d')} | {cpu}, {os.cpu_count()} cores, flags: {cpu_flags()} "
+          f"| python {platform.python_version()}" + (f" | dtype {args.dtype}" if args.dtype else "")
           + (f" | jaxlm overrides: {' '.join(args.jax_set)}" if args.jax_set else ""))
     rows = []
     for shape in args.shapes:
