@@ -3,8 +3,8 @@
 bfloat16 where the device computes it natively: NVIDIA GPUs of compute capability 8.0 and newer
 (Ampere, Hopper, Blackwell), TPUs, and CPUs with bfloat16 instructions (x86's AVX512_BF16 or AMX-BF16,
 Arm's BF16: `cpu_bfloat16`). float32 on other CPUs (AVX2-only x86 laptops and desktops, Apple M1): XLA:CPU
-computes bfloat16 there by converting each operand to float32 and back, slower than float32 itself
-(benchmarks/BENCHMARKS.md, "CPUs without bfloat16 units"). float16, with dynamic loss scaling
+computes bfloat16 there by converting to float32 and back, which made nanoGPT's shape and a 33.6M Llama
+slower than in float32 (benchmarks/BENCHMARKS.md, "CPU without bfloat16 units"). float16, with dynamic loss scaling
 (`jaxlm.loss_scale`), on older NVIDIA GPUs: their tensor cores run float16 and not bfloat16 (a T4 is
 7.5, a V100 7.0), so bfloat16 there is slow, and float16 without a scale loses small gradients.
 """
@@ -51,7 +51,7 @@ def auto_dtype(platform: str, capability: str | None) -> tuple[str, str]:
     if platform == "cpu":
         native, what = cpu_bfloat16()
         if not native:
-            return "float32", f"this CPU has no bfloat16 instructions ({what}): float32 runs faster"
+            return "float32", f"this CPU has no bfloat16 instructions ({what}): it would convert every bfloat16"
         return "bfloat16", f"this CPU computes bfloat16 ({what})"
     return "bfloat16", f"{platform} computes bfloat16"
 
