@@ -197,15 +197,20 @@ def measure(side: str, shape: str, args: argparse.Namespace) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def cpu_flags() -> str:
-    """The processor's vector and bfloat16 extensions that decide these figures (from /proc/cpuinfo)."""
+def cpu_description() -> str:
+    """This machine's processor, its cores, and the vector and bfloat16 extensions that decide CPU figures
+    (from /proc/cpuinfo where there is one): the header of every CPU benchmark's table."""
+    cpu, words = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            words = set(next(ln for ln in f if ln.split(":")[0].strip() in ("flags", "Features")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "unknown"
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = next((ln for ln in lines if ln.split(":")[0].strip() in ("flags", "Features")), "")
+        words = set(flags.split(":", 1)[-1].split())
+    except OSError:
+        pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16")
-    return " ".join(flag for flag in wanted if flag in words) or "none of " + " ".join(wanted)
+    return f"{cpu}, {os.cpu_count()} cores, flags: {' '.join(w for w in wanted if w in words) or 'none of these'}"
 
 
 def main() -> None:
@@ -225,14 +230,8 @@ def main() -> None:
     if args.side:
         child(args)
         return
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"# {time.strftime('%Y-%m-%d')} | {cpu}, {os.cpu_count()} cores, flags: {cpu_flags()} "
-          f"| python {platform.python_version()}" + (f" | dtype {args.dtype}" if args.dtype else "")
+    print(f"# {time.strftime('%Y-%m-%d')} | {cpu_description()} | python {platform.python_version()}"
+          + (f" | dtype {args.dtype}" if args.dtype else "")
           + (f" | jaxlm overrides: {' '.join(args.jax_set)}" if args.jax_set else ""))
     rows = []
     for shape in args.shapes:

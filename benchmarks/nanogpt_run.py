@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+from cpu_vs_torch import cpu_description  # benchmarks/: the same header as its tables
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS = 2000
@@ -64,20 +66,6 @@ JAX_SETTINGS = {
 def jax_settings(steps: int = STEPS) -> dict:
     """The jaxlm config keys of the same recipe, over `steps` steps (evaluated every 250 and at the end)."""
     return {**JAX_SETTINGS, "run.steps": steps, "run.eval_every": min(250, steps), "run.log_every": min(250, steps)}
-
-
-def cpu_description() -> str:
-    cpu, words = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        flags = next((ln for ln in lines if ln.split(":")[0].strip() in ("flags", "Features")), "")
-        words = set(flags.split(":", 1)[-1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16")
-    return f"{cpu}, {os.cpu_count()} cores, flags: {' '.join(w for w in wanted if w in words) or 'none of these'}"
 
 
 def run_nanogpt(nanogpt_dir: str, corpus: str, work: str, steps: int) -> dict:
@@ -132,6 +120,10 @@ def main() -> None:
     args = p.parse_args()
     if "nanogpt" in args.sides and not args.nanogpt_dir:
         p.error("--nanogpt_dir is needed for the nanogpt side")
+    if "nanogpt" in args.sides and not os.path.isfile(os.path.join(args.nanogpt_dir, "train.py")):
+        p.error(f"--nanogpt_dir={args.nanogpt_dir} is not a checkout of nanoGPT (no train.py there)")
+    if not os.path.isfile(args.corpus):
+        p.error(f"--corpus={args.corpus} is not a file")
     corpus = os.path.abspath(args.corpus)
     print(f"# {time.strftime('%Y-%m-%d')} | {cpu_description()} | python {platform.python_version()}"
           + (f" | jaxlm overrides: {' '.join(args.jax_set)}" if args.jax_set else ""))
