@@ -271,8 +271,10 @@ def cpu_merged_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     (per device): there it merges the recomputation of the norms and the activation function
     (`layers.recomputed`, whose `prevent_cse=False` lets it) with the forward's values and keeps those for
     the backward pass: each norm's normalized float32 input and the MLP's `merged_hidden` intermediates.
-    bfloat16 programs keep no more than planned (read from XLA's buffer live ranges; benchmarks/BENCHMARKS.md,
-    "the CPU plan of float32 programs")."""
+    It does so with either contraction (`model.matmul`: XLA's einsum, or the accumulating einsum, whose custom
+    VJP saves the same operands autodiff saves: the same per-layer values were live at the two programs'
+    peaks). bfloat16 programs keep no more than planned (read from XLA's buffer live ranges;
+    benchmarks/BENCHMARKS.md, "the CPU plan of float32 programs")."""
     mlp = MLPS[m.mlp]
     return 2 * act_bytes * s.x + mlp.merged_hidden * mlp.hidden_copies(m, s.gather) * act_bytes * s.mlp
 

@@ -12,7 +12,9 @@ from jaxlm.models.mlps.gelu import TwoMatrixMLP
 class SquaredReluMLP(TwoMatrixMLP):
     name = "relu2"
     autodiff_hidden = 4  # the input, relu's output, its square, and relu's mask (a byte each, counted as one)
-    merged_hidden = 1  # one of the activation's intermediates, as measured (memory.cpu_merged_bytes)
+    # none: XLA:CPU keeps the input and the square (`saved_hidden`), nothing of relu's beside them, with
+    # either contraction (read from the float32 step's buffer live ranges: memory.cpu_merged_bytes)
+    merged_hidden = 0
 
     @staticmethod
     def activation(h: jax.Array) -> jax.Array:
