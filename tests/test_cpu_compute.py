@@ -2,9 +2,10 @@
 
 The projections' contraction (`model.matmul`): `accumulating_einsum`, the bfloat16 form XLA:CPU runs
 natively, equals the plain einsum up to bfloat16 rounding, forward and backward, in every projection's
-equation; `auto` picks it on a CPU with bfloat16 compute only; and the compiled CPU step really runs the
-projections' dots on bfloat16 operands (where the plain einsum gets them upcast to float32 dots), which is
-where its speed comes from. The layer scan (`model.scan_unroll`) is unrolled on a CPU, with the same values."""
+equation; `auto` picks it on every CPU (bfloat16 or float32 compute) and nowhere else; and the compiled
+CPU step really runs the projections' dots on bfloat16 operands (where the plain einsum gets them upcast
+to float32 dots), which is where its speed comes from. The layer scan (`model.scan_unroll`) is unrolled on
+a CPU, with the same values."""
 
 from __future__ import annotations
 
@@ -57,16 +58,21 @@ def test_accumulating_einsum_is_the_float32_einsum_rounded_forward_and_backward(
                                rtol=2 * BF16_ULP, atol=1e-6)
 
 
-def test_auto_accumulates_on_a_cpu_in_bfloat16_only():
+def test_auto_accumulates_on_every_cpu_and_nowhere_else():
     def resolved(platform, **model):
         m = config.recipe("tiny", **{f"model__{k}": v for k, v in model.items()}).model
-        return transformer.ModelConfig.from_config(m, platform, log_choice=False).matmul == "accumulate"
+        return transformer.ModelConfig.from_config(m, platform, log_choice=False).matmul
 
-    assert resolved("cpu", dtype="bfloat16") is True
-    assert resolved("cpu", dtype="float32") is False
-    assert resolved("gpu") is False  # cuBLAS runs bf16 GEMMs natively: XLA's own einsum
-    assert resolved("gpu", matmul="accumulate") is True
-    assert resolved("cpu", matmul="xla") is False
+    # on a CPU whatever the compute dtype: bfloat16's native dots, and the faster float32 step
+    for dtype in ("bfloat16", "float32", "auto"):
+        assert resolved("cpu", dtype=dtype) == "accumulate", dtype
+    for dtype in ("bfloat16", "float32"):  # cuBLAS runs bf16 GEMMs natively: XLA's own einsum
+        assert resolved("gpu", dtype=dtype) == "xla", dtype
+    assert resolved("tpu") == "xla"
+    # an explicit choice stands on every platform
+    assert resolved("gpu", matmul="accumulate") == "accumulate"
+    assert resolved("cpu", matmul="xla") == "xla"
+    assert resolved("cpu", dtype="float32", matmul="xla") == "xla"
 
 
 def test_a_matmul_that_does_not_exist_is_one_line():

@@ -92,8 +92,10 @@ def accumulating_einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.A
     bf16 kernel, AVX512-BF16 where the CPU has it) only when the dot's result is float32. A plain bf16
     einsum (result bf16) it upcasts to a float32 dot instead, at about half the speed, and JAX's own
     gradients of the float32-result form take float32 cotangents and are upcast again: hence the custom
-    VJP. Every index of each operand must appear in the other operand or the output (true of every
-    projection: nothing is summed within one operand)."""
+    VJP. In float32 compute it is the faster CPU step too (fewer layout copies around the gradients' dots
+    than XLA's own einsum and its joint projections: benchmarks/BENCHMARKS.md), so `model.matmul=auto` takes
+    it on every CPU. Every index of each operand must appear in the other operand or the output (true of
+    every projection: nothing is summed within one operand)."""
     return jnp.einsum(equation, x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -238,7 +240,7 @@ class Contraction:
     prepare_kernel: Callable[[jax.Array], Any] | None = None
 
 
-# By name: XLA's einsum, the float32 accumulation made explicit (CPUs with bfloat16 compute), float8
+# By name: XLA's einsum, the float32 accumulation made explicit (CPUs, in bfloat16 or float32), float8
 # operands with per-tensor scales
 CONTRACTIONS = {"xla": Contraction(jnp.einsum), "accumulate": Contraction(accumulating_einsum),
                 "fp8": Contraction(fp8_einsum, saved_operand_bytes=1, prepare_kernel=fp8_weight)}

@@ -177,9 +177,9 @@ class ModelSection(Section):
         "(jaxlm.models.attention.cudnn_packed_attention)")
     matmul: str = setting(
         "auto",
-        "The projections' matmuls: auto (accumulate on a CPU with bfloat16 compute, else xla) | xla "
+        "The projections' matmuls: auto (accumulate on a CPU, in bfloat16 or float32 compute; else xla) | xla "
         "(jnp.einsum as XLA compiles it) | accumulate (float32 accumulation made explicit, with its own "
-        "gradients: on a CPU, the form XLA runs natively in bfloat16, for a faster step; "
+        "gradients: on a CPU, the form XLA runs natively in bfloat16, and the faster step in float32 too; "
         "jaxlm.models.layers.accumulating_einsum) | fp8 (float8 operands with per-tensor scales, e4m3 "
         "forward, e5m2 gradients: jaxlm.models.layers.fp8_einsum; GPUs of compute capability 8.9+, emulated "
         "on a CPU)")
@@ -333,7 +333,7 @@ class ModelConfig:
     # The logits and the loss this many positions at a time (0 = the whole sequence: `steps.summed_loss`)
     loss_chunk_len: int = 0
     # The projections' contraction (`layers.CONTRACTIONS`; config.model.matmul, `from_config` resolving auto to
-    # accumulate, float32 accumulation made explicit, on a CPU with bfloat16 compute): xla | accumulate | fp8
+    # accumulate, float32 accumulation made explicit, on every CPU): xla | accumulate | fp8
     matmul: str = "xla"
     attention: str = "xla"  # a concrete kernel; 'auto' is resolved before the model is built
     # How attention spans a sequence split over mesh.context, and which positions each device holds
@@ -400,7 +400,7 @@ class ModelConfig:
 
         The attention kernel (`attention`, default `m["attention"]`) is resolved for `platform`
         (default: JAX's backend) by `attention.select_implementation`, which logs its choice unless
-        `log_choice` is false; `m["matmul"]='auto'` too (accumulating dots on a CPU with bfloat16 compute), and
+        `log_choice` is false; `m["matmul"]='auto'` too (accumulating dots on a CPU, whatever the compute dtype), and
         `m["scan_unroll"]=0` (every layer unrolled on a CPU or GPU without remat, a loop elsewhere)."""
         variant = VARIANTS[m["variant"]]
         mlp = m["mlp"] or variant.mlp
@@ -442,7 +442,7 @@ class ModelConfig:
             fields["dtype"] = DTYPES[precision.auto_dtype(platform, capability)[0]]
         matmul = m.get("matmul", "auto")
         if matmul == "auto":
-            matmul = "accumulate" if platform == "cpu" and fields["dtype"] == jnp.bfloat16 else "xla"
+            matmul = "accumulate" if platform == "cpu" else "xla"
         fields["matmul"] = matmul
         if fields["dtype"] == jnp.float16 and platform == "cpu" and jax.default_backend() == "cpu":
             precision.check_float16(platform)
