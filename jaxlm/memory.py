@@ -43,7 +43,7 @@ from jaxlm import axes, inference, optim, quant, roofline, steps, train_state
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm.errors import UserError
-from jaxlm.models import attention, pipeline_parallel, transformer
+from jaxlm.models import attention, layers, pipeline_parallel, transformer
 from jaxlm.models.mlps import MLPS
 from jaxlm.models.positions import POSITIONS
 from jaxlm.objectives import grpo as grpo_objective
@@ -59,15 +59,21 @@ CUDNN_FORWARD_WORKSPACE = 33_536  # bytes, what each cuDNN attention forward cal
 AUTO_SHARE = 0.85  # optim.micro_batches=0 plans to use at most this share of a device's memory (1 - TOLERANCE)
 
 
-def logit_bytes(platform: str, dtype, act_bytes: int) -> int:
+def logit_bytes(platform: str, dtype, act_bytes: int, contraction: layers.Contraction | None = None,
+                tied: bool = False) -> int:
     """Bytes per logit of the loss at its peak. XLA:CPU: the unembedding's float32 dot output and its copy
-    in the compute dtype, both alive as the loss reads them (the peak of the tiny CPU checks of
-    tests/test_plan.py and test_pipeline.py, read from XLA's buffer live ranges). A GPU: the compute-dtype
-    logits alone, XLA fusing the softmax, the loss and its gradient around them (fitted to the compiled
-    program's temporaries at three vocabulary sizes). benchmarks/BENCHMARKS.md, "Memory plan"."""
+    in a narrower compute dtype, both alive as the loss reads them (the peak of the tiny CPU checks of
+    tests/test_plan.py and test_pipeline.py, read from XLA's buffer live ranges); in float32 compute, the
+    dot output and its softmax's exponential, then the logits' gradient, and a transposed copy of that
+    gradient for the unembedding's kernel gradient where the contraction `transposes_logit_gradient` (XLA's
+    einsum) or the kernel is the tied embedding table (`tied`: [V, D], either contraction). A GPU: the
+    compute-dtype logits alone, XLA fusing the softmax, the loss and its gradient around them (fitted to the
+    compiled program's temporaries at three vocabulary sizes). benchmarks/BENCHMARKS.md, "Memory plan"."""
     if platform == "gpu":
         return act_bytes
-    return F32 + (_itemsize(dtype) if _itemsize(dtype) < F32 else 0)
+    if _itemsize(dtype) < F32:
+        return F32 + _itemsize(dtype)
+    return F32 * (2 + (tied or (contraction is not None and contraction.transposes_logit_gradient)))
 
 
 # ----------------------------------------------------------------------------- the train state
@@ -464,7 +470,7 @@ def estimate(
     copies = 2 + (1 if m.tie_embeddings else 2) * accumulate
     full_embedding = [copies * F32 * m.vocab_size * m.d_model / tensor, copies * F32 * m.vocab_size * m.d_model]
     cast = a < _itemsize(m.param_dtype) and m.remat == "none"  # saved bf16 copies of the weights
-    per_logit = logit_bytes(platform, m.dtype, a)
+    per_logit = logit_bytes(platform, m.dtype, a, m.contraction, m.tie_embeddings)
 
     def activations(mesh_sizes: dict[str, int], i: int) -> tuple[float, float, float, float]:
         """(saved, one layer's backward, logits and loss, cuDNN's workspace); i = 0 per device, 1 unsharded.

@@ -238,11 +238,17 @@ class Contraction:
     # What a train step with micro-batches makes of a `ComputeKernel`'s weight once per step (in the compute
     # dtype), for every micro-batch's matmuls: float8's quantized kernel (`fp8_weight`); None: the weight itself
     prepare_kernel: Callable[[jax.Array], Any] | None = None
+    # Whether XLA:CPU, in float32 compute, makes a transposed copy of the logits' gradient for the untied
+    # unembedding's kernel gradient: XLA's einsum does, one more float32 [tokens, vocab] buffer at the loss
+    # (`memory.logit_bytes`); the accumulating einsum's own gradient dots read it as it is (a tied
+    # unembedding's [V, D] kernel gets the copy with either)
+    transposes_logit_gradient: bool = False
 
 
 # By name: XLA's einsum, the float32 accumulation made explicit (CPUs, in bfloat16 or float32), float8
 # operands with per-tensor scales
-CONTRACTIONS = {"xla": Contraction(jnp.einsum), "accumulate": Contraction(accumulating_einsum),
+CONTRACTIONS = {"xla": Contraction(jnp.einsum, transposes_logit_gradient=True),
+                "accumulate": Contraction(accumulating_einsum),
                 "fp8": Contraction(fp8_einsum, saved_operand_bytes=1, prepare_kernel=fp8_weight)}
 
 
