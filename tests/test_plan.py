@@ -183,26 +183,32 @@ def test_query_and_key_norms_are_planned_within_the_tolerance_of_the_compiled_st
 
 
 @pytest.mark.slow
-def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps():
+@pytest.mark.parametrize("dtype, probabilities, values, merged", [("bfloat16", 4 + 2, 2, 0), ("float32", 4, 4, 4)])
+def test_causal_blocks_without_remat_in_one_program_count_the_scores_xla_keeps(dtype, probabilities, values, merged):
     """On a CPU without remat the layers are unrolled and XLA keeps what the causal blocks' backward pass
     recomputes (their probabilities in float32, merged with the forward's scores, and in bfloat16; each block's
     keys and values), computed in the forward: planned as such, within the tolerance of the compiled
     step (341 MiB compiled against 255 planned before this was counted, 327 with the float32 scores alone);
-    in a layer loop nothing of the kind is kept."""
+    in a layer loop nothing of the kind is kept. In float32 compute the probabilities are one float32 copy, and
+    the unrolled layers keep what XLA merges of the recomputed norms and SwiGLU (`memory.cpu_merged_bytes`)."""
     devices = jax.devices()[:1]
-    cfg = recipe("tiny", data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512)
+    shape = dict(data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512, model__dtype=dtype)
+    cfg = recipe("tiny", **shape)
     report = plan.plan(cfg, 1, 80 * memory.GIB, compile=True, devices=devices)
     assert report["compiled"]["attention"] == "blocked"
     estimate = memory.estimate(cfg, 1, platform="cpu", act_bytes=memory.cpu_act_bytes())
     assert abs(report["compiled"]["per_device_bytes"] / estimate.per_device_bytes - 1) <= memory.TOLERANCE
-    looped = memory.estimate(recipe("tiny", data__seq_len=512, data__global_batch_size=8, model__max_seq_len=512,
-                                    model__scan_unroll=1), 1, platform="cpu", act_bytes=memory.cpu_act_bytes())
-    # 8 sequences x 4 heads x 512 x 512 scores in 8 blocks of 64 queries: 9/16 of them, float32 and bfloat16, and
-    # each block's keys and values up to it (2 x 8 x 512 x 2 heads x 32 x 9 / 2 elements, bfloat16), in each of
-    # 4 layers
-    scores = (4 + 2) * (8 * 4 * 512 * 512) * 9 / 16
-    keys_values = 2 * 2 * (8 * 512 * 2 * 32) * 9 / 2
-    assert estimate.per_device_bytes - looped.per_device_bytes == pytest.approx(4 * (scores + keys_values))
+    looped = memory.estimate(recipe("tiny", **shape, model__scan_unroll=1), 1, platform="cpu",
+                             act_bytes=memory.cpu_act_bytes())
+    # 8 sequences x 4 heads x 512 x 512 scores in 8 blocks of 64 queries: 9/16 of them (float32 and bfloat16, or
+    # float32 once), and each block's keys and values up to it (2 x 8 x 512 x 2 heads x 32 x 9 / 2 elements, in
+    # the compute dtype), in each of 4 layers
+    scores = probabilities * (8 * 4 * 512 * 512) * 9 / 16
+    keys_values = values * 2 * (8 * 512 * 2 * 32) * 9 / 2
+    # float32: each norm's float32 input (width 128) and SwiGLU's sigmoid and its product (width 384)
+    merged_bytes = merged * (2 * 8 * 512 * 128 + 2 * 8 * 512 * 384)
+    assert estimate.per_device_bytes - looped.per_device_bytes == pytest.approx(4 * (scores + keys_values
+                                                                                     + merged_bytes))
 
 
 @pytest.mark.slow
