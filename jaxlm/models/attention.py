@@ -108,14 +108,14 @@ class BlockedKernel(Kernel):
         forward's scores) and in the values' dtype, and each block's keys and values up to it, transposed
         for the backward's matmuls. n blocks of queries against the keys up to them: (n + 1) / 2n of the
         [T, T] square, and n (n + 1) / 2 blocks of keys and of values. Read from XLA:CPU's buffer live
-        ranges at the step's peak, where every layer holds them (benchmarks/BENCHMARKS.md). In float32 the
-        values' dtype is float32: one copy of the probabilities, not two."""
+        ranges at the step's peak, where every layer holds them (benchmarks/BENCHMARKS.md). In float32
+        compute the two are one buffer (measured; float16, run in float32, is still counted twice)."""
         seq_len = _seq_len(s)
         n = -(-seq_len // attention_block(seq_len))
         # the values' dtype: the compute dtype, but float32 for float16, as `blocked_attention` runs it on a
         # CPU (where this term arises: the layers are one program by default; a GPU's float16 is counted alike)
         c = F32 if np.dtype(dtype) == np.float16 else np.dtype(dtype).itemsize
-        probabilities = F32 + (c if c < F32 else 0)
+        probabilities = F32 + (0 if np.dtype(dtype) == np.float32 else c)  # float32: the one copy
         return probabilities * s.scores * (n + 1) / (2 * n) + c * s.kv * (n + 1)
 
 
