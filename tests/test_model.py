@@ -358,7 +358,7 @@ def test_projections_of_one_input_are_joined_everywhere_but_on_tpus():
 
     m = config.recipe("tiny").model
     m.n_kv_heads = m.n_heads // 2  # grouped-query heads: q, k and v can be joined
-    m.dtype = "float32"  # plain matmuls (bfloat16 on a CPU accumulates in its own: `layers.accumulating_einsum`)
+    m.matmul = "xla"  # plain matmuls (auto on a CPU accumulates in its own: `layers.accumulating_einsum`)
     joined = {platform: ModelConfig.from_config(m, platform, log_choice=False).joint_projections
               for platform in ("cpu", "gpu", "tpu")}
     assert joined == {"cpu": True, "gpu": True, "tpu": False}
