@@ -56,8 +56,9 @@ def test_hlo_audit_finds_the_float32_matmuls_and_no_collectives_on_one_device(tm
     float32 every matmul is reported as a float32 one (the check can fail)."""
     bf16, f32 = tmp_path / "bf16.json", tmp_path / "f32.json"
     # XLA's attention (the CPU's `auto` is the causal blocks, whose matmuls all take bfloat16 operands)
-    for out, extra in ((bf16, ["--set", "model.attention=xla"]),
-                       (f32, ["--lowered_only", "--set", "model.dtype=float32", "model.attention=xla"])):
+    for out, extra in ((bf16, ["--set", "model.attention=xla", "model.dtype=bfloat16"]),
+                       (f32, ["--lowered_only", "--set", "model.dtype=float32", "model.attention=xla",
+                              "model.matmul=xla"])):
         result = subprocess.run([sys.executable, "benchmarks/hlo_audit.py", "--recipe", "tiny", "--json", str(out), *extra],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -106,7 +107,7 @@ def test_hlo_audit_finds_the_float32_matmuls_and_no_collectives_on_one_device(tm
         g["bytes_per_step"] for g in opt["by_origin"].values())
 
     r32 = json.loads(f32.read_text())["matmuls"]
-    # float32 takes the plain einsum (not the CPU's accumulating one), so each layer's q, k, v (grouped-query
+    # float32 with the plain einsum (not the CPU's accumulating one, auto's), so each layer's q, k, v (grouped-query
     # heads) are one matmul and gate and up another (layers.project_qkv, project_gate_up): 9 dots per layer
     # fewer, the same FLOPs
     assert list(r32["by_dtype"]) == ["f32 x f32 -> f32"] and r32["dots_per_step"] == 18 * L + 3
