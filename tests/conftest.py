@@ -8,16 +8,18 @@ import sys
 # several) inherit XLA_FLAGS as this file has already extended it in the parent
 XLA_FLAGS_GIVEN = os.environ.setdefault("JAXLM_TEST_XLA_FLAGS_GIVEN", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_count=8"
-# `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation. The HLO passes,
-# fusions, layouts and buffers are the same, the machine code unoptimized: the default suite compiles hundreds of
-# small programs and runs each a few times, so compiling is most of its time (a cold run, as in CI, 596 -> 457-463 s
-# on 2 cores; a tiny training step runs 3x slower, which is why the slow suite keeps the optimized code). Its
+# `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation, and its
+# loop and reduction fusions emitted by the elemental emitter instead of the MLIR fusion emitters, which take
+# most of the remaining compile time at that level. The HLO passes, layouts and buffers are the same, the machine
+# code unoptimized: the default suite compiles hundreds of small programs and runs each a few times, so
+# compiling is most of its time (a tiny training step runs 3x slower, which is why the slow suite and the CLI
+# runs the tests start keep the optimized code; benchmarks/BENCHMARKS.md, "the default suite's time"). Its
 # floating point differs from the optimized code's in the last bits (summation order): a test that compares to
 # the bit with numbers the optimized code computed elsewhere is marked `optimized_codegen` and runs in its own
-# process without the flag.
+# process without the flags.
 FAST_COMPILE = os.environ.get("JAXLM_TEST_FAST_COMPILE") == "1" and "xla_backend_optimization_level" not in XLA_FLAGS_GIVEN
 if FAST_COMPILE:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session's in-process tests and the CLI runs they start
 # (the CLI's default `run.compile_cache_dir`): tests that build the same program compile it once.

@@ -118,7 +118,7 @@ def close(actual, expected, *, ulps: float = ULPS, err_msg: str = "") -> None:
 # XLA flags that change XLA:CPU's generated code, and so the last bits of its floats.
 _CODEGEN_FLAGS = ("--xla_cpu_max_isa", "--xla_backend_optimization_level", "--xla_cpu_enable_fast_math",
                   "--xla_cpu_fast_math", "--xla_cpu_use_thunk_runtime", "--xla_cpu_enable_concurrency",
-                  "--xla_cpu_prefer_vector_width", "--xla_llvm")
+                  "--xla_cpu_prefer_vector_width", "--xla_cpu_use_fusion_emitters", "--xla_llvm")
 # The processor's features that XLA:CPU's code generation uses (Linux's /proc/cpuinfo names).
 _CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl",
                  "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
