@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_c
 # most of the remaining compile time at that level. The HLO passes, layouts and buffers are the same, the machine
 # code unoptimized: the default suite compiles hundreds of small programs and runs each a few times, so
 # compiling is most of its time (a tiny training step runs 3x slower, which is why the slow suite and the CLI
-# runs the tests start keep the optimized code; benchmarks/BENCHMARKS.md, "the default suite's time"). Its
+# runs the tests start keep the optimized code; benchmarks/BENCHMARKS.md, "The default test suite's time"). Its
 # floating point differs from the optimized code's in the last bits (summation order): a test that compares to
 # the bit with numbers the optimized code computed elsewhere is marked `optimized_codegen` and runs in its own
 # process without the flags.
