@@ -10,8 +10,9 @@ XLA_FLAGS_GIVEN = os.environ.setdefault("JAXLM_TEST_XLA_FLAGS_GIVEN", os.environ
 os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_count=8"
 # `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation, and its
 # loop and reduction fusions emitted by the elemental emitter instead of the MLIR fusion emitters, which take
-# most of the remaining compile time at that level. The HLO passes, layouts and buffers are the same, the machine
-# code unoptimized: the default suite compiles hundreds of small programs and runs each a few times, so
+# most of the remaining compile time at that level. The layouts and buffers are nearly the default's (the
+# elemental emitter fuses a little differently, the temporaries barely change), the machine code unoptimized:
+# the default suite compiles hundreds of small programs and runs each a few times, so
 # compiling is most of its time (a tiny training step runs 3x slower, which is why the slow suite and the CLI
 # runs the tests start keep the optimized code; benchmarks/BENCHMARKS.md, "The default test suite's time"). Its
 # floating point differs from the optimized code's in the last bits (summation order): a test that compares to
