@@ -36,7 +36,8 @@ test: install  ## lint (ruff, configured in pyproject.toml), then the default su
 	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(PARALLEL) $(ARGS)
 
 # XLA:CPU generates code for the processor it runs on, so floats' last bits differ between instruction sets;
-# --xla_cpu_max_isa makes it generate code as for an older x86 processor on this one (tests/floats.py).
+# --xla_cpu_max_isa makes it generate code as for an older x86 processor on this one (tests/floats.py); as for
+# one without F16C (SSE4_2, AVX) the tests compile optimized code (tests/conftest.py).
 ISAS ?= AVX2 SSE4_2
 
 test-isa: install  ## the tests that compare floats (marked `floats`), as `make test` runs them, as on each of ISAS (x86)
