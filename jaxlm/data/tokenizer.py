@@ -273,9 +273,15 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(
         self, texts: Sequence[str], add_bos: bool = True, add_eos: bool = True, num_threads: int = -1
     ) -> list[list[int]]:
-        """Encode a batch in parallel (`num_threads=-1`: all cores)."""
+        """Encode a batch: `num_threads=1` (or a single text) in this thread, one text at a time; else in
+        parallel (`num_threads=-1`: all cores). SentencePiece's list form starts a thread pool on every call,
+        even of one thread, which costs more than encoding a document (benchmarks/BENCHMARKS.md, "Data
+        throughput"): the on-the-fly pipeline and the chat and prompt encoders call this once per text."""
         add_bos, add_eos = add_bos and self.bos_id >= 0, add_eos and self.eos_id >= 0  # sentencepiece raises
-        return self._sp.encode(list(texts), out_type=int, add_bos=add_bos, add_eos=add_eos, num_threads=num_threads)
+        texts = list(texts)
+        if num_threads == 1 or len(texts) == 1:
+            return [self._sp.encode(text, out_type=int, add_bos=add_bos, add_eos=add_eos) for text in texts]
+        return self._sp.encode(texts, out_type=int, add_bos=add_bos, add_eos=add_eos, num_threads=num_threads)
 
     def byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of text each id stands for, int32 [vocab_size]: a byte-fallback piece is 1,
