@@ -2,16 +2,17 @@
 
 The projections' contraction (`model.matmul`): `accumulating_einsum`, the bfloat16 form XLA:CPU runs
 natively, equals the plain einsum up to bfloat16 rounding, forward and backward, in every projection's
-equation; `auto` picks it on every CPU (bfloat16 or float32 compute) and nowhere else; and the compiled
-CPU step really runs the projections' dots on bfloat16 operands (where the plain einsum gets them upcast
-to float32 dots), which is where its speed comes from. The layer scan (`model.scan_unroll`) is unrolled on
-a CPU, with the same values."""
+equation, and in float32 is XLA's einsum; `auto` picks it on every CPU (bfloat16 or float32 compute) and
+nowhere else; and the compiled CPU step really runs the projections' dots on bfloat16 operands (where the
+plain einsum gets them upcast to float32 dots), which is where its speed comes from. The layer scan
+(`model.scan_unroll`) is unrolled on a CPU, with the same values."""
 
 from __future__ import annotations
 
 import collections
 import re
 
+import floats
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +57,20 @@ def test_accumulating_einsum_is_the_float32_einsum_rounded_forward_and_backward(
     # and not a no-op: the plain bfloat16 einsum is the same function
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(jnp.einsum(equation, x, kernel), np.float32),
                                rtol=2 * BF16_ULP, atol=1e-6)
+
+
+@pytest.mark.parametrize("equation", EQUATIONS)
+def test_in_float32_the_accumulating_einsum_is_xlas_einsum_forward_and_backward(equation):
+    """What `auto` runs on a CPU without bfloat16 instructions: the same function as `jnp.einsum`, its custom
+    gradients those of autodiff (two programs: within float32 rounding)."""
+    x_shape, k_shape = EQUATIONS[equation]
+    kx, kk, kg = jax.random.split(jax.random.key(1), 3)
+    x, kernel = jax.random.normal(kx, x_shape), jax.random.normal(kk, k_shape)
+    g = jax.random.normal(kg, jax.eval_shape(lambda a, b: jnp.einsum(equation, a, b), x, kernel).shape)
+    y, vjp = jax.vjp(lambda a, b: layers.accumulating_einsum(equation, a, b), x, kernel)
+    y_xla, vjp_xla = jax.vjp(lambda a, b: jnp.einsum(equation, a, b, precision=jax.lax.Precision.HIGHEST), x, kernel)
+    assert y.dtype == jnp.float32
+    floats.close((y, *vjp(g)), (y_xla, *vjp_xla(g)), ulps=8)
 
 
 def test_auto_accumulates_on_every_cpu_and_nowhere_else():
