@@ -1,5 +1,6 @@
 """What a run prints, from process 0 only: message lines, and a progress bar on a terminal."""
 
+import logging
 import sys
 
 import jax
@@ -11,6 +12,21 @@ def duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def command_logging() -> None:
+    """A command's logging: jaxlm's own records from INFO up as `jaxlm: <message>` lines on stderr, other
+    libraries' from WARNING up as `python -m jaxlm.train` shows them. (INFO for every logger printed Orbax's
+    and JAX's records of each checkpoint read, some twenty lines, ahead of a command's one line.)"""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    own = logging.getLogger("jaxlm")
+    if not any(getattr(h, "jaxlm_lines", False) for h in own.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("jaxlm: %(message)s"))
+        handler.jaxlm_lines = True
+        own.addHandler(handler)
+    own.setLevel(logging.INFO)
+    own.propagate = False
 
 
 def console(msg: str) -> None:

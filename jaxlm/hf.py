@@ -46,6 +46,7 @@ from jaxlm import checkpoint, commands, distributed, inference, lora, train_stat
 from jaxlm import config as config_lib
 from jaxlm import mesh as mesh_lib
 from jaxlm import run_dir as run_dir_lib
+from jaxlm.console import command_logging
 from jaxlm.data.tokenizer import Tokenizer, write_bytes_atomically
 from jaxlm.errors import UserError, run_command
 from jaxlm.models import hf as hf_map
@@ -546,7 +547,7 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = make_parser()
     argv, layout_flags = distributed.pop_flags(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
+    command_logging()
     joined = distributed.join(**layout_flags)  # several processes: each reads (or gathers) its devices' shards
     if joined:
         print(f"jaxlm: {joined}")

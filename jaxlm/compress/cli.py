@@ -36,6 +36,7 @@ from jaxlm import checkpoint, commands, evaluate, generate, inference, quant, tr
 from jaxlm import config as config_lib
 from jaxlm import run_dir as run_dir_lib
 from jaxlm.compress import calibrate, methods
+from jaxlm.console import command_logging
 from jaxlm.data.tokenizer import write_bytes_atomically
 from jaxlm.errors import UserError, run_command
 
@@ -288,7 +289,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if not key.startswith("--config.") or not eq:
             parser.error(f"unrecognized argument {item!r} (config keys are given as --config.compress.<key>=<value>)")
         overrides.append((key[len("--config."):], value))
-    logging.basicConfig(level=logging.INFO, format="jaxlm: %(message)s")
+    command_logging()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     report = compress_run(args.run_dir, args.output, overrides, step=args.step, corpus=args.corpus, tasks=tasks,
                           max_tokens=args.max_tokens, gen_tokens=args.gen_tokens)
