@@ -14,19 +14,26 @@ def duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+class _CommandLines(logging.Formatter):
+    """jaxlm's records as `jaxlm: <message>`, another library's as `LEVEL name: <message>`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "jaxlm" or record.name.startswith("jaxlm."):
+            return f"jaxlm: {record.getMessage()}"
+        return f"{record.levelname} {record.name}: {record.getMessage()}"
+
+
 def command_logging() -> None:
     """A command's logging: jaxlm's own records from INFO up as `jaxlm: <message>` lines on stderr, other
-    libraries' from WARNING up as `python -m jaxlm.train` shows them. (INFO for every logger printed Orbax's
-    and JAX's records of each checkpoint read, some twenty lines, ahead of a command's one line.)"""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    own = logging.getLogger("jaxlm")
-    if not any(getattr(h, "jaxlm_lines", False) for h in own.handlers):
+    libraries' from WARNING up (the root logger's level), as `python -m jaxlm.train` shows them. INFO for
+    every logger printed Orbax's and JAX's records of each checkpoint read, some twenty lines, ahead of a
+    command's one line. Where logging is configured already (a notebook, pytest), only jaxlm's level is set."""
+    logging.getLogger("jaxlm").setLevel(logging.INFO)
+    root = logging.getLogger()
+    if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("jaxlm: %(message)s"))
-        handler.jaxlm_lines = True
-        own.addHandler(handler)
-    own.setLevel(logging.INFO)
-    own.propagate = False
+        handler.setFormatter(_CommandLines())
+        root.addHandler(handler)
 
 
 def console(msg: str) -> None:
