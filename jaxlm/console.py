@@ -25,9 +25,9 @@ class _CommandLines(logging.Formatter):
 
 def command_logging() -> None:
     """A command's logging: jaxlm's own records from INFO up as `jaxlm: <message>` lines on stderr, other
-    libraries' from WARNING up (the root logger's level), as `python -m jaxlm.train` shows them. INFO for
-    every logger printed Orbax's and JAX's records of each checkpoint read, some twenty lines, ahead of a
-    command's one line. Where logging is configured already (a notebook, pytest), only jaxlm's level is set."""
+    libraries' from WARNING up (the root logger's level), as `python -m jaxlm.train` shows them: INFO for
+    every logger would print Orbax's and JAX's records of each checkpoint read ahead of a command's own
+    lines. Where logging is configured already (a notebook, pytest), only jaxlm's level is set."""
     logging.getLogger("jaxlm").setLevel(logging.INFO)
     root = logging.getLogger()
     if not root.handlers:
