@@ -136,7 +136,7 @@ def test_muon_updates_equal_a_numpy_reference_and_orthogonalize_each_matrix():
     state, update = tx.init(params), jax.jit(tx.update)
     for grads, expected in zip(grads_list, want):
         updates, state = update(grads, state, params, finite=jnp.bool_(True))
-        # float32 against float64, through five quintic iterations that amplify rounding (about 110 ulps seen)
+        # float32 against float64, through five quintic iterations that amplify rounding
         floats.close(updates, {k: v.astype(np.float32) for k, v in expected.items()}, ulps=256)
         params = optax.apply_updates(params, updates)
     # the orthogonalized momentum's singular values lie near 1 (Keller Jordan's iteration: 0.5-1.5, not exactly 1)
@@ -248,8 +248,8 @@ def test_muon_orthogonalizes_each_whole_matrix_whatever_splits_it(layout):
         sharded_params = put(params)
         update = jax.jit(tx.update, out_shardings=(jax.tree.map(lambda x: x.sharding, sharded_params), None))
         many = update(put(grads), tx.init(sharded_params), sharded_params, finite=jnp.bool_(True))[0]
-    # two programs (the split matmuls reorder sums), whose rounding five quintic iterations amplify: up to about
-    # 110 ulps of the largest update under XLA:CPU's elemental emitter (tests/conftest.py's FAST_COMPILE)
+    # two programs (the split matmuls reorder sums), whose rounding five quintic iterations amplify, most under
+    # XLA:CPU's elemental emitter (tests/conftest.py; benchmarks/BENCHMARKS.md, "The default test suite's time")
     floats.close(jax.device_get(many), jax.device_get(one), ulps=256)
 
 

@@ -109,7 +109,7 @@ class BlockedKernel(Kernel):
         for the backward's matmuls. n blocks of queries against the keys up to them: (n + 1) / 2n of the
         [T, T] square, and n (n + 1) / 2 blocks of keys and of values. Read from XLA:CPU's buffer live
         ranges at the step's peak, where every layer holds them (benchmarks/BENCHMARKS.md). In float32
-        compute the two are one buffer (measured; float16, run in float32, is still counted twice)."""
+        compute the two are one buffer (measured; float16, run in float32, is counted as two: unmeasured)."""
         seq_len = _seq_len(s)
         n = -(-seq_len // attention_block(seq_len))
         # the values' dtype: the compute dtype, but float32 for float16, as `blocked_attention` runs it on a
