@@ -33,9 +33,25 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".cache",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+import gc  # noqa: E402
+
 import floats  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector, tuned for a test process: JAX's tracing allocates objects by the million,
+# and with the default thresholds every few hundred allocations start a collection that walks the process's
+# whole young heap, and the older generations' collections walk everything a worker holds (the imported
+# libraries, the collected tests): a large share of the suite's CPU time (benchmarks/BENCHMARKS.md, "The
+# default test suite's time"). Collections now come a hundred times less often; what the session keeps for its
+# whole life is frozen out of them after collection (`pytest_collection_finish`); each test file's end still
+# collects everything (`_forget_compiled_programs`).
+gc.set_threshold(50_000, 50, 1_000)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
 
 
 def _refuse_exact_floats(name, exact):
