@@ -474,7 +474,7 @@ def _dot_generals(jaxpr) -> int:
     return count
 
 
-@pytest.mark.parametrize("kw, qkv, gate_up", [
+FUSABLE_CASES = [
     (dict(n_kv_heads=2), True, True),  # grouped-query heads: q, k and v in one matmul; no remat: gate and up too
     (dict(n_kv_heads=2, remat="dots"), True, False),  # the MLP's hidden activation recomputed: gate, up apart
     (dict(n_kv_heads=2, remat="dots_mlp"), True, True),  # ... and kept
@@ -483,12 +483,14 @@ def _dot_generals(jaxpr) -> int:
     (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("wq",))), False, True),  # an adapter on q: three
     (dict(n_kv_heads=2, lora=LoRA(4, 16.0, ("w_up",))), True, False),  # an adapter on up: two
     (dict(n_kv_heads=2, joint_projections=False), False, False),  # as on TPUs: each projection its own matmul
-])
-def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_and_gradients(kw, qkv, gate_up,
-                                                                                            monkeypatch):
-    """`layers.project_qkv` and `layers.project_gate_up`: a joint matmul computes what the separate ones do
-    (loss and every gradient), and each is taken exactly where it should be (counted in the jaxpr: two
-    fewer dot_generals per layer for q, k and v, one fewer for gate and up)."""
+]
+# the values compared in the default suite where the joint matmuls differ in kind (both joined; q, k, v joined
+# beside an adapter; remat's recomputation of a joined layer); every case under `make test-slow`
+FUSABLE_VALUES_BY_DEFAULT = (0, 3, 6)
+
+
+def _joint_and_separate(kw, monkeypatch, *, values: bool):
+    """((dot_generals, (loss, grads) or None) with the joint matmuls, the same with each projection its own)."""
     from jaxlm.models import layers
 
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 96)
@@ -498,13 +500,31 @@ def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_an
         def loss(p):
             return jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
 
-        return _dot_generals(jax.make_jaxpr(loss)(params).jaxpr), jax.jit(jax.value_and_grad(loss))(params)
+        return (_dot_generals(jax.make_jaxpr(loss)(params).jaxpr),
+                jax.jit(jax.value_and_grad(loss))(params) if values else None)
 
-    dots, (value, grads) = run()
+    joint = run()
     monkeypatch.setattr(layers.Projection, "fusable", property(lambda self: False))
-    three_dots, (three_value, three_grads) = run()
+    return joint, run()
+
+
+@pytest.mark.parametrize("kw, qkv, gate_up", FUSABLE_CASES)
+def test_fusable_projections_of_one_input_are_one_matmul_exactly_where_they_should_be(kw, qkv, gate_up,
+                                                                                     monkeypatch):
+    """`layers.project_qkv` and `layers.project_gate_up` are taken exactly where they should be (counted in
+    the jaxpr: two fewer dot_generals per layer for q, k and v, one fewer for gate and up)."""
+    (dots, _), (three_dots, _) = _joint_and_separate(kw, monkeypatch, values=False)
     layers_ = small_config().n_layers
     assert three_dots - dots == 2 * layers_ * qkv + layers_ * gate_up
+
+
+@pytest.mark.parametrize("kw, qkv, gate_up", [
+    case if i in FUSABLE_VALUES_BY_DEFAULT else pytest.param(*case, marks=pytest.mark.slow)
+    for i, case in enumerate(FUSABLE_CASES)])
+def test_fusable_projections_of_one_input_are_one_matmul_with_the_same_values_and_gradients(kw, qkv, gate_up,
+                                                                                            monkeypatch):
+    """A joint matmul computes what the separate ones do: the loss and every gradient."""
+    (_, (value, grads)), (_, (three_value, three_grads)) = _joint_and_separate(kw, monkeypatch, values=True)
     np.testing.assert_allclose(value, three_value, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, three_grads)
 
