@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 
@@ -406,6 +407,17 @@ def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0
 # compiles for minutes. Without the pass each generator is its own small kernel, compiled in a fraction of that
 # time (benchmarks/BENCHMARKS.md). The values are the same bits: fusion does not change what is computed.
 INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
+# On a CPU, also LLVM's optimization level 1 for that program, not XLA's default 2: the generators' unrolled
+# integer code is where a small model's init spends most of its compile time at level 2, and the program runs
+# once. The same bits come out (tests/test_train_state.py); a level the user sets in XLA_FLAGS is kept.
+CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def init_compiler_options(platform: str) -> dict:
+    """The XLA options `create` compiles the init program with on `platform`'s devices."""
+    if platform == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        return {**INIT_COMPILER_OPTIONS, **CPU_INIT_COMPILER_OPTIONS}
+    return INIT_COMPILER_OPTIONS
 
 
 def create(
@@ -415,5 +427,6 @@ def create(
     """Initialise the state directly into its shards: (state, its shardings, ModelSpec)."""
     _, shardings, model_spec, init = abstract_state(cfg, tx, mesh, rules, seed, model_spec, loss_scale)
     with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=shardings).lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
+        options = init_compiler_options(mesh.devices.flat[0].platform)
+        state = jax.jit(init, out_shardings=shardings).lower().compile(compiler_options=options)()
     return state, shardings, model_spec
