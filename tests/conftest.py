@@ -14,7 +14,8 @@ os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_c
 # elemental emitter fuses a little differently, the temporaries barely change), the machine code unoptimized:
 # the default suite compiles hundreds of small programs and runs each a few times, so
 # compiling is most of its time (a tiny training step runs 3x slower, which is why the slow suite and the CLI
-# runs the tests start keep the optimized code; benchmarks/BENCHMARKS.md, "The default test suite's time"). Its
+# runs the tests start keep the optimized code, but for runs of a few steps, `helpers.xla_flags(fast_compile=True)`;
+# benchmarks/BENCHMARKS.md, "The default test suite's time"). Its
 # floating point differs from the optimized code's in the last bits (summation order): a test that compares to
 # the bit with numbers the optimized code computed elsewhere is marked `optimized_codegen` and runs in its own
 # process without the flags.

@@ -31,10 +31,17 @@ def hlo_dot_flops(hlo: str) -> int:
     return total
 
 
-def xla_flags(*flags: str) -> str:
+# The code generation flags tests/conftest.py adds under JAXLM_TEST_FAST_COMPILE=1
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def xla_flags(*flags: str, fast_compile: bool = False) -> str:
     """XLA_FLAGS for a test's subprocess: the flags the suite was given (`--xla_cpu_max_isa` under `make test-isa`:
-    tests/conftest.py keeps them) and `flags`; not the 8 fake devices conftest adds."""
-    return " ".join([os.environ.get("JAXLM_TEST_XLA_FLAGS_GIVEN", ""), *flags]).strip()
+    tests/conftest.py keeps them) and `flags`; not the 8 fake devices conftest adds. `fast_compile`: also the
+    unoptimized code generation where this suite runs with it (conftest's FAST_COMPILE), for a run of a few
+    steps, where compiling the optimized code would cost more than running the slower code saves."""
+    fast = [f for f in FAST_COMPILE_FLAGS if fast_compile and f in os.environ.get("XLA_FLAGS", "").split()]
+    return " ".join([os.environ.get("JAXLM_TEST_XLA_FLAGS_GIVEN", ""), *fast, *flags]).strip()
 
 
 def small_config(**overrides) -> ModelConfig:

@@ -30,9 +30,12 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
         "--config=configs/tiny.py",
         f"--config.run.output_dir={tmp_path}",
         "--config.run.name=short",
-        "--config.run.steps=30",
-        "--config.run.log_every=10",
-        "--config.run.eval_every=10",
+        # 12 steps, all of them the warmup's: the console, the metrics and three evaluations to keep the best of,
+        # each every 4 steps, and a learning rate that rises to its peak at the last step
+        "--config.run.steps=12",
+        "--config.run.log_every=4",
+        "--config.run.eval_every=4",
+        "--config.optim.warmup_steps=12",
         "--config.checkpoint.keep_last=1",
         "--config.checkpoint.keep_best=1",
         "--config.data.builtin_max_bytes=400000",
@@ -45,15 +48,15 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "short"
     assert f"run directory {run_dir}" in result.stdout
-    # the console: the first step at once (training started, compilation included), then every 10
+    # the console: the first step at once (training started, compilation included), then every 4
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert lines[0].startswith("step      1/30 |") and "compilation included" in lines[0]
-    assert [line.split("/")[0].split()[-1] for line in lines if "| epoch" in line][1:4] == ["10", "20", "30"]
+    assert lines[0].startswith("step      1/12 |") and "compilation included" in lines[0]
+    assert [line.split("/")[0].split()[-1] for line in lines if "| epoch" in line][1:4] == ["4", "8", "12"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == list(range(1, 31))
+    assert [r["step"] for r in train] == list(range(1, 13))
     val = {r["step"]: r for r in records if "val_loss" in r}
-    assert list(val) == [10, 20, 30]
+    assert list(val) == [4, 8, 12]
     for r in val.values():
         assert r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"]))
         # A BPE token of code stands for more than one byte, and every token for at least one.
@@ -63,21 +66,21 @@ def test_a_short_run_trains_and_writes_its_run_directory(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"]["vocab_size"] == 512 and config["mesh"]["fsdp"] == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 30
+    assert summary["steps"] == 12
     assert summary["mfu"] is None and summary["peak_flops_per_device"] is None  # a CPU's peak: unknown, not guessed
     floats.identical(summary["final_loss"], train[-1]["loss"], why=floats.MOVED)  # the last step's, written again
-    assert (run_dir / "checkpoints" / "30" / "state").is_dir()
+    assert (run_dir / "checkpoints" / "12" / "state").is_dir()
     assert (run_dir / "tokenizer.model").is_file()
-    assert "jaxlm: done: 30 steps" in result.stdout
+    assert "jaxlm: done: 12 steps" in result.stdout
     assert all(r["model_tflops_per_device"] > 0 and "mfu" not in r for r in train)  # CPU: MFU unknown
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in train]
-    assert [e.step for e in events.Scalars("val_bits_per_byte")] == [10, 20, 30]
+    assert [e.step for e in events.Scalars("val_bits_per_byte")] == [4, 8, 12]
     best = min(val, key=lambda step: val[step]["val_loss"])
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == sorted({best, 30})  # best + last
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == sorted({best, 12})  # best + last
 
 
 @pytest.mark.slow  # the guard itself: test_train_step.py::test_a_non_finite_loss_never_reaches_the_state

@@ -26,7 +26,10 @@ from jaxlm.models import transformer
 from tiny_run import ROOT, train_tiny_run
 
 RECIPE = str(ROOT / "configs" / "tiny.py")  # d_model 128, 4 layers, 2048 tokens: not the source's architecture
-FOUR_DEVICES = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
+# The suite's fast compilation, if on, for every run here (the source and the runs from it, whose losses some
+# tests compare bit for bit): runs of a few steps of a small model, their compilation most of their time.
+FOUR_DEVICES = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4", fast_compile=True),
+                    JAX_PLATFORMS="cpu")
 EIGHT = ("--config.mesh.data=1", "--config.mesh.fsdp=-1")  # in-process: this session's 8 devices
 SOURCE_MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128, vocab_size=300)  # tiny_run's
 
@@ -34,7 +37,8 @@ SOURCE_MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """The facts run (tests/tiny_run.py), 40 steps on one device, checkpoints at steps 20 and 40."""
-    return train_tiny_run(tmp_path_factory.mktemp("source"), steps=40, extra=("--config.checkpoint.every_steps=20",))
+    return train_tiny_run(tmp_path_factory.mktemp("source"), steps=40, extra=("--config.checkpoint.every_steps=20",),
+                          fast_compile=True)
 
 
 def finetune_args(directory, source, name, *extra, steps=8) -> list[str]:

@@ -24,9 +24,10 @@ STEPS = 8
 def run_cli(*argv: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     # One CPU device: with the profiler on, 8 fake CPU devices sometimes deadlock in XLA:CPU's
     # collectives (two all-gathers of one step entered in different orders by different device
-    # threads, then "Termination timeout ... of 40 seconds"); nothing here needs a mesh.
+    # threads, then "Termination timeout ... of 40 seconds"); nothing here needs a mesh. The suite's fast
+    # compilation, if on: the run's two programs (init, step) compile for most of its time, its 8 steps are short.
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1"))
+               XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1", fast_compile=True))
     return subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -59,8 +59,10 @@ def _saved(directory, name: str) -> dict:
         z = jax.tree.map(lambda z: z + 0.05 * jnp.cos(jnp.arange(z.size, dtype=z.dtype).reshape(z.shape)), s.z)
         return s._replace(z=z)
 
-    state = state.replace(step=jnp.array(3, jnp.int32), opt_state=jax.tree.map(
-        moved, state.opt_state, is_leaf=lambda s: isinstance(s, optax.contrib.ScheduleFreeState)))
+    # one program for the whole optimizer state (eagerly, each operation on each shape compiles its own)
+    opt_state = jax.jit(lambda o: jax.tree.map(moved, o, is_leaf=lambda s: isinstance(s, optax.contrib.ScheduleFreeState)),
+                        out_shardings=jax.tree.map(lambda x: x.sharding, state.opt_state))(state.opt_state)
+    state = state.replace(step=jnp.array(3, jnp.int32), opt_state=opt_state)
     with checkpoint.Checkpointer(directory) as ckpt:
         assert ckpt.save(3, state, meta={"config": cfg.to_dict()}, force=True)
     return jax.device_get(state)
@@ -80,21 +82,22 @@ def test_a_schedule_free_checkpoint_reads_as_x_and_an_adamw_one_as_y(tmp_path, c
     y exactly, nothing said."""
     _saved(tmp_path / "sf", SF)
     want, y = _numpy_x(tmp_path / "sf" / "3")
+    target = _target()
     capfd.readouterr()
-    got = checkpoint.load_params(tmp_path / "sf", _target())
+    got = checkpoint.load_params(tmp_path / "sf", target)
     said = [line for line in capfd.readouterr().err.splitlines() if LINE in line]
     assert len(said) == 1 and "checkpoint 3" in said[0] and "b1=0.9" in said[0]
     floats.close(jax.device_get(got), want, ulps=2)
     assert not np.allclose(got["unembed"]["kernel"], y["unembed"]["kernel"], atol=1e-3)
-    assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, _target())
-    half = checkpoint.load_params(tmp_path / "sf", _target(), dtype=jnp.bfloat16)  # x in float32, then rounded
+    assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, target)
+    half = checkpoint.load_params(tmp_path / "sf", target, dtype=jnp.bfloat16)  # x in float32, then rounded
     for leaf in jax.tree.leaves(half):
         assert leaf.dtype == jnp.bfloat16
     floats.close(jax.device_get(half), jax.tree.map(lambda x: x.astype(jnp.bfloat16), want), ulps=2)
 
     adamw = _saved(tmp_path / "adamw", "adamw")
     capfd.readouterr()
-    got = checkpoint.load_params(tmp_path / "adamw", _target())
+    got = checkpoint.load_params(tmp_path / "adamw", target)
     assert LINE not in capfd.readouterr().err
     floats.identical(jax.device_get(got), adamw.params, why=floats.MOVED)
 

@@ -46,11 +46,14 @@ def train_args(directory: pathlib.Path, steps: int = STEPS) -> list[str]:
 ONE_DEVICE = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1"), JAX_PLATFORMS="cpu")
 
 
-def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> pathlib.Path:
+def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str, ...] = (),
+                   fast_compile: bool = False) -> pathlib.Path:
     """Train a 2-layer model on the facts corpus (`directory/facts.txt`); returns the run directory.
-    `extra`: more `--config.key=value` flags."""
+    `extra`: more `--config.key=value` flags; `fast_compile`: the suite's fast compilation where it has it
+    (`helpers.xla_flags`), for a run of a few steps."""
+    env = dict(ONE_DEVICE, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1", fast_compile=fast_compile))
     result = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(directory, steps), *extra],
-                            cwd=ROOT, env=ONE_DEVICE, capture_output=True, text=True, timeout=600)
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "facts"
 
