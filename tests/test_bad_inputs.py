@@ -9,6 +9,13 @@ change it), {copy} (a copy of that run in the case's directory, for cases that d
 {tok} (the run's tokenizer). The cases selected run concurrently (three at a time) once, in a
 module fixture; each test then checks one. Cases that need seconds of training or a signal are
 marked slow (`make test-slow`).
+
+Each case's command runs in its own process: most in a child forked from a server that imported
+JAX, Flax and the jaxlm command modules once (tests/command_forks.py, which makes that child what
+`python -m jaxlm.<command>` is once imported), so that a case costs its command's work rather than
+seconds of imports; a case whose environment differs from the session's (JAX read its variables
+in the server) or that is signalled at a line of its output runs as a real subprocess.
+JAXLM_TEST_NO_FORK=1 runs every case as a real subprocess (to compare, or to debug the server).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from command_forks import CommandForks
 
 from jaxlm.run_lock import RunLock
 from tiny_run import ONE_DEVICE, ROOT, train_args, train_tiny_run
@@ -854,42 +862,76 @@ def _snapshot(root: pathlib.Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
-def _run_case(case: Case, case_dir: pathlib.Path, world: dict) -> dict:
+def _run_case(case: Case, case_dir: pathlib.Path, world: dict, forks: CommandForks | None = None,
+              output: pathlib.Path | None = None) -> dict:
     case_dir.mkdir(parents=True)
     held = case.setup(case_dir, world) if case.setup else None  # a lock, for the run-dir-in-use case
     watched = pathlib.Path(_fill(case.unchanged, case_dir, world)) if case.unchanged else None
     before = _snapshot(watched) if watched else {}
     env = dict(ONE_DEVICE if case.one_device else os.environ, PYTHONUNBUFFERED="1", **dict(case.env))
     argv = _argv(case, case_dir, world)
+    # forked from the server when that is the same command: its environment is the server's (JAX has read
+    # its variables there) and nothing reads its output while it runs (a signal sent at a line of it)
+    forked = forks is not None and output is not None and env == forks.env and case.signal_after is None
 
     def limit() -> None:
         if case.file_size_limit:
             resource.setrlimit(resource.RLIMIT_FSIZE, (case.file_size_limit, case.file_size_limit))
 
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=limit)
-    seen, seen_err = [], []
-    if case.signal_after:
-        name, prefix = case.signal_after
-        if not prefix:
-            time.sleep(case.signal_delay)  # a moment into the work, after the imports
-        else:
-            stream, lines = (proc.stderr, seen_err) if prefix.startswith("stderr:") else (proc.stdout, seen)
-            prefix = prefix.removeprefix("stderr:")
-            for line in stream:
-                lines.append(line)
-                if line.startswith(prefix):
-                    break
-        proc.send_signal(getattr(signal, name))
-    out, err = proc.communicate(timeout=600)
-    result = {"code": proc.returncode, "out": "".join(seen) + out, "err": "".join(seen_err) + err, "argv": argv,
-              "changed": watched is not None and _snapshot(watched) != before}
+    def run_forked(name: str, file_size_limit: int) -> tuple[int, str, str]:
+        out, err = output / f"{case.name}.{name}.out", output / f"{case.name}.{name}.err"
+        code = forks.run(case.command, argv[3:], cwd=ROOT, stdout=out, stderr=err, file_size_limit=file_size_limit,
+                         timeout=600)
+        return code, out.read_text(), err.read_text()
+
+    if forked:
+        code, out, err = run_forked("first", case.file_size_limit)
+        result = {"code": code, "out": out, "err": err}
+    else:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=limit)
+        seen, seen_err = [], []
+        if case.signal_after:
+            name, prefix = case.signal_after
+            if not prefix:
+                time.sleep(case.signal_delay)  # a moment into the work, after the imports
+            else:
+                stream, lines = (proc.stderr, seen_err) if prefix.startswith("stderr:") else (proc.stdout, seen)
+                prefix = prefix.removeprefix("stderr:")
+                for line in stream:
+                    lines.append(line)
+                    if line.startswith(prefix):
+                        break
+            proc.send_signal(getattr(signal, name))
+        out, err = proc.communicate(timeout=600)
+        result = {"code": proc.returncode, "out": "".join(seen) + out, "err": "".join(seen_err) + err}
+    result.update(argv=argv, forked=forked, changed=watched is not None and _snapshot(watched) != before)
     if isinstance(held, RunLock):
         held.release()
     if case.then == "resumes":
-        again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        result["then"] = (again.returncode, again.stderr[-2000:])
+        if forked:
+            code, _, err = run_forked("then", 0)  # (the disk has room again)
+            result["then"] = (code, err[-2000:])
+        else:
+            again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            result["then"] = (again.returncode, again.stderr[-2000:])
     return result
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+    """The fork server (tests/command_forks.py) with this session's environment, started while the world
+    trains; None under JAXLM_TEST_NO_FORK=1. Its own stderr must stay empty (no warning at import or fork)."""
+    if os.environ.get("JAXLM_TEST_NO_FORK") == "1":
+        yield None
+        return
+    server = CommandForks(ROOT, dict(os.environ, PYTHONUNBUFFERED="1"), tmp_path_factory.mktemp("forks") / "server.err")
+    try:
+        yield server
+    finally:
+        said = server.close()
+    assert said == "", f"the fork server wrote to its stderr:\n{said[-3000:]}"
+    assert server.info["python_threads"] == 1, server.info
 
 
 @pytest.fixture(scope="module")
@@ -905,13 +947,14 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(world, request):
+def results(forks, world, request, tmp_path_factory):
     """Every case selected in this session, run three at a time."""
     selected = [item.callspec.params["case"] for item in request.session.items
                 if item.module.__name__ == __name__ and hasattr(item, "callspec")]
     run_before = _snapshot(world["run"])
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = {c.name: pool.submit(_run_case, c, world["cases"] / c.name, world) for c in selected}
+        output = tmp_path_factory.mktemp("output")  # the forked commands' stdout and stderr
+        futures = {c.name: pool.submit(_run_case, c, world["cases"] / c.name, world, forks, output) for c in selected}
         done = {name: f.result() for name, f in futures.items()}
     assert _snapshot(world["run"]) == run_before, "a case changed the shared run"
     return done
