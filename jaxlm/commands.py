@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxlm import cli, overrides, paths, roofline
-from jaxlm.data import sft, sources
+from jaxlm.data import sources
 from jaxlm.errors import EXIT_ENVIRONMENT, EnvironmentFailure, UserError, report_error
 
 ADAPTER_CHOICES = ("merge", "peft")  # hf export --adapters
@@ -41,7 +41,7 @@ def evaluate_parser() -> cli.Parser:
     parser.add_argument("--corpus", default="val",
                         help="'val' (the run's validation split), a prepared directory, files/globs, or 'none'")
     parser.add_argument("--split", default="val", help="the split of a prepared directory: train or val")
-    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sft.FORMATS,
+    parser.add_argument("--format", default="auto", choices=sources.FORMATS + sources.SFT_FORMATS,
                         help="of raw corpus files (auto: by extension, or the run's data.format for an SFT run)")
     parser.add_argument("--chat_template", default=None,
                         help="chat rows: '' (the tokenizer's own), chatml, simple or a .jinja file (default: the run's)")
@@ -273,6 +273,10 @@ def conversation(text: str, where: str, system: str | None) -> list[dict[str, st
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not JSON ({e.msg} at character {e.pos}); give a list of {{\"role\": ..., "
                         f"\"content\": ...}} messages") from None
+    # imported here: the sft module imports the tokenizer's, which `python -m jaxlm.data.tokenizer` must not
+    # find imported before it runs (runpy warns that it ran twice)
+    from jaxlm.data import sft
+
     messages = sft.check_prompt(row, where)
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})

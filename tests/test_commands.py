@@ -54,6 +54,15 @@ def test_help_and_a_bad_flag_are_answered_before_jax_is_imported(module):
     assert "jax" not in imported
 
 
+@pytest.mark.parametrize("module", sorted({*BAD_FLAGS, "jaxlm.train", "jaxlm.data.prepare", "jaxlm.data.tokenizer"}))
+def test_every_commands_help_prints_nothing_else(module):
+    """Not a warning either: runpy's, when the package's early parse had imported the command's own module
+    (it then runs twice, `jaxlm.data.tokenizer` by way of the SFT formats once did)."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0 and "usage:" in done.stdout and done.stderr == "", done.stderr[-2000:]
+
+
 def test_train_help_lists_the_recipes_before_jax_is_imported():
     done, imported = _run("jaxlm.train", "--help")
     assert done.returncode == 0 and "jax" not in imported

@@ -53,8 +53,8 @@ from jaxlm.data import sources
 from jaxlm.data.tokenizer import HFTokenizer, Tokenizer, read_limited
 from jaxlm.errors import UserError
 
-CONVERSATIONS = ("chat", "sharegpt", "alpaca")  # the formats whose rows are conversations (rendered with a template)
-FORMATS = (*CONVERSATIONS, "prompt_completion")
+CONVERSATIONS = sources.CONVERSATIONS  # the formats whose rows are conversations (rendered with a template)
+FORMATS = sources.SFT_FORMATS
 # ShareGPT speakers (`from`) -> messages roles. "tool" stays itself (the template renders or refuses it); a speaker
 # not here (function_call, observation, ...) is refused in one line rather than guessed.
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

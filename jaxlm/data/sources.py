@@ -20,6 +20,10 @@ from collections.abc import Iterator, Sequence
 from jaxlm.errors import UserError
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf", "arrow")
+# The supervised fine-tuning formats (`jaxlm.data.sft`), named here where the command lines read them before the
+# tokenizer module is imported: the formats whose rows are conversations (rendered with a template), and all
+CONVERSATIONS = ("chat", "sharegpt", "alpaca")
+SFT_FORMATS = (*CONVERSATIONS, "prompt_completion")
 _EXTENSIONS = {
     ".txt": "text", ".md": "text", ".text": "text", ".py": "text",
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
