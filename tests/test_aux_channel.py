@@ -56,7 +56,8 @@ WAYS = {
     "pipelined": dict(n_layers=4, pipeline_stages=2, pipeline_microbatches=2),
     "pipelined-circular": dict(n_layers=4, pipeline_stages=2, pipeline_microbatches=2, pipeline_repeats=2),
 }
-SLOW_WAYS = {"pipelined-circular"}  # (the circular schedule's layer order: in the slow suite)
+# in the slow suite: the circular schedule's layer order, and remat in unrolled layers (each of the two alone here)
+SLOW_WAYS = {"pipelined-circular", "unrolled-remat"}
 
 
 def _loss_and_grads(cfg, with_aux: bool):

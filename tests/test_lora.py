@@ -218,7 +218,8 @@ def test_the_planner_counts_gradients_and_moments_of_the_adapters_only():
     assert est.row("parameters").total_bytes == 4 * sum(x.size for x in jax.tree.leaves(built))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(scan_layers=False), dict(mlp="gelu", norm="layernorm", use_bias=True),
+@pytest.mark.parametrize("kw", [{}, pytest.param(dict(scan_layers=False), marks=pytest.mark.slow),
+                                dict(mlp="gelu", norm="layernorm", use_bias=True),
                                 dict(qk_norm=True, n_kv_heads=2)])  # Qwen3's q/k norms: not projections, untouched
 def test_merged_weights_give_the_adapted_models_logits(kw):
     mlp = ("w_in", "w_out") if kw.get("mlp") == "gelu" else ("w_gate", "w_up", "w_down")

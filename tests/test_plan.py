@@ -138,7 +138,8 @@ def test_the_cpu_report_plans_what_a_cpu_run_plans():
 @pytest.mark.parametrize(
     "overrides",
     [dict(mesh__data=2, mesh__fsdp=4), dict(model__remat="full", optim__micro_batches=2, model__dtype="float32"),
-     dict(model__remat="full", model__scan_layers=False),  # XLA:CPU: remat in unrolled layers saves nothing
+     pytest.param(dict(model__remat="full", model__scan_layers=False),  # XLA:CPU: remat in unrolled layers saves
+                  marks=pytest.mark.slow),  # nothing (the default suite's time)
      pytest.param(dict(model__matmul="fp8", model__remat="dots", mesh__fsdp=8), marks=pytest.mark.slow)],  # float8
 )
 def test_the_compiled_figure_on_8_fake_cpu_devices_agrees_with_the_analytic_one(overrides):

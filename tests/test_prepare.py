@@ -240,7 +240,8 @@ def signal_when_shards_appear(args: list[str], out: pathlib.Path, sig: signal.Si
     [
         (signal.SIGKILL, -signal.SIGKILL, None),  # the OOM killer, a lost node: no chance to clean up
         (signal.SIGTERM, 75, "jaxlm: stopped by SIGTERM; run the same command again to continue"),  # a scheduler
-        (signal.SIGINT, 130, "jaxlm: interrupted (run the same command again to continue)"),  # Ctrl-C
+        pytest.param(signal.SIGINT, 130, "jaxlm: interrupted (run the same command again to continue)",  # Ctrl-C
+                     marks=pytest.mark.slow),  # SIGTERM's path with another line (the default suite's time)
     ],
     ids=["SIGKILL", "SIGTERM", "SIGINT"],
 )

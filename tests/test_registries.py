@@ -130,7 +130,9 @@ def test_every_entry_is_in_one_compiled_program():
     assert {kind: getattr(tiny, kind) for kind in TINY_ENTRIES} == TINY_ENTRIES
 
 
-@pytest.mark.parametrize("program", PROGRAMS)
+# The default suite: the tiny recipe's program and the MoE's; every program in the slow one
+@pytest.mark.parametrize("program", [p if p in ("tiny", "mlp-moe") else pytest.param(p, marks=pytest.mark.slow)
+                                     for p in PROGRAMS])
 def test_flops_per_token_are_the_compiled_steps_dots(program):
     """The dots of the compiled step (layers unrolled: XLA:CPU counts a loop body once) are exactly
     the model's matmuls, 6 FLOPs per weight per token, and the full T x T attention square."""
@@ -144,11 +146,14 @@ def test_flops_per_token_are_the_compiled_steps_dots(program):
     assert flops_per_token(m, seq_len) * tokens == 6 * matmul_params(m) * tokens + square // 2  # causal: half
 
 
-# On 8 devices: the MoE (its dispatch's own sharding) in the default suite, the others in the slow one (the
-# planner's sharded terms are the same for them; the default suite's 10-minute budget)
+# The default suite: the tiny recipe's program on one device and the MoE's on 8 (its dispatch's own sharding);
+# every program on both in the slow one (the default suite's 10-minute budget)
+PLANNED_BY_DEFAULT = {("tiny", 1), ("mlp-moe", 8)}
+
+
 @pytest.mark.parametrize("program, devices", [
     pytest.param(program, devices, id=f"{program}-{'1-device' if devices == 1 else 'data2-fsdp4'}",
-                 marks=[pytest.mark.slow] if devices == 8 and program != "mlp-moe" else [])
+                 marks=[] if (program, devices) in PLANNED_BY_DEFAULT else [pytest.mark.slow])
     for program in PROGRAMS for devices in (1, 8)])
 def test_the_planner_agrees_with_the_compiled_step(program, devices):
     """Without remat (a CPU's default), where the MLP's saved activations and its backward pass's
@@ -161,7 +166,8 @@ def test_the_planner_agrees_with_the_compiled_step(program, devices):
     assert abs(report["compiled"]["per_device_bytes"] / analytic - 1) <= memory.TOLERANCE
 
 
-@pytest.mark.parametrize("name", NAMES)
+# GELU's GPT-2 (its own architecture, also in tests/test_hf.py) in the slow suite
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "gelu" else n for n in NAMES])
 def test_hugging_face_architectures_load_the_weights_or_the_export_is_refused(name, tmp_path):
     cfg = small_config(mlp=name, n_kv_heads=2)
     if not MLPS[name].hf_architectures:
