@@ -273,9 +273,8 @@ def conversation(text: str, where: str, system: str | None) -> list[dict[str, st
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not JSON ({e.msg} at character {e.pos}); give a list of {{\"role\": ..., "
                         f"\"content\": ...}} messages") from None
-    # imported here: the sft module imports the tokenizer's, which `python -m jaxlm.data.tokenizer` must not
-    # find imported before it runs (runpy warns that it ran twice)
-    from jaxlm.data import sft
+    # (`python -m jaxlm.data.tokenizer` must not find its module imported before it runs: runpy warns, running it twice)
+    from jaxlm.data import sft  # local import: sft imports jaxlm.data.tokenizer (above)
 
     messages = sft.check_prompt(row, where)
     if system is not None and messages[0]["role"] != "system":
