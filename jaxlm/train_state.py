@@ -409,7 +409,8 @@ def abstract_state(cfg: ModelConfig, tx, mesh: Mesh, rules: Rules, seed: int = 0
 INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "multi_output_fusion"}
 # On a CPU, also LLVM's optimization level 1 for that program, not XLA's default 2: the generators' unrolled
 # integer code is where a small model's init spends most of its compile time at level 2, and the program runs
-# once. The same bits come out (tests/test_train_state.py); a level the user sets in XLA_FLAGS is kept.
+# once. The same bits came out on the CPUs measured (benchmarks/BENCHMARKS.md, "Start-up"; checked within 2 ulps by
+# tests/test_init_program.py); a level the user sets in XLA_FLAGS is kept.
 CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

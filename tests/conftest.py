@@ -41,12 +41,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # Python's cyclic garbage collector, tuned for a test process: JAX's tracing allocates objects by the million,
-# and with the default thresholds every few hundred allocations start a collection that walks the process's
-# whole young heap, and the older generations' collections walk everything a worker holds (the imported
-# libraries, the collected tests): a large share of the suite's CPU time (benchmarks/BENCHMARKS.md, "The
-# default test suite's time"). Collections now come a hundred times less often; what the session keeps for its
-# whole life is frozen out of them after collection (`pytest_collection_finish`); each test file's end still
-# collects everything (`_forget_compiled_programs`).
+# and with the default thresholds (700, 10, 10) a collection of the young objects starts every 700 allocations
+# and one of everything a worker holds (the imported libraries, the collected tests) every 70,000 or so: a large
+# share of the suite's CPU time (benchmarks/BENCHMARKS.md, "The default test suite's time"). Now the young ones
+# every 50,000 and the rest far more rarely; what collection leaves is frozen out of every collection
+# (`pytest_collection_finish`); each test file's end still runs a full collection (`_forget_compiled_programs`).
 gc.set_threshold(50_000, 50, 1_000)
 
 
