@@ -979,7 +979,7 @@ def test_bad_input(case: Case, results):
     codes = case.code if isinstance(case.code, tuple) else (case.code,)
     assert r["code"] in codes, where
     assert "Traceback" not in r["err"], where
-    # nor the records of the libraries underneath (INFO for every logger printed Orbax's, a screen of them)
+    # nor the records of the libraries underneath (at INFO for every logger, Orbax's fill a screen)
     assert not any(word in r["err"] for word in ("CheckpointManager", "orbax", "absl")), where
     if r["code"] in (2, 74):
         # jaxlm's own line, or argparse's (after its usage) for a flag it does not know

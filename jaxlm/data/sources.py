@@ -20,8 +20,9 @@ from collections.abc import Iterator, Sequence
 from jaxlm.errors import UserError
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf", "arrow")
-# The supervised fine-tuning formats (`jaxlm.data.sft`), named here where the command lines read them before the
-# tokenizer module is imported: the formats whose rows are conversations (rendered with a template), and all
+# The supervised fine-tuning formats (`jaxlm.data.sft`), kept here so that the command lines (`jaxlm.commands`)
+# can name them without importing the tokenizer's module: the formats whose rows are conversations (rendered
+# with a template), and every SFT format
 CONVERSATIONS = ("chat", "sharegpt", "alpaca")
 SFT_FORMATS = (*CONVERSATIONS, "prompt_completion")
 _EXTENSIONS = {
