@@ -26,7 +26,8 @@ from tests.helpers import random_batch
 EQUATIONS = {  # equation: (x shape, kernel shape), as the model's projections use them
     "btd,dnh->btnh": ((2, 8, 32), (32, 4, 8)),  # wq, wk, wv
     "btnh,nhd->btd": ((2, 8, 4, 8), (4, 8, 32)),  # wo
-    "btd,df->btf": ((2, 8, 32), (32, 96)),  # the MLP's
+    "btd,df->btf": ((2, 8, 32), (32, 96)),  # the MLP's gate and up
+    "btf,fd->btd": ((2, 8, 96), (96, 32)),  # its down projection (the weight gradient's operands swapped)
     "btd,vd->btv": ((2, 8, 32), (128, 32)),  # the tied unembedding
 }
 BF16_ULP = 2.0 ** -7  # bfloat16's relative spacing (8 significand bits)
@@ -132,6 +133,34 @@ def test_the_compiled_cpu_step_runs_the_projections_dots_in_bfloat16():
     assert counts["xla"][("f32", "f32")] >= 3 * joint, counts["xla"]
     # what stays bfloat16 there is the attention's (the same dots in both programs)
     assert counts["xla"][("bf16", "bf16")] == counts["auto"][("bf16", "bf16")] - 3 * projections, counts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_weight_gradient_copies_the_mlps_hidden_input_transposed(dtype, monkeypatch):
+    """`layers.weight_grad` puts the narrower operand on the dot's left: XLA:CPU's matmuls want that side's
+    contracted dimension minor and copy it transposed, and for the MLP's down projection that is its gradient
+    [tokens, d_model], not its input [tokens, mlp_dim]. In the compiled step no [mlp_dim, tokens] array is made;
+    with the operands in the plain order, XLA copies one per layer (where its matmuls are YNNPACK's)."""
+    n_layers, rows, seq = 2, 6, 32  # 192 tokens: unlike every width of the model
+    cfg = config.recipe("tiny", model__n_layers=n_layers, model__scan_layers=False, model__dtype=dtype,
+                        data__global_batch_size=rows, data__seq_len=seq)
+    shape = re.compile(rf"= (f32|bf16)\[{cfg.model.mlp_dim},({rows * seq}|{rows},{seq})\]")
+
+    def transposed_inputs() -> tuple[int, bool]:
+        t = train_setup.build(cfg, jax.devices()[:1])
+        assert t.model_cfg.matmul == "accumulate"
+        with jax.set_mesh(t.mesh):
+            hlo = t.train_step.lower(t.state, t.put_batch(random_batch(rows, seq, cfg.model.vocab_size))).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY"):]
+        entry = entry[: entry.index("\n}")]
+        return sum(bool(shape.search(line)) for line in entry.splitlines()), "ynn_fusion" in entry
+
+    assert transposed_inputs()[0] == 0
+    monkeypatch.setattr(layers, "weight_grad", lambda x_idx, out, kernel_idx, x, g: jnp.einsum(
+        f"{x_idx},{out}->{kernel_idx}", x, g, preferred_element_type=jnp.float32))
+    copies, ynnpack = transposed_inputs()
+    if ynnpack:
+        assert copies == n_layers
 
 
 def test_training_with_accumulating_dots_follows_the_plain_einsum():

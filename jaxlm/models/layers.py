@@ -108,8 +108,26 @@ def _accumulating_einsum_bwd(equation, residuals, g):
     lhs, out = equation.split("->")
     x_idx, kernel_idx = lhs.split(",")
     dx = jnp.einsum(f"{out},{kernel_idx}->{x_idx}", g, kernel, preferred_element_type=jnp.float32)
-    dkernel = jnp.einsum(f"{x_idx},{out}->{kernel_idx}", x, g, preferred_element_type=jnp.float32)
+    dkernel = weight_grad(x_idx, out, kernel_idx, x, g)
     return dx.astype(x.dtype), dkernel.astype(kernel.dtype)
+
+
+def weight_grad(x_idx: str, out: str, kernel_idx: str, x: jax.Array, g: jax.Array) -> jax.Array:
+    """The kernel's gradient in float32: x and g multiplied over the tokens, with the operand of fewer elements
+    outside the contraction as the dot's left side. XLA:CPU's matmuls (YNNPACK) take their left operand with the
+    contracted dimension minor, so XLA writes a transposed copy of the left operand; both operands here have the
+    tokens major, and the narrower is the cheaper to copy (an MLP's down projection: its [tokens, d_model]
+    gradient, not its [tokens, mlp_dim] input). The values are the same either way."""
+    batch = "".join(i for i in kernel_idx if i in x_idx and i in out)  # indices of all three (stacked kernels)
+    x_side = "".join(i for i in x_idx if i in kernel_idx and i not in batch)
+    g_side = "".join(i for i in out if i in kernel_idx and i not in batch)
+    sizes = {**dict(zip(x_idx, x.shape, strict=True)), **dict(zip(out, g.shape, strict=True))}
+    if math.prod(sizes[i] for i in g_side) >= math.prod(sizes[i] for i in x_side):
+        return jnp.einsum(f"{x_idx},{out}->{kernel_idx}", x, g, preferred_element_type=jnp.float32)
+    swapped = f"{batch}{g_side}{x_side}"
+    product = jnp.einsum(f"{out},{x_idx}->{swapped}", g, x, preferred_element_type=jnp.float32)
+    # the barrier keeps XLA from folding the transpose into the dot, which it does by swapping the operands back
+    return jnp.einsum(f"{swapped}->{kernel_idx}", jax.lax.optimization_barrier(product))
 
 
 accumulating_einsum.defvjp(_accumulating_einsum_fwd, _accumulating_einsum_bwd)
