@@ -5,7 +5,8 @@
     python benchmarks/profile_step.py --trace runs/tiny/profile    # a training run's own trace (profile.steps)
 
 The step is compiled, run `--warmup` times, timed over `--steps` steps without the profiler, then run
-once under `jax.profiler.trace` (a Perfetto trace; `--trace_dir` keeps it). The trace's device events
+once under `jax.profiler.trace` (a Perfetto trace; `--trace_dir` keeps it), or `--profiled` times, each
+kernel then at the median of its launches (on a machine shared with other work). The trace's device events
 are summed by kernel name: on a GPU the kernels of the `/device:GPU:*` streams (cuBLAS's and Triton's
 GEMMs, cuDNN's attention, XLA's fusions, copies, NCCL's collectives), on a CPU the thunks XLA:CPU's
 executor ran for the step's program (several at once on several cores: their sum can exceed the wall
@@ -28,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -52,16 +54,22 @@ def category(name: str) -> str:
     return next(label for label, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE))
 
 
-def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[str, list[float]], str, dict]:
+def device_kernels(trace_file: str, module: str = "jit_step_fn",
+                   steps: int = 1) -> tuple[dict[str, list[float]], str, dict]:
     """{kernel name: [total microseconds, count]} of the trace's device work, which kind it was ('gpu':
-    events of the /device:GPU:* processes; 'cpu': XLA:CPU thunks of `module`), and {'busy_ms', 'span_ms'}."""
+    events of the /device:GPU:* processes; 'cpu': XLA:CPU thunks of `module`), and {'busy_ms', 'span_ms'}.
+
+    `steps` > 1: the trace holds that many steps, and each kernel's figures are one step's: its launches
+    per step, each at the median of its launches' durations (a machine shared with other work stretches
+    some launches many times over; the median of several steps does not see them); busy and span per step."""
     with gzip.open(trace_file) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     processes = {e["pid"]: e["args"]["name"] for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in processes.items() if re.match(r"/device:GPU:\d+", name)}
-    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    kernels: dict[str, list[float]] = {}
+    durations: dict[str, list[float]] = collections.defaultdict(list)
     intervals = []
     for e in events:
         if e.get("ph") != "X":
@@ -72,11 +80,13 @@ def device_kernels(trace_file: str, module: str = "jit_step_fn") -> tuple[dict[s
                 continue
         elif args.get("hlo_module") != module or not args.get("hlo_op"):
             continue
-        entry = kernels[e["name"]]
-        entry[0] += float(e.get("dur", 0))
-        entry[1] += 1
+        durations[e["name"]].append(float(e.get("dur", 0)))
         intervals.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
-    return dict(kernels), "gpu" if gpu else "cpu", busy_and_span(intervals)
+    for name, times in durations.items():
+        per_step = len(times) / steps
+        kernels[name] = [statistics.median(times) * per_step if steps > 1 else sum(times), per_step]
+    busy = busy_and_span(intervals)
+    return dict(kernels), "gpu" if gpu else "cpu", {k: round(v / steps, 3) for k, v in busy.items()}
 
 
 def busy_and_span(intervals: list[tuple[float, float]]) -> dict[str, float]:
@@ -117,7 +127,7 @@ def summarize(kernels: dict[str, list[float]], top: int) -> dict:
 
 
 def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc_len: float, top: int,
-            trace_dir: str | None) -> dict:
+            trace_dir: str | None, profiled: int = 1) -> dict:
     import jax
 
     sys.path.insert(0, HERE)
@@ -139,10 +149,11 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
         step_s = (time.perf_counter() - t0) / max(1, steps)
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             t0 = time.perf_counter()
-            state, out = compiled(state, batches[0])
-            jax.block_until_ready(out)
-            profiled_s = time.perf_counter() - t0
-    kernels, kind, busy = device_kernels(trace_file(directory))
+            for i in range(profiled):
+                state, out = compiled(state, batches[i % 2])
+                jax.block_until_ready(out)
+            profiled_s = (time.perf_counter() - t0) / profiled
+    kernels, kind, busy = device_kernels(trace_file(directory), steps=profiled)
     if trace_dir is None:
         shutil.rmtree(directory, ignore_errors=True)
     device = jax.devices()[0]
@@ -150,14 +161,16 @@ def profile(recipe: str, overrides: dict[str, str], steps: int, warmup: int, doc
         "recipe": recipe, "overrides": overrides, "doc_len": doc_len,
         "devices": f"{jax.device_count()}x {device.device_kind}", "jax": jax.__version__,
         "micro_batches": setup.cfg.optim.micro_batches, "step_s": round(step_s, 4),
-        "profiled_step_s": round(profiled_s, 4), "events": kind, "loss": float(out["loss"]),
+        "profiled_step_s": round(profiled_s, 4), "profiled_steps": profiled, "events": kind, "loss": float(out["loss"]),
         **busy, **summarize(kernels, top),
     }
 
 
 def table(result: dict) -> str:
-    head = (f"{result['recipe']} on {result['devices']}, step {result['step_s']:.4f} s (one profiled: "
-            f"{result['profiled_step_s']:.4f} s); " if "recipe" in result else f"{result['trace']} (every step in it): ")
+    profiled = result.get("profiled_steps", 1)
+    head = (f"{result['recipe']} on {result['devices']}, step {result['step_s']:.4f} s ("
+            + (f"{profiled} profiled, each kernel at its median, per step: " if profiled > 1 else "one profiled: ")
+            + f"{result['profiled_step_s']:.4f} s); " if "recipe" in result else f"{result['trace']} (every step in it): ")
     lines = [head + f"{result['events']} events: kernels {result['kernel_ms']:,.1f} ms, busy {result['busy_ms']:,.1f} "
              f"of {result['span_ms']:,.1f} ms",
              "| category | ms | share | kernels |", "|---|---:|---:|---:|"]
@@ -176,11 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--doc_len", type=float, default=0,
                         help="documents of this mean length (tokens) packed in each row; 0 = one per row")
+    parser.add_argument("--profiled", type=int, default=1,
+                        help="steps under the profiler; above 1 each kernel is taken at the median of its launches")
     parser.add_argument("--top", type=int, default=15, help="largest kernels listed")
     parser.add_argument("--trace_dir", help="keep the trace here (default: a temporary directory, removed)")
     parser.add_argument("--trace", help="summarize this trace (a file, or the newest under a directory) instead")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
+    if args.profiled < 1:
+        parser.error(f"--profiled takes the number of steps to profile (1 or more), not {args.profiled}")
     if args.doc_len < 0:
         parser.error(f"--doc_len takes a mean document length in tokens (0: one document per row), not {args.doc_len:g}")
     if args.trace:
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"trace": path, "events": kind, **busy, **summarize(kernels, args.top)}
     else:
         result = profile(args.recipe, dict(kv.split("=", 1) for kv in args.set), args.steps, args.warmup,
-                         args.doc_len, args.top, args.trace_dir)
+                         args.doc_len, args.top, args.trace_dir, args.profiled)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -298,6 +298,30 @@ def test_profile_step_counts_overlapping_events_once_as_busy():
     assert profile_step.busy_and_span([]) == {"busy_ms": 0.0, "span_ms": 0.0}
 
 
+def test_profile_step_takes_each_kernel_at_its_median_over_several_steps(tmp_path):
+    """`--profiled N`: a kernel's figure is one step's, its launches per step at the median launch, so one
+    launch stretched by other work on the machine does not count; busy and span are per step."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_step
+
+    def thunk(name, ts, dur, module="jit_step_fn"):
+        return {"ph": "X", "name": name, "pid": 1, "ts": ts, "dur": dur, "args": {"hlo_module": module, "hlo_op": name}}
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    for step, stretched in enumerate((1, 100, 1)):  # three steps, dot.1 twice in each, once 100 times as long
+        t0 = 1000.0 * step
+        events += [thunk("dot.1", t0, 10.0 * stretched), thunk("dot.1", t0 + 200, 10.0), thunk("copy.2", t0 + 400, 4.0)]
+    events.append(thunk("other_module_op", 0.0, 500.0, module="jit_other"))  # not the step's
+    trace = tmp_path / "t.perfetto_trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    kernels, kind, _ = profile_step.device_kernels(str(trace), steps=3)
+    assert kind == "cpu" and kernels == {"dot.1": [20.0, 2.0], "copy.2": [4.0, 1.0]}
+    assert profile_step.device_kernels(str(trace))[0]["dot.1"] == [1000.0 + 50.0, 6]  # one step: the sums
+
+
 def test_profile_step_sorts_kernel_names_into_categories():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import profile_step
