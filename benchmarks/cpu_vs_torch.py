@@ -13,6 +13,13 @@ Shapes (issue 21, part 2):
   vocab 8192, batch 8 x 256), bfloat16 compute (PyTorch: `torch.autocast("cpu", torch.bfloat16)`),
   float32 parameters.
 
+`--profile N` also profiles N steps on each side and sets their time side by side by category
+(matmuls, attention, copies and transposes, reductions, elementwise): XLA:CPU's thunks from
+`jax.profiler` (benchmarks/profile_step.py, each kernel at its median launch), PyTorch's operators'
+self time from `torch.profiler`. Each is the time an operation took from its start to its end, its
+threads included (XLA:CPU may run independent thunks at once; PyTorch runs one operator at a time,
+each on all its threads).
+
 One optimizer step on each side is the same work: forward, cross-entropy, backward, global-norm
 clipping to 1.0, AdamW (decay on matrices only), on one fixed batch of random tokens. The PyTorch model
 is written here from the jaxlm variant's definition (pre-norm blocks, `F.scaled_dot_product_attention`
@@ -59,7 +66,7 @@ def jax_overrides(shape: dict, extra: list[str]) -> list[str]:
     return sets + list(extra)
 
 
-def run_jax(shape: dict, extra: list[str], steps: int, warmup: int) -> dict:
+def run_jax(shape: dict, extra: list[str], steps: int, warmup: int, profile: int = 0) -> dict:
     sys.path.insert(0, HERE)
     from train_throughput import bench  # noqa: PLC0415 (the jax side imports jax only in its own process)
 
@@ -72,13 +79,34 @@ def run_jax(shape: dict, extra: list[str], steps: int, warmup: int) -> dict:
     config.apply_overrides(cfg, list(overrides.items()))
     import jax  # noqa: PLC0415
 
-    return {"step_ms": r["step_s"] * 1e3, "compile_s": r["compile_s"],
-            "params": param_count(ModelConfig.from_config(cfg.model, log_choice=False))["total"],
-            "version": f"jax {jax.__version__}"}
+    out = {"step_ms": r["step_s"] * 1e3, "compile_s": r["compile_s"],
+           "params": param_count(ModelConfig.from_config(cfg.model, log_choice=False))["total"],
+           "version": f"jax {jax.__version__}"}
+    if profile:
+        import profile_step  # noqa: PLC0415
+
+        p = profile_step.profile("tiny", overrides, 1, warmup, 0.0, 0, None, profiled=profile)
+        out["profile_ms"] = {row["category"]: row["ms"] for row in p["categories"]}
+    return out
+
+
+TORCH_CATEGORIES = (  # PyTorch's operators by name, into profile_step.py's categories (first match)
+    ("attention", r"scaled_dot_product|flash_attention|_efficient_attention"),
+    ("matmuls", r"aten::(mm|addmm|bmm|matmul|baddbmm)$"),
+    ("copies and transposes", r"aten::(copy_|clone|contiguous|cat|_to_copy|transpose|t|permute|index_select)$"),
+    ("reductions (input fusions)", r"aten::(sum|mean|norm|linalg_vector_norm|_foreach_norm|max|amax|var)"),
+    ("elementwise (loop fusions)", r""),
+)
+
+
+def torch_category(name: str) -> str:
+    import re  # noqa: PLC0415
+
+    return next(label for label, pattern in TORCH_CATEGORIES if re.search(pattern, name))
 
 
 # --------------------------------------------------------------------------------------------- PyTorch
-def run_torch(shape: dict, steps: int, warmup: int) -> dict:
+def run_torch(shape: dict, steps: int, warmup: int, profile: int = 0) -> dict:
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
@@ -174,21 +202,36 @@ def run_torch(shape: dict, steps: int, warmup: int) -> dict:
     for _ in range(steps):
         step()
     step_s = (time.perf_counter() - t0) / steps
-    return {"step_ms": step_s * 1e3, "compile_s": 0.0, "params": sum(p.numel() for p in model.parameters()),
-            "version": f"torch {torch.__version__}, {torch.get_num_threads()} threads"}
+    out = {"step_ms": step_s * 1e3, "compile_s": 0.0, "params": sum(p.numel() for p in model.parameters()),
+           "version": f"torch {torch.__version__}, {torch.get_num_threads()} threads"}
+    if profile:
+        from torch.profiler import ProfilerActivity  # noqa: PLC0415
+        from torch.profiler import profile as torch_profile  # noqa: PLC0415
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profile):
+                step()
+        by_category: dict[str, float] = {}
+        for op in prof.key_averages():
+            if op.key.startswith("aten::") or op.key.startswith("Optimizer."):
+                label = torch_category(op.key)
+                by_category[label] = by_category.get(label, 0.0) + op.self_cpu_time_total / profile / 1e3
+        out["profile_ms"] = {k: round(v, 3) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- driver
 def child(args: argparse.Namespace) -> None:
     shape = dict(SHAPES[args.shape], dtype=args.dtype or SHAPES[args.shape]["dtype"])
-    r = run_torch(shape, args.steps, args.warmup) if args.side == "torch" else run_jax(
-        shape, args.jax_set, args.steps, args.warmup)
+    r = run_torch(shape, args.steps, args.warmup, args.profile) if args.side == "torch" else run_jax(
+        shape, args.jax_set, args.steps, args.warmup, args.profile)
     print("RESULT " + json.dumps(r))
 
 
 def measure(side: str, shape: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--shape", shape,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--dtype", args.dtype] if args.dtype else []),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile),
+           *(["--dtype", args.dtype] if args.dtype else []),
            "--jax-set", *args.jax_set]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -223,6 +266,8 @@ def main() -> None:
     p.add_argument("--jax-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra jaxlm config overrides")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="the compute dtype of both sides (default: the shape's own)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N steps on each side: the time by category, side by side")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--child", choices=["torch", "jax"], dest="side", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -247,9 +292,23 @@ def main() -> None:
         tok = s["batch"] * s["seq_len"] / (r["step_ms"] / 1e3)
         print(f"| {r['shape']} | {r['side']} | {r['round']} | {r['params'] / 1e6:.2f} | {r['step_ms']:.1f} | {tok:,.0f} "
               f"| {r['compile_s']} | {r['version']} |")
+    if args.profile:
+        print(profile_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Milliseconds per step by category, one column per measured (shape, side, round)."""
+    columns = [r for r in rows if "profile_ms" in r]
+    labels = list(dict.fromkeys(label for r in columns for label in r["profile_ms"]))
+    lines = ["", "| ms per step, profiled | " + " | ".join(f"{r['shape']} {r['side']} {r['round']}" for r in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(f"{r['profile_ms'].get(label, 0.0):.1f}" for r in columns) + " |")
+    lines.append("| sum | " + " | ".join(f"{sum(r['profile_ms'].values()):.1f}" for r in columns) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "cvt.json"
     result = subprocess.run([sys.executable, "benchmarks/cpu_vs_torch.py", "--shapes", "nanogpt", "--steps", "2",
-                             "--warmup", "1", "--repeats", "1", "--json", str(out)],
+                             "--warmup", "1", "--repeats", "1", "--profile", "2", "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "XLA_FLAGS": xla_flags()})  # one CPU device
     assert result.returncode == 0, result.stderr[-2000:]
@@ -208,6 +208,22 @@ def test_cpu_vs_torch_runs_the_same_model_on_both_sides(tmp_path):
     assert torch_row["params"] == jax_row["params"] > 800_000  # every weight and bias, tied embedding once
     assert torch_row["step_ms"] > 0 and jax_row["step_ms"] > 0
     assert "| nanogpt | torch |" in result.stdout and "| nanogpt | jax |" in result.stdout
+    # --profile: both sides' time by category, the matmuls on each
+    assert torch_row["profile_ms"]["matmuls"] > 0 and jax_row["profile_ms"]["matmuls"] > 0
+    assert "| ms per step, profiled | nanogpt torch 1 | nanogpt jax 1 |" in result.stdout
+
+
+def test_cpu_vs_torch_sorts_pytorchs_operators_as_profile_step_sorts_xlas_kernels():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_vs_torch
+
+    expected = {"aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+                "aten::copy_": "copies and transposes", "aten::cat": "copies and transposes",
+                "aten::sum": "reductions (input fusions)", "aten::linalg_vector_norm": "reductions (input fusions)",
+                "aten::gelu_backward": "elementwise (loop fusions)", "aten::add_": "elementwise (loop fusions)",
+                "Optimizer.step#AdamW.step": "elementwise (loop fusions)"}
+    assert {name: cpu_vs_torch.torch_category(name) for name in expected} == expected
 
 
 def test_the_nanogpt_run_trains_nanogpts_recipe_and_its_shape_is_nanogpts():
