@@ -87,6 +87,17 @@ def _forget_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _command_fork_servers():
+    """The fork servers `command_forks.run_command` started in this process, stopped at its end: each one's
+    stderr must be empty (a warning at import or at a fork is a difference from a real start)."""
+    yield
+    import command_forks
+
+    said = {log: text for log, text in command_forks.close_all().items() if text}
+    assert not said, f"a fork server wrote to its stderr: {said}"
+
+
 @pytest.fixture(scope="session")
 def facts_run(tmp_path_factory):
     """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one."""

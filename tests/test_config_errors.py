@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import sys
 
 import ml_collections
 import pytest
+from command_forks import run_command
 
 from jaxlm import config as config_lib
 from jaxlm import experiment
@@ -23,9 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", f"jaxlm.{module}", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    """`python -m jaxlm.<module> args`, forked (tests/command_forks.py: the same process a real start makes)."""
+    return run_command(module, args, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=300)
 
 
 # ----------------------------------------------------------------------------- recipe and experiment files
