@@ -109,17 +109,20 @@ def _changed(value):
 
 
 def linked_pairs(cfg_factory) -> set[tuple[str, str]]:
-    """Pairs of keys that share one value: setting one changes the other (found by setting each)."""
+    """Pairs of keys that share one value: setting one changes the other (found by setting each, one after
+    another on one config: one override at a time is applied whatever the others hold, and a shared value
+    stays shared when set, so what setting a key changes is what it changes on a fresh config; building
+    one config per key took most of this file's time)."""
     pairs = set()
-    before = _leaves(cfg_factory())
-    for key, value in before.items():
-        if type(value) not in (bool, int, float, str):
-            continue
-        cfg = cfg_factory()
-        with cfg.unlocked():
-            config_lib.apply_overrides(cfg, [(key, _changed(value))])
-        after = _leaves(cfg)
-        pairs |= {tuple(sorted((key, other))) for other in after if other != key and after[other] != before[other]}
+    cfg = cfg_factory()
+    with cfg.unlocked():
+        for key in _leaves(cfg):
+            before = _leaves(cfg)
+            if type(before[key]) not in (bool, int, float, str):
+                continue
+            config_lib.apply_overrides(cfg, [(key, _changed(before[key]))])
+            after = _leaves(cfg)
+            pairs |= {tuple(sorted((key, other))) for other in after if other != key and after[other] != before[other]}
     return pairs
 
 
