@@ -11,14 +11,17 @@ as -m puts it), sys.argv and sys.orig_argv; the package's start-up (`jaxlm/__ini
 arguments early when sys.orig_argv holds `-m jaxlm.<command>`: re-run by reloading the package);
 the module run as `__main__` by runpy; and the interpreter's exit (SystemExit's code or message, a
 traceback and exit 1, non-daemon threads joined, atexit handlers run, stdio flushed). Its stdin is
-/dev/null; its stdout and stderr go to files the caller names.
+/dev/null or a file the caller names (all of a subprocess's input written at once, then its end); its
+stdout and stderr go to files the caller names.
 
 Only a command whose environment is the server's is the same when forked: JAX reads its JAX_*
 variables when it is imported (here, once). A caller runs a command with another environment (or
-one it signals while reading its output) as a real subprocess instead.
+one it signals while reading its output) as a real subprocess instead. `run_command`, for any test,
+keeps one server per environment in the test's process (started on first use, stopped and checked at
+the session's end by tests/conftest.py) and answers as `subprocess.run` would.
 
 Protocol: one JSON object a line on the server's stdin, {"id", "command", "args", "cwd", "env",
-"stdout", "stderr", "file_size_limit"}; on its stdout {"ready": true, ...} once the imports are
+"stdin", "stdout", "stderr", "file_size_limit"}; on its stdout {"ready": true, ...} once the imports are
 done, then {"id", "pid"} when a child is forked and {"id", "code"} when it ends (a death by a
 signal as minus the signal's number, as subprocess reports it). The server's own stderr (a file
 the caller gives) must stay empty: a warning there (a library's at import, JAX's at a fork) is a
@@ -89,9 +92,9 @@ def _child(request: dict, reply_fd: int) -> None:
     exc: BaseException | None = None
     try:
         os.close(reply_fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(opened, fd)
@@ -231,9 +234,11 @@ class CommandForks:
         with open(self.log_path) as f:
             return f.read()
 
-    def run(self, command: str, args, *, cwd, stdout, stderr, file_size_limit: int = 0, timeout: float = 600) -> int:
-        """`python -m jaxlm.<command> args` in `cwd` with the server's environment, its output written to
-        the files `stdout` and `stderr`; its exit code."""
+    def run(self, command: str, args, *, cwd, stdout, stderr, file_size_limit: int = 0, timeout: float = 600,
+            stdin=None, env: dict[str, str] | None = None) -> int:
+        """`python -m jaxlm.<command> args` in `cwd` with the server's environment (or `env`, which may differ
+        from it only in variables no library reads at import), its output written to the files `stdout` and
+        `stderr` (its input read from the file `stdin`, if given); its exit code."""
         import concurrent.futures
         import signal
         import subprocess
@@ -246,8 +251,10 @@ class CommandForks:
             ident = self._next
             entry = self._futures[ident] = {"future": concurrent.futures.Future()}
             self._proc.stdin.write(json.dumps({
-                "id": ident, "command": command, "args": [str(a) for a in args], "cwd": str(cwd), "env": self.env,
-                "stdout": str(stdout), "stderr": str(stderr), "file_size_limit": file_size_limit}) + "\n")
+                "id": ident, "command": command, "args": [str(a) for a in args], "cwd": str(cwd),
+                "env": dict(self.env if env is None else env),
+                "stdin": str(stdin) if stdin is not None else "", "stdout": str(stdout), "stderr": str(stderr),
+                "file_size_limit": file_size_limit}) + "\n")
             self._proc.stdin.flush()
         try:
             return entry["future"].result(timeout=timeout)
@@ -263,6 +270,71 @@ class CommandForks:
         self._reader.join(timeout=60)
         self._log.close()
         return self.server_stderr()
+
+
+# ----------------------------------------------------------------------------- one server per environment
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's: its jaxlm is imported
+_SERVERS: dict[tuple, CommandForks] = {}
+_SERVERS_LOCK = threading.Lock()
+_OUTPUTS: list = []
+
+
+# What pytest sets in the environment for each test (its name and phase): read by no library, so a command
+# whose environment differs from a server's only there forks from it, with its own value
+_PER_TEST = ("PYTEST_CURRENT_TEST",)
+
+
+def _server(env: dict[str, str]) -> CommandForks:
+    """This process's server for the environment `env` (started on first use; `close_all` stops them)."""
+    import tempfile
+
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_TEST))
+    with _SERVERS_LOCK:
+        if key not in _SERVERS:
+            if not _OUTPUTS:
+                _OUTPUTS.append(tempfile.TemporaryDirectory(prefix="jaxlm-forks-"))
+            log = os.path.join(_OUTPUTS[0].name, f"server-{len(_SERVERS)}.err")
+            _SERVERS[key] = CommandForks(_ROOT, env, log)
+        return _SERVERS[key]
+
+
+def run_command(command: str, args, *, env: dict[str, str], cwd, input: str | None = None, timeout: float = 600):
+    """`python -m jaxlm.<command> args` as `subprocess.run(..., capture_output=True, text=True)` runs it, with
+    the environment `env` and standard input `input` (then its end): a `subprocess.CompletedProcess`. Forked
+    from this process's server for `env` (the same process a real start makes: this file's docstring), or
+    a real subprocess under JAXLM_TEST_NO_FORK=1. Not for a command signalled or read while it runs."""
+    import subprocess
+
+    argv = [sys.executable, "-m", f"jaxlm.{command}", *(str(a) for a in args)]
+    if os.environ.get("JAXLM_TEST_NO_FORK") == "1":
+        return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout)
+    server = _server(dict(env))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jaxlm-fork-") as directory:
+        out, err, given = (os.path.join(directory, name) for name in ("out", "err", "in"))
+        if input is not None:
+            with open(given, "w") as f:
+                f.write(input)
+        code = server.run(command, argv[3:], cwd=cwd, stdout=out, stderr=err, timeout=timeout,
+                          stdin=given if input is not None else None, env=env)
+        with open(out) as f_out, open(err) as f_err:
+            return subprocess.CompletedProcess(argv, code, f_out.read(), f_err.read())
+
+
+def close_all() -> dict[str, str]:
+    """Stop this process's servers; what each wrote to its stderr, by its log's path (empty when all is well)."""
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    said = {server.log_path: server.close() for server in servers}
+    for server in servers:  # the server forks from one thread only (a fork copies no other)
+        assert server.info.get("python_threads") == 1, (server.info, said[server.log_path][-3000:])
+    while _OUTPUTS:
+        _OUTPUTS.pop().cleanup()
+    return said
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Tests run on CPU with 8 fake devices so every sharding path is exercised."""
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -87,12 +89,41 @@ def _forget_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _command_fork_servers():
+    """The fork servers `command_forks.run_command` started in this process, stopped at its end: each one's
+    stderr must be empty (a warning at import or at a fork is a difference from a real start)."""
+    yield
+    import command_forks
+
+    said = {log: text for log, text in command_forks.close_all().items() if text}
+    assert not said, f"a fork server wrote to its stderr: {said}"
+
+
 @pytest.fixture(scope="session")
 def facts_run(tmp_path_factory):
-    """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one."""
+    """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one: once per
+    session, by whichever pytest-xdist worker asks first, in the session's temporary directory common to the
+    workers (under a file lock: the others wait for it; if that training failed, the next one tries again).
+    The tests only read it (a test that trains on from it copies it or writes elsewhere); its data cache
+    beside it has its own lock for processes sharing it."""
+    import fcntl
+
     from tiny_run import train_tiny_run
 
-    return train_tiny_run(tmp_path_factory.mktemp("facts"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a folder of the session's
+        base = base.parent
+    directory = base / "facts-shared"
+    with open(base / "facts-shared.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = directory / "trained"
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a failed attempt's remains
+            directory.mkdir()
+            run = train_tiny_run(directory)
+            done.write_text(str(run))
+        return pathlib.Path(done.read_text())
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from command_forks import run_command
 
 from jaxlm import explore, generate, inference
 from jaxlm.data import sft
@@ -75,6 +76,7 @@ def test_a_jsonl_prompts_file_gives_what_the_flags_give(chat_run, capsys, tmp_pa
 
 
 def _interactive(chat_run, *extra: str) -> subprocess.Popen:
+    """The interactive command as a real subprocess, for a test that signals it while it reads."""
     return subprocess.Popen([sys.executable, "-m", "jaxlm.generate", f"--run_dir={chat_run}", "--interactive",
                              *GREEDY, *extra], cwd=ROOT, env=ONE_DEVICE, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -84,10 +86,10 @@ def test_interactive_answers_the_second_turn_as_a_one_shot_chat_with_the_history
     """Two lines of standard input, then its end: two answers, exit 0. The second equals `--chat` with the
     whole history (greedy), and it was computed on the cache of the first turn: all of the first prompt
     and answer (and the EOS that ended it) were reused, only the new message ran."""
-    process = _interactive(chat_run)
-    out, err = process.communicate(f"{FIRST}\n{SECOND}\n", timeout=600)
-    assert process.returncode == 0, err[-3000:]
-    turns = [json.loads(line) for line in out.splitlines()]
+    done = run_command("generate", [f"--run_dir={chat_run}", "--interactive", *GREEDY], cwd=ROOT, env=ONE_DEVICE,
+                       input=f"{FIRST}\n{SECOND}\n", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    turns = [json.loads(line) for line in done.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2]
     first, second = turns
     assert first["finish_reason"] == "eos"

@@ -1,25 +1,23 @@
-"""The real CLI, in a subprocess: a short run works end to end; a diverging one follows its policy."""
+"""The real CLI, `python -m jaxlm.train` (forked: tests/command_forks.py): a short run works end to end; a
+diverging one follows its policy."""
 
 import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import floats
 import jax
 import numpy as np
 import pytest
+from command_forks import run_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, cwd=ROOT, timeout=600):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "jaxlm.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_command("train", args, cwd=cwd, env=env, timeout=timeout)
 
 
 # Bad input (config keys and values, the mesh, recipes, data): tests/test_bad_inputs.py, the catalogue.

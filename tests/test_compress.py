@@ -12,14 +12,13 @@ gradual pruning reaches its sparsity on schedule. GPTQ's own tests are in tests/
 
 import json
 import math
-import subprocess
-import sys
 
 import floats
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from command_forks import run_command
 from flax import nnx
 
 from jaxlm import inference, pruning_masks, quant
@@ -260,8 +259,7 @@ def test_a_compressed_run_exports_the_weights_it_computes_with(int4_run, tmp_pat
 def _train(args):
     from tiny_run import ONE_DEVICE, ROOT
 
-    return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
-                          capture_output=True, text=True, timeout=600)
+    return run_command("train", args, cwd=ROOT, env=ONE_DEVICE, timeout=600)
 
 
 @pytest.mark.slow  # 12 s: the default suite's budget (make test-slow runs it)

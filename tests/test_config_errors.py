@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import sys
 
 import ml_collections
 import pytest
+from command_forks import run_command
 
 from jaxlm import config as config_lib
 from jaxlm import experiment
@@ -23,9 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", f"jaxlm.{module}", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    """`python -m jaxlm.<module> args`, forked (tests/command_forks.py: the same process a real start makes)."""
+    return run_command(module, args, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=300)
 
 
 # ----------------------------------------------------------------------------- recipe and experiment files
@@ -110,17 +109,20 @@ def _changed(value):
 
 
 def linked_pairs(cfg_factory) -> set[tuple[str, str]]:
-    """Pairs of keys that share one value: setting one changes the other (found by setting each)."""
+    """Pairs of keys that share one value: setting one changes the other (found by setting each, one after
+    another on one config: one override at a time is applied whatever the others hold, and a shared value
+    stays shared when set, so what setting a key changes is what it changes on a fresh config; building
+    one config per key took most of this file's time)."""
     pairs = set()
-    before = _leaves(cfg_factory())
-    for key, value in before.items():
-        if type(value) not in (bool, int, float, str):
-            continue
-        cfg = cfg_factory()
-        with cfg.unlocked():
-            config_lib.apply_overrides(cfg, [(key, _changed(value))])
-        after = _leaves(cfg)
-        pairs |= {tuple(sorted((key, other))) for other in after if other != key and after[other] != before[other]}
+    cfg = cfg_factory()
+    with cfg.unlocked():
+        for key in _leaves(cfg):
+            before = _leaves(cfg)
+            if type(before[key]) not in (bool, int, float, str):
+                continue
+            config_lib.apply_overrides(cfg, [(key, _changed(before[key]))])
+            after = _leaves(cfg)
+            pairs |= {tuple(sorted((key, other))) for other in after if other != key and after[other] != before[other]}
     return pairs
 
 

@@ -17,9 +17,9 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
+from command_forks import run_command
 
 from helpers import xla_flags
 from jaxlm import checkpoint, experiment, metrics, run_dir
@@ -42,8 +42,7 @@ def train_args(directory: pathlib.Path, steps: int) -> list[str]:
 
 
 def train(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, env=ONE_DEVICE, capture_output=True,
-                          text=True, timeout=600)
+    return run_command("train", argv, cwd=ROOT, env=ONE_DEVICE, timeout=600)
 
 
 def cut_at_random_byte(path: pathlib.Path, rng: random.Random) -> int:

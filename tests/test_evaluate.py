@@ -6,13 +6,12 @@ import math
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from command_forks import run_command
 from flax import nnx
 
 from jaxlm import evaluate, inference
@@ -212,10 +211,8 @@ def test_bad_input_gets_one_line_and_exit_code_2(run_dir, tmp_path, capsys, case
 
 
 def test_the_module_runs_as_a_command(run_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={_no_checkpoints(run_dir, tmp_path)}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
+    result = run_command("evaluate", [f"--run_dir={_no_checkpoints(run_dir, tmp_path)}"], cwd=ROOT, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("jaxlm: error:") and "has no checkpoints" in result.stderr
     assert "Traceback" not in result.stderr

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import sys
 
 import pytest
+from command_forks import run_command
 from test_hf import make_model, save
 
 from jaxlm import config, hf, run_dir
@@ -23,8 +23,7 @@ CONVERSATIONS = [{"messages": [{"role": "user", "content": f"What is {a} plus {b
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE, capture_output=True,
-                          text=True, timeout=900)
+    return run_command("train", args, cwd=ROOT, env=ONE_DEVICE, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +57,8 @@ def test_a_lora_sft_on_short_rows_keeps_the_context_and_reports_what_it_trains(i
     assert len(first) == 1 and first[0]["val_loss"] == summary["initial_val_loss"] > 0  # the base's loss, logged
     assert "(before the first step)" in done.stdout + done.stderr
 
-    chat = subprocess.run([sys.executable, "-m", "jaxlm.generate", f"--run_dir={run}", "--chat",
-                           "--prompt=What is 3 plus 4?", "--temperature=0", "--max_new_tokens=4", "--json"],
-                          cwd=ROOT, env=ONE_DEVICE, capture_output=True, text=True, timeout=600)
+    chat = run_command("generate", [f"--run_dir={run}", "--chat", "--prompt=What is 3 plus 4?", "--temperature=0",
+                                    "--max_new_tokens=4", "--json"], cwd=ROOT, env=ONE_DEVICE, timeout=600)
     assert chat.returncode == 0, chat.stderr[-3000:]
     answer = json.loads(chat.stdout.splitlines()[-1])
     assert 0 < len(answer["ids"]) <= 4  # (a 4-step fine-tune of a random model: the format, not the sum)

@@ -8,16 +8,16 @@ functions of the step); checkpoints fall on rollout boundaries only, and a run s
 says which checkpoint it resumes from; the config's checks; the prompt reader."""
 
 import json
+import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import floats
 import jax
 import numpy as np
 import pytest
+from command_forks import run_command
 from flax import nnx
 
 from jaxlm import config, explore, init_from, memory, train, train_setup
@@ -227,8 +227,7 @@ def grpo_args(tmp_path, name, *extra, steps=8, init=""):
 
 
 def run_cli(argv):
-    return subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    return run_command("train", argv, cwd=ROOT, env=dict(os.environ), timeout=900)
 
 
 def records(run_dir):

@@ -95,9 +95,11 @@ def logits_with_impl(run: inference.LoadedRun, impl: str) -> np.ndarray:
         return np.asarray(jax.jit(lambda m, ids: m(ids))(nnx.merge(graphdef, run.params), jnp.asarray(IDS)), np.float32)
 
 
-# Qwen3-MoE's renormalized router is Mixtral's (in the default suite); its attention biases in the slow one
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a == "qwen3_moe_normalized" else a
-                                  for a in ARCHS])
+# Qwen3-MoE's renormalized router is Mixtral's (in the default suite); its attention biases in the slow one. A
+# dense first layer in the slow one too (the default suite's time): its logits against transformers' and its
+# tensors written back stay in the default suite, unscanned (`test_unscanned_layers_read_and_write_each_expert`)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow)
+                                  if a in ("qwen3_moe_normalized", "qwen3_moe_dense") else a for a in ARCHS])
 def test_imported_moe_gives_transformers_logits_and_exports_back(models, arch, tmp_path):
     model, hf_dir = models[arch]
     # through the command line, `python -m jaxlm.hf import` (in this process)

@@ -8,13 +8,12 @@ import logging
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import floats
 import jax
 import numpy as np
 import pytest
+from command_forks import run_command
 
 import tiny_run
 from helpers import xla_flags
@@ -49,8 +48,7 @@ def finetune_args(directory, source, name, *extra, steps=8) -> list[str]:
 
 
 def train(argv) -> str:
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, env=FOUR_DEVICES,
-                            capture_output=True, text=True, timeout=600)
+    result = run_command("train", argv, cwd=ROOT, env=FOUR_DEVICES, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

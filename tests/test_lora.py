@@ -5,14 +5,13 @@ run starts from a base run's checkpoint with fresh adapters."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import floats
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from command_forks import run_command
 from flax import nnx
 
 from helpers import random_batch, small_config
@@ -301,8 +300,7 @@ def test_a_lora_run_starts_from_a_base_run_trains_its_adapters_and_evaluates_wit
     assert set(flat(adam.mu)) == {p for p in mine if "lora_" in p}
 
     # The CLI: train 6 steps, then evaluate the run: its own adapters are loaded and used.
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *_run_args(tmp_path, facts_run, "lora")], cwd=ROOT,
-                            env=ONE_DEVICE, capture_output=True, text=True, timeout=600)
+    result = run_command("train", _run_args(tmp_path, facts_run, "lora"), cwd=ROOT, env=ONE_DEVICE, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "initialized from" in result.stdout
     run = inference.load_run(tmp_path / "lora")

@@ -8,11 +8,11 @@ import os
 import pathlib
 import struct
 import subprocess
-import sys
 
 import floats
 import numpy as np
 import pytest
+from command_forks import run_command
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import xla_flags
@@ -28,8 +28,7 @@ def run_cli(*argv: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     # compilation, if on: the run's two programs (init, step) compile for most of its time, its 8 steps are short.
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
                XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1", fast_compile=True))
-    return subprocess.run([sys.executable, "-m", "jaxlm.train", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return run_command("train", argv, cwd=ROOT, env=env, timeout=600)
 
 
 def wandb_history(run_dir: pathlib.Path) -> list[dict[str, str]]:

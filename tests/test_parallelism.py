@@ -11,6 +11,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from command_forks import run_command
 from jax.sharding import PartitionSpec as P
 
 from helpers import load_benchmark, step_losses
@@ -395,32 +396,28 @@ def test_a_run_trained_with_context_parallelism_evaluates_and_generates(tmp_path
     run's mesh, so the attention across the split sequence) and on one device gives the same validation loss,
     and `jaxlm.generate` samples from it on both."""
     import json
-    import subprocess
-    import sys
 
     from tiny_run import ONE_DEVICE, ROOT, train_args
 
     env8 = dict(ONE_DEVICE, XLA_FLAGS=ONE_DEVICE["XLA_FLAGS"].replace("device_count=1", "device_count=8"))
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(tmp_path, 20), "--config.mesh.context=2",
-                             "--config.mesh.fsdp=4"], cwd=ROOT, env=env8, capture_output=True, text=True, timeout=600)
+    result = run_command("train", [*train_args(tmp_path, 20), "--config.mesh.context=2", "--config.mesh.fsdp=4"],
+                         cwd=ROOT, env=env8, timeout=600)
     assert result.returncode == 0 and "context=2" in result.stdout + result.stderr, result.stderr[-3000:]
     run = tmp_path / "facts"
     losses = {}
     for name, env in (("eight", env8), ("one", ONE_DEVICE)):
         out = tmp_path / f"eval-{name}.json"
-        result = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run}", "--dtype=float32",
-                                 f"--output={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        result = run_command("evaluate", [f"--run_dir={run}", "--dtype=float32", f"--output={out}"], cwd=ROOT, env=env,
+                             timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         results = json.loads(out.read_text())
         assert results["devices"].startswith("8x" if name == "eight" else "1x")
         losses[name] = results["corpus"]["loss"]
-        result = subprocess.run([sys.executable, "-m", "jaxlm.generate", f"--run_dir={run}", "--prompt=alice likes",
-                                 "--max_new_tokens=8", "--temperature=0"], cwd=ROOT, env=env, capture_output=True,
-                                text=True, timeout=600)
+        result = run_command("generate", [f"--run_dir={run}", "--prompt=alice likes", "--max_new_tokens=8",
+                                          "--temperature=0"], cwd=ROOT, env=env, timeout=600)
         assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
     assert losses["eight"] == pytest.approx(losses["one"], rel=1e-5)
     assert 1.0 < losses["one"] < 6.0  # (trained: below the uniform loss, log 300 = 5.7)
     # rows that the balanced layout cannot split over context 2 (a multiple of 4 tokens): one line
-    result = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run}", "--seq_len=30"], cwd=ROOT,
-                            env=env8, capture_output=True, text=True, timeout=600)
+    result = run_command("evaluate", [f"--run_dir={run}", "--seq_len=30"], cwd=ROOT, env=env8, timeout=600)
     assert result.returncode != 0 and "--seq_len=30 does not split" in result.stderr and "multiple of 4" in result.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from command_forks import run_command
 from flax import nnx
 from flax.core import spmd
 
@@ -221,15 +222,13 @@ def test_a_pipelined_cli_run_trains_evaluates_and_generates(tmp_path):
     commands on its run directory: they gather the stages (their own mesh, no pipeline)."""
     import json
     import os
-    import subprocess
-    import sys
 
     from tiny_run import ROOT, train_args
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # conftest's 8 devices
-    train = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(tmp_path, steps=12), "--config.mesh.stage=2",
-                            "--config.mesh.fsdp=4", "--config.pipeline.schedule=circular", "--config.run.eval_every=6"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    train = run_command("train", [*train_args(tmp_path, steps=12), "--config.mesh.stage=2", "--config.mesh.fsdp=4",
+                                  "--config.pipeline.schedule=circular", "--config.run.eval_every=6"], cwd=ROOT, env=env,
+                        timeout=600)
     assert train.returncode == 0, train.stderr[-3000:]
     run_dir = tmp_path / "facts"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -237,7 +236,6 @@ def test_a_pipelined_cli_run_trains_evaluates_and_generates(tmp_path):
     for command, args in (("evaluate", ["--run_dir", str(run_dir)]),
                           ("generate", ["--run_dir", str(run_dir), "--prompt=alice likes", "--max_new_tokens=4",
                                         "--temperature=0", "--json"])):
-        result = subprocess.run([sys.executable, "-m", f"jaxlm.{command}", *args], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=600)
+        result = run_command(command, args, cwd=ROOT, env=env, timeout=600)
         assert result.returncode == 0, (command, result.stderr[-3000:])
     assert json.loads(result.stdout.splitlines()[-1])["tokens"] == 4

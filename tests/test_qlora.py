@@ -10,8 +10,6 @@ and exports merged or as a PEFT adapter that transformers and peft run to jaxlm'
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 
 import floats
 import jax
@@ -19,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from command_forks import run_command
 from flax import nnx
 
 from helpers import small_config
@@ -435,8 +434,7 @@ def _run_args(directory, source, name, *extra, steps=6):
 def _train(args):
     from tiny_run import ONE_DEVICE, ROOT
 
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE, capture_output=True,
-                            text=True, timeout=600)
+    result = run_command("train", args, cwd=ROOT, env=ONE_DEVICE, timeout=600)
     return result.returncode, result.stdout, result.stderr
 
 

@@ -7,12 +7,11 @@ helpers), checked against transformers' own apply_chat_template."""
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import floats
 import numpy as np
 import pytest
+from command_forks import run_command
 from test_hf_tokenizer import OFFLINE, make_llama3, make_qwen2
 
 from jaxlm import config as config_lib
@@ -504,8 +503,7 @@ def test_a_tiny_model_learns_the_chat_format_and_evaluate_scores_chat_files_as_t
         run__name="chat", run__compile_cache_dir="",
     )
     args = ["--config=configs/tiny.py", *(f"--config.{k.replace('__', '.')}={v}" for k, v in flags.items())]
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
-                            capture_output=True, text=True, timeout=600)
+    result = run_command("train", args, cwd=ROOT, env=ONE_DEVICE, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "jaxlm: SFT data: " in result.stdout and "trained on" in result.stdout
     run = tmp_path / "chat"
@@ -518,9 +516,8 @@ def test_a_tiny_model_learns_the_chat_format_and_evaluate_scores_chat_files_as_t
     losses = []
     for corpus in ("val", tmp_path / "held_out.jsonl"):
         out = tmp_path / f"eval-{len(losses)}.json"
-        result = subprocess.run([sys.executable, "-m", "jaxlm.evaluate", f"--run_dir={run}", f"--corpus={corpus}",
-                                 f"--output={out}"], cwd=ROOT, env=ONE_DEVICE, capture_output=True, text=True,
-                                timeout=600)
+        result = run_command("evaluate", [f"--run_dir={run}", f"--corpus={corpus}", f"--output={out}"], cwd=ROOT,
+                             env=ONE_DEVICE, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append(json.loads(out.read_text())["corpus"]["loss"])
     assert losses[0] == pytest.approx(val[-1], rel=1e-4) and losses[1] == pytest.approx(val[-1], rel=1e-4)

@@ -1,14 +1,15 @@
 """`python -m jaxlm.data.tokenizer`: train from a corpus file, encode and decode, clear errors."""
 
 import json
-import subprocess
-import sys
+import os
+
+from command_forks import run_command
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Grüße, 世界! 🙂", "def f(x):\n    return x + 1\n"] * 40
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxlm.data.tokenizer", *args], capture_output=True, text=True)
+    return run_command("data.tokenizer", args, cwd=os.getcwd(), env=dict(os.environ))
 
 
 def test_train_encode_decode_round_trip(tmp_path):

@@ -1,12 +1,13 @@
 """A real training run, seconds long, on a corpus of made-up facts ("alice likes apples."), for the
-evaluation and generation tests: trained by the CLI, `python -m jaxlm.train`, on one CPU device (the
-tests then load it onto their 8), so its run directory is exactly what users get."""
+evaluation and generation tests: trained by the CLI, `python -m jaxlm.train` (forked from a process that
+imported it, tests/command_forks.py), on one CPU device (the tests then load it onto their 8), so its run
+directory is exactly what users get."""
 
 import os
 import pathlib
 import random
-import subprocess
-import sys
+
+from command_forks import run_command
 
 from helpers import xla_flags
 
@@ -52,8 +53,7 @@ def train_tiny_run(directory: pathlib.Path, steps: int = STEPS, extra: tuple[str
     `extra`: more `--config.key=value` flags; `fast_compile`: the suite's fast compilation where it has it
     (`helpers.xla_flags`), for a run of a few steps."""
     env = dict(ONE_DEVICE, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=1", fast_compile=fast_compile))
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *train_args(directory, steps), *extra],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = run_command("train", [*train_args(directory, steps), *extra], cwd=ROOT, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "facts"
 
@@ -86,7 +86,6 @@ def train_chat_run(directory: pathlib.Path, source: pathlib.Path, steps: int = 4
                          data__chat_template="simple", data__seq_len=256, model__max_seq_len=256,
                          data__global_batch_size=8,
                          data__val_fraction=0, optim__peak_lr=3e-3)
-    result = subprocess.run([sys.executable, "-m", "jaxlm.train", *args], cwd=ROOT, env=ONE_DEVICE,
-                            capture_output=True, text=True, timeout=600)
+    result = run_command("train", args, cwd=ROOT, env=ONE_DEVICE, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "chat"
