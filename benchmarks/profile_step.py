@@ -83,7 +83,7 @@ def device_kernels(trace_file: str, module: str = "jit_step_fn",
         durations[e["name"]].append(float(e.get("dur", 0)))
         intervals.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
     for name, times in durations.items():
-        per_step = len(times) / steps
+        per_step = len(times) // steps if len(times) % steps == 0 else round(len(times) / steps, 2)
         kernels[name] = [statistics.median(times) * per_step if steps > 1 else sum(times), per_step]
     busy = busy_and_span(intervals)
     return dict(kernels), "gpu" if gpu else "cpu", {k: round(v / steps, 3) for k, v in busy.items()}
