@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -100,8 +101,6 @@ TORCH_CATEGORIES = (  # PyTorch's operators by name, into profile_step.py's cate
 
 
 def torch_category(name: str) -> str:
-    import re  # noqa: PLC0415
-
     return next(label for label, pattern in TORCH_CATEGORIES if re.search(pattern, name))
 
 

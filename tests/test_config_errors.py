@@ -111,8 +111,7 @@ def _changed(value):
 def linked_pairs(cfg_factory) -> set[tuple[str, str]]:
     """Pairs of keys that share one value: setting one changes the other (found by setting each, one after
     another on one config: one override at a time is applied whatever the others hold, and a shared value
-    stays shared when set, so what setting a key changes is what it changes on a fresh config; building
-    one config per key took most of this file's time)."""
+    stays shared when set, so what setting a key changes is what it changes on a fresh config)."""
     pairs = set()
     cfg = cfg_factory()
     with cfg.unlocked():
