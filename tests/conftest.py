@@ -30,10 +30,14 @@ if FAST_COMPILE:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session's in-process tests and the CLI runs they start
-# (the CLI's default `run.compile_cache_dir`): tests that build the same program compile it once.
+# (the CLI's default `run.compile_cache_dir`): tests that build the same program compile it once. Every
+# program, however short its compilation (the CLI keeps only those of 0.5 s or more, and so does a test
+# process from its first in-process `train.run` on): each test file's end drops the in-memory programs
+# (`_forget_compiled_programs`), and the next files' small ones (initializers, samplers, eager operations)
+# are read back rather than compiled again.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".cache", "jaxlm", "xla"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import gc  # noqa: E402
@@ -100,30 +104,47 @@ def _command_fork_servers():
     assert not said, f"a fork server wrote to its stderr: {said}"
 
 
-@pytest.fixture(scope="session")
-def facts_run(tmp_path_factory):
-    """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one: once per
-    session, by whichever pytest-xdist worker asks first, in the session's temporary directory common to the
-    workers (under a file lock: the others wait for it; if that training failed, the next one tries again).
-    The tests only read it (a test that trains on from it copies it or writes elsewhere); its data cache
-    beside it has its own lock for processes sharing it."""
+def _shared_run(tmp_path_factory, name: str, train) -> pathlib.Path:
+    """`train(directory)`'s run directory, trained once per session by whichever pytest-xdist worker asks
+    first, in the session's temporary directory common to the workers (under a file lock: the others wait
+    for it; if that training failed, the next one tries again)."""
     import fcntl
-
-    from tiny_run import train_tiny_run
 
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a folder of the session's
         base = base.parent
-    directory = base / "facts-shared"
-    with open(base / "facts-shared.lock", "w") as lock:
+    directory = base / f"{name}-shared"
+    with open(base / f"{name}-shared.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = directory / "trained"
         if not done.exists():
             shutil.rmtree(directory, ignore_errors=True)  # a failed attempt's remains
             directory.mkdir()
-            run = train_tiny_run(directory)
+            run = train(directory)
             done.write_text(str(run))
         return pathlib.Path(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def facts_run(tmp_path_factory):
+    """A small run trained once by the CLI (tests/tiny_run.py), shared by the tests that read one (once per
+    session: `_shared_run`). The tests only read it (a test that trains on from it copies it or writes
+    elsewhere); its data cache beside it has its own lock for processes sharing it."""
+    from tiny_run import train_tiny_run
+
+    return _shared_run(tmp_path_factory, "facts", train_tiny_run)
+
+
+@pytest.fixture(scope="session")
+def source_run(tmp_path_factory):
+    """The facts run's command stopped at 40 steps, checkpoints at steps 20 and 40, at the suite's fast
+    compilation where it has it (`helpers.xla_flags`): the run tests/test_init_from.py starts from and
+    tests/test_bad_inputs.py's cases damage copies of, trained once per session (`_shared_run`). Read only,
+    as the facts run; its corpus is `facts.txt` beside it."""
+    from tiny_run import train_tiny_run
+
+    return _shared_run(tmp_path_factory, "source", lambda directory: train_tiny_run(
+        directory, steps=40, extra=("--config.checkpoint.every_steps=20",), fast_compile=True))
 
 
 @pytest.hookimpl(tryfirst=True)

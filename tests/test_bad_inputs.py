@@ -39,7 +39,7 @@ import pytest
 from command_forks import CommandForks
 
 from jaxlm.run_lock import RunLock
-from tiny_run import ONE_DEVICE, ROOT, train_args, train_tiny_run
+from tiny_run import ONE_DEVICE, ROOT, train_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -935,15 +935,22 @@ def forks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The shared inputs: a trained run (checkpoints 20 and 40), its corpus, the corpus prepared."""
+def world(source_run, forks, tmp_path_factory):
+    """The shared inputs: a trained run (checkpoints 20 and 40: the session's, tests/conftest.py, which
+    tests/test_init_from.py reads too), its corpus, the corpus prepared (forked from the server where
+    there is one)."""
     root = tmp_path_factory.mktemp("world")
-    run = train_tiny_run(root, steps=40, extra=("--config.checkpoint.every_steps=20",))
-    prepared = root / "prepared"
-    subprocess.run([sys.executable, "-m", "jaxlm.data.prepare", f"--input={root / 'facts.txt'}", "--separator=\\n\\n",
-                    f"--tokenizer={run / 'tokenizer.model'}", f"--output={prepared}", "--workers=1"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=600)
-    return {"run": run, "corpus": root / "facts.txt", "prepared": prepared, "cases": tmp_path_factory.mktemp("cases")}
+    corpus, prepared = source_run.parent / "facts.txt", root / "prepared"
+    args = [f"--input={corpus}", "--separator=\\n\\n", f"--tokenizer={source_run / 'tokenizer.model'}",
+            f"--output={prepared}", "--workers=1"]
+    if forks is None:
+        subprocess.run([sys.executable, "-m", "jaxlm.data.prepare", *args], cwd=ROOT, check=True, capture_output=True,
+                       timeout=600)
+    else:
+        out, err = root / "prepare.out", root / "prepare.err"
+        code = forks.run("data.prepare", args, cwd=ROOT, stdout=out, stderr=err, timeout=600)
+        assert code == 0, err.read_text()[-3000:]
+    return {"run": source_run, "corpus": corpus, "prepared": prepared, "cases": tmp_path_factory.mktemp("cases")}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from jaxlm.data.loader import DataConfig, load_data
 from jaxlm.data.tokenizer import SentencePieceTokenizer
 from jaxlm.errors import UserError
 from jaxlm.models import transformer
-from tiny_run import ROOT, train_tiny_run
+from tiny_run import ROOT
 
 RECIPE = str(ROOT / "configs" / "tiny.py")  # d_model 128, 4 layers, 2048 tokens: not the source's architecture
 # The suite's fast compilation, if on, for every run here (the source and the runs from it, whose losses some
@@ -34,10 +34,10 @@ SOURCE_MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """The facts run (tests/tiny_run.py), 40 steps on one device, checkpoints at steps 20 and 40."""
-    return train_tiny_run(tmp_path_factory.mktemp("source"), steps=40, extra=("--config.checkpoint.every_steps=20",),
-                          fast_compile=True)
+def source(source_run):
+    """The facts run (tests/tiny_run.py), 40 steps on one device, checkpoints at steps 20 and 40: the session's
+    (tests/conftest.py), which tests/test_bad_inputs.py reads too."""
+    return source_run
 
 
 def finetune_args(directory, source, name, *extra, steps=8) -> list[str]:

@@ -73,6 +73,7 @@ def observed_run(tmp_path_factory):
     result = run_cli(
         "--config=configs/tiny.py", f"--config.run.output_dir={tmp}", f"--config.run.steps={STEPS}",
         "--config.run.log_every=4", "--config.data.builtin_max_bytes=400000", "--config.model.vocab_size=512",
+        "--config.data.seq_len=64",  # half the recipe's rows: every metric is per step or per parameter
         f"--config.data.cache_dir={tmp / 'cache'}", "--config.metrics.grad_norm_per_layer=true",
         "--config.metrics.histograms_every=4", f"--config.metrics.wandb={str(_has_wandb()).lower()}",
         "--config.metrics.progress=bar", "--config.profile.steps=3:4", "--config.run.peak_flops=1e12", tmp_path=tmp,

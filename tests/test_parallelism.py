@@ -343,8 +343,8 @@ def _long_losses(steps: int, seq: int, devices: int = 8, **overrides) -> list[fl
 
 
 @functools.cache
-def _long_one_device(steps: int, seq: int) -> tuple[float, ...]:
-    return tuple(_long_losses(steps, seq, devices=1, mesh__fsdp=1))
+def _long_one_device(steps: int, seq: int, **overrides) -> tuple[float, ...]:
+    return tuple(_long_losses(steps, seq, devices=1, mesh__fsdp=1, **overrides))
 
 
 CONTEXT_MESHES = {
@@ -358,9 +358,12 @@ CONTEXT_MESHES = {
 
 
 def test_context_parallelism_trains_uneven_packed_documents_like_one_device():
-    """The default suite's case: the tiny recipe at 256 tokens, documents of uneven lengths across the
-    chunks' boundaries, context 2 x data 4, 3 steps."""
-    assert _long_losses(3, 256, **CONTEXT_MESHES["context2"]) == pytest.approx(_long_one_device(3, 256), rel=1e-5)
+    """The default suite's case: the tiny recipe at 256 tokens and 2 of its 4 layers (each layer splits and
+    joins the sequence alike: the slow cases below run all 4), documents of uneven lengths across the chunks'
+    boundaries, context 2 x data 4, 3 steps."""
+    two = dict(model__n_layers=2)
+    assert _long_losses(3, 256, **CONTEXT_MESHES["context2"], **two) == pytest.approx(_long_one_device(3, 256, **two),
+                                                                                      rel=1e-5)
 
 
 @pytest.mark.slow  # each mesh ~10-30 s on 2 cores
