@@ -58,8 +58,8 @@ class RunConfig(Section):
     libtpu_flags: str = setting(
         xla_flags_lib.LIBTPU_DEFAULT,
         'XLA:TPU\'s own flags, "--xla_name=value ...", added to LIBTPU_INIT_ARGS before JAX starts (checked where '
-        'libtpu is installed; inert elsewhere). The default turns off the collective matmul (faster FSDP steps, '
-        'measured: benchmarks/BENCHMARKS.md); "" = XLA:TPU\'s defaults')
+        'libtpu is installed; inert elsewhere). The default turns off the collective matmul and makes FSDP\'s '
+        'all-gathers asynchronous (faster FSDP steps, measured: benchmarks/BENCHMARKS.md); "" = XLA:TPU\'s defaults')
     init_from: str = setting(
         "",
         'Fine-tuning: a run directory (config.json, tokenizer file, checkpoints/) whose parameters a NEW run '

@@ -10,8 +10,9 @@ none by default until a measurement says one helps (see benchmarks/BENCHMARKS.md
 
 XLA:TPU's own flags are libtpu's, read from `LIBTPU_INIT_ARGS` when libtpu loads (`run.libtpu_flags`,
 `apply_libtpu`): checked the same way where libtpu is installed (a throwaway process loads it with them),
-inert elsewhere. Its default turns XLA:TPU's collective matmul off (`LIBTPU_DEFAULT`): measured on the
-compiled TPU programs, the FSDP step is faster with whole GEMMs and separate collectives.
+inert elsewhere. Its default (`LIBTPU_DEFAULT`) turns XLA:TPU's collective matmul off and makes FSDP's
+all-gathers asynchronous: measured on the compiled TPU programs, the FSDP step is faster with whole GEMMs
+and separate collectives that overlap them.
 """
 
 from __future__ import annotations
@@ -79,10 +80,17 @@ def apply(flags: str) -> str:
     return merged
 
 
-# run.libtpu_flags' default: no collective matmul (XLA:TPU's windowed einsum, which splits an FSDP matmul into
-# a loop of partial GEMMs beside collective-permutes; its small GEMMs are memory-bound): the compiled 1b and 7b
-# steps are faster without it on v5e, v5p and v6e (benchmarks/BENCHMARKS.md)
-LIBTPU_DEFAULT = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
+# run.libtpu_flags' default, measured on the compiled 1b and 7b steps (benchmarks/BENCHMARKS.md):
+# - no collective matmul (XLA:TPU's windowed einsum, which splits an FSDP matmul into a loop of partial GEMMs
+#   beside collective-permutes; its small GEMMs are memory-bound): faster on v5e, v5p and v6e;
+# - FSDP's all-gathers asynchronous, as continuation fusions overlapping the matmuls beside them (the set
+#   MaxText passes on its TPU recipes): v5p and v6e compile them synchronous without it, v5e async already.
+LIBTPU_COLLECTIVE_MATMUL_OFF = "--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
+LIBTPU_ASYNC_ALL_GATHER = ("--xla_tpu_enable_async_collective_fusion=true "
+                           "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+                           "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+                           "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+LIBTPU_DEFAULT = f"{LIBTPU_COLLECTIVE_MATMUL_OFF} {LIBTPU_ASYNC_ALL_GATHER}"
 _LIBTPU_PROBE = ("from jax.experimental import topologies\n"
                  "try:\n    topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu')\n"
                  "except Exception:\n    pass")
