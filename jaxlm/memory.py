@@ -220,7 +220,8 @@ def expert_gather(rules, mesh_sizes: dict[str, int]) -> int:
     return math.prod(mesh_sizes.get(a, 1) for a in axes if a == "expert") or 1
 
 
-def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True) -> float:
+def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool = True,
+                        norm_outputs: bool = True) -> float:
     """Bytes one block keeps for its backward pass without remat, weights aside (per device): the
     residuals of its jaxpr (`jax.ad_checkpoint.print_saved_residuals`), the norms and activation
     functions recomputed (`layers.recomputed`), which is what XLA keeps whether the layers are scanned,
@@ -229,12 +230,17 @@ def layer_forward_bytes(m, s: ActivationSizes, act_bytes: int, recomputed: bool 
 
     `recomputed=False`: as if the norms and activation functions were not recomputed: what a layer
     holds at its backward's peak (`layer_backward_bytes`).
+
+    `norm_outputs=False`: each norm keeps its input and its rows' float32 statistic, not its output: XLA:TPU
+    scales the input inside the next projections' matmul fusions, forward and backward, so the normalized
+    activation is never written (`norm_outputs_kept`).
     """
     a, mlp = act_bytes, MLPS[m.mlp]
     if not recomputed:  # every intermediate, as autodiff saves it
-        return (layer_forward_bytes(m, s, a) + (2 * (2 * F32 + a) - 4 * a) * s.x
+        return (layer_forward_bytes(m, s, a, norm_outputs=norm_outputs) + (2 * (2 * F32 + a) - 4 * a) * s.x
                 + (mlp.autodiff_hidden - mlp.saved_hidden) * mlp.hidden_copies(m, s.gather) * a * s.mlp)
-    norms = 2 * 2 * a * s.x  # each norm: its input and output (`layers.recomputed` inside)
+    # each norm: its input and output (`layers.recomputed` inside), or its input and statistic
+    norms = 2 * 2 * a * s.x if norm_outputs else 2 * (a * s.x + F32 * s.tokens)
     if m.qk_norm:  # and the per-head norms of q and k (Qwen3): the projections' q and k and the norms' outputs
         norms += 2 * a * (s.q + s.kv)
     qkv = a * (s.q + 2 * s.kv)  # q and k after rotary embedding, v
@@ -255,12 +261,14 @@ def one_program(m) -> bool:
     return m.pipeline_stages <= 1 and (not m.scan_layers or m.scan_unroll >= m.n_layers)
 
 
-def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float) -> float:
+def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, full_weights: float,
+                         norm_outputs: bool = True) -> float:
     """The peak of one layer's backward pass beyond what is saved (per device); `full_weights`: the
-    layer's weights at full size over fsdp, gathered copy and unreduced gradient (f32)."""
+    layer's weights at full size over fsdp, gathered copy and unreduced gradient (f32); `norm_outputs`: as in
+    `layer_forward_bytes`."""
     a = act_bytes
     # The backward of a recomputed norm or activation holds its float32 intermediates again, briefly.
-    forward = layer_forward_bytes(m, s, a, recomputed=False)
+    forward = layer_forward_bytes(m, s, a, recomputed=False, norm_outputs=norm_outputs)
     kernel = kernel_of(m, s)
     if policy == "none":  # the gradients of its activations (about its forward once more), or its weights; and
         # what the attention's backward holds beyond them (context parallelism: `Kernel.working_bytes`)
@@ -268,7 +276,7 @@ def layer_backward_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, ful
     # Remat recomputes the layer, then differentiates it: the attention's phase holds the recomputed
     # scores and their gradients, the rest of the layer its recomputed activations; the weights'
     # gather and gradient overlap both.
-    rest = layer_forward_bytes(m, s, a, recomputed=False) - kernel.forward_bytes(s, a)
+    rest = layer_forward_bytes(m, s, a, recomputed=False, norm_outputs=norm_outputs) - kernel.forward_bytes(s, a)
     return max(rest, kernel.backward_bytes(s, a)) + WEIGHTS_IN_REMAT_BACKWARD * full_weights
 
 
@@ -285,17 +293,28 @@ def cpu_merged_bytes(m, s: ActivationSizes, act_bytes: int) -> float:
     return 2 * act_bytes * s.x + mlp.merged_hidden * mlp.hidden_copies(m, s.gather) * act_bytes * s.mlp
 
 
+def norm_outputs_kept(platform: str) -> bool:
+    """Whether a layer keeps its norms' outputs for the backward pass: not on TPUs, where XLA fuses the
+    scaling into the projections' matmuls and keeps each norm's input and statistic (read from the 1b
+    program compiled for v6e-8: the q, gate and up matmul fusions take the input, its float32 rows'
+    statistic and the scale; benchmarks/BENCHMARKS.md)."""
+    return platform != "tpu"
+
+
 def merges_recomputation(m, platform: str) -> bool:
     """Whether `cpu_merged_bytes` applies: XLA:CPU, float32 compute, one program of layers, no remat."""
     return platform == "cpu" and np.dtype(m.dtype) == np.float32 and one_program(m) and m.remat == "none"
 
 
-def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, merged: bool = False) -> float:
+def layer_saved_bytes(m, s: ActivationSizes, act_bytes: int, policy: str, merged: bool = False,
+                      norm_outputs: bool = True) -> float:
     """Bytes one block keeps for its backward pass under a remat policy, weights aside (per device);
-    `merged`: as XLA:CPU keeps them in a float32 program (`merges_recomputation`)."""
+    `merged`: as XLA:CPU keeps them in a float32 program (`merges_recomputation`); `norm_outputs`: as in
+    `layer_forward_bytes`."""
     a, kernel = act_bytes, kernel_of(m, s)
     if policy == "none":
-        kept = layer_forward_bytes(m, s, a) + (kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
+        kept = layer_forward_bytes(m, s, a, norm_outputs=norm_outputs) + (
+            kernel.kept_in_one_program(s, m.dtype) if one_program(m) else 0.0)
         return kept + (cpu_merged_bytes(m, s, a) if merged else 0.0)
     block_input = a * s.x  # what remat always keeps: the block's input
     if policy == "full":
@@ -480,7 +499,8 @@ def estimate(
         # each layer pass keeps its stack's share: the stacks' layers in proportion (one stack when pipelined)
         saved = sum(passes * count / m.n_layers * layer_saved_bytes(
             stack_cfg, activation_sizes(stack_cfg, derived.micro_batch_size, cfg.data.seq_len, rules, mesh_sizes),
-            a, m.remat, merges_recomputation(stack_cfg, platform)) for stack_cfg, count, *_ in stacks)
+            a, m.remat, merges_recomputation(stack_cfg, platform), norm_outputs_kept(platform))
+            for stack_cfg, count, *_ in stacks)
         saved += a * block_weights[i] if cast else 0.0
         # each layer's weights as the contraction saves them (float8), gathered
         if m.remat in ("dots", "dots_mlp", "dots_no_batch"):
@@ -500,7 +520,7 @@ def estimate(
         layer = 0.0  # one layer's backward: the largest of the stacks'
         for (stack_cfg, *_), weights in zip(stacks, full_weights):
             stack_sizes = activation_sizes(stack_cfg, rows, cfg.data.seq_len, rules, mesh_sizes)
-            one = layer_backward_bytes(stack_cfg, stack_sizes, a, m.remat, weights[i])
+            one = layer_backward_bytes(stack_cfg, stack_sizes, a, m.remat, weights[i], norm_outputs_kept(platform))
             if i == 0 and _ways(("act_batch",), rules, mesh_sizes) > 1:  # an MoE's experts, whole in its dispatch
                 one += F32 * MLPS[stack_cfg.mlp].gathered_params(stack_cfg) / mesh_sizes.get("expert", 1)  # (its own)
             layer = max(layer, one)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -556,3 +558,62 @@ def test_a_program_xla_tpu_refuses_for_its_size_is_one_line_that_says_what_to_ch
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxlm: error: XLA refuses to compile the train step for v5p"), lines
+
+
+NORM_FUSION_SCRIPT = """
+import json, re
+import jax
+from jaxlm import config as config_lib, hlo, mesh as mesh_lib, roofline, train_setup, xla_flags
+xla_flags.apply_libtpu(xla_flags.LIBTPU_DEFAULT)
+roofline.quiet_libtpu()
+jax.config.update("jax_enable_compilation_cache", False)
+devices = roofline.tpu_devices(roofline.TPU_V5P, 4, "v5p:2x2x1")
+with mesh_lib.planned_devices(devices):
+    text = train_setup.build(config_lib.load_recipe("tiny"), devices, abstract=True).compile_train_step(None).as_text()
+m = hlo.Module(text)
+
+def body(name, depth=0):
+    out = []
+    for inst in m.computations.get(name, []):
+        out.append(inst)
+        if inst["op"] == "fusion" and depth < 3:
+            out += body(m.callee(inst), depth + 1)
+    return out
+
+found = []  # a forward projection of a norm's output ([b, t, d] x [d, ...]): the operands of its matmul's fusion
+for comp, insts in m.computations.items():
+    for inst in insts:
+        if comp in m.fused or inst["op"] != "fusion":
+            continue
+        for op in body(m.callee(inst)):
+            name = re.search(r'op_name="([^"]*)"', op["attrs"])
+            if op["op"] == "convolution" and name and "transpose(" not in name.group(1) \\
+                    and re.search(r"btd,d\\w+->bt\\w+\\)?/dot_general$", name.group(1)):
+                found.append([name.group(1), [m.shapes.get(o.split()[-1].lstrip("%"), "").split("{")[0]
+                                              for o in inst["operands"]]])
+                break
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not (HAVE_LIBTPU or TPU_PYTHON.exists()),
+                    reason="no libtpu: `make tpu-env` installs it (the TPU compiler, 1.8 GB)")
+def test_xla_tpu_scales_a_norms_input_inside_the_next_matmul_as_the_planner_counts():
+    """The planner counts each norm's input and its rows' float32 statistic on TPUs, not its output
+    (`memory.norm_outputs_kept`): XLA:TPU scales the input inside the matmul fusion of every projection that
+    reads the norm (q, k, v, gate, up and the unembedding), so the normalized activation is never written. Read
+    from tiny's train step compiled for four v5p chips: each such fusion takes the [rows, tokens] statistic and
+    the [rows, tokens, d_model] input."""
+    from jaxlm import memory
+
+    assert not memory.norm_outputs_kept("tpu") and memory.norm_outputs_kept("gpu") and memory.norm_outputs_kept("cpu")
+    result = subprocess.run([TPU_COMPILER, "-c", NORM_FUSION_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    rows, tokens, width = 16 // 4, 128, 128  # tiny: 16 sequences of 128 tokens over fsdp=4, d_model 128
+    names = {re.sub(r".*[(/]", "", name.removesuffix(")/dot_general").removesuffix("/dot_general")) for name, _ in found}
+    assert {"btd,dnh->btnh", "btd,dkh->btkh", "btd,df->btf", "btd,dv->btv"} <= names, names
+    for name, operands in found:
+        assert f"f32[{rows},{tokens}]" in operands, (name, operands)  # the statistic
+        assert f"bf16[{rows},{tokens},{width}]" in operands, (name, operands)  # the norm's input
