@@ -476,9 +476,9 @@ TPU_COMPILER = sys.executable if HAVE_LIBTPU else str(TPU_PYTHON)
                     reason="the TPU compiler environment is not installed (make tpu-env)")
 def test_tinys_train_step_compiles_for_four_v5p_chips():
     """The tiny recipe compiled for a v5p:2x2x1 slice: four chips of a TPU v5, its memory against 95 GiB,
-    the state sharded over them (fsdp=4: a quarter of it per chip, gathered asynchronously and reduced over ICI), and a
-    roofline whose matmuls are the model's count plus, from splash attention's kernels, the masked half of their
-    one block and what their backward recomputes, exactly."""
+    the state sharded over them (fsdp=4: a quarter of it per chip, gathered asynchronously and reduced over
+    ICI), and a roofline whose matmuls are the model's count plus, from splash attention's kernels, the masked
+    half of their one block and what their backward recomputes, exactly."""
     result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v5p",
                              "--topology=v5p:2x2x1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
