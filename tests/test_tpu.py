@@ -571,21 +571,12 @@ devices = roofline.tpu_devices(roofline.TPU_V5P, 4, "v5p:2x2x1")
 with mesh_lib.planned_devices(devices):
     text = train_setup.build(config_lib.load_recipe("tiny"), devices, abstract=True).compile_train_step(None).as_text()
 m = hlo.Module(text)
-
-def body(name, depth=0):
-    out = []
-    for inst in m.computations.get(name, []):
-        out.append(inst)
-        if inst["op"] == "fusion" and depth < 3:
-            out += body(m.callee(inst), depth + 1)
-    return out
-
 found = []  # a forward projection of a norm's output ([b, t, d] x [d, ...]): the operands of its matmul's fusion
 for comp, insts in m.computations.items():
     for inst in insts:
         if comp in m.fused or inst["op"] != "fusion":
             continue
-        for op in body(m.callee(inst)):
+        for op, _ in roofline._fused_dots(m, m.callee(inst)):  # its matmuls (XLA:TPU's convolutions), nested too
             name = re.search(r'op_name="([^"]*)"', op["attrs"])
             if op["op"] == "convolution" and name and "transpose(" not in name.group(1) \\
                     and re.search(r"btd,d\\w+->bt\\w+\\)?/dot_general$", name.group(1)):
