@@ -31,7 +31,7 @@ train: install  ## train configs/tiny.py on the built-in corpus; ARGS="--config.
 PYTEST_WORKERS ?= auto
 PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile)
 
-test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices; its budget 10 minutes, 12 on a 2-core AVX2 VM)
+test: install  ## lint (ruff, configured in pyproject.toml), then the default suite (CPU, 8 fake devices; its budget 10 minutes on 2 cores)
 	$(BIN)/ruff check .
 	JAXLM_TEST_FAST_COMPILE=1 $(BIN)/python -m pytest -q $(PARALLEL) $(ARGS)
 

@@ -9,7 +9,13 @@ import sys
 # The flags the user gave, kept in the environment: pytest-xdist's workers (`make test` runs the suite in
 # several) inherit XLA_FLAGS as this file has already extended it in the parent
 XLA_FLAGS_GIVEN = os.environ.setdefault("JAXLM_TEST_XLA_FLAGS_GIVEN", os.environ.get("XLA_FLAGS", ""))
-os.environ["XLA_FLAGS"] = XLA_FLAGS_GIVEN + " --xla_force_host_platform_device_count=8"
+# Each program's machine code generated as one LLVM module (the tests' processes and the commands they start, through
+# `helpers.xla_flags`): XLA:CPU otherwise splits it into many and compiles them on a thread pool, which pays
+# off for one large program on idle cores, but the suite keeps every core busy compiling small programs, and
+# the splitting itself costs CPU time (benchmarks/BENCHMARKS.md, "The default test suite's time"). The
+# generated code and its floats are the same (not a code generation flag for tests/floats.py).
+SUITE_FLAGS = ("--xla_cpu_parallel_codegen_split_count=1",)
+os.environ["XLA_FLAGS"] = " ".join([*SUITE_FLAGS, XLA_FLAGS_GIVEN, "--xla_force_host_platform_device_count=8"])
 # `make test` (JAXLM_TEST_FAST_COMPILE=1): LLVM's optimizations off in XLA:CPU's code generation, and its
 # loop and reduction fusions emitted by the elemental emitter instead of the MLIR fusion emitters, which take
 # most of the remaining compile time at that level. The layouts and buffers are nearly the default's (the

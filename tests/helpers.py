@@ -37,11 +37,14 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusio
 
 def xla_flags(*flags: str, fast_compile: bool = False) -> str:
     """XLA_FLAGS for a test's subprocess: the flags the suite was given (`--xla_cpu_max_isa` under `make test-isa`:
-    tests/conftest.py keeps them) and `flags`; not the 8 fake devices conftest adds. `fast_compile`: also the
-    unoptimized code generation where this suite runs with it (conftest's FAST_COMPILE), for a run of a few
-    steps, where compiling the optimized code would cost more than running the slower code saves."""
-    fast = [f for f in FAST_COMPILE_FLAGS if fast_compile and f in os.environ.get("XLA_FLAGS", "").split()]
-    return " ".join([os.environ.get("JAXLM_TEST_XLA_FLAGS_GIVEN", ""), *fast, *flags]).strip()
+    tests/conftest.py keeps them), conftest's SUITE_FLAGS and `flags`; not the 8 fake devices conftest adds.
+    `fast_compile`: also the unoptimized code generation where this suite runs with it (conftest's FAST_COMPILE),
+    for a run of a few steps, where compiling the optimized code would cost more than running the slower code
+    saves."""
+    ours = os.environ.get("XLA_FLAGS", "").split()
+    suite = [f for f in ours if f.startswith("--xla_cpu_parallel_codegen_split_count=")]  # conftest's SUITE_FLAGS
+    fast = [f for f in FAST_COMPILE_FLAGS if fast_compile and f in ours]
+    return " ".join([*suite, os.environ.get("JAXLM_TEST_XLA_FLAGS_GIVEN", ""), *fast, *flags]).strip()
 
 
 def small_config(**overrides) -> ModelConfig:
