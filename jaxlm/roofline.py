@@ -669,7 +669,13 @@ def _collective_fusion(module: hlo.Module, inst: dict) -> tuple[str, dict | None
     one whose body ends in an AsyncCollectiveStart custom call and "done" (no collective) for its
     AsyncCollectiveDone (the collective runs between the two, beside the kernels scheduled there);
     "fused" for a synchronous one (the all-reduce-scatter fusion: an all-reduce of the whole gradient, each
-    chip keeping its slice); ("", None) for anything else."""
+    chip keeping its slice); ("", None) for anything else. A collective offloaded to the chip's SparseCores
+    (`--xla_tpu_enable_sparse_core_collective_offload_*`) is a call-start on the "sparsecore" thread whose
+    computation is the collective: "start" too, its call-done the end (the generic "-done")."""
+    if inst["op"] == "call-start" and 'async_execution_thread="sparsecore"' in inst["attrs"]:
+        body = module.computations.get(module.callee(inst, "to_apply") or "", [])
+        collective = next((i for i in body if hlo.collective_op(i["op"]) is not None), None)
+        return ("start", collective) if collective is not None else ("", None)
     if inst["op"] != "fusion" or "kind=kCustom" not in inst["attrs"]:
         return "", None
     body = module.computations.get(module.callee(inst) or "", [])
@@ -782,8 +788,10 @@ def kernels(module: hlo.Module, target: Target, num_devices: int, domains: Seque
                     kernel.recompute_flops = 0.2 * kernel.flops if "Backward" in call else 0.0
                 elif (splash := _splash_attention(module, inst)) is not None:  # XLA:TPU: a Pallas TPU kernel
                     kernel.kind, kernel.flops, kernel.full_attention_flops, kernel.recompute_flops, kernel.dtype = splash
-                elif call in ("AllocateBuffer", "ConcatBitcast"):  # XLA:TPU: a buffer reserved, or the slices that
-                    continue  # an asynchronous slice landed side by side read as one (a bitcast, by its name: free)
+                elif call in ("AllocateBuffer", "ConcatBitcast", "PrepareAsyncCallStart", "PrepareAsyncCallDone"):
+                    # XLA:TPU: a buffer reserved, the slices an asynchronous slice landed side by side read as one
+                    # (a bitcast, by its name), a SparseCore call's bookkeeping: free
+                    continue
                 elif (grouped := _tokamax_ragged_dot(inst["attrs"])) is not None:  # Triton or Mosaic GPU
                     kernel.kind = "gemm"
                     kernel.flops, kernel.dtype = grouped

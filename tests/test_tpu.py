@@ -358,6 +358,58 @@ def test_an_asynchronous_collective_fusion_is_the_collective_overlapping_the_ker
     assert summary["step_seconds"] == pytest.approx(beside.seconds + gather.exposed_seconds)
 
 
+# A gradient's reduce-scatter offloaded to the chip's SparseCores (MaxText's
+# ENABLE_SPARSECORE_OFFLOADING_FOR_REDUCE_SCATTER flags), as libtpu compiles it for v6e: a call-start on the
+# "sparsecore" thread whose computation is the collective, its call-done later, a kernel between the two
+SPARSE_CORE_REDUCE_SCATTER = """HloModule sparse_core_reduce_scatter, is_scheduled=true, num_partitions=8
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%offloaded (p0: bf16[2048,4,64], p1: token[]) -> bf16[256,4,64] {
+  %p1 = token[] parameter(1)
+  %p0 = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)} parameter(0)
+  ROOT %reduce-scatter.7 = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} reduce-scatter(%p0), channel_id=5, \
+replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}, execution_thread="sparsecore"
+
+%exp (e0: f32[%N%]) -> f32[%N%] {
+  %e0 = f32[%N%]{0} parameter(0)
+  ROOT %e = f32[%N%]{0} exponential(%e0)
+}
+
+ENTRY %main (g: bf16[2048,4,64], y: f32[%N%]) -> (bf16[256,4,64], f32[%N%]) {
+  %g = bf16[2048,4,64]{0,2,1:T(8,128)(2,1)} parameter(0)
+  %y = f32[%N%]{0} parameter(1)
+  %prepare_start = s32[]{:S(2)} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %prepare_done = token[] custom-call(%prepare_start), custom_call_target="PrepareAsyncCallDone"
+  %reduce-scatter.7.call-start = ((bf16[2048,4,64]{0,2,1:T(8,128)(2,1)}, token[]), \
+bf16[256,4,64]{0,2,1:T(8,128)(2,1)}) call-start(%g, %prepare_done), async_execution_thread="sparsecore", \
+to_apply=%offloaded
+  %beside = f32[%N%]{0} fusion(%y), kind=kLoop, calls=%exp
+  %reduce-scatter.7.call-done = bf16[256,4,64]{0,2,1:T(8,128)(2,1)} call-done(%reduce-scatter.7.call-start)
+  ROOT %out = (bf16[256,4,64]{0,2,1:T(8,128)(2,1)}, f32[%N%]{0}) tuple(%reduce-scatter.7.call-done, %beside)
+}
+"""
+
+
+@pytest.mark.parametrize("elements", [1024, 4 * 2**20])  # the kernel beside it: shorter, then longer
+def test_a_collective_offloaded_to_the_sparse_cores_overlaps_the_kernels_beside_it(elements):
+    target = roofline.TPU_V6E
+    module = hlo.Module(SPARSE_CORE_REDUCE_SCATTER.replace("%N%", str(elements)))
+    kernels = {k.name: k for k in roofline.kernels(module, target, 8)}  # the prepare calls launch nothing
+    assert set(kernels) == {"reduce-scatter.7.call-start", "beside"}
+    scatter, beside = kernels["reduce-scatter.7.call-start"], kernels["beside"]
+    assert (scatter.kind, scatter.comm_bytes) == ("reduce-scatter", 7 * 256 * 4 * 64 * 2)  # a ring over 8 chips
+    assert scatter.seconds == scatter.comm_bytes / target.link_bytes_per_s
+    assert scatter.exposed_seconds == pytest.approx(max(0.0, scatter.seconds - beside.seconds))
+    summary = roofline.summarize(list(kernels.values()), target, 1.0)
+    assert summary["step_seconds"] == pytest.approx(beside.seconds + scatter.exposed_seconds)
+
+
 # XLA:TPU's all-reduce-scatter fusion (a gradient's reduce-scatter over FSDP's chips when the collective matmul
 # is off): the whole gradient all-reduced in the fusion's body, each chip keeping its slice
 REDUCE_SCATTER_FUSION = """HloModule reduce_scatter, is_scheduled=true, num_partitions=8
