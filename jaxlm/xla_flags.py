@@ -91,6 +91,18 @@ LIBTPU_ASYNC_ALL_GATHER = ("--xla_tpu_enable_async_collective_fusion=true "
                            "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
                            "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
 LIBTPU_DEFAULT = f"{LIBTPU_COLLECTIVE_MATMUL_OFF} {LIBTPU_ASYNC_ALL_GATHER}"
+# Not in the default, for `run.libtpu_flags` beside it: FSDP's gradient reduce-scatters offloaded to the chip's
+# SparseCores (MaxText's ENABLE_SPARSECORE_OFFLOADING_FOR_REDUCE_SCATTER, less its chip-config word, which is
+# not an XLA flag), where XLA:TPU otherwise runs them synchronously on v6e. The compiled 1b v6e-8 step hides
+# them and is faster, but XLA:TPU's schedule then holds more of the backward pass's activations than the
+# planner counts, so the planner's micro-batches can overfill the chip: take it with 8 micro-batches on
+# v6e-8 (benchmarks/BENCHMARKS.md, docs/tpus.md). The 1b programs compiled for v5e-8 and v5p-8 gain nothing.
+LIBTPU_SPARSE_CORE_REDUCE_SCATTER = (
+    "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=false "
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true "
+    "--xla_tpu_enable_reduce_scatter_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=true "
+    "--xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false "
+    "--xla_sc_disable_megacore_partitioning=true")
 _LIBTPU_PROBE = ("from jax.experimental import topologies\n"
                  "try:\n    topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu')\n"
                  "except Exception:\n    pass")

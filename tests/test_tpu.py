@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from jaxlm import hlo, metrics, plan, roofline
+from jaxlm import hlo, metrics, plan, roofline, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
@@ -588,6 +588,28 @@ def test_tinys_train_step_compiles_for_two_v5p_slices_with_data_across_them():
     state = sum(row["total_bytes"] for row in report["analytic"]["rows"] if row["name"] == "parameters")
     assert r["network_bytes"] >= state / 4 / 2  # at least the bf16 gradients of a quarter (fsdp=4) of the parameters
     assert r["matmul_flops"] > r["model_flops"] and r["roofline_mfu"] is not None
+
+
+@pytest.mark.skipif(not (HAVE_LIBTPU or TPU_PYTHON.exists()),
+                    reason="no libtpu: `make tpu-env` installs it (the TPU compiler, 1.8 GB)")
+def test_the_sparse_core_option_makes_v6es_gradient_reduce_scatters_asynchronous():
+    """tiny on four v6e chips (fsdp 4): under `run.libtpu_flags`' default XLA:TPU reduce-scatters the gradients
+    synchronously (all-reduce-scatter fusions, exposed whole); with `xla_flags.LIBTPU_SPARSE_CORE_REDUCE_SCATTER`
+    beside it the SparseCores run them beside the TensorCore's kernels, and the roofline reads them so."""
+    scatters = {}
+    for name, flags in (("default", xla_flags.LIBTPU_DEFAULT),
+                        ("sparse cores", f"{xla_flags.LIBTPU_DEFAULT} {xla_flags.LIBTPU_SPARSE_CORE_REDUCE_SCATTER}")):
+        result = subprocess.run([TPU_COMPILER, "-m", "jaxlm.plan", "--config=configs/tiny.py", "--target=v6e",
+                                 "--topology=v6e:2x2", "--json", f"--config.run.libtpu_flags={flags}"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads(result.stdout)
+        assert report["mesh"]["fsdp"] == 4
+        scatters[name] = report["compiled"]["roofline"]["by_kind"]["reduce-scatter"]
+    assert scatters["default"]["seconds"] > 0
+    assert scatters["default"]["exposed_seconds"] == pytest.approx(scatters["default"]["seconds"], rel=1e-9)
+    assert scatters["sparse cores"]["kernels"] > scatters["default"]["kernels"]  # offloaded one by one
+    assert 0 <= scatters["sparse cores"]["exposed_seconds"] < 0.9 * scatters["sparse cores"]["seconds"]
 
 
 def test_a_program_xla_tpu_refuses_for_its_size_is_one_line_that_says_what_to_change():
