@@ -20,7 +20,8 @@ plugin; `make h100-env`), and the scheduled HLO text lists the kernels in launch
   bandwidth (NVLink within a host, the network between hosts). An async collective overlaps the
   kernels the schedule puts between its start and its done; what they do not cover is **exposed**.
   XLA:TPU's collective fusions count as the collectives they run (an async collective fusion's start
-  and done; an all-reduce-scatter fusion, a reduce-scatter).
+  and done; an all-reduce-scatter fusion, a reduce-scatter), and so does a collective offloaded to the
+  chip's SparseCores (a call-start on the "sparsecore" thread and its call-done).
 - **asynchronous copies** (XLA:TPU's copy-start and slice-start: memory-space assignment moving buffers
   between HBM and on-chip memory by DMA): their HBM bytes over the HBM bandwidth, covered only by the
   slack of the kernels between start and done (a kernel's time beyond its own HBM traffic), shared first
